@@ -1,0 +1,100 @@
+"""The one small protocol every engine backend meets.
+
+A backend turns a lowered partition (an ONNX model whose weights are initializers with canonical
+names ``w0, w1, ...``) into engine bytes, and engine bytes plus weights into a callable. New
+backends are one module that implements :class:`EngineBackend` and registers in
+``compiler.backends.get_backend``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from compiler.specs import InputSpec
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class EngineIO:
+    """An engine's activation inputs (with min/opt/max ranges) and outputs, in call order."""
+
+    inputs: tuple[InputSpec, ...]
+    output_names: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "inputs": [s.to_dict() for s in self.inputs],
+            "output_names": list(self.output_names),
+            "output_dtypes": list(self.output_dtypes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EngineIO:
+        return cls(
+            inputs=tuple(InputSpec.from_dict(d) for d in data["inputs"]),
+            output_names=tuple(data["output_names"]),
+            output_dtypes=tuple(data["output_dtypes"]),
+        )
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """Everything that changes the bytes of an engine (and so enters fingerprints and cache keys)."""
+
+    precision: str = "fp32"
+    strip_weights: bool = False
+    workspace_bytes: int | None = None
+    optimization_level: int | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "precision": self.precision,
+            "strip_weights": self.strip_weights,
+            "workspace_bytes": self.workspace_bytes,
+            "optimization_level": self.optimization_level,
+            "options": dict(sorted(self.options.items())),
+        }
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A loaded engine: torch tensors in (activations, in EngineIO order), torch tensors out."""
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+
+@runtime_checkable
+class EngineBackend(Protocol):
+    name: str
+
+    def library_version(self) -> str:
+        """Version of the library that builds and runs engines (part of every cache key)."""
+        ...
+
+    def target_device(self) -> str:
+        """Where engines built now will run, e.g. ``cpu`` or ``cuda:sm_90``."""
+        ...
+
+    def supports(self, target: Any) -> bool:
+        """Whether an ATen op overload (an fx node target) can go into an engine."""
+        ...
+
+    def build(self, onnx_model: bytes, io: EngineIO, settings: BuildSettings) -> bytes:
+        """Engine bytes for a lowered partition; stripped of weights when settings.strip_weights."""
+        ...
+
+    def load(self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None) -> Engine:
+        """A callable engine. Stripped engines need ``weights`` (canonical name -> tensor); for full
+        engines, given weights replace the built-in ones (refit)."""
+        ...
+
+    def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
+        """New engine bytes with new weights, without a rebuild (full engines)."""
+        ...

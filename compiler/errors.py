@@ -1,0 +1,64 @@
+"""Typed errors. Each names what was wrong and what was expected, so a user can fix it."""
+
+from __future__ import annotations
+
+
+class KilnError(Exception):
+    """Base of every error kiln raises on purpose."""
+
+
+class InputSpecError(KilnError, ValueError):
+    """A spec is malformed (min > max, unbounded range) or a call's input falls outside its spec."""
+
+
+class ExportError(KilnError):
+    """torch.export could not trace the model."""
+
+
+class PartitionError(KilnError):
+    """Partitioning settings are invalid (unknown op name, bad min_block_size)."""
+
+
+class LoweringError(KilnError):
+    """A partition could not be lowered to ONNX."""
+
+
+class BackendError(KilnError):
+    """An engine backend failed to build, load or run an engine."""
+
+
+class BackendUnavailableError(BackendError):
+    """The backend's library (or its device) is not present here."""
+
+
+class EngineBuildError(BackendError):
+    """An engine build failed; carries the partition and the failing node when the library names one."""
+
+    def __init__(self, message: str, *, partition: str | None = None, node: str | None = None):
+        super().__init__(message)
+        self.partition = partition
+        self.node = node
+
+
+class EngineCompatibilityError(BackendError):
+    """An engine was built for another device or library version."""
+
+
+class RefitError(KilnError):
+    """Weights given for refit do not match the engine: wrong names, shapes or dtypes."""
+
+
+class CacheError(KilnError):
+    """The engine cache cannot be used (bad directory, bad settings)."""
+
+
+class PackageError(KilnError):
+    """A saved package cannot be read."""
+
+
+class PackageCorruptError(PackageError):
+    """A package file is missing, truncated or does not match its checksum."""
+
+
+class PackageVersionError(PackageError):
+    """A package was written by a newer (or unknown) format version."""
