@@ -12,11 +12,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import re
+
 import torch
 
 from compiler.specs import InputSpec
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+
+# Lowering names every weight initializer ``w<position>``; other initializers are graph constants.
+WEIGHT_NAME = re.compile(r"^w\d+$")
+
+
+def is_weight_name(name: str) -> bool:
+    return bool(WEIGHT_NAME.match(name))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,147 @@
+"""ONNX Runtime: the embedded default backend (CPU everywhere; CUDA EP where installed).
+
+The "engine" is the lowered ONNX model, checked by creating a session once at build time. Weights
+are initializers with canonical names; a weight-stripped engine keeps each initializer's name, shape
+and dtype but not its bytes, and loading fills them in (refit), so stripped and full engines run the
+very same graph and give bit-identical outputs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import numpy_helper
+
+from compiler.backends.base import BuildSettings, EngineIO, is_weight_name
+from compiler.errors import EngineBuildError, RefitError
+from compiler.onnx_support import onnx_exportable
+
+_STRIPPED_LOCATION = "kiln:stripped"
+
+
+class OnnxRuntimeEngine:
+    """A loaded engine: torch tensors in, torch tensors out (numpy views on CPU, no copies)."""
+
+    def __init__(self, session: ort.InferenceSession, io: EngineIO):
+        self.session = session
+        self.io = io
+        self._input_names = [spec.name for spec in io.inputs]
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        feed = {name: t.detach().contiguous().cpu().numpy() for name, t in zip(self._input_names, inputs, strict=True)}
+        outputs = self.session.run(None, feed)
+        return tuple(torch.from_numpy(np.ascontiguousarray(out)) for out in outputs)
+
+
+class OnnxRuntimeBackend:
+    name = "onnxruntime"
+
+    def library_version(self) -> str:
+        return ort.__version__
+
+    def target_device(self) -> str:
+        return "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
+
+    @cached_property
+    def providers(self) -> list[str]:
+        available = ort.get_available_providers()
+        return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+
+    def supports(self, target: Any) -> bool:
+        # ONNX Runtime runs every ONNX operator, so an ATen op is supported iff the torch.onnx
+        # exporter has a translation for it.
+        return onnx_exportable(target)
+
+    def build(self, onnx_model: bytes, io: EngineIO, settings: BuildSettings) -> bytes:
+        model = onnx.load_from_string(onnx_model)
+        try:
+            self._session(model.SerializeToString())
+        except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+            node = re.search(r"[Nn]ode \(([^)]*)\)", str(exc))
+            raise EngineBuildError(
+                f"ONNX Runtime rejected the lowered graph: {exc}", node=node.group(1) if node else None
+            ) from exc
+        if settings.strip_weights:
+            for init in _weights(model):
+                _strip(init)
+        return model.SerializeToString()
+
+    def load(self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None) -> OnnxRuntimeEngine:
+        model = onnx.load_from_string(engine)
+        if weights is not None or _is_stripped(model):
+            _fill(model, weights or {})
+        return OnnxRuntimeEngine(self._session(model.SerializeToString()), io)
+
+    def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
+        model = onnx.load_from_string(engine)
+        _fill(model, weights)
+        return model.SerializeToString()
+
+    def _session(self, model_bytes: bytes) -> ort.InferenceSession:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        return ort.InferenceSession(model_bytes, options, providers=self.providers)
+
+
+def weight_signature(engine: bytes) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Canonical weight name -> (shape, numpy dtype name) of an engine's initializers."""
+    model = onnx.load_from_string(engine)
+    return {
+        init.name: (tuple(init.dims), np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).name)
+        for init in _weights(model)
+    }
+
+
+def _weights(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return [init for init in model.graph.initializer if is_weight_name(init.name)]
+
+
+def _strip(init: onnx.TensorProto) -> None:
+    for attr in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+        init.ClearField(attr)
+    init.data_location = onnx.TensorProto.EXTERNAL
+    del init.external_data[:]
+    entry = init.external_data.add()
+    entry.key, entry.value = "location", _STRIPPED_LOCATION
+
+
+def _is_stripped(model: onnx.ModelProto) -> bool:
+    return any(init.data_location == onnx.TensorProto.EXTERNAL for init in _weights(model))
+
+
+def _fill(model: onnx.ModelProto, weights: Mapping[str, torch.Tensor]) -> None:
+    """Put weights into the model's initializers, checking names, shapes and dtypes first."""
+    inits = {init.name: init for init in _weights(model)}
+    missing = sorted(set(inits) - set(weights))
+    unknown = sorted(set(weights) - set(inits))
+    if missing or unknown:
+        raise RefitError(f"refit weights do not match the engine: missing {missing}, unexpected {unknown}")
+    for name, tensor in weights.items():
+        init = inits[name]
+        expected_dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
+        array = _to_numpy(tensor)
+        if tuple(array.shape) != tuple(init.dims) or array.dtype != expected_dtype:
+            raise RefitError(
+                f"weight {name!r}: expected shape {tuple(init.dims)} dtype {expected_dtype.name}, got "
+                f"shape {tuple(array.shape)} dtype {array.dtype.name}"
+            )
+        filled = numpy_helper.from_array(array, name)
+        init.Clear()
+        init.CopyFrom(filled)
+
+
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()

@@ -1,0 +1,76 @@
+"""Dedup: partitions with one fingerprint share one engine build; each instance keeps its weights.
+
+Weights get canonical names by position among the partition's weight inputs (``w0, w1, ...``), not by
+module path, so every instance of a structure maps the same canonical names to its own tensors and a
+shared engine is refitted per instance.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from compiler.fingerprint import fingerprint
+from compiler.partition import Partition, PartitionPlan
+
+
+@dataclass(frozen=True)
+class EngineInstance:
+    """One partition using an engine: canonical weight name -> the program's weight key."""
+
+    partition: str
+    fingerprint: str
+    weights: Mapping[str, str]
+
+    def to_dict(self) -> dict:
+        return {"partition": self.partition, "fingerprint": self.fingerprint, "weights": dict(self.weights)}
+
+
+@dataclass
+class DedupPlan:
+    """Unique structures (fingerprint -> representative partition) and every instance."""
+
+    unique: dict[str, str]
+    instances: tuple[EngineInstance, ...]
+    seconds: float = 0.0
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def fingerprints(self) -> list[str]:
+        return list(self.unique)
+
+    def instances_of(self, fp: str) -> list[EngineInstance]:
+        return [i for i in self.instances if i.fingerprint == fp]
+
+    def instance(self, partition: str) -> EngineInstance:
+        return next(i for i in self.instances if i.partition == partition)
+
+    def to_dict(self) -> dict:
+        return {"unique": dict(self.unique), "instances": [i.to_dict() for i in self.instances]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> DedupPlan:
+        instances = tuple(EngineInstance(**i) for i in data["instances"])
+        return cls(dict(data["unique"]), instances)
+
+
+def canonical_weights(partition: Partition) -> dict[str, str]:
+    return {f"w{i}": key for i, key in enumerate(partition.weight_keys)}
+
+
+def partition_fingerprint(plan: PartitionPlan, partition: Partition) -> str:
+    kinds = tuple(i.kind for i in partition.inputs)
+    settings = plan.options.build_settings().to_dict()
+    return fingerprint(plan.submodule(partition.name).graph, kinds, plan.symbols, settings)
+
+
+def dedup(plan: PartitionPlan) -> DedupPlan:
+    start = time.perf_counter()
+    unique: dict[str, str] = {}
+    instances = []
+    for part in plan.partitions:
+        fp = partition_fingerprint(plan, part)
+        unique.setdefault(fp, part.name)
+        instances.append(EngineInstance(part.name, fp, canonical_weights(part)))
+    return DedupPlan(unique, tuple(instances), time.perf_counter() - start)

@@ -1,0 +1,197 @@
+"""Lower: one partition -> an ONNX model through the official torch.onnx exporter.
+
+Precision is put into the graph (strongly typed): floating activations are cast to fp16/bf16 at the
+engine's entry and back at its exit, and weights are stored in that precision. Weights are exported as
+graph *inputs* (so the exporter's optimizer cannot fold them into new, unnamed constants) and turned
+into initializers named ``w0, w1, ...`` afterwards: two structurally equal partitions lower to the
+same graph apart from initializer values, and refit maps canonical name -> tensor.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+
+import onnx
+import sympy
+import torch
+from onnx import numpy_helper
+from torch.export import Dim
+
+from compiler.backends.base import EngineIO
+from compiler.backends.onnxruntime import _to_numpy
+from compiler.dedup import DedupPlan, EngineInstance
+from compiler.errors import LoweringError
+from compiler.partition import Partition, PartitionPlan
+from compiler.specs import InputSpec, dtype_name
+
+PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoweredPartition:
+    fingerprint: str
+    onnx: bytes
+    io: EngineIO
+    seconds: float
+
+
+def engine_io(plan: PartitionPlan, partition: Partition) -> EngineIO:
+    """Activation inputs with min/opt/max shapes (the engine profile) and outputs, in call order."""
+    sub = plan.submodule(partition.name)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    inputs = []
+    for node, source in zip(placeholders, partition.inputs, strict=True):
+        if source.kind != "activation":
+            continue
+        val = node.meta["val"]
+        shapes = {point: _concrete(val.shape, plan.symbols, point) for point in ("min", "opt", "max")}
+        dims = {axis: str(d.node.expr) for axis, d in enumerate(val.shape) if _is_dynamic(d)}
+        named = {axis: plan.symbols.get(expr, (expr,))[0] for axis, expr in dims.items()}
+        inputs.append(
+            InputSpec(f"x{len(inputs)}", dtype_name(val.dtype), shapes["min"], shapes["opt"], shapes["max"], named)
+        )
+    outputs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+    dtypes = tuple(dtype_name(o.meta["val"].dtype) for o in outputs)
+    return EngineIO(tuple(inputs), tuple(f"y{i}" for i in range(len(outputs))), dtypes)
+
+
+def engine_weights(plan: PartitionPlan, instance: EngineInstance) -> dict[str, torch.Tensor]:
+    """Canonical name -> tensor for one instance, in the engine's precision."""
+    weights = plan.weights()
+    target = PRECISION_DTYPES[plan.options.precision]
+    return {
+        name: (weights[key].to(target) if weights[key].is_floating_point() else weights[key]).detach().contiguous()
+        for name, key in instance.weights.items()
+    }
+
+
+def lower(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
+    """ONNX bytes for the representative partition of fingerprint ``fp``, weights as initializers."""
+    start = time.perf_counter()
+    partition = next(p for p in plan.partitions if p.name == dedup.unique[fp])
+    io_spec = engine_io(plan, partition)
+    weights = engine_weights(plan, dedup.instance(partition.name))
+    module = _EngineGraph(plan.submodule(partition.name), partition, plan.options.precision, io_spec.output_dtypes)
+    sub = plan.submodule(partition.name)
+    act_nodes = [n for n, s in zip(_placeholders(sub), partition.inputs, strict=True) if s.kind == "activation"]
+    examples = tuple(_example(n.meta["val"], plan.symbols) for n in act_nodes)
+    dims: dict[str, Dim] = {}
+    act_shapes = tuple(_dynamic_axes(n.meta["val"].shape, plan.symbols, dims) for n in act_nodes)
+    args = examples + tuple(weights.values())
+    dynamic_shapes = (act_shapes + tuple(None for _ in weights),)
+    names = [s.name for s in io_spec.inputs] + list(weights)
+    try:
+        with warnings.catch_warnings(), _quiet_exporter():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                module, args, dynamo=True, dynamic_shapes=dynamic_shapes, input_names=names,
+                output_names=list(io_spec.output_names), external_data=False, optimize=True, verbose=False,
+            )
+    except Exception as exc:
+        raise LoweringError(f"{partition.name} ({fp[:12]}) could not be exported to ONNX: {exc}") from exc
+    model = program.model_proto
+    _weights_to_initializers(model, weights)
+    buffer = io.BytesIO()
+    onnx.save_model(model, buffer)
+    return LoweredPartition(fp, buffer.getvalue(), io_spec, time.perf_counter() - start)
+
+
+class _EngineGraph(torch.nn.Module):
+    """The partition as a module taking (activations..., weights...), precision cast in the graph."""
+
+    def __init__(self, sub: torch.fx.GraphModule, partition: Partition, precision: str, out_dtypes: tuple[str, ...]):
+        super().__init__()
+        self.sub = sub
+        self.kinds = [i.kind for i in partition.inputs]
+        self.dtype = PRECISION_DTYPES[precision]
+        self.out_dtypes = [getattr(torch, d) for d in out_dtypes]
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n_act = self.kinds.count("activation")
+        acts = iter(t.to(self.dtype) if t.is_floating_point() else t for t in tensors[:n_act])
+        weights = iter(tensors[n_act:])
+        args = [next(acts) if kind == "activation" else next(weights) for kind in self.kinds]
+        outs = self.sub(*args)
+        return tuple(o.to(d) if o.dtype != d else o for o, d in zip(outs, self.out_dtypes, strict=True))
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _is_dynamic(size: object) -> bool:
+    return isinstance(size, torch.SymInt) and not size.node.expr.is_number
+
+
+def _concrete(shape: torch.Size, symbols: dict, point: str) -> tuple[int, ...]:
+    index = {"min": 1, "opt": 2, "max": 3}[point]
+    out = []
+    for size in shape:
+        if _is_dynamic(size):
+            expr = size.node.expr
+            out.append(int(expr.subs({s: symbols[str(s)][index] for s in expr.free_symbols})))
+        else:
+            out.append(int(size))
+    return tuple(out)
+
+
+def _example_value(lo: int, opt: int, hi: int) -> int:
+    # Sizes 0 and 1 make the exporter specialize; trace at opt, nudged to >= 2 where the range allows.
+    return opt if opt >= 2 else min(2, hi)
+
+
+def _example(val: torch.Tensor, symbols: dict) -> torch.Tensor:
+    shape = []
+    for size in val.shape:
+        if _is_dynamic(size):
+            expr = size.node.expr
+            shape.append(int(expr.subs({s: _example_value(*symbols[str(s)][1:]) for s in expr.free_symbols})))
+        else:
+            shape.append(int(size))
+    if val.dtype.is_floating_point:
+        return torch.randn(shape, dtype=val.dtype)
+    if val.dtype == torch.bool:
+        return torch.ones(shape, dtype=torch.bool)
+    return torch.zeros(shape, dtype=val.dtype)
+
+
+def _dynamic_axes(shape: torch.Size, symbols: dict, dims: dict[str, Dim]) -> dict[int, object] | None:
+    axes: dict[int, object] = {}
+    for axis, size in enumerate(shape):
+        if not _is_dynamic(size):
+            continue
+        expr = size.node.expr
+        if isinstance(expr, sympy.Symbol) and str(expr) in symbols:
+            name, lo, _, hi = symbols[str(expr)]
+            dims.setdefault(str(expr), Dim(f"{name}_{expr}".replace("[", "_").replace("]", "_"), min=lo, max=hi))
+            axes[axis] = dims[str(expr)]
+        else:
+            axes[axis] = Dim.AUTO  # a derived size (e.g. batch*heads): let export relate it
+    return axes or None
+
+
+def _weights_to_initializers(model: onnx.ModelProto, weights: dict[str, torch.Tensor]) -> None:
+    graph = model.graph
+    keep = [inp for inp in graph.input if inp.name not in weights]
+    del graph.input[:]
+    graph.input.extend(keep)
+    for name, tensor in weights.items():
+        graph.initializer.append(numpy_helper.from_array(_to_numpy(tensor), name))
+
+
+class _quiet_exporter:
+    """The exporter logs progress lines for every export; a compile of many partitions drowns in them."""
+
+    def __enter__(self) -> None:
+        self._loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo")]
+        self._levels = [lg.level for lg in self._loggers]
+        for lg in self._loggers:
+            lg.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: object) -> None:
+        for lg, level in zip(self._loggers, self._levels, strict=True):
+            lg.setLevel(level)

@@ -1,0 +1,67 @@
+"""CompileOptions: every setting of one compile, in one value object (no long argument lists)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from compiler.backends.base import PRECISIONS, BuildSettings
+from compiler.errors import PartitionError
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What to build and how.
+
+    ``split_modules``: ``None`` (capability partitioning only), ``"auto"`` (detect repeated blocks) or
+    class names (e.g. ``("BertLayer",)``) whose instances each become their own engine, so build time
+    grows with the number of unique blocks, not with depth.
+    """
+
+    backend: str = "onnxruntime"
+    precision: str = "fp32"
+    strip_weights: bool = False
+    min_block_size: int = 1
+    torch_executed_ops: tuple[str, ...] = ()
+    split_modules: str | tuple[str, ...] | None = None
+    workspace_bytes: int | None = None
+    optimization_level: int | None = None
+    backend_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise PartitionError(f"precision {self.precision!r} is not supported; expected one of {PRECISIONS}")
+        if not isinstance(self.min_block_size, int) or self.min_block_size < 1:
+            raise PartitionError(f"min_block_size must be an integer >= 1, got {self.min_block_size!r}")
+        object.__setattr__(self, "torch_executed_ops", tuple(str(op) for op in self.torch_executed_ops))
+        split = self.split_modules
+        if split is not None and split != "auto":
+            split = (split,) if isinstance(split, str) else tuple(split)
+            object.__setattr__(self, "split_modules", split)
+
+    def build_settings(self) -> BuildSettings:
+        return BuildSettings(
+            precision=self.precision,
+            strip_weights=self.strip_weights,
+            workspace_bytes=self.workspace_bytes,
+            optimization_level=self.optimization_level,
+            options=dict(self.backend_options),
+        )
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["torch_executed_ops"] = list(self.torch_executed_ops)
+        data["split_modules"] = self.split_modules if isinstance(self.split_modules, str | None) else list(
+            self.split_modules
+        )
+        data["backend_options"] = dict(self.backend_options)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CompileOptions:
+        data = dict(data)
+        if isinstance(data.get("split_modules"), list):
+            data["split_modules"] = tuple(data["split_modules"])
+        data["torch_executed_ops"] = tuple(data.get("torch_executed_ops", ()))
+        return cls(**data)

@@ -1,0 +1,373 @@
+"""Partition: which nodes run in engines and which fall back to PyTorch (seed 002).
+
+Capability-based over the core ATen graph with torch.fx's ``CapabilityBasedPartitioner``:
+a node goes into an engine when the backend supports its op and the user did not force it to
+PyTorch (``torch_executed_ops``); partitions with fewer than ``min_block_size`` compute ops fall back.
+Opt-in, partitions are also cut at instances of a repeated module (``split_modules``) so that each
+transformer block becomes its own engine and dedup can build one per unique block.
+
+Weights stay graph inputs (lifted placeholders): a partition's inputs are either activations or
+weights, which lowering turns into canonically named initializers.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions, validate_partition
+
+from compiler.backends import get_backend
+from compiler.errors import PartitionError
+from compiler.export import attach_specs, input_specs
+from compiler.onnx_support import SYMBOLIC_OPS, op_name
+from compiler.options import CompileOptions
+from compiler.specs import InputSpec
+
+ENGINE_PREFIX = "engine_"
+_WEIGHT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+_DROPPED_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+@dataclass(frozen=True)
+class PartitionInput:
+    """One input of an engine partition: the parent-graph node feeding it, and whether it is a weight."""
+
+    node: str
+    kind: str  # "activation" | "weight"
+    weight_key: str | None = None
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    nodes: tuple[str, ...]
+    inputs: tuple[PartitionInput, ...]
+    num_outputs: int
+    ops: Mapping[str, int]
+    block: str | None = None
+
+    @property
+    def weight_keys(self) -> tuple[str, ...]:
+        return tuple(i.weight_key for i in self.inputs if i.kind == "weight")
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "nodes": list(self.nodes),
+            "block": self.block,
+            "ops": dict(self.ops),
+            "num_outputs": self.num_outputs,
+            "inputs": [vars(i) for i in self.inputs],
+        }
+
+
+@dataclass
+class PartitionPlan:
+    """The decomposed program, its split graph (engine partitions as submodules) and what falls back."""
+
+    program: ExportedProgram
+    specs: tuple[InputSpec, ...]
+    options: CompileOptions
+    graph_module: torch.fx.GraphModule
+    partitions: tuple[Partition, ...]
+    fallback_ops: dict[str, int]
+    symbols: dict[str, tuple[str, int, int, int]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def submodule(self, name: str) -> torch.fx.GraphModule:
+        return getattr(self.graph_module, name)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every lifted weight of the program by its state-dict / constants key."""
+        return program_weights(self.program)
+
+    def to_dict(self) -> dict:
+        return {
+            "options": self.options.to_dict(),
+            "partitions": [p.to_dict() for p in self.partitions],
+            "fallback_ops": dict(self.fallback_ops),
+        }
+
+
+def partition(program: ExportedProgram, options: CompileOptions | None = None) -> PartitionPlan:
+    """Split ``program`` into engine partitions and a PyTorch fallback graph."""
+    options = options or CompileOptions()
+    start = time.perf_counter()
+    specs = input_specs(program)
+    program = decompose(program, specs)
+    gm = _prepared_copy(program)
+    support = _Support(get_backend(options.backend), _resolve_ops(options.torch_executed_ops))
+    proposals = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True).propose_partitions()
+    groups = [sorted(p.nodes, key=_order(gm)) for p in proposals]
+    blocks: dict[str, str | None] = {}
+    if options.split_modules is not None:
+        groups, blocks = _split_by_block(gm, groups, options.split_modules)
+    groups = [g for g in groups if _compute_count(g) >= options.min_block_size]
+    return _fuse(program, specs, options, gm, groups, blocks, time.perf_counter() - start)
+
+
+def replay(program: ExportedProgram, plan: Mapping[str, Any]) -> PartitionPlan:
+    """Re-create a saved plan (``PartitionPlan.to_dict()``) on the same program, without re-deciding."""
+    start = time.perf_counter()
+    options = CompileOptions.from_dict(plan["options"])
+    specs = input_specs(program)
+    program = decompose(program, specs)
+    gm = _prepared_copy(program)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    groups, blocks = [], {}
+    for saved in plan["partitions"]:
+        missing = [name for name in saved["nodes"] if name not in by_name]
+        if missing:
+            raise PartitionError(f"partition {saved['name']} names nodes the program lacks: {missing[:5]}")
+        groups.append([by_name[name] for name in saved["nodes"]])
+        blocks[saved["nodes"][0]] = saved.get("block")
+    return _fuse(program, specs, options, gm, groups, blocks, time.perf_counter() - start)
+
+
+def decompose(program: ExportedProgram, specs: tuple[InputSpec, ...] | None = None) -> ExportedProgram:
+    """The program in core ATen (skipped when it already is), with its specs kept."""
+    if _is_core_aten(program):
+        return program
+    specs = specs or input_specs(program)
+    decomposed = program.run_decompositions()
+    attach_specs(decomposed, specs)
+    return decomposed
+
+
+def program_weights(program: ExportedProgram) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for spec in program.graph_signature.input_specs:
+        if spec.kind in _WEIGHT_KINDS:
+            source = program.state_dict if spec.target in program.state_dict else program.constants
+            weights[spec.target] = source[spec.target]
+    return weights
+
+
+def weight_placeholders(program: ExportedProgram) -> dict[str, str]:
+    """Placeholder name -> weight key for every lifted weight."""
+    return {s.arg.name: s.target for s in program.graph_signature.input_specs if s.kind in _WEIGHT_KINDS}
+
+
+class _Support(OperatorSupportBase):
+    def __init__(self, backend: Any, forced: frozenset[Any]):
+        self.backend, self.forced = backend, forced
+
+    def is_node_supported(self, submodules: Mapping[str, torch.nn.Module], node: torch.fx.Node) -> bool:
+        if node.op != "call_function" or node.target in self.forced:
+            return False
+        packet = getattr(node.target, "overloadpacket", None)
+        if packet is not None and packet in self.forced:
+            return False
+        return node.target in SYMBOLIC_OPS or bool(self.backend.supports(node.target))
+
+
+def _resolve_ops(names: Iterable[str]) -> frozenset[Any]:
+    """``aten.gelu`` (every overload) or ``aten.gelu.default`` -> op objects; unknown names fail loudly."""
+    ops = set()
+    for name in names:
+        parts = name.removeprefix("torch.ops.").split(".")
+        try:
+            obj: Any = torch.ops
+            for part in parts:
+                obj = getattr(obj, part)
+        except (AttributeError, RuntimeError):
+            obj = None
+        if not isinstance(obj, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+            raise PartitionError(
+                f"torch_executed_ops: {name!r} is not an ATen op; expected names like 'aten.gelu' or "
+                "'aten.gelu.default'"
+            )
+        ops.add(obj)
+    return frozenset(ops)
+
+
+def _is_core_aten(program: ExportedProgram) -> bool:
+    for node in program.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+            if target.namespace == "aten" and torch.Tag.core not in target.tags and target not in SYMBOLIC_OPS:
+                if target not in _DROPPED_OPS:
+                    return False
+    return True
+
+
+def _prepared_copy(program: ExportedProgram) -> torch.fx.GraphModule:
+    """A copy of the program's graph to cut up: asserts dropped, symbolic sizes private to each user."""
+    gm = copy.deepcopy(program.graph_module)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _DROPPED_OPS and not node.users:
+            gm.graph.erase_node(node)
+    _privatize_symbolic_nodes(gm.graph)
+    gm.recompile()
+    return gm
+
+
+def _is_symbolic(node: Any) -> bool:
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.op == "call_function"
+        and node.target in SYMBOLIC_OPS
+        and isinstance(node.meta.get("val"), torch.SymInt | torch.SymFloat | torch.SymBool | int | float)
+    )
+
+
+def _privatize_symbolic_nodes(graph: torch.fx.Graph) -> None:
+    """Give every user of a symbolic size its own copy of the computation, right before it.
+
+    A size (``sym_size``, arithmetic on sizes) shared by two partitions would otherwise cross an engine
+    boundary as a SymInt, which no engine takes; with private copies each partition computes its own
+    sizes from the tensors it receives. Placing each copy right before its user also gives repeated
+    blocks one node order, so their fingerprints agree.
+    """
+
+    def clone(node: torch.fx.Node) -> torch.fx.Node:
+        args = torch.fx.node.map_arg(node.args, lambda a: clone(a) if _is_symbolic(a) else a)
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: clone(a) if _is_symbolic(a) else a)
+        new = graph.call_function(node.target, args, kwargs)
+        new.meta = copy.copy(node.meta)
+        return new
+
+    for user in list(graph.nodes):
+        if _is_symbolic(user) or user.op == "output":
+            continue
+        for arg in list(user.all_input_nodes):
+            if _is_symbolic(arg):
+                with graph.inserting_before(user):
+                    user.replace_input_with(arg, clone(arg))
+    for node in reversed(list(graph.nodes)):
+        if _is_symbolic(node) and not node.users:
+            graph.erase_node(node)
+
+
+def _order(gm: torch.fx.GraphModule):
+    index = {node: i for i, node in enumerate(gm.graph.nodes)}
+    return lambda node: index[node]
+
+
+def _compute_count(nodes: Iterable[torch.fx.Node]) -> int:
+    return sum(1 for n in nodes if n.op == "call_function" and n.target not in SYMBOLIC_OPS)
+
+
+def _block_of(node: torch.fx.Node, classes: tuple[str, ...]) -> str | None:
+    for path, kind in (node.meta.get("nn_module_stack") or {}).values():
+        name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
+        if name.rsplit(".", 1)[-1] in classes or name in classes:
+            return path
+    return None
+
+
+def detect_repeated_module(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """The module class whose instances (>= 2) cover the most compute nodes: the repeated block."""
+    coverage: Counter[str] = Counter()
+    instances: dict[str, set[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target in SYMBOLIC_OPS:
+            continue
+        for path, kind in list((node.meta.get("nn_module_stack") or {}).values())[1:]:
+            name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
+            name = name.rsplit(".", 1)[-1]
+            coverage[name] += 1
+            instances.setdefault(name, set()).add(path)
+    repeated = [(count, name) for name, count in coverage.items() if len(instances[name]) >= 2]
+    return (max(repeated)[1],) if repeated else ()
+
+
+def _split_by_block(
+    gm: torch.fx.GraphModule, groups: list[list[torch.fx.Node]], split: str | tuple[str, ...]
+) -> tuple[list[list[torch.fx.Node]], dict[str, str | None]]:
+    classes = detect_repeated_module(gm) if split == "auto" else tuple(split)
+
+    def key(node: torch.fx.Node) -> str | None:
+        # A (privatized) size computation belongs to the block of its one user.
+        while _is_symbolic(node) and len(node.users) == 1:
+            node = next(iter(node.users))
+        return _block_of(node, classes)
+
+    result, blocks = [], {}
+    for group in groups:
+        # Runs of consecutive nodes with one block key: a block, or the glue before/after blocks.
+        runs: list[list[torch.fx.Node]] = []
+        for node in group:
+            if runs and key(runs[-1][-1]) == key(node):
+                runs[-1].append(node)
+            else:
+                runs.append([node])
+        # Cutting must not create a cycle between pieces; if it would, keep the group whole.
+        if len(runs) > 1 and all(validate_partition(run) for run in runs):
+            for run in runs:
+                result.append(run)
+                blocks[run[0].name] = key(run[0])
+        else:
+            result.append(group)
+    return result, blocks
+
+
+def _fuse(
+    program: ExportedProgram,
+    specs: tuple[InputSpec, ...],
+    options: CompileOptions,
+    gm: torch.fx.GraphModule,
+    groups: list[list[torch.fx.Node]],
+    blocks: Mapping[str, str | None],
+    seconds: float,
+) -> PartitionPlan:
+    start = time.perf_counter()
+    order = _order(gm)
+    groups = sorted((sorted(g, key=order) for g in groups if g), key=lambda g: order(g[0]))
+    names = [[n.name for n in g] for g in groups]
+    ops = [Counter(op_name(n.target) for n in g if n.target not in SYMBOLIC_OPS) for g in groups]
+    split = fuse_by_partitions(gm, [dict.fromkeys(g) for g in groups], prefix=ENGINE_PREFIX, always_return_tuple=True)
+    weights = weight_placeholders(program)
+    partitions = []
+    for index, node_names in enumerate(names):
+        name = f"{ENGINE_PREFIX}{index}"
+        call = next(n for n in split.graph.nodes if n.op == "call_module" and n.target == name)
+        inputs = []
+        for arg in call.args:
+            if not isinstance(arg.meta.get("val"), torch.Tensor):
+                raise PartitionError(f"partition {name} would take a non-tensor input {arg.name}; report this graph")
+            key = weights.get(arg.name)
+            inputs.append(PartitionInput(arg.name, "weight" if key else "activation", key))
+        outputs = next(n for n in getattr(split, name).graph.nodes if n.op == "output").args[0]
+        partitions.append(
+            Partition(name, tuple(node_names), tuple(inputs), len(outputs), dict(ops[index]), blocks.get(node_names[0]))
+        )
+    fallback = Counter(
+        op_name(n.target) for n in split.graph.nodes if n.op == "call_function" and n.target not in SYMBOLIC_OPS
+    )
+    return PartitionPlan(
+        program=program,
+        specs=specs,
+        options=options,
+        graph_module=split,
+        partitions=tuple(partitions),
+        fallback_ops=dict(fallback),
+        symbols=_symbols(program, specs),
+        seconds=seconds + time.perf_counter() - start,
+    )
+
+
+def _symbols(program: ExportedProgram, specs: tuple[InputSpec, ...]) -> dict[str, tuple[str, int, int, int]]:
+    """Each shape symbol of the program -> (dimension name, min, opt, max) from the specs."""
+    names = set(program.graph_signature.user_inputs)
+    nodes = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in names]
+    symbols = {}
+    for node, spec in zip(nodes, specs, strict=True):
+        for axis, size in enumerate(node.meta["val"].shape):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                symbols.setdefault(
+                    str(size.node.expr),
+                    (spec.dynamic_dims.get(axis, str(size.node.expr)), spec.min_shape[axis], spec.opt_shape[axis],
+                     spec.max_shape[axis]),
+                )
+    return symbols

@@ -1,0 +1,1 @@
+"""Test and example models built from code with random weights (never downloaded)."""

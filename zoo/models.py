@@ -1,0 +1,164 @@
+"""Model factories for tests, benchmarks and the example zoo: real architectures, random weights.
+
+Each factory returns a :class:`ModelCase`: the model in eval mode, example inputs, and the dynamic
+shapes torch.export should use. Configs are tiny so the whole zoo compiles on a 2-core CPU in minutes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+
+@dataclass
+class ModelCase:
+    model: nn.Module
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    dynamic_shapes: Any = None
+
+
+def _seeded(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def tiny_bert(num_layers: int = 2, hidden: int = 64, seed: int = 0) -> ModelCase:
+    """BERT encoder, dynamic batch (1..8) and sequence length (4..64)."""
+    from transformers import BertConfig, BertModel
+
+    _seeded(seed)
+    config = BertConfig(
+        vocab_size=512, hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=4,
+        intermediate_size=hidden * 4, max_position_embeddings=128, attn_implementation="eager",
+    )
+    model = BertModel(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    batch, seq = Dim("batch", min=1, max=8), Dim("seq", min=4, max=64)
+    shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
+    return ModelCase(model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, shapes)
+
+
+def bert_encoder(num_layers: int, hidden: int = 128, seed: int = 0) -> ModelCase:
+    """A BERT-shaped encoder of a given depth, for dedup benchmarks."""
+    return tiny_bert(num_layers=num_layers, hidden=hidden, seed=seed)
+
+
+def tiny_vit(seed: int = 0) -> ModelCase:
+    """ViT on 32x32 images, dynamic batch (1..8)."""
+    from transformers import ViTConfig, ViTModel
+
+    _seeded(seed)
+    config = ViTConfig(
+        image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=128, attn_implementation="eager",
+    )
+    model = ViTModel(config, add_pooling_layer=False).eval()
+    return ModelCase(model, (), {"pixel_values": torch.randn(2, 3, 32, 32)},
+                     {"pixel_values": {0: Dim("batch", min=1, max=8)}})
+
+
+def tiny_resnet(seed: int = 0) -> ModelCase:
+    """HF ResNet on 64x64 images, dynamic batch (1..8)."""
+    from transformers import ResNetConfig, ResNetModel
+
+    _seeded(seed)
+    config = ResNetConfig(
+        num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+    )
+    model = ResNetModel(config).eval()
+    return ModelCase(model, (), {"pixel_values": torch.randn(2, 3, 64, 64)},
+                     {"pixel_values": {0: Dim("batch", min=1, max=8)}})
+
+
+class _LogitsOnly(nn.Module):
+    """GPT-2 without its cache: returns logits only, so no cache objects cross the export boundary."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, use_cache=False).logits
+
+
+def tiny_gpt2(seed: int = 0) -> ModelCase:
+    """GPT-2 language model (no cache), dynamic batch (1..8) and sequence length (4..64)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _seeded(seed)
+    config = GPT2Config(
+        vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=4, attn_implementation="eager",
+    )
+    model = _LogitsOnly(GPT2LMHeadModel(config).eval()).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    return ModelCase(model, (ids,), {}, ({0: Dim("batch", min=1, max=8), 1: Dim("seq", min=4, max=64)},))
+
+
+@torch.library.custom_op("kiln_zoo::soft_sign_clip", mutates_args=())
+def soft_sign_clip(x: torch.Tensor) -> torch.Tensor:
+    """An op no engine backend knows: it has no ONNX translation, so it must fall back to PyTorch."""
+    return x / (1 + x.abs()) * 2.0
+
+
+@soft_sign_clip.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class MLPWithFallback(nn.Module):
+    """Two engine-friendly blocks around an op that no backend supports."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
+        self.tail = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tail(soft_sign_clip(self.head(x)))
+
+
+def mlp_with_fallback(width: int = 64, seed: int = 0) -> ModelCase:
+    _seeded(seed)
+    return ModelCase(MLPWithFallback(width).eval(), (torch.randn(4, width),), {},
+                     ({0: Dim("batch", min=1, max=32)},))
+
+
+class RepeatedFallbackBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.fc2(soft_sign_clip(self.fc1(x))))
+
+
+class RepeatedFallbackModel(nn.Module):
+    """A fallback op in every block: capability partitioning yields many structurally equal engines."""
+
+    def __init__(self, depth: int = 6, width: int = 64):
+        super().__init__()
+        self.blocks = nn.Sequential(*(RepeatedFallbackBlock(width) for _ in range(depth)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def repeated_fallback(depth: int = 6, width: int = 64, seed: int = 0) -> ModelCase:
+    _seeded(seed)
+    return ModelCase(RepeatedFallbackModel(depth, width).eval(), (torch.randn(4, width),), {},
+                     ({0: Dim("batch", min=1, max=32)},))
+
+
+FACTORIES = {
+    "tiny_bert": tiny_bert,
+    "tiny_vit": tiny_vit,
+    "tiny_resnet": tiny_resnet,
+    "tiny_gpt2": tiny_gpt2,
+    "mlp_with_fallback": mlp_with_fallback,
+    "repeated_fallback": repeated_fallback,
+}
