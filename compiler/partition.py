@@ -83,13 +83,15 @@ class PartitionPlan:
     fallback_ops: dict[str, int]
     symbols: dict[str, tuple[str, int, int, int]] = field(default_factory=dict)
     seconds: float = 0.0
+    # User inputs that are really weights (the torch.compile path lifts parameters to inputs).
+    input_weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def submodule(self, name: str) -> torch.fx.GraphModule:
         return getattr(self.graph_module, name)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Every lifted weight of the program by its state-dict / constants key."""
-        return program_weights(self.program)
+        """Every weight by key: the program's lifted weights and user inputs flagged as weights."""
+        return {**program_weights(self.program), **self.input_weights}
 
     def to_dict(self) -> dict:
         return {
@@ -99,8 +101,17 @@ class PartitionPlan:
         }
 
 
-def partition(program: ExportedProgram, options: CompileOptions | None = None) -> PartitionPlan:
-    """Split ``program`` into engine partitions and a PyTorch fallback graph."""
+def partition(
+    program: ExportedProgram,
+    options: CompileOptions | None = None,
+    *,
+    input_weights: Mapping[str, torch.Tensor] | None = None,
+) -> PartitionPlan:
+    """Split ``program`` into engine partitions and a PyTorch fallback graph.
+
+    ``input_weights`` names user inputs (placeholder name -> current value) that are weights: engines
+    take them as canonically named constants, refitted from these values.
+    """
     options = options or CompileOptions()
     start = time.perf_counter()
     specs = input_specs(program)
@@ -113,7 +124,8 @@ def partition(program: ExportedProgram, options: CompileOptions | None = None) -
     if options.split_modules is not None:
         groups, blocks = _split_by_block(gm, groups, options.split_modules)
     groups = [g for g in groups if _compute_count(g) >= options.min_block_size]
-    return _fuse(program, specs, options, gm, groups, blocks, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return _fuse(program, specs, options, gm, groups, blocks, seconds, dict(input_weights or {}))
 
 
 def replay(program: ExportedProgram, plan: Mapping[str, Any]) -> PartitionPlan:
@@ -320,14 +332,16 @@ def _fuse(
     groups: list[list[torch.fx.Node]],
     blocks: Mapping[str, str | None],
     seconds: float,
+    input_weights: dict[str, torch.Tensor] | None = None,
 ) -> PartitionPlan:
     start = time.perf_counter()
+    input_weights = input_weights or {}
     order = _order(gm)
     groups = sorted((sorted(g, key=order) for g in groups if g), key=lambda g: order(g[0]))
     names = [[n.name for n in g] for g in groups]
     ops = [Counter(op_name(n.target) for n in g if n.target not in SYMBOLIC_OPS) for g in groups]
     split = fuse_by_partitions(gm, [dict.fromkeys(g) for g in groups], prefix=ENGINE_PREFIX, always_return_tuple=True)
-    weights = weight_placeholders(program)
+    weights = {**weight_placeholders(program), **{name: name for name in input_weights}}
     partitions = []
     for index, node_names in enumerate(names):
         name = f"{ENGINE_PREFIX}{index}"
@@ -354,6 +368,7 @@ def _fuse(
         fallback_ops=dict(fallback),
         symbols=_symbols(program, specs),
         seconds=seconds + time.perf_counter() - start,
+        input_weights=input_weights,
     )
 
 

@@ -1,0 +1,41 @@
+"""CompileReport: what a compile did, carried by the compiled module and its package (seed 002)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class CompileReport:
+    backend: str
+    backend_version: str
+    target_device: str
+    precision: str
+    strip_weights: bool
+    partitions: list[dict] = field(default_factory=list)
+    fallback_ops: dict[str, int] = field(default_factory=dict)
+    unique_fingerprints: int = 0
+    engines_built: int = 0
+    cache_hits: int = 0
+    refits: int = 0
+    engine_bytes: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["num_partitions"] = len(self.partitions)
+        data["fallback_op_count"] = sum(self.fallback_ops.values())
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CompileReport:
+        fields = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+    def summary(self) -> str:
+        fallback = ", ".join(f"{op} x{n}" for op, n in sorted(self.fallback_ops.items())) or "none"
+        return (
+            f"{len(self.partitions)} engine partitions, {self.unique_fingerprints} unique, "
+            f"{self.engines_built} built, {self.cache_hits} cache hits, {self.refits} refits; "
+            f"fallback to PyTorch: {fallback}"
+        )

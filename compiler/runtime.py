@@ -1,0 +1,194 @@
+"""Runtime: the compiled module, a PyTorch fallback graph that calls engines (hybrid execution).
+
+``assemble`` loads every engine instance with its own weights (refit: a shared or stripped engine gets
+the instance's tensors put in) and swaps each partition submodule of the split graph for an
+:class:`EngineCall`. The compiled module takes the model's own call signature, checks inputs against
+the specs captured at export, and returns the model's own output structure.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping
+
+import torch
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from compiler.backends import get_backend
+from compiler.backends.base import Engine, EngineIO
+from compiler.build import EngineArtifact
+from compiler.dedup import DedupPlan
+from compiler.errors import InputSpecError
+from compiler.lower import engine_weights
+from compiler.partition import PartitionPlan
+from compiler.report import CompileReport
+from compiler.specs import InputSpec, check_inputs
+
+
+class EngineCall(torch.nn.Module):
+    """Stands in for one partition: picks the activations out of the partition's inputs, runs the engine.
+
+    Weight inputs are ignored here: the engine holds them (built in, or put in by refit).
+    """
+
+    def __init__(self, engine: Engine, io: EngineIO, activation_positions: tuple[int, ...], fingerprint: str):
+        super().__init__()
+        self.engine, self.io, self.positions, self.fingerprint = engine, io, activation_positions, fingerprint
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.engine(*(inputs[i] for i in self.positions))
+
+
+class CompiledModule(torch.nn.Module):
+    """A compiled model: same call signature and outputs as the original; engines inside."""
+
+    def __init__(
+        self,
+        plan: PartitionPlan,
+        dedup: DedupPlan,
+        engines: Mapping[str, EngineArtifact],
+        graph: torch.fx.GraphModule,
+        report: CompileReport,
+    ):
+        super().__init__()
+        self.plan, self.dedup, self.engines, self.graph, self.report = plan, dedup, dict(engines), graph, report
+        program = plan.program
+        self._in_spec, self._out_spec = program.call_spec.in_spec, program.call_spec.out_spec
+        self._feed = [
+            (spec.kind, spec.target) for spec in program.graph_signature.input_specs
+        ]
+        self._user_outputs = [
+            i for i, spec in enumerate(program.graph_signature.output_specs) if spec.kind == OutputKind.USER_OUTPUT
+        ]
+
+    @property
+    def input_specs(self) -> tuple[InputSpec, ...]:
+        return self.plan.specs
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.plan.weights()
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        flat = self._flatten(args, kwargs)
+        return pytree.tree_unflatten(self.run_flat(flat), self._out_spec)
+
+    def run_flat(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run on the flat user inputs (the program's order); returns the flat user outputs."""
+        check_inputs(self.plan.specs, flat)
+        weights = self.plan.weights()
+        user = iter(flat)
+        feed = [next(user) if kind == InputKind.USER_INPUT else weights[target] for kind, target in self._feed]
+        with torch.no_grad():
+            outputs = self.graph(*feed)
+        return [outputs[i] for i in self._user_outputs]
+
+    def _flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        if self._in_spec is None:
+            return list(args)
+        kwarg_spec = self._in_spec.children_specs[1] if self._in_spec.num_children == 2 else None
+        if kwarg_spec is not None and kwarg_spec.context is not None:
+            expected = list(kwarg_spec.context)
+            unknown = sorted(set(kwargs) - set(expected))
+            if unknown:
+                raise InputSpecError(f"unexpected keyword inputs {unknown}; the model was exported with {expected}")
+            kwargs = {name: kwargs[name] for name in expected if name in kwargs}
+        flat, spec = pytree.tree_flatten((tuple(args), kwargs))
+        if spec != self._in_spec:
+            names = [s.name for s in self.plan.specs]
+            raise InputSpecError(
+                f"inputs do not match the exported call structure: expected {len(names)} inputs {names} "
+                f"passed as at export, got {len(args)} positional and keywords {sorted(kwargs)}"
+            )
+        return flat
+
+    def refit(self, state: Mapping[str, torch.Tensor]) -> CompiledModule:
+        """The same engines with new weights (a fine-tuned checkpoint): no lowering, no build."""
+        from compiler.errors import RefitError
+
+        current = self.plan.weights()
+        unknown = sorted(set(state) - set(current))
+        if unknown:
+            raise RefitError(f"refit weights name keys the model lacks: {unknown[:10]}")
+        for key, tensor in state.items():
+            if tuple(tensor.shape) != tuple(current[key].shape) or tensor.dtype != current[key].dtype:
+                raise RefitError(
+                    f"weight {key!r}: expected shape {tuple(current[key].shape)} dtype {current[key].dtype}, "
+                    f"got shape {tuple(tensor.shape)} dtype {tensor.dtype}"
+                )
+        plan = copy.copy(self.plan)
+        program_weights = {**self.plan.program.state_dict, **self.plan.program.constants}
+        plan.input_weights = {
+            **self.plan.input_weights,
+            **{k: v for k, v in state.items() if k not in program_weights},
+        }
+        plan.program = _with_weights(self.plan.program, {k: v for k, v in state.items() if k in program_weights})
+        return assemble(plan, self.dedup, self.engines, report=self.report)
+
+
+def assemble(
+    plan: PartitionPlan,
+    dedup: DedupPlan,
+    engines: Mapping[str, EngineArtifact],
+    *,
+    report: CompileReport | None = None,
+) -> CompiledModule:
+    """Load every engine instance with its weights (refit) and wire them into the fallback graph."""
+    start = time.perf_counter()
+    backend = get_backend(plan.options.backend)
+    graph = copy.copy(plan.graph_module)
+    refits = 0
+    for part in plan.partitions:
+        instance = dedup.instance(part.name)
+        artifact = engines[instance.fingerprint]
+        shared = dedup.unique[instance.fingerprint] != part.name
+        weights = engine_weights(plan, instance)
+        engine = backend.load(artifact.engine, artifact.io, weights)
+        refits += int(shared or artifact.stripped)
+        positions = tuple(i for i, src in enumerate(part.inputs) if src.kind == "activation")
+        setattr(graph, part.name, EngineCall(engine, artifact.io, positions, instance.fingerprint))
+    if report is None:
+        report = _report(plan, dedup, engines, backend, refits)
+    report.stage_seconds["assemble"] = round(time.perf_counter() - start, 4)
+    return CompiledModule(plan, dedup, engines, graph, report)
+
+
+def _report(plan: PartitionPlan, dedup: DedupPlan, engines: Mapping[str, EngineArtifact], backend, refits: int):
+    partitions = [
+        {**p.to_dict(), "fingerprint": dedup.instance(p.name).fingerprint, "nodes": len(p.nodes)}
+        for p in plan.partitions
+    ]
+    for row in partitions:
+        row.pop("inputs", None)
+    return CompileReport(
+        backend=backend.name,
+        backend_version=backend.library_version(),
+        target_device=backend.target_device(),
+        precision=plan.options.precision,
+        strip_weights=plan.options.strip_weights,
+        partitions=partitions,
+        fallback_ops=dict(plan.fallback_ops),
+        unique_fingerprints=len(dedup.unique),
+        engines_built=sum(1 for a in engines.values() if not a.cache_hit),
+        cache_hits=sum(1 for a in engines.values() if a.cache_hit),
+        refits=refits,
+        engine_bytes=sum(a.bytes for a in engines.values()),
+        stage_seconds={
+            "partition": round(plan.seconds, 4),
+            "dedup": round(dedup.seconds, 4),
+            "lower": round(sum(a.lower_seconds for a in engines.values()), 4),
+            "build": round(sum(a.seconds - a.lower_seconds for a in engines.values()), 4),
+        },
+    )
+
+
+def _with_weights(program: torch.export.ExportedProgram, state: Mapping[str, torch.Tensor]):
+    """A shallow copy of the program whose state dict / constants carry the given tensors."""
+    if not state:
+        return program
+    new = copy.copy(program)
+    new._state_dict = {**program.state_dict, **{k: v for k, v in state.items() if k in program.state_dict}}
+    new._constants = {**program.constants, **{k: v for k, v in state.items() if k in program.constants}}
+    return new
