@@ -15,7 +15,8 @@ def atomic_write(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path beside ``path``; on success fsync it and rename it over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # Keep the suffix: some writers (torch.export.save) check the file name ending.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
     os.close(fd)
     try:
         yield tmp

@@ -154,7 +154,10 @@ def _specs_from_program(
             dyn[axis] = symbol_names[expr] if expr in symbol_names else str(expr)
             guess = int(example.shape[axis]) if isinstance(example, torch.Tensor) else high
             lo.append(low), hi.append(high), opt.append(min(max(guess, low), high))
-        specs.append(InputSpec(node.name, dtype_name(val.dtype), tuple(lo), tuple(opt), tuple(hi), dyn))
+        values = None
+        if isinstance(example, torch.Tensor) and not example.is_floating_point() and example.numel():
+            values = (float(example.min()), float(example.max()))
+        specs.append(InputSpec(node.name, dtype_name(val.dtype), tuple(lo), tuple(opt), tuple(hi), dyn, values))
     return tuple(specs)
 
 

@@ -13,6 +13,7 @@ weights, which lowering turns into canonically named initializers.
 from __future__ import annotations
 
 import copy
+import operator
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -143,7 +144,14 @@ def replay(program: ExportedProgram, plan: Mapping[str, Any]) -> PartitionPlan:
             raise PartitionError(f"partition {saved['name']} names nodes the program lacks: {missing[:5]}")
         groups.append([by_name[name] for name in saved["nodes"]])
         blocks[saved["nodes"][0]] = saved.get("block")
-    return _fuse(program, specs, options, gm, groups, blocks, time.perf_counter() - start)
+    replayed = _fuse(program, specs, options, gm, groups, blocks, time.perf_counter() - start)
+    for saved, part in zip(plan["partitions"], replayed.partitions, strict=True):
+        if [vars(i) for i in part.inputs] != saved["inputs"] or part.num_outputs != saved["num_outputs"]:
+            raise PartitionError(
+                f"partition {saved['name']} does not replay on this program (inputs or outputs differ); "
+                "the package's program and plan disagree"
+            )
+    return replayed
 
 
 def decompose(program: ExportedProgram, specs: tuple[InputSpec, ...] | None = None) -> ExportedProgram:
@@ -217,7 +225,10 @@ def _prepared_copy(program: ExportedProgram) -> torch.fx.GraphModule:
     """A copy of the program's graph to cut up: asserts dropped, symbolic sizes private to each user."""
     gm = copy.deepcopy(program.graph_module)
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _DROPPED_OPS and not node.users:
+        # Unused multi-output items appear or vanish across torch.export.save/load: drop them so a saved
+        # plan replays on the loaded program node for node.
+        dead_item = node.target is operator.getitem and not node.users
+        if node.op == "call_function" and (node.target in _DROPPED_OPS or dead_item) and not node.users:
             gm.graph.erase_node(node)
     _privatize_symbolic_nodes(gm.graph)
     gm.recompile()

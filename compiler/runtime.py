@@ -9,6 +9,7 @@ the specs captured at export, and returns the model's own output structure.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Mapping
 
@@ -54,6 +55,7 @@ class CompiledModule(torch.nn.Module):
     ):
         super().__init__()
         self.plan, self.dedup, self.engines, self.graph, self.report = plan, dedup, dict(engines), graph, report
+        self.validation: dict | None = None  # set by package.load from the manifest
         program = plan.program
         self._in_spec, self._out_spec = program.call_spec.in_spec, program.call_spec.out_spec
         self._feed = [
@@ -88,7 +90,7 @@ class CompiledModule(torch.nn.Module):
     def _flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         if self._in_spec is None:
             return list(args)
-        kwarg_spec = self._in_spec.children_specs[1] if self._in_spec.num_children == 2 else None
+        kwarg_spec = self._in_spec.child(1) if self._in_spec.num_children == 2 else None
         if kwarg_spec is not None and kwarg_spec.context is not None:
             expected = list(kwarg_spec.context)
             unknown = sorted(set(kwargs) - set(expected))
@@ -125,7 +127,15 @@ class CompiledModule(torch.nn.Module):
             **{k: v for k, v in state.items() if k not in program_weights},
         }
         plan.program = _with_weights(self.plan.program, {k: v for k, v in state.items() if k in program_weights})
-        return assemble(plan, self.dedup, self.engines, report=self.report)
+        # Full engines carry their representative's weights: put the new ones in (no rebuild).
+        backend = get_backend(plan.options.backend)
+        engines = {
+            fp: a if a.stripped else dataclasses.replace(
+                a, engine=backend.refit(a.engine, engine_weights(plan, self.dedup.instance(self.dedup.unique[fp])))
+            )
+            for fp, a in self.engines.items()
+        }
+        return assemble(plan, self.dedup, engines, report=self.report)
 
 
 def assemble(

@@ -60,12 +60,17 @@ class InputSpec:
     opt_shape: tuple[int, ...]
     max_shape: tuple[int, ...]
     dynamic_dims: dict[int, str] = field(default_factory=dict)
+    # For integer inputs (token ids, masks): the value range seen at export, so validation can draw
+    # fresh inputs that index embeddings correctly.
+    value_range: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "min_shape", tuple(int(d) for d in self.min_shape))
         object.__setattr__(self, "opt_shape", tuple(int(d) for d in self.opt_shape))
         object.__setattr__(self, "max_shape", tuple(int(d) for d in self.max_shape))
         object.__setattr__(self, "dynamic_dims", {int(k): str(v) for k, v in self.dynamic_dims.items()})
+        if self.value_range is not None:
+            object.__setattr__(self, "value_range", tuple(self.value_range))
         torch_dtype(self.dtype)
         ranks = {len(self.min_shape), len(self.opt_shape), len(self.max_shape)}
         if len(ranks) != 1:
@@ -131,6 +136,7 @@ class InputSpec:
             "opt_shape": list(self.opt_shape),
             "max_shape": list(self.max_shape),
             "dynamic_dims": {str(k): v for k, v in sorted(self.dynamic_dims.items())},
+            **({"value_range": list(self.value_range)} if self.value_range is not None else {}),
         }
 
     @classmethod
@@ -143,6 +149,7 @@ class InputSpec:
                 opt_shape=tuple(data["opt_shape"]),
                 max_shape=tuple(data["max_shape"]),
                 dynamic_dims={int(k): v for k, v in data.get("dynamic_dims", {}).items()},
+                value_range=data.get("value_range"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, InputSpecError):

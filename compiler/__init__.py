@@ -1,0 +1,48 @@
+"""kiln's compile library: PyTorch models -> validated, packaged inference engines.
+
+The stages, each taking the previous stage's value object (see docs/compiler-api.md):
+export -> partition -> dedup -> build_engine -> assemble (refit) -> validate -> save/load.
+This package never imports Prefect or MLflow.
+"""
+
+from compiler.backends import get_backend
+from compiler.build import EngineArtifact, build_engine
+from compiler.cache import EngineCache
+from compiler.dedup import DedupPlan, dedup
+from compiler.export import export, input_specs, load_program, save_program
+from compiler.options import CompileOptions
+from compiler.package import PackageInfo, load, read_manifest, refit_package, save
+from compiler.partition import PartitionPlan, partition
+from compiler.pipeline import compile
+from compiler.report import CompileReport
+from compiler.runtime import CompiledModule, assemble
+from compiler.specs import InputSpec
+from compiler.validate import ValidationReport, validate
+
+__all__ = [
+    "CompileOptions",
+    "CompileReport",
+    "CompiledModule",
+    "DedupPlan",
+    "EngineArtifact",
+    "EngineCache",
+    "InputSpec",
+    "PackageInfo",
+    "PartitionPlan",
+    "ValidationReport",
+    "assemble",
+    "build_engine",
+    "compile",
+    "dedup",
+    "export",
+    "get_backend",
+    "input_specs",
+    "load",
+    "load_program",
+    "partition",
+    "read_manifest",
+    "refit_package",
+    "save",
+    "save_program",
+    "validate",
+]

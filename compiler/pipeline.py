@@ -1,0 +1,48 @@
+"""compile(): the stages chained in one call. The Prefect flows chain the very same functions as tasks."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from torch.export import ExportedProgram
+
+from compiler.build import build_engine
+from compiler.cache import EngineCache
+from compiler.dedup import dedup
+from compiler.options import CompileOptions
+from compiler.partition import partition
+from compiler.runtime import CompiledModule, assemble
+
+
+def resolve_cache(cache: EngineCache | str | os.PathLike | bool | None) -> EngineCache | None:
+    """``None``/``True``: the default persistent cache; ``False``: none; a path: a cache there."""
+    if cache is False:
+        return None
+    if cache is None or cache is True:
+        return EngineCache()
+    if isinstance(cache, EngineCache):
+        return cache
+    return EngineCache(cache)
+
+
+def compile(
+    program: ExportedProgram,
+    options: CompileOptions | None = None,
+    *,
+    cache: EngineCache | str | os.PathLike | bool | None = None,
+    **settings: Any,
+) -> CompiledModule:
+    """Partition, dedup, build (through the engine cache), refit and assemble; no inputs needed.
+
+    ``settings`` override fields of ``options`` (``backend="onnxruntime"``, ``precision="fp16"``,
+    ``strip_weights=True``, ``min_block_size=3``, ``torch_executed_ops=("aten.gelu",)``,
+    ``split_modules="auto"``, ...).
+    """
+    options = dataclasses.replace(options or CompileOptions(), **settings)
+    engine_cache = resolve_cache(cache)
+    plan = partition(program, options)
+    unique = dedup(plan)
+    engines = {fp: build_engine(plan, unique, fp, cache=engine_cache) for fp in unique.fingerprints}
+    return assemble(plan, unique, engines)
