@@ -315,7 +315,7 @@ class EngineCache:
             return data
         # Re-check under the key's lock: a writer mid-put holds it, and its half entry is not corruption.
         with self._locked(key, timeout=0) as locked:
-            if locked is not True:
+            if locked is False:
                 return None  # busy: someone is writing this entry right now
             data, problem = self._read_verified(key)
             if problem is None:
