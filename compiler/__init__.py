@@ -46,3 +46,7 @@ __all__ = [
     "save_program",
     "validate",
 ]
+
+from compiler.dynamo import KilnBackend, kiln_backend  # noqa: E402  (registers backend="kiln")
+
+__all__ += ["KilnBackend", "kiln_backend"]
