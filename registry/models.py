@@ -1,0 +1,277 @@
+"""The model registry: one registered model per (model, target), idempotent versions, aliases.
+
+Name scheme: ``kiln.<model>.<target>``, both parts lower-cased with every character outside
+``[a-z0-9_-]`` replaced by ``_`` (``kiln.tiny_bert.cpu``, ``kiln.tiny_bert.cuda_sm_90``). The target
+is the package's ``target_device`` (engines are device-specific); backend and precision are version
+tags, so one registered model can hold ONNX Runtime and TensorRT builds of the same model side by side.
+
+Every version carries these tags (strings):
+
+=================  =============================================================================
+``content_hash``   the package manifest's ``content_hash``: registering equal content returns the
+                   existing version, never a second one
+``model``          the zoo entry's name
+``backend``        ``onnxruntime``, ``tensorrt``, ...; ``backend_version`` its library version
+``target_device``  ``cpu``, ``cuda:sm_90``, ...
+``precision``      ``fp32`` / ``fp16`` / ``bf16``; ``strip_weights`` ``true`` / ``false``
+``input_ranges``   human-readable ranges, e.g. ``x: float32 [1..32, 64] (batch=axis 0)``
+``input_specs``    the InputSpec JSON (``compiler.specs.specs_to_json``) that look-ups match against
+``factory``        the zoo factory (``zoo.models:mlp_with_fallback``); ``zoo_entry`` the entry JSON
+``kiln_version``   the kiln that wrote the package
+=================  =============================================================================
+
+Release adds ``release_report`` (JSON of the measured gates) and, for a failed candidate,
+``rejected`` (JSON list of reasons). Aliases: ``champion`` (what look-ups serve first) and
+``previous`` (where ``kiln rollback`` goes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+
+from compiler.specs import InputSpec
+from registry.config import RetryPolicy, call_with_retry
+
+PREFIX = "kiln"
+CHAMPION = "champion"
+PREVIOUS = "previous"
+
+TAG_CONTENT_HASH = "content_hash"
+TAG_REJECTED = "rejected"
+TAG_RELEASE_REPORT = "release_report"
+TAG_INPUT_SPECS = "input_specs"
+
+_UNSAFE = re.compile(r"[^a-z0-9_-]+")
+_TAG_LIMIT = 5000  # conservative: older servers cap registry tag values at 5000 characters
+
+
+def _part(text: str, what: str) -> str:
+    cleaned = _UNSAFE.sub("_", str(text).strip().lower()).strip("_")
+    if not cleaned:
+        raise ValueError(f"{what} {text!r} has no usable characters for a registered model name")
+    return cleaned
+
+
+def registered_model_name(model: str, target: str) -> str:
+    """``kiln.<model>.<target>`` (see the module docstring for the character rules)."""
+    return f"{PREFIX}.{_part(model, 'model name')}.{_part(target, 'target')}"
+
+
+def ranges_text(specs: list[InputSpec] | tuple[InputSpec, ...]) -> str:
+    """``x: float32 [1..32, 64] (batch=axis 0); mask: ...``: what a person reads in the registry UI."""
+    parts = []
+    for spec in specs:
+        dims = ", ".join(
+            f"{lo}..{hi}" if lo != hi else str(lo)
+            for lo, hi in zip(spec.min_shape, spec.max_shape, strict=True)
+        )
+        named = ", ".join(f"{name}=axis {axis}" for axis, name in sorted(spec.dynamic_dims.items()))
+        parts.append(f"{spec.name}: {spec.dtype} [{dims}]" + (f" ({named})" if named else ""))
+    return "; ".join(parts)
+
+
+def version_tags(
+    manifest: Mapping[str, Any], model: str, entry: Mapping[str, Any] | None = None
+) -> dict[str, str]:
+    """The tags a version of this package carries (all strings)."""
+    from compiler.specs import specs_to_json
+
+    specs = [InputSpec.from_dict(d) for d in manifest.get("input_specs", [])]
+    tags = {
+        TAG_CONTENT_HASH: str(manifest["content_hash"]),
+        "model": model,
+        "backend": str(manifest.get("backend", "")),
+        "backend_version": str(manifest.get("backend_version", "")),
+        "target_device": str(manifest.get("target_device", "")),
+        "precision": str(manifest.get("precision", "")),
+        "strip_weights": str(bool(manifest.get("strip_weights", False))).lower(),
+        "input_ranges": ranges_text(specs),
+        TAG_INPUT_SPECS: specs_to_json(specs),
+        "kiln_version": str(manifest.get("kiln_version", "")),
+        "format_version": str(manifest.get("format_version", "")),
+    }
+    if entry:
+        if entry.get("factory"):
+            tags["factory"] = str(entry["factory"])
+        entry_json = json.dumps(entry, sort_keys=True, default=str)
+        if len(entry_json) <= _TAG_LIMIT:
+            tags["zoo_entry"] = entry_json
+    return {k: v for k, v in tags.items() if v != ""}
+
+
+@dataclass(frozen=True)
+class Registered:
+    """The outcome of a registration: the version, and whether this call created it."""
+
+    name: str
+    version: str
+    created: bool
+    content_hash: str
+
+
+def _lock(mlclient: MlflowClient, name: str) -> FileLock:
+    # Serialises registrations of one registered model between processes of this host; the
+    # converge step in register_version covers writers on other hosts.
+    key = hashlib.sha256(f"{mlclient.tracking_uri}|{name}".encode()).hexdigest()[:24]
+    root = Path(tempfile.gettempdir()) / "kiln-registry-locks"
+    root.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(root / f"{key}.lock"), timeout=300)
+
+
+def ensure_registered_model(mlclient: MlflowClient, name: str, policy: RetryPolicy | None = None) -> None:
+    def create() -> None:
+        try:
+            mlclient.create_registered_model(
+                name, description="kiln compiled packages; tags and aliases: see registry/models.py"
+            )
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+
+    call_with_retry(create, f"create registered model {name}", policy)
+
+
+def all_versions(mlclient: MlflowClient, name: str, policy: RetryPolicy | None = None) -> list[ModelVersion]:
+    """Every version of ``name``, newest (highest number) first."""
+
+    def search() -> list[ModelVersion]:
+        found: list[ModelVersion] = []
+        token = None
+        while True:
+            page = mlclient.search_model_versions(f"name = '{name}'", max_results=1000, page_token=token)
+            found.extend(page)
+            token = page.token
+            if not token:
+                return found
+
+    versions = call_with_retry(search, f"list versions of {name}", policy)
+    return sorted(versions, key=lambda v: int(v.version), reverse=True)
+
+
+def versions_with_hash(
+    mlclient: MlflowClient, name: str, content_hash: str, policy: RetryPolicy | None = None
+) -> list[ModelVersion]:
+    """Versions of ``name`` tagged with ``content_hash``, lowest number first (the canonical one)."""
+    hits = [v for v in all_versions(mlclient, name, policy) if v.tags.get(TAG_CONTENT_HASH) == content_hash]
+    return sorted(hits, key=lambda v: int(v.version))
+
+
+def get_aliases(mlclient: MlflowClient, name: str, policy: RetryPolicy | None = None) -> dict[str, str]:
+    """alias -> version number for a registered model ({} when it does not exist)."""
+
+    def read() -> dict[str, str]:
+        try:
+            model = mlclient.get_registered_model(name)
+        except MlflowException as exc:
+            if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return {}
+            raise
+        return {alias: str(version) for alias, version in (model.aliases or {}).items()}
+
+    return call_with_retry(read, f"read aliases of {name}", policy)
+
+
+def register_version(
+    mlclient: MlflowClient,
+    name: str,
+    *,
+    source: str,
+    run_id: str | None,
+    model_id: str | None,
+    tags: Mapping[str, str],
+    policy: RetryPolicy | None = None,
+) -> Registered:
+    """Create a version unless one with the same ``content_hash`` tag exists; return the canonical one.
+
+    On one host a file lock makes check-then-create atomic. Across hosts (or when a retried create
+    went through twice) every writer converges afterwards: the lowest version number with the hash
+    wins and the others are deleted, so the registry never keeps a duplicate.
+    """
+    content_hash = tags[TAG_CONTENT_HASH]
+    ensure_registered_model(mlclient, name, policy)
+    with _lock(mlclient, name):
+        existing = versions_with_hash(mlclient, name, content_hash, policy)
+        if existing:
+            return Registered(name, str(existing[0].version), False, content_hash)
+        created = call_with_retry(
+            lambda: mlclient.create_model_version(
+                name, source, run_id=run_id, tags=dict(tags), model_id=model_id, await_creation_for=60
+            ),
+            f"create a version of {name}",
+            policy,
+        )
+    same = versions_with_hash(mlclient, name, content_hash, policy)
+    canonical = same[0] if same else created
+    aliased = set(get_aliases(mlclient, name, policy).values())
+    for duplicate in same[1:]:
+        if str(duplicate.version) in aliased:
+            continue
+        _delete_version(mlclient, name, str(duplicate.version), policy)
+    return Registered(
+        name, str(canonical.version), str(canonical.version) == str(created.version), content_hash
+    )
+
+
+def _delete_version(mlclient: MlflowClient, name: str, version: str, policy: RetryPolicy | None) -> None:
+    def delete() -> None:
+        try:
+            mlclient.delete_model_version(name, version)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":  # the other writer deleted it first
+                raise
+
+    call_with_retry(delete, f"delete duplicate version {name}/{version}", policy)
+
+
+def registered_versions(
+    mlclient: MlflowClient, policy: RetryPolicy | None = None, prefix: str = PREFIX + "."
+) -> list[dict[str, Any]]:
+    """Every kiln version as a flat dict (name, version, aliases, key tags), for tables and the CLI."""
+
+    def search_models() -> list:
+        found, token = [], None
+        while True:
+            page = mlclient.search_registered_models(max_results=1000, page_token=token)
+            found.extend(page)
+            token = page.token
+            if not token:
+                return found
+
+    rows = []
+    for model in call_with_retry(search_models, "list registered models", policy):
+        if not model.name.startswith(prefix):
+            continue
+        by_version: dict[str, list[str]] = {}
+        for alias, version in (model.aliases or {}).items():
+            by_version.setdefault(str(version), []).append(alias)
+        for version in all_versions(mlclient, model.name, policy):
+            tags = version.tags
+            rows.append(
+                {
+                    "name": model.name,
+                    "version": str(version.version),
+                    "aliases": sorted(by_version.get(str(version.version), [])),
+                    "backend": tags.get("backend", ""),
+                    "backend_version": tags.get("backend_version", ""),
+                    "target_device": tags.get("target_device", ""),
+                    "precision": tags.get("precision", ""),
+                    "input_ranges": tags.get("input_ranges", ""),
+                    "content_hash": tags.get(TAG_CONTENT_HASH, ""),
+                    "rejected": TAG_REJECTED in tags,
+                    "run_id": version.run_id,
+                }
+            )
+    rows.sort(key=lambda r: (r["name"], -int(r["version"])))
+    return rows
