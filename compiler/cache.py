@@ -320,13 +320,16 @@ class EngineCache:
             data, problem = self._read_verified(key)
             if problem is None:
                 return data
+            outcome = "evicted"
             for path in (self._meta_path(key), self._payload_path(key)):
-                with contextlib.suppress(OSError):
+                try:
                     path.unlink(missing_ok=True)
+                except OSError as exc:  # read-only disk: still never returned, just not deleted
+                    outcome = f"not deletable ({exc.strerror})"
         with self._mutex:
             self._stats.corrupt += 1
         warnings.warn(
-            f"engine cache entry {key} in {self.directory} is corrupt ({problem}); evicted, will be rebuilt",
+            f"cache entry {key} in {self.directory} is corrupt ({problem}); {outcome}, will be rebuilt",
             CacheWarning,
             stacklevel=4,
         )

@@ -419,6 +419,28 @@ def test_lock_of_a_killed_process_does_not_block(tmp_path: Path) -> None:
     assert EngineCache(tmp_path).get(key) == b"three"
 
 
+def test_half_entry_of_a_writer_holding_the_lock_is_left_alone(tmp_path: Path) -> None:
+    cache, key = EngineCache(tmp_path), make_key()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", child_script(LOCK_HOLDER), str(cache.lock_path(key))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        (tmp_path / f"{key}.bin").write_bytes(b"payload, metadata not written yet")  # a put in progress
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CacheWarning)
+            assert cache.get(key) is None  # a miss, but not "corrupt": the writer may finish any moment
+        assert (tmp_path / f"{key}.bin").exists() and cache.stats.corrupt == 0
+    finally:
+        holder.send_signal(signal.SIGKILL)  # the writer died mid-put: now it is a half entry for good
+        holder.wait(10)
+    with pytest.warns(CacheWarning, match="metadata missing"):
+        assert cache.get(key) is None
+    assert not (tmp_path / f"{key}.bin").exists() and cache.stats.corrupt == 1
+
+
 # ---- unwritable disks (real ones, in a private mount namespace) --------------------------------------------
 def _namespace_or_skip() -> list[str]:
     if shutil.which("unshare"):
@@ -436,18 +458,20 @@ def _namespace_or_skip() -> list[str]:
 
 UNWRITABLE_CHILD = """
     from compiler.cache import EngineCache, CacheWarning
-    cache_dir, existing, new, built_key = sys.argv[1:5]
-    big = int(sys.argv[5])
+    cache_dir, existing, new, built_key, size, damaged = sys.argv[1:7]
+    big = int(size)
     payload = bytes(range(256)) * (big // 256)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cache = EngineCache(cache_dir)
         got_existing = cache.get(existing)
+        got_damaged = cache.get(damaged)
         cache.put(new, payload)
         after_put = cache.get(new)
         built, hit = cache.get_or_build(built_key, lambda: payload[::-1])
     print(json.dumps({
         "existing": got_existing.hex() if got_existing else None,
+        "damaged_is_miss": got_damaged is None,
         "after_put_ok": after_put == payload,
         "built_ok": built == payload[::-1], "hit": hit,
         "stats": cache.stats.to_dict(),
@@ -475,17 +499,22 @@ def run_unwritable(setup: str, args: list[str]) -> dict:
 def test_read_only_filesystem_degrades_to_memory(tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     existing, new, built = make_key(fingerprint="old"), make_key(fingerprint="new"), make_key(fingerprint="b")
+    damaged = make_key(fingerprint="damaged")
     EngineCache(cache_dir).put(existing, b"\x01\x02")
+    EngineCache(cache_dir).put(damaged, b"good")
+    (cache_dir / f"{damaged}.bin").write_bytes(b"evil")
     before = sorted(os.listdir(cache_dir))
     d = shlex.quote(str(cache_dir))
     result = run_unwritable(
         f"mount --bind {d} {d} && mount -o remount,ro,bind {d}",
-        [str(cache_dir), existing, new, built, "4096"],
+        [str(cache_dir), existing, new, built, "4096", damaged],
     )
     assert result["existing"] == "0102"  # reads still work on a read-only disk
+    assert result["damaged_is_miss"]  # and a bad entry is still refused, though it cannot be deleted
     assert result["after_put_ok"] and result["built_ok"] and result["hit"] is False
-    assert result["stats"]["write_errors"] == 2 and result["stats"]["corrupt"] == 0
+    assert result["stats"]["write_errors"] == 2 and result["stats"]["corrupt"] == 1
     assert any(str(cache_dir) in w and "EROFS" in w for w in result["warnings"]), result["warnings"]
+    assert any(damaged in w and "not deletable" in w for w in result["warnings"]), result["warnings"]
     assert result["files"] == before  # nothing was written
     assert sorted(os.listdir(cache_dir)) == before
 
@@ -497,10 +526,12 @@ def test_full_disk_degrades_to_memory_and_leaves_no_half_entry(tmp_path: Path) -
     d = shlex.quote(str(cache_dir))
     # 200 KiB entries on a 64 KiB filesystem: the payload write itself runs out of space.
     result = run_unwritable(
-        f"mount -t tmpfs -o size=64k tmpfs {d}", [str(cache_dir), existing, new, built, str(200 * 1024)]
+        f"mount -t tmpfs -o size=64k tmpfs {d}",
+        [str(cache_dir), existing, new, built, str(200 * 1024), make_key(fingerprint="absent")],
     )
     assert result["existing"] is None
     assert result["after_put_ok"] and result["built_ok"] and result["hit"] is False
-    assert result["stats"]["write_errors"] == 2
+    assert result["damaged_is_miss"]
+    assert result["stats"]["write_errors"] == 2 and result["stats"]["corrupt"] == 0
     assert any(str(cache_dir) in w and "ENOSPC" in w for w in result["warnings"]), result["warnings"]
     assert result["files"] == ["locks"]  # no payload without metadata, no temp file
