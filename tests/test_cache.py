@@ -519,15 +519,21 @@ def test_read_only_filesystem_degrades_to_memory(tmp_path: Path) -> None:
     assert sorted(os.listdir(cache_dir)) == before
 
 
-def test_full_disk_degrades_to_memory_and_leaves_no_half_entry(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "size",
+    [
+        200 * 1024,  # the payload write itself runs out of space
+        64 * 1024,  # the payload fits exactly, then its metadata does not: the payload must be removed
+    ],
+)
+def test_full_disk_degrades_to_memory_and_leaves_no_half_entry(tmp_path: Path, size: int) -> None:
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir()
     existing, new, built = make_key(fingerprint="old"), make_key(fingerprint="new"), make_key(fingerprint="b")
     d = shlex.quote(str(cache_dir))
-    # 200 KiB entries on a 64 KiB filesystem: the payload write itself runs out of space.
     result = run_unwritable(
         f"mount -t tmpfs -o size=64k tmpfs {d}",
-        [str(cache_dir), existing, new, built, str(200 * 1024), make_key(fingerprint="absent")],
+        [str(cache_dir), existing, new, built, str(size), make_key(fingerprint="absent")],
     )
     assert result["existing"] is None
     assert result["after_put_ok"] and result["built_ok"] and result["hit"] is False
