@@ -47,6 +47,6 @@ __all__ = [
     "validate",
 ]
 
-from compiler.dynamo import KilnBackend, kiln_backend  # noqa: E402  (registers backend="kiln")
+from compiler.dynamo import KilnBackend, kiln_backend
 
 __all__ += ["KilnBackend", "kiln_backend"]

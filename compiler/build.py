@@ -74,7 +74,16 @@ def build_engine(
     if cache is None:
         engine, hit = build(), False
     else:
-        engine, hit = cache.get_or_build(key, build, meta={"partition": representative.name, "io": io.to_dict()})
+        engine, hit = cache.get_or_build(
+            key, build, meta={"partition": representative.name, "io": io.to_dict()}
+        )
     return EngineArtifact(
-        fingerprint, str(key), engine, io, settings.strip_weights, hit, time.perf_counter() - start, lowered_seconds
+        fingerprint,
+        str(key),
+        engine,
+        io,
+        settings.strip_weights,
+        hit,
+        time.perf_counter() - start,
+        lowered_seconds,
     )

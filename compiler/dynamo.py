@@ -50,7 +50,8 @@ class KilnBackend:
         if any(not isinstance(t, torch.Tensor) for t in example_inputs):
             raise BackendError(
                 "the kiln torch.compile backend builds static-shape engines; dynamo passed symbolic sizes. "
-                "Call torch.compile(..., dynamic=False) (each new shape then compiles through the engine cache)"
+                "Call torch.compile(..., dynamic=False);"
+                " each new shape then compiles through the engine cache"
             )
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         with torch.no_grad():

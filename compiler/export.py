@@ -8,9 +8,11 @@ constraints and example inputs, and refuses unbounded ranges.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import os
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,9 @@ from compiler.specs import InputSpec, dtype_name, specs_from_json, specs_to_json
 
 SPEC_META_KEY = "kiln_input_spec"
 SPEC_EXTRA_FILE = "kiln_input_specs.json"
+# Modules that register the pytree types of the program's inputs/outputs (e.g. transformers'
+# ModelOutput classes): they must be imported before torch.export.load can rebuild the call spec.
+PYTREE_EXTRA_FILE = "kiln_pytree_modules.json"
 
 
 def export(
@@ -42,7 +47,9 @@ def export(
     """
     kwargs = dict(kwargs or {})
     try:
-        program = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
+        program = torch.export.export(
+            model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=strict
+        )
     except Exception as exc:  # torch raises many types here; the user needs one with the cause
         raise ExportError(
             f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {exc}".strip()[:4000]
@@ -75,14 +82,53 @@ def save_program(program: ExportedProgram, path: str | os.PathLike) -> Path:
     """``torch.export.save`` with the specs as an extra file; written atomically."""
     specs = input_specs(program)
     path = Path(path)
+    extra = {SPEC_EXTRA_FILE: specs_to_json(specs), PYTREE_EXTRA_FILE: json.dumps(pytree_modules(program))}
     with atomic_write(path) as tmp:
-        torch.export.save(program, tmp, extra_files={SPEC_EXTRA_FILE: specs_to_json(specs)})
+        torch.export.save(program, tmp, extra_files=extra)
     return path
+
+
+def pytree_modules(program: ExportedProgram) -> list[str]:
+    """Modules defining the non-builtin container types in the program's call signature."""
+    modules: set[str] = set()
+
+    def walk(spec: Any) -> None:
+        kind = getattr(spec, "type", None)
+        if kind is not None and kind.__module__ not in (
+            "builtins",
+            "collections",
+            "torch.fx.immutable_collections",
+        ):
+            modules.add(kind.__module__)
+        for child in spec.children() if hasattr(spec, "children") else ():
+            walk(child)
+
+    for spec in (program.call_spec.in_spec, program.call_spec.out_spec):
+        if spec is not None:
+            walk(spec)
+    return sorted(modules)
+
+
+def _import_pytree_modules(path: str | os.PathLike) -> None:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = [n for n in archive.namelist() if n.endswith(PYTREE_EXTRA_FILE)]
+            modules = json.loads(archive.read(names[0])) if names else []
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return  # not ours to judge here: torch.export.load reports unreadable archives
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ExportError(
+                f"{path} returns types from {module!r}, which cannot be imported here: {exc}; install it"
+            ) from exc
 
 
 def load_program(path: str | os.PathLike) -> ExportedProgram:
     """``torch.export.load``; re-attaches specs saved by :func:`save_program` (plain archives derive them)."""
-    extra = {SPEC_EXTRA_FILE: ""}
+    extra = {SPEC_EXTRA_FILE: "", PYTREE_EXTRA_FILE: ""}
+    _import_pytree_modules(path)
     try:
         program = torch.export.load(os.fspath(path), extra_files=extra)
     except FileNotFoundError:
@@ -99,7 +145,9 @@ def _user_input_nodes(program: ExportedProgram) -> list[torch.fx.Node]:
     return [n for n in program.graph.nodes if n.op == "placeholder" and n.name in names]
 
 
-def _dim_names(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> dict[tuple[str, int], str]:
+def _dim_names(
+    model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any
+) -> dict[tuple[str, int], str]:
     """(input name, axis) -> Dim name, read from the user's ``dynamic_shapes``."""
     if dynamic_shapes is None:
         return {}
@@ -133,7 +181,8 @@ def _specs_from_program(
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise InputSpecError(
-                f"input {node.name!r} is a {type(val).__name__}, not a tensor; kiln compiles tensor inputs only"
+                f"input {node.name!r} is a {type(val).__name__}, not a tensor; "
+                "kiln compiles tensor inputs only"
             )
         example = examples[index] if examples is not None else None
         lo, opt, hi, dyn = [], [], [], {}
@@ -157,12 +206,15 @@ def _specs_from_program(
         values = None
         if isinstance(example, torch.Tensor) and not example.is_floating_point() and example.numel():
             values = (float(example.min()), float(example.max()))
-        specs.append(InputSpec(node.name, dtype_name(val.dtype), tuple(lo), tuple(opt), tuple(hi), dyn, values))
+        specs.append(
+            InputSpec(node.name, dtype_name(val.dtype), tuple(lo), tuple(opt), tuple(hi), dyn, values)
+        )
     return tuple(specs)
 
 
 def _expr_range(expr: sympy.Expr, ranges: Mapping) -> tuple[int | None, int | None]:
     """Integer bounds of a shape expression from the program's per-symbol ranges (monotone exprs)."""
+
     def bound(which: str) -> int | None:
         subs = {}
         for sym in expr.free_symbols:

@@ -52,7 +52,9 @@ def engine_io(plan: PartitionPlan, partition: Partition) -> EngineIO:
         dims = {axis: str(d.node.expr) for axis, d in enumerate(val.shape) if _is_dynamic(d)}
         named = {axis: plan.symbols.get(expr, (expr,))[0] for axis, expr in dims.items()}
         inputs.append(
-            InputSpec(f"x{len(inputs)}", dtype_name(val.dtype), shapes["min"], shapes["opt"], shapes["max"], named)
+            InputSpec(
+                f"x{len(inputs)}", dtype_name(val.dtype), shapes["min"], shapes["opt"], shapes["max"], named
+            )
         )
     outputs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
     dtypes = tuple(dtype_name(o.meta["val"].dtype) for o in outputs)
@@ -64,7 +66,9 @@ def engine_weights(plan: PartitionPlan, instance: EngineInstance) -> dict[str, t
     weights = plan.weights()
     target = PRECISION_DTYPES[plan.options.precision]
     return {
-        name: (weights[key].to(target) if weights[key].is_floating_point() else weights[key]).detach().contiguous()
+        name: (weights[key].to(target) if weights[key].is_floating_point() else weights[key])
+        .detach()
+        .contiguous()
         for name, key in instance.weights.items()
     }
 
@@ -75,9 +79,13 @@ def lower(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
     partition = next(p for p in plan.partitions if p.name == dedup.unique[fp])
     io_spec = engine_io(plan, partition)
     weights = engine_weights(plan, dedup.instance(partition.name))
-    module = _EngineGraph(plan.submodule(partition.name), partition, plan.options.precision, io_spec.output_dtypes)
+    module = _EngineGraph(
+        plan.submodule(partition.name), partition, plan.options.precision, io_spec.output_dtypes
+    )
     sub = plan.submodule(partition.name)
-    act_nodes = [n for n, s in zip(_placeholders(sub), partition.inputs, strict=True) if s.kind == "activation"]
+    act_nodes = [
+        n for n, s in zip(_placeholders(sub), partition.inputs, strict=True) if s.kind == "activation"
+    ]
     examples = tuple(_example(n.meta["val"], plan.symbols) for n in act_nodes)
     dims: dict[str, Dim] = {}
     act_shapes = tuple(_dynamic_axes(n.meta["val"].shape, plan.symbols, dims) for n in act_nodes)
@@ -88,13 +96,21 @@ def lower(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
         with warnings.catch_warnings(), _quiet_exporter():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                module, args, dynamo=True, dynamic_shapes=dynamic_shapes, input_names=names,
-                output_names=list(io_spec.output_names), external_data=False, optimize=True, verbose=False,
+                module,
+                args,
+                dynamo=True,
+                dynamic_shapes=dynamic_shapes,
+                input_names=names,
+                output_names=list(io_spec.output_names),
+                external_data=False,
+                optimize=True,
+                verbose=False,
             )
     except Exception as exc:
         raise LoweringError(f"{partition.name} ({fp[:12]}) could not be exported to ONNX: {exc}") from exc
     model = program.model_proto
     _weights_to_initializers(model, weights)
+    _canonicalize(model)
     buffer = io.BytesIO()
     onnx.save_model(model, buffer)
     return LoweredPartition(fp, buffer.getvalue(), io_spec, time.perf_counter() - start)
@@ -103,7 +119,9 @@ def lower(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
 class _EngineGraph(torch.nn.Module):
     """The partition as a module taking (activations..., weights...), precision cast in the graph."""
 
-    def __init__(self, sub: torch.fx.GraphModule, partition: Partition, precision: str, out_dtypes: tuple[str, ...]):
+    def __init__(
+        self, sub: torch.fx.GraphModule, partition: Partition, precision: str, out_dtypes: tuple[str, ...]
+    ):
         super().__init__()
         self.sub = sub
         self.kinds = [i.kind for i in partition.inputs]
@@ -167,7 +185,9 @@ def _dynamic_axes(shape: torch.Size, symbols: dict, dims: dict[str, Dim]) -> dic
         expr = size.node.expr
         if isinstance(expr, sympy.Symbol) and str(expr) in symbols:
             name, lo, _, hi = symbols[str(expr)]
-            dims.setdefault(str(expr), Dim(f"{name}_{expr}".replace("[", "_").replace("]", "_"), min=lo, max=hi))
+            dims.setdefault(
+                str(expr), Dim(f"{name}_{expr}".replace("[", "_").replace("]", "_"), min=lo, max=hi)
+            )
             axes[axis] = dims[str(expr)]
         else:
             axes[axis] = Dim.AUTO  # a derived size (e.g. batch*heads): let export relate it
@@ -181,6 +201,42 @@ def _weights_to_initializers(model: onnx.ModelProto, weights: dict[str, torch.Te
     graph.input.extend(keep)
     for name, tensor in weights.items():
         graph.initializer.append(numpy_helper.from_array(_to_numpy(tensor), name))
+
+
+def _canonicalize(model: onnx.ModelProto) -> None:
+    """Name values by position and drop debug metadata (source paths, program symbols).
+
+    Equal structures then lower to byte-identical graphs whatever module path or program they came from.
+    """
+    graph = model.graph
+    keep = {i.name for i in graph.input} | {o.name for o in graph.output}
+    keep |= {i.name for i in graph.initializer if i.name.startswith("w") and i.name[1:].isdigit()}
+    names: dict[str, str] = {}
+
+    def rename(name: str) -> str:
+        if not name or name in keep:
+            return name
+        return names.setdefault(name, f"v{len(names)}")
+
+    for init in graph.initializer:
+        init.name = rename(init.name)
+    for index, node in enumerate(graph.node):
+        node.name = f"n{index}"
+        node.doc_string = ""
+        del node.metadata_props[:]
+        node.input[:] = [rename(n) for n in node.input]
+        node.output[:] = [rename(n) for n in node.output]
+    for info in graph.value_info:
+        info.name = rename(info.name)
+        info.doc_string = ""
+        del info.metadata_props[:]
+    for value in list(graph.input) + list(graph.output):
+        value.doc_string = ""
+        del value.metadata_props[:]
+    graph.doc_string = ""
+    del graph.metadata_props[:]
+    del model.metadata_props[:]
+    model.doc_string = ""
 
 
 class _quiet_exporter:

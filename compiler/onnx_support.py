@@ -54,6 +54,5 @@ def op_name(target: Any) -> str:
     """A stable, readable op name: ``aten.addmm.default``, ``operator.mul``."""
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
-    return f"{getattr(target, '__module__', '') or 'builtins'}.{getattr(target, '__name__', str(target))}".replace(
-        "_operator.", "operator."
-    )
+    module = getattr(target, "__module__", "") or "builtins"
+    return f"{module}.{getattr(target, '__name__', str(target))}".replace("_operator.", "operator.")

@@ -31,7 +31,9 @@ class CompileOptions:
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
-            raise PartitionError(f"precision {self.precision!r} is not supported; expected one of {PRECISIONS}")
+            raise PartitionError(
+                f"precision {self.precision!r} is not supported; expected one of {PRECISIONS}"
+            )
         if not isinstance(self.min_block_size, int) or self.min_block_size < 1:
             raise PartitionError(f"min_block_size must be an integer >= 1, got {self.min_block_size!r}")
         object.__setattr__(self, "torch_executed_ops", tuple(str(op) for op in self.torch_executed_ops))
@@ -52,8 +54,8 @@ class CompileOptions:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["torch_executed_ops"] = list(self.torch_executed_ops)
-        data["split_modules"] = self.split_modules if isinstance(self.split_modules, str | None) else list(
-            self.split_modules
+        data["split_modules"] = (
+            self.split_modules if isinstance(self.split_modules, str | None) else list(self.split_modules)
         )
         data["backend_options"] = dict(self.backend_options)
         return data

@@ -56,7 +56,9 @@ class PackageInfo:
         return self.manifest["content_hash"]
 
 
-def save(compiled: CompiledModule, path: str | os.PathLike, *, validation: object | None = None) -> PackageInfo:
+def save(
+    compiled: CompiledModule, path: str | os.PathLike, *, validation: object | None = None
+) -> PackageInfo:
     """Write ``compiled`` as a package directory at ``path`` (replacing an old one atomically)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,8 +74,13 @@ def save(compiled: CompiledModule, path: str | os.PathLike, *, validation: objec
         for fp, artifact in sorted(compiled.engines.items()):
             rel = f"engines/{fp}.engine"
             write_bytes_atomic(tmp / rel, artifact.engine)
-            engines[fp] = {"file": rel, "io": artifact.io.to_dict(), "cache_key": artifact.cache_key,
-                           "bytes": artifact.bytes, "stripped": artifact.stripped}
+            engines[fp] = {
+                "file": rel,
+                "io": artifact.io.to_dict(),
+                "cache_key": artifact.cache_key,
+                "bytes": artifact.bytes,
+                "stripped": artifact.stripped,
+            }
         report = compiled.report
         files = {
             str(p.relative_to(tmp)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
@@ -124,7 +131,8 @@ def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> dict:
         raise PackageCorruptError(f"{manifest_path} has no integer format_version")
     if version > FORMAT_VERSION:
         raise PackageVersionError(
-            f"{path} was written by package format {version} (kiln {manifest.get('kiln_version')}); this kiln "
+            f"{path} was written by package format {version} (kiln {manifest.get('kiln_version')}); "
+            "this kiln "
             f"({kiln_version()}) reads formats <= {FORMAT_VERSION}: upgrade kiln to load it"
         )
     if verify:
@@ -134,7 +142,8 @@ def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> dict:
                 raise PackageCorruptError(f"{path}: file {rel} listed in the manifest is missing")
             if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
                 raise PackageCorruptError(
-                    f"{path}: file {rel} does not match its checksum (expected sha256 {entry['sha256'][:16]}..., "
+                    f"{path}: file {rel} does not match its checksum "
+                    f"(expected sha256 {entry['sha256'][:16]}..., "
                     f"{entry['bytes']} bytes); the package is corrupt or was modified"
                 )
     return manifest
@@ -145,7 +154,10 @@ def load(path: str | os.PathLike) -> CompiledModule:
     path = Path(path)
     manifest = read_manifest(path)
     backend = get_backend(manifest["backend"])
-    if manifest["backend"].startswith("tensorrt") and backend.library_version() != manifest["backend_version"]:
+    if (
+        manifest["backend"].startswith("tensorrt")
+        and backend.library_version() != manifest["backend_version"]
+    ):
         raise EngineCompatibilityError(
             f"{path} holds {manifest['backend']} {manifest['backend_version']} engines; this machine has "
             f"{backend.library_version()}: recompile for it"
@@ -160,12 +172,23 @@ def load(path: str | os.PathLike) -> CompiledModule:
     plan = replay(program, manifest["plan"])
     plan.input_weights = {k: weights[k] for k in manifest["input_weights"]}
     engines = {
-        fp: EngineArtifact(fp, entry["cache_key"], (path / entry["file"]).read_bytes(), EngineIO.from_dict(entry["io"]),
-                           entry["stripped"], True, 0.0)
+        fp: EngineArtifact(
+            fp,
+            entry["cache_key"],
+            (path / entry["file"]).read_bytes(),
+            EngineIO.from_dict(entry["io"]),
+            entry["stripped"],
+            True,
+            0.0,
+        )
         for fp, entry in manifest["engines"].items()
     }
-    compiled = assemble(plan, DedupPlan.from_dict(manifest["dedup"]), engines,
-                        report=CompileReport.from_dict(manifest["report"]))
+    compiled = assemble(
+        plan,
+        DedupPlan.from_dict(manifest["dedup"]),
+        engines,
+        report=CompileReport.from_dict(manifest["report"]),
+    )
     compiled.validation = manifest.get("validation")
     return compiled
 
@@ -187,21 +210,41 @@ def _hollow(program: torch.export.ExportedProgram) -> torch.export.ExportedProgr
 
     def hollow(t: torch.Tensor) -> torch.Tensor:
         empty = torch.zeros((), dtype=t.dtype).expand(t.shape)
-        return torch.nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+        return (
+            torch.nn.Parameter(empty, requires_grad=t.requires_grad)
+            if isinstance(t, torch.nn.Parameter)
+            else empty
+        )
 
     new = copy.copy(program)
     new._state_dict = {k: hollow(v) for k, v in program.state_dict.items()}
-    new._constants = {k: hollow(v) if isinstance(v, torch.Tensor) else v for k, v in program.constants.items()}
+    new._constants = {
+        k: hollow(v) if isinstance(v, torch.Tensor) else v for k, v in program.constants.items()
+    }
     return new
 
 
 def _content_hash(manifest: dict) -> str:
-    """Equal content, equal hash: weights, engines and the compile's meaning (not timestamps, not the pt2 zip)."""
+    """Equal content, equal hash: weights, engines and the compile's meaning.
+
+    Not timestamps, and not the pt2 zip, whose bytes vary between saves of one program.
+    """
     core = {
         "weights": manifest["files"][WEIGHTS]["sha256"],
         "engines": {rel: f["sha256"] for rel, f in manifest["files"].items() if rel.startswith("engines/")},
-        **{k: manifest[k] for k in ("input_specs", "backend", "backend_version", "target_device", "precision",
-                                     "strip_weights", "plan", "dedup")},
+        **{
+            k: manifest[k]
+            for k in (
+                "input_specs",
+                "backend",
+                "backend_version",
+                "target_device",
+                "precision",
+                "strip_weights",
+                "plan",
+                "dedup",
+            )
+        },
     }
     return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
 

@@ -119,7 +119,9 @@ def partition(
     program = decompose(program, specs)
     gm = _prepared_copy(program)
     support = _Support(get_backend(options.backend), _resolve_ops(options.torch_executed_ops))
-    proposals = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True).propose_partitions()
+    proposals = CapabilityBasedPartitioner(
+        gm, support, allows_single_node_partition=True
+    ).propose_partitions()
     groups = [sorted(p.nodes, key=_order(gm)) for p in proposals]
     blocks: dict[str, str | None] = {}
     if options.split_modules is not None:
@@ -214,10 +216,15 @@ def _resolve_ops(names: Iterable[str]) -> frozenset[Any]:
 def _is_core_aten(program: ExportedProgram) -> bool:
     for node in program.graph.nodes:
         target = node.target
-        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
-            if target.namespace == "aten" and torch.Tag.core not in target.tags and target not in SYMBOLIC_OPS:
-                if target not in _DROPPED_OPS:
-                    return False
+        if (
+            node.op == "call_function"
+            and isinstance(target, torch._ops.OpOverload)
+            and target.namespace == "aten"
+            and torch.Tag.core not in target.tags
+            and target not in SYMBOLIC_OPS
+            and target not in _DROPPED_OPS
+        ):
+            return False
     return True
 
 
@@ -351,7 +358,9 @@ def _fuse(
     groups = sorted((sorted(g, key=order) for g in groups if g), key=lambda g: order(g[0]))
     names = [[n.name for n in g] for g in groups]
     ops = [Counter(op_name(n.target) for n in g if n.target not in SYMBOLIC_OPS) for g in groups]
-    split = fuse_by_partitions(gm, [dict.fromkeys(g) for g in groups], prefix=ENGINE_PREFIX, always_return_tuple=True)
+    split = fuse_by_partitions(
+        gm, [dict.fromkeys(g) for g in groups], prefix=ENGINE_PREFIX, always_return_tuple=True
+    )
     weights = {**weight_placeholders(program), **{name: name for name in input_weights}}
     partitions = []
     for index, node_names in enumerate(names):
@@ -360,15 +369,26 @@ def _fuse(
         inputs = []
         for arg in call.args:
             if not isinstance(arg.meta.get("val"), torch.Tensor):
-                raise PartitionError(f"partition {name} would take a non-tensor input {arg.name}; report this graph")
+                raise PartitionError(
+                    f"partition {name} would take a non-tensor input {arg.name}; report this graph"
+                )
             key = weights.get(arg.name)
             inputs.append(PartitionInput(arg.name, "weight" if key else "activation", key))
         outputs = next(n for n in getattr(split, name).graph.nodes if n.op == "output").args[0]
         partitions.append(
-            Partition(name, tuple(node_names), tuple(inputs), len(outputs), dict(ops[index]), blocks.get(node_names[0]))
+            Partition(
+                name,
+                tuple(node_names),
+                tuple(inputs),
+                len(outputs),
+                dict(ops[index]),
+                blocks.get(node_names[0]),
+            )
         )
     fallback = Counter(
-        op_name(n.target) for n in split.graph.nodes if n.op == "call_function" and n.target not in SYMBOLIC_OPS
+        op_name(n.target)
+        for n in split.graph.nodes
+        if n.op == "call_function" and n.target not in SYMBOLIC_OPS
     )
     return PartitionPlan(
         program=program,
@@ -393,7 +413,11 @@ def _symbols(program: ExportedProgram, specs: tuple[InputSpec, ...]) -> dict[str
             if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
                 symbols.setdefault(
                     str(size.node.expr),
-                    (spec.dynamic_dims.get(axis, str(size.node.expr)), spec.min_shape[axis], spec.opt_shape[axis],
-                     spec.max_shape[axis]),
+                    (
+                        spec.dynamic_dims.get(axis, str(size.node.expr)),
+                        spec.min_shape[axis],
+                        spec.opt_shape[axis],
+                        spec.max_shape[axis],
+                    ),
                 )
     return symbols

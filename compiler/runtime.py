@@ -54,15 +54,21 @@ class CompiledModule(torch.nn.Module):
         report: CompileReport,
     ):
         super().__init__()
-        self.plan, self.dedup, self.engines, self.graph, self.report = plan, dedup, dict(engines), graph, report
+        self.plan, self.dedup, self.engines, self.graph, self.report = (
+            plan,
+            dedup,
+            dict(engines),
+            graph,
+            report,
+        )
         self.validation: dict | None = None  # set by package.load from the manifest
         program = plan.program
         self._in_spec, self._out_spec = program.call_spec.in_spec, program.call_spec.out_spec
-        self._feed = [
-            (spec.kind, spec.target) for spec in program.graph_signature.input_specs
-        ]
+        self._feed = [(spec.kind, spec.target) for spec in program.graph_signature.input_specs]
         self._user_outputs = [
-            i for i, spec in enumerate(program.graph_signature.output_specs) if spec.kind == OutputKind.USER_OUTPUT
+            i
+            for i, spec in enumerate(program.graph_signature.output_specs)
+            if spec.kind == OutputKind.USER_OUTPUT
         ]
 
     @property
@@ -82,7 +88,9 @@ class CompiledModule(torch.nn.Module):
         check_inputs(self.plan.specs, flat)
         weights = self.plan.weights()
         user = iter(flat)
-        feed = [next(user) if kind == InputKind.USER_INPUT else weights[target] for kind, target in self._feed]
+        feed = [
+            next(user) if kind == InputKind.USER_INPUT else weights[target] for kind, target in self._feed
+        ]
         with torch.no_grad():
             outputs = self.graph(*feed)
         return [outputs[i] for i in self._user_outputs]
@@ -95,7 +103,9 @@ class CompiledModule(torch.nn.Module):
             expected = list(kwarg_spec.context)
             unknown = sorted(set(kwargs) - set(expected))
             if unknown:
-                raise InputSpecError(f"unexpected keyword inputs {unknown}; the model was exported with {expected}")
+                raise InputSpecError(
+                    f"unexpected keyword inputs {unknown}; the model was exported with {expected}"
+                )
             kwargs = {name: kwargs[name] for name in expected if name in kwargs}
         flat, spec = pytree.tree_flatten((tuple(args), kwargs))
         if spec != self._in_spec:
@@ -126,12 +136,19 @@ class CompiledModule(torch.nn.Module):
             **self.plan.input_weights,
             **{k: v for k, v in state.items() if k not in program_weights},
         }
-        plan.program = _with_weights(self.plan.program, {k: v for k, v in state.items() if k in program_weights})
+        plan.program = _with_weights(
+            self.plan.program, {k: v for k, v in state.items() if k in program_weights}
+        )
         # Full engines carry their representative's weights: put the new ones in (no rebuild).
         backend = get_backend(plan.options.backend)
         engines = {
-            fp: a if a.stripped else dataclasses.replace(
-                a, engine=backend.refit(a.engine, engine_weights(plan, self.dedup.instance(self.dedup.unique[fp])))
+            fp: a
+            if a.stripped
+            else dataclasses.replace(
+                a,
+                engine=backend.refit(
+                    a.engine, engine_weights(plan, self.dedup.instance(self.dedup.unique[fp]))
+                ),
             )
             for fp, a in self.engines.items()
         }
@@ -165,7 +182,9 @@ def assemble(
     return CompiledModule(plan, dedup, engines, graph, report)
 
 
-def _report(plan: PartitionPlan, dedup: DedupPlan, engines: Mapping[str, EngineArtifact], backend, refits: int):
+def _report(
+    plan: PartitionPlan, dedup: DedupPlan, engines: Mapping[str, EngineArtifact], backend, refits: int
+):
     partitions = [
         {**p.to_dict(), "fingerprint": dedup.instance(p.name).fingerprint, "nodes": len(p.nodes)}
         for p in plan.partitions
@@ -198,7 +217,17 @@ def _with_weights(program: torch.export.ExportedProgram, state: Mapping[str, tor
     """A shallow copy of the program whose state dict / constants carry the given tensors."""
     if not state:
         return program
+
+    def like(old: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        # The program's verifier wants parameters to stay nn.Parameter.
+        if isinstance(old, torch.nn.Parameter) and not isinstance(value, torch.nn.Parameter):
+            return torch.nn.Parameter(value.detach(), requires_grad=False)
+        return value
+
     new = copy.copy(program)
-    new._state_dict = {**program.state_dict, **{k: v for k, v in state.items() if k in program.state_dict}}
+    new._state_dict = {
+        **program.state_dict,
+        **{k: like(program.state_dict[k], v) for k, v in state.items() if k in program.state_dict},
+    }
     new._constants = {**program.constants, **{k: v for k, v in state.items() if k in program.constants}}
     return new

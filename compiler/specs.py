@@ -78,7 +78,9 @@ class InputSpec:
                 f"input {self.name!r}: min/opt/max shapes must have one rank, got "
                 f"{self.min_shape}, {self.opt_shape}, {self.max_shape}"
             )
-        for axis, (lo, opt, hi) in enumerate(zip(self.min_shape, self.opt_shape, self.max_shape, strict=True)):
+        for axis, (lo, opt, hi) in enumerate(
+            zip(self.min_shape, self.opt_shape, self.max_shape, strict=True)
+        ):
             if lo < 0 or not lo <= opt <= hi:
                 raise InputSpecError(
                     f"input {self.name!r} axis {axis}: expected 0 <= min <= opt <= max, "
@@ -115,7 +117,9 @@ class InputSpec:
         if not isinstance(value, torch.Tensor):
             raise InputSpecError(f"input {self.name!r}: expected a torch.Tensor, got {type(value).__name__}")
         if value.dtype != self.torch_dtype:
-            raise InputSpecError(f"input {self.name!r}: expected dtype {self.dtype}, got {dtype_name(value.dtype)}")
+            raise InputSpecError(
+                f"input {self.name!r}: expected dtype {self.dtype}, got {dtype_name(value.dtype)}"
+            )
         if not self.covers(value.shape):
             raise InputSpecError(
                 f"input {self.name!r}: shape {tuple(value.shape)} is outside the spec "

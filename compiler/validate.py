@@ -77,7 +77,9 @@ def sample_inputs(specs: Sequence[InputSpec], point: str, generator: torch.Gener
                 continue
             if name not in sizes:
                 pick = {"min": lo, "max": hi, "opt": spec.opt_shape[axis]}.get(point)
-                sizes[name] = pick if pick is not None else int(torch.randint(lo, hi + 1, (1,), generator=generator))
+                sizes[name] = (
+                    pick if pick is not None else int(torch.randint(lo, hi + 1, (1,), generator=generator))
+                )
             shape.append(sizes[name])
         tensors.append(_random_tensor(spec, shape, generator))
     return tensors
@@ -163,7 +165,9 @@ def validate(
             eager_times += measure(lambda: original(*args, **kwargs), 0, 1)
             compiled_times += measure(lambda: compiled(*args, **kwargs), 0, 1)
     precision = getattr(getattr(compiled, "report", None), "precision", "fp32")
-    return ValidationReport(list(worst.values()), shapes, _latency(eager_times), _latency(compiled_times), precision)
+    return ValidationReport(
+        list(worst.values()), shapes, _latency(eager_times), _latency(compiled_times), precision
+    )
 
 
 def _unflatten(compiled: torch.nn.Module, flat: list[torch.Tensor]) -> tuple[tuple, dict]:

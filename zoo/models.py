@@ -32,8 +32,13 @@ def tiny_bert(num_layers: int = 2, hidden: int = 64, seed: int = 0) -> ModelCase
 
     _seeded(seed)
     config = BertConfig(
-        vocab_size=512, hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=4,
-        intermediate_size=hidden * 4, max_position_embeddings=128, attn_implementation="eager",
+        vocab_size=512,
+        hidden_size=hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        intermediate_size=hidden * 4,
+        max_position_embeddings=128,
+        attn_implementation="eager",
     )
     model = BertModel(config).eval()
     ids = torch.randint(0, config.vocab_size, (2, 16))
@@ -53,12 +58,22 @@ def tiny_vit(seed: int = 0) -> ModelCase:
 
     _seeded(seed)
     config = ViTConfig(
-        image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=4, intermediate_size=128, attn_implementation="eager",
+        image_size=32,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        attn_implementation="eager",
     )
     model = ViTModel(config, add_pooling_layer=False).eval()
-    return ModelCase(model, (), {"pixel_values": torch.randn(2, 3, 32, 32)},
-                     {"pixel_values": {0: Dim("batch", min=1, max=8)}})
+    return ModelCase(
+        model,
+        (),
+        {"pixel_values": torch.randn(2, 3, 32, 32)},
+        {"pixel_values": {0: Dim("batch", min=1, max=8)}},
+    )
 
 
 def tiny_resnet(seed: int = 0) -> ModelCase:
@@ -67,11 +82,19 @@ def tiny_resnet(seed: int = 0) -> ModelCase:
 
     _seeded(seed)
     config = ResNetConfig(
-        num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+        num_channels=3,
+        embedding_size=16,
+        hidden_sizes=[16, 32],
+        depths=[1, 1],
+        layer_type="basic",
     )
     model = ResNetModel(config).eval()
-    return ModelCase(model, (), {"pixel_values": torch.randn(2, 3, 64, 64)},
-                     {"pixel_values": {0: Dim("batch", min=1, max=8)}})
+    return ModelCase(
+        model,
+        (),
+        {"pixel_values": torch.randn(2, 3, 64, 64)},
+        {"pixel_values": {0: Dim("batch", min=1, max=8)}},
+    )
 
 
 class _LogitsOnly(nn.Module):
@@ -91,7 +114,12 @@ def tiny_gpt2(seed: int = 0) -> ModelCase:
 
     _seeded(seed)
     config = GPT2Config(
-        vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=4, attn_implementation="eager",
+        vocab_size=512,
+        n_positions=128,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        attn_implementation="eager",
     )
     model = _LogitsOnly(GPT2LMHeadModel(config).eval()).eval()
     ids = torch.randint(0, config.vocab_size, (2, 16))
@@ -123,8 +151,9 @@ class MLPWithFallback(nn.Module):
 
 def mlp_with_fallback(width: int = 64, seed: int = 0) -> ModelCase:
     _seeded(seed)
-    return ModelCase(MLPWithFallback(width).eval(), (torch.randn(4, width),), {},
-                     ({0: Dim("batch", min=1, max=32)},))
+    return ModelCase(
+        MLPWithFallback(width).eval(), (torch.randn(4, width),), {}, ({0: Dim("batch", min=1, max=32)},)
+    )
 
 
 class RepeatedFallbackBlock(nn.Module):
@@ -150,8 +179,12 @@ class RepeatedFallbackModel(nn.Module):
 
 def repeated_fallback(depth: int = 6, width: int = 64, seed: int = 0) -> ModelCase:
     _seeded(seed)
-    return ModelCase(RepeatedFallbackModel(depth, width).eval(), (torch.randn(4, width),), {},
-                     ({0: Dim("batch", min=1, max=32)},))
+    return ModelCase(
+        RepeatedFallbackModel(depth, width).eval(),
+        (torch.randn(4, width),),
+        {},
+        ({0: Dim("batch", min=1, max=32)},),
+    )
 
 
 FACTORIES = {

@@ -8,11 +8,10 @@ backends are one module that implements :class:`EngineBackend` and registers in
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
-
-import re
 
 import torch
 

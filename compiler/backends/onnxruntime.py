@@ -23,8 +23,6 @@ from compiler.backends.base import BuildSettings, EngineIO, is_weight_name
 from compiler.errors import EngineBuildError, RefitError
 from compiler.onnx_support import onnx_exportable
 
-_STRIPPED_LOCATION = "kiln:stripped"
-
 
 class OnnxRuntimeEngine:
     """A loaded engine: torch tensors in, torch tensors out (numpy views on CPU, no copies)."""
@@ -35,7 +33,10 @@ class OnnxRuntimeEngine:
         self._input_names = [spec.name for spec in io.inputs]
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        feed = {name: t.detach().contiguous().cpu().numpy() for name, t in zip(self._input_names, inputs, strict=True)}
+        feed = {
+            name: t.detach().contiguous().cpu().numpy()
+            for name, t in zip(self._input_names, inputs, strict=True)
+        }
         outputs = self.session.run(None, feed)
         return tuple(torch.from_numpy(np.ascontiguousarray(out)) for out in outputs)
 
@@ -73,7 +74,9 @@ class OnnxRuntimeBackend:
                 _strip(init)
         return model.SerializeToString()
 
-    def load(self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None) -> OnnxRuntimeEngine:
+    def load(
+        self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None
+    ) -> OnnxRuntimeEngine:
         model = onnx.load_from_string(engine)
         if weights is not None or _is_stripped(model):
             _fill(model, weights or {})
@@ -107,10 +110,9 @@ def _weights(model: onnx.ModelProto) -> list[onnx.TensorProto]:
 def _strip(init: onnx.TensorProto) -> None:
     for attr in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
         init.ClearField(attr)
+    # Marked external with no location: the bytes come from refit at load, from nowhere on disk.
     init.data_location = onnx.TensorProto.EXTERNAL
     del init.external_data[:]
-    entry = init.external_data.add()
-    entry.key, entry.value = "location", _STRIPPED_LOCATION
 
 
 def _is_stripped(model: onnx.ModelProto) -> bool:

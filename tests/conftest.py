@@ -1,0 +1,35 @@
+"""Shared fixtures: a private engine cache per test session, and zoo models compiled once."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_engine_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tests never touch the user's cache; processes started by tests inherit this directory."""
+    directory = tmp_path_factory.mktemp("engine-cache")
+    os.environ["KILN_CACHE_DIR"] = str(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def compiled_zoo() -> dict:
+    """name -> (ModelCase, CompiledModule) for the models of the compiler-core issue, compiled once."""
+    import compiler
+    from zoo.models import FACTORIES
+
+    result = {}
+    for name in ("tiny_bert", "tiny_vit", "tiny_resnet", "tiny_gpt2", "mlp_with_fallback"):
+        case = FACTORIES[name]()
+        program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+        result[name] = (case, compiler.compile(program))
+    return result

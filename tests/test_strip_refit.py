@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+import compiler
+from compiler.errors import RefitError
+from zoo.models import repeated_fallback
+
+
+@pytest.fixture(scope="module")
+def program_and_case():
+    case = repeated_fallback(depth=4, width=128)
+    program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+    return case, program
+
+
+def _dir_bytes(path):
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_stripped_package_is_exact_and_smaller_by_the_weights(program_and_case, tmp_path):
+    _case, program = program_and_case
+    full = compiler.compile(program, cache=tmp_path / "c")
+    stripped = compiler.compile(program, cache=tmp_path / "c", strip_weights=True)
+    full_pkg = compiler.save(full, tmp_path / "full.kiln").path
+    strip_pkg = compiler.save(stripped, tmp_path / "strip.kiln").path
+    x = torch.randn(9, 128)
+    assert torch.equal(compiler.load(strip_pkg)(x), compiler.load(full_pkg)(x))
+    # Every unique engine loses its weights (a few bytes of per-initializer markers remain): they live
+    # only in weights.safetensors.
+    unique_weight_bytes = sum(
+        sum(full.weights[key].numel() * 4 for key in full.dedup.instance(part).weights.values())
+        for part in full.dedup.unique.values()
+    )
+    assert _dir_bytes(full_pkg) - _dir_bytes(strip_pkg) >= 0.99 * unique_weight_bytes
+    assert stripped.report.engine_bytes <= 0.05 * full.report.engine_bytes
+
+
+def test_refit_package_with_a_fine_tuned_checkpoint_needs_no_build(program_and_case, tmp_path):
+    case, program = program_and_case
+    compiled = compiler.compile(program, cache=tmp_path / "c", strip_weights=True)
+    path = compiler.save(compiled, tmp_path / "m.kiln").path
+    engines_before = {p.name: p.read_bytes() for p in (path / "engines").iterdir()}
+    tuned = repeated_fallback(depth=4, width=128, seed=7).model
+    compiler.refit_package(path, tuned.state_dict())
+    assert {p.name: p.read_bytes() for p in (path / "engines").iterdir()} == engines_before
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(compiler.load(path)(x), tuned(x), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(tuned(x), case.model(x))
+
+
+def test_refit_of_full_engines_updates_them_in_place(program_and_case, tmp_path):
+    _, program = program_and_case
+    compiled = compiler.compile(program, cache=tmp_path / "c")
+    tuned = repeated_fallback(depth=4, width=128, seed=3).model
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(compiled.refit(tuned.state_dict())(x), tuned(x), rtol=1e-5, atol=1e-5)
+
+
+def test_refit_with_wrong_weights_is_refused(program_and_case, tmp_path):
+    _, program = program_and_case
+    compiled = compiler.compile(program, cache=tmp_path / "c")
+    state = repeated_fallback(depth=4, width=128).model.state_dict()
+    key = "blocks.0.fc1.weight"
+    with pytest.raises(RefitError, match=r"blocks.0.fc1.weight.*expected shape \(128, 128\)"):
+        compiled.refit({**state, key: torch.zeros(64, 128)})
+    with pytest.raises(RefitError, match="dtype"):
+        compiled.refit({**state, key: state[key].double()})
+    with pytest.raises(RefitError, match="lacks"):
+        compiled.refit({**state, "blocks.9.fc1.weight": state[key]})
