@@ -326,7 +326,9 @@ _OPS_SEEN: dict[int, frozenset[str]] = {}
 
 @functools.cache
 def _onnx_ops_by_name(name: Any) -> frozenset[str] | None:
-    decomps = [d for d in _onnx_registry().functions.get(name, []) if not d.is_complex]
+    decomps = _onnx_registry().functions.get(name, [])
+    # complex-number variants only matter for complex tensors, which kiln's engines never take
+    decomps = [d for d in decomps if not d.is_complex] or decomps
     if not decomps:
         return None
     ops: set[str] = set()
@@ -452,7 +454,7 @@ class TensorRTBackend:
         self._module: Any = None
         self.trt  # noqa: B018 - import now: a missing library must fail here, not at the first build
         if require_gpu:
-            self._require_gpu(f"the {name} backend")
+            self._require_gpu("this backend")
 
     # -- library and device ------------------------------------------------------------------
 
@@ -480,7 +482,7 @@ class TensorRTBackend:
         sm = _current_sm()
         if sm is None:
             raise BackendUnavailableError(
-                f"{what} with {self.name} needs a CUDA GPU, and torch sees none here "
+                f"{what} ({self.name}) needs a CUDA GPU, and torch sees none here "
                 "(torch.cuda.is_available() "
                 "is False); use the onnxruntime backend or run on a GPU machine"
             )
@@ -538,16 +540,7 @@ class TensorRTBackend:
         # JIT then queries the device, seen on TensorRT-RTX 1.7.1); TensorRT always needs one.
         if not self.rtx or flag_names:
             self._require_gpu(f"building a{' refittable' if flag_names else 'n'} engine")
-        logger = self._logger()
-        builder = trt.Builder(logger.logger)
-        flags = 0
-        if hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
-            flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-        network = builder.create_network(flags)
-        parser = trt.OnnxParser(network, logger.logger)
-        if not parser.parse(bytes(onnx_model)):
-            raise self._parse_error(parser, partition)
-        self._check_network_io(network, io, shapes, partition)
+        logger, builder, network, _parser = self._parsed(onnx_model, io, partition)
 
         config = builder.create_builder_config()
         profile = builder.create_optimization_profile()
@@ -611,6 +604,26 @@ class TensorRTBackend:
             "outputs": list(io.output_names),
         }
         return encode_engine(header, bytes(memoryview(plan)))
+
+    def parse(self, onnx_model: bytes, io: EngineIO, *, partition: str | None = None) -> int:
+        """Parse a lowered partition into a strongly typed network without building it (no GPU
+        needed): the number of network layers, or EngineBuildError naming the rejected nodes."""
+        return self._parsed(onnx_model, io, partition)[2].num_layers
+
+    def _parsed(self, onnx_model: bytes, io: EngineIO, partition: str | None) -> tuple[Any, Any, Any, Any]:
+        trt = self.trt
+        shapes = profile_shapes(io)
+        logger = self._logger()
+        builder = trt.Builder(logger.logger)
+        flags = 0
+        if hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):  # TensorRT >= 9
+            flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+        network = builder.create_network(flags)
+        parser = trt.OnnxParser(network, logger.logger)
+        if not parser.parse(bytes(onnx_model)):
+            raise self._parse_error(parser, partition)
+        self._check_network_io(network, io, shapes, partition)
+        return logger, builder, network, parser  # the parser owns weights the network points at
 
     def _parse_error(self, parser: Any, partition: str | None) -> EngineBuildError:
         problems, first = [], None

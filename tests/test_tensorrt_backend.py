@@ -1,0 +1,488 @@
+"""TensorRT / TensorRT-RTX backend.
+
+Everything that needs no GPU runs everywhere: profiles from specs, builder flags from settings,
+canonical weight names, refit checks, the engine header and its compatibility checks, the op table,
+and the error paths. Where TensorRT-RTX is installed (no GPU needed) the parser and CPU-only
+ahead-of-time builds are tested for real. Runtime and refit tests run where a CUDA GPU and a
+TensorRT that supports it are present, and are skipped with that reason elsewhere (the H100 here:
+TensorRT-RTX's runtime refuses sm_90 and full TensorRT is not installable).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from compiler.backends.base import BuildSettings, EngineIO
+from compiler.backends.tensorrt import (
+    EXPORTER_FOLDED_SEQUENCE_OPS,
+    PARSER_REJECTED_ONNX_OPS,
+    RTX_DEFAULT_TARGETS,
+    TensorRTBackend,
+    _error_node,
+    builder_flag_names,
+    canonical_weights,
+    check_engine_compatible,
+    check_refit_weights,
+    decode_engine,
+    encode_engine,
+    onnx_ops_for,
+    profile_shapes,
+    tensorrt_supports,
+    unsupported_reason,
+)
+from compiler.errors import (
+    BackendError,
+    BackendUnavailableError,
+    EngineBuildError,
+    EngineCompatibilityError,
+    InputSpecError,
+    RefitError,
+)
+from compiler.specs import InputSpec
+
+HAS = {name: importlib.util.find_spec(mod) is not None for name, mod in
+       (("tensorrt", "tensorrt"), ("tensorrt-rtx", "tensorrt_rtx"))}  # fmt: skip
+
+
+def _io(width: int = 8, out: int = 4) -> EngineIO:
+    spec = InputSpec("x0", "float32", (1, width), (4, width), (16, width), {0: "batch"})
+    return EngineIO((spec,), ("y0",), ("float32",))
+
+
+def _mlp_onnx(width: int = 8, out: int = 4, seed: int = 0, extra_op: str | None = None) -> tuple[bytes, dict]:
+    """A lowered partition as kiln's lowering writes it: activations x0, outputs y0, weights w0..wN,
+    plus one non-canonical constant (a structure constant, not a weight)."""
+    rng = np.random.default_rng(seed)
+    weights = {
+        "w0": rng.standard_normal((width, width)).astype(np.float32),
+        "w1": rng.standard_normal(width).astype(np.float32),
+        "w2": rng.standard_normal((width, out)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x0", "w0"], ["h0"], name="node_mm0"),
+        helper.make_node("Add", ["h0", "w1"], ["h1"], name="node_add0"),
+        helper.make_node("Relu", ["h1"], ["h2"], name="node_relu"),
+        helper.make_node("Mul", ["h2", "scale"], ["h3"], name="node_scale"),
+        helper.make_node("MatMul", ["h3", "w2"], ["y0" if extra_op is None else "h4"], name="node_mm1"),
+    ]
+    if extra_op == "BitwiseAnd":  # an op TensorRT's parser rejects, on int32 tensors
+        nodes += [
+            helper.make_node("Cast", ["h4"], ["i0"], to=TensorProto.INT32, name="node_cast"),
+            helper.make_node("BitwiseAnd", ["i0", "i0"], ["i1"], name="node_bitand"),
+            helper.make_node("Cast", ["i1"], ["y0"], to=TensorProto.FLOAT, name="node_cast_back"),
+        ]
+    inits = [numpy_helper.from_array(v, k) for k, v in weights.items()]
+    inits.append(numpy_helper.from_array(np.array(0.5, dtype=np.float32), "scale"))
+    graph = helper.make_graph(
+        nodes,
+        "partition_0",
+        [helper.make_tensor_value_info("x0", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y0", TensorProto.FLOAT, ["batch", out])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.checker.check_model(model)
+    return model.SerializeToString(), {k: torch.from_numpy(v) for k, v in weights.items()}
+
+
+def _header(**over) -> dict:
+    header = {
+        "format": 1,
+        "backend": "tensorrt-rtx",
+        "library_version": "1.7.1.116",
+        "targets": list(RTX_DEFAULT_TARGETS),
+        "targets_and_later": True,
+        "stripped": True,
+        "refit": "weights",
+        "weights": {"w0": {"shape": [8, 8], "dtype": "float32"}, "w1": {"shape": [8], "dtype": "float16"}},
+        "inputs": ["x0"],
+        "outputs": ["y0"],
+    }
+    header.update(over)
+    return header
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles and settings
+# ---------------------------------------------------------------------------------------------
+
+
+def test_profile_is_min_opt_max_of_every_input_in_order():
+    ids = InputSpec("x0", "int64", (1, 4), (2, 16), (8, 64), {0: "batch", 1: "seq"})
+    mask = InputSpec("x1", "float32", (1, 1, 4), (2, 1, 16), (8, 1, 64), {0: "batch", 2: "seq"})
+    shapes = profile_shapes(EngineIO((ids, mask), ("y0",), ("float32",)))
+    assert list(shapes) == ["x0", "x1"]
+    assert shapes["x0"] == ((1, 4), (2, 16), (8, 64))
+    assert shapes["x1"] == ((1, 1, 4), (2, 1, 16), (8, 1, 64))
+
+
+def test_profile_with_min_above_max_is_an_input_spec_error():
+    bad = {"name": "x0", "dtype": "float32", "min_shape": [9, 8], "opt_shape": [4, 8], "max_shape": [2, 8],
+           "dynamic_dims": {"0": "batch"}}  # fmt: skip
+    with pytest.raises(InputSpecError, match=r"x0.*axis 0.*min=9 opt=4 max=2"):
+        EngineIO.from_dict({"inputs": [bad], "output_names": ["y0"], "output_dtypes": ["float32"]})
+
+
+def test_profile_rejects_duplicate_input_names():
+    spec = _io().inputs[0]
+    with pytest.raises(InputSpecError, match="listed twice"):
+        profile_shapes(EngineIO((spec, spec), ("y0",), ("float32",)))
+
+
+@pytest.mark.parametrize(
+    ("strip", "options", "flags"),
+    [
+        (False, {}, ("REFIT_INDIVIDUAL",)),
+        (True, {}, ("REFIT_INDIVIDUAL", "STRIP_PLAN")),
+        (False, {"refit": "all"}, ("REFIT",)),
+        (True, {"refit": "all"}, ("REFIT", "STRIP_PLAN")),
+        (True, {"refit": "identical"}, ("REFIT_IDENTICAL", "STRIP_PLAN")),
+        (False, {"refit": "none"}, ()),
+    ],
+)
+def test_builder_flags_follow_settings(strip, options, flags):
+    assert builder_flag_names(BuildSettings(strip_weights=strip, options=options)) == flags
+
+
+def test_stripping_a_non_refittable_engine_fails_loudly():
+    with pytest.raises(EngineBuildError, match="strip_weights needs a refittable engine"):
+        builder_flag_names(BuildSettings(strip_weights=True, options={"refit": "none"}))
+    with pytest.raises(EngineBuildError, match=r"options\['refit'\] is 'sometimes'; expected one of"):
+        builder_flag_names(BuildSettings(options={"refit": "sometimes"}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Canonical weights and refit checks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_canonical_weights_are_the_w_initializers_in_index_order():
+    inits = [
+        numpy_helper.from_array(np.zeros((3, 2), np.float32), "w10"),
+        numpy_helper.from_array(np.zeros(2, np.float16), "w2"),
+        numpy_helper.from_array(np.zeros(4, np.int64), "val_3"),  # a constant of the structure
+        numpy_helper.from_array(np.zeros((2, 2), np.float32), "w0"),
+        helper.make_tensor("w1", TensorProto.BFLOAT16, [5], np.zeros(5, np.uint16).tobytes(), raw=True),
+    ]
+    graph = helper.make_graph([], "g", [], [], inits)
+    weights = canonical_weights(helper.make_model(graph))
+    assert list(weights) == ["w0", "w1", "w2", "w10"]
+    assert weights["w1"] == {"shape": [5], "dtype": "bfloat16"}
+    assert weights["w2"] == {"shape": [2], "dtype": "float16"}
+    assert weights["w10"] == {"shape": [3, 2], "dtype": "float32"}
+
+
+def test_refit_weights_must_match_names_shapes_and_dtypes():
+    declared = _header()["weights"]
+    good = {"w0": torch.zeros(8, 8), "w1": torch.zeros(8, dtype=torch.float16)}
+    check_refit_weights(declared, good, require_all=True)
+    check_refit_weights(declared, {"w0": torch.ones(8, 8)}, require_all=False)
+    with pytest.raises(RefitError, match=r"unknown weights \['fc.weight'\].*are \['w0', 'w1'\]"):
+        check_refit_weights(declared, {**good, "fc.weight": torch.zeros(1)}, require_all=True)
+    with pytest.raises(RefitError, match=r"weights \['w1'\] are missing"):
+        check_refit_weights(declared, {"w0": torch.zeros(8, 8)}, require_all=True)
+    with pytest.raises(RefitError, match=r"'w0': expected shape \(8, 8\), got \(8, 4\)"):
+        check_refit_weights(declared, {**good, "w0": torch.zeros(8, 4)}, require_all=True)
+    with pytest.raises(RefitError, match="'w1': expected dtype float16, got float32"):
+        check_refit_weights(declared, {**good, "w1": torch.zeros(8)}, require_all=True)
+    with pytest.raises(RefitError, match=r"expected a torch\.Tensor, got ndarray"):
+        check_refit_weights(declared, {**good, "w0": np.zeros((8, 8))}, require_all=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine header and compatibility
+# ---------------------------------------------------------------------------------------------
+
+
+def test_engine_header_round_trips_and_keeps_the_plan_unchanged():
+    plan = bytes(range(256)) * 3
+    header, body = decode_engine(encode_engine(_header(), plan))
+    assert header == _header() and bytes(body) == plan
+
+
+@pytest.mark.parametrize("data", [b"", b"ftrt" * 10, b"KILNTRT1\x05\x00\x00\x00{oops"])
+def test_foreign_or_corrupt_engine_bytes_are_a_compatibility_error(data):
+    with pytest.raises(EngineCompatibilityError, match=r"not a kiln TensorRT engine|header is corrupt"):
+        decode_engine(data)
+
+
+def test_newer_header_format_is_refused():
+    with pytest.raises(EngineCompatibilityError, match="header format 2; this kiln reads 1"):
+        decode_engine(encode_engine(_header(format=2), b"plan"))
+
+
+def test_engines_run_only_with_their_library_version_and_device():
+    header = _header()
+    check_engine_compatible(header, "tensorrt-rtx", "1.7.1.116", "sm_86")
+    check_engine_compatible(header, "tensorrt-rtx", "1.7.1.116", "sm_121")  # "and later"
+    with pytest.raises(
+        EngineCompatibilityError, match=r"sm_80, sm_86, sm_89, sm_120 and later; this GPU is sm_90"
+    ):
+        check_engine_compatible(header, "tensorrt-rtx", "1.7.1.116", "sm_90")
+    with pytest.raises(
+        EngineCompatibilityError, match=r"built by tensorrt-rtx 1\.7\.1\.116, but this backend is tensorrt"
+    ):
+        check_engine_compatible(header, "tensorrt", "10.13.0", "sm_90")
+    with pytest.raises(EngineCompatibilityError, match=r"this backend is tensorrt-rtx 1\.8\.0"):
+        check_engine_compatible(header, "tensorrt-rtx", "1.8.0", "sm_86")
+    exact = _header(backend="tensorrt", library_version="10.13.0", targets=["sm_90"], targets_and_later=False)
+    check_engine_compatible(exact, "tensorrt", "10.13.0", "sm_90")
+    with pytest.raises(EngineCompatibilityError, match="built for sm_90; this GPU is sm_100"):
+        check_engine_compatible(exact, "tensorrt", "10.13.0", "sm_100")
+
+
+def test_build_errors_name_the_longest_matching_onnx_node():
+    names = ["node_linear", "node_linear_1", "node_relu"]
+    assert _error_node("Error in layer node_linear_1 [MatMul]: bad shape", names) == "node_linear_1"
+    assert _error_node("[node_linear]: unsupported", names) == "node_linear"
+    assert _error_node("Myelin: out of memory", names) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Supported ops
+# ---------------------------------------------------------------------------------------------
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize(
+    "op",
+    [aten.addmm.default, aten.mm.default, aten.add.Tensor, aten._softmax.default, aten.gelu.default,
+     aten.native_layer_norm.default, aten.convolution.default, aten.split.Tensor, aten.embedding.default,
+     aten.sym_size.int, aten.where.self],
+)  # fmt: skip
+def test_common_ops_go_to_tensorrt(op):
+    assert tensorrt_supports(op), unsupported_reason(op)
+
+
+@pytest.mark.parametrize(
+    ("op", "why"),
+    [
+        (aten.bitwise_and.Tensor, "BitwiseAnd"),
+        (aten.linalg_det.default, "Det"),
+        (aten.bernoulli.default, "Bernoulli"),
+        (aten.nll_loss_forward.default, "NegativeLogLikelihoodLoss"),
+        (aten.cumprod.default, "no ONNX translation"),
+    ],
+)
+def test_ops_whose_onnx_translation_tensorrt_rejects_fall_back(op, why):
+    assert not tensorrt_supports(op)
+    assert why in unsupported_reason(op)
+
+
+def test_custom_ops_and_control_flow_fall_back():
+    import zoo.models  # registers kiln_zoo::soft_sign_clip
+
+    assert zoo.models.soft_sign_clip is not None
+    assert (
+        unsupported_reason(torch.ops.kiln_zoo.soft_sign_clip.default)
+        == "no ONNX translation in the torch.onnx exporter"
+    )
+    assert not tensorrt_supports(torch.ops.higher_order.cond)
+
+
+def test_tensorrt_table_is_the_exporter_table_minus_rejected_onnx_ops():
+    from compiler.onnx_support import _registry, onnx_exportable
+
+    overloads = [getattr(getattr(aten, n.split("::")[1].split(".")[0]), [*n.split("."), "default"][1], None)
+                 for n in _registry().functions if isinstance(n, str) and n.startswith("aten::")]  # fmt: skip
+    overloads = [o for o in overloads if isinstance(o, torch._ops.OpOverload)]
+    assert len(overloads) > 300
+    rejected = []
+    for op in overloads:
+        ops = onnx_ops_for(op)
+        assert onnx_exportable(op) == (ops is not None)
+        if tensorrt_supports(op):
+            assert not (ops - EXPORTER_FOLDED_SEQUENCE_OPS) & PARSER_REJECTED_ONNX_OPS
+        else:
+            rejected.append(str(op))
+    # Most of the exporter's table stays; what goes is bitwise, sequence, loss, sampling and det ops.
+    assert 20 <= len(rejected) <= 80, rejected
+
+
+@pytest.mark.skipif(
+    not HAS["tensorrt-rtx"], reason="TensorRT-RTX is not installed (pip install kiln[tensorrt-rtx])"
+)
+def test_rejected_onnx_ops_match_the_installed_parser():
+    import onnx.defs
+    import tensorrt_rtx as trt
+
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    parser = trt.OnnxParser(builder.create_network(0), logger)
+    ops = {s.name for s in onnx.defs.get_all_schemas_with_history() if s.domain in ("", "ai.onnx")}
+    assert {op for op in ops if not parser.supports_operator(op)} == PARSER_REJECTED_ONNX_OPS & ops
+
+
+# ---------------------------------------------------------------------------------------------
+# Library and device availability
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"), [("tensorrt", "kiln[tensorrt]"), ("tensorrt-rtx", "kiln[tensorrt-rtx]")]
+)
+def test_missing_library_names_the_extra_to_install(name, extra):
+    if HAS[name]:
+        pytest.skip(f"{name} is installed here")
+    with pytest.raises(BackendUnavailableError, match=re.escape(f"pip install {extra}")):
+        TensorRTBackend(name)
+
+
+def test_unknown_backend_and_bad_targets_are_backend_errors():
+    with pytest.raises(BackendError, match=r"unknown TensorRT backend 'tensorrt-llm'; expected one of"):
+        TensorRTBackend("tensorrt-llm")
+    with pytest.raises(BackendError, match="compute_capabilities is a TensorRT-RTX setting"):
+        TensorRTBackend("tensorrt", compute_capabilities=("sm_90",))
+    with pytest.raises(BackendError, match="one explicit target"):
+        TensorRTBackend("tensorrt-rtx", compute_capabilities=("sm_86", "sm_89"))
+    with pytest.raises(BackendError, match="expected the form 'sm_86'"):
+        TensorRTBackend("tensorrt-rtx", compute_capabilities=("8.6",))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present")
+@pytest.mark.skipif(
+    not HAS["tensorrt-rtx"], reason="TensorRT-RTX is not installed (pip install kiln[tensorrt-rtx])"
+)
+def test_no_gpu_is_backend_unavailable_but_parsing_and_cpu_builds_work():
+    with pytest.raises(BackendUnavailableError, match="needs a CUDA GPU"):
+        TensorRTBackend("tensorrt-rtx")
+    backend = TensorRTBackend("tensorrt-rtx", require_gpu=False)
+    onnx_bytes, _ = _mlp_onnx()
+    assert backend.parse(onnx_bytes, _io()) >= 5
+    with pytest.raises(BackendUnavailableError, match=r"refittable engine.*needs a CUDA GPU"):
+        backend.build(onnx_bytes, _io(), BuildSettings())
+    # TensorRT-RTX compiles non-refittable engines ahead of time on the CPU.
+    engine = backend.build(onnx_bytes, _io(), BuildSettings(options={"refit": "none"}))
+    header, plan = decode_engine(engine)
+    assert header["backend"] == "tensorrt-rtx" and header["library_version"] == backend.library_version()
+    assert header["targets"] == list(RTX_DEFAULT_TARGETS) and header["targets_and_later"]
+    assert header["weights"] == {
+        "w0": {"shape": [8, 8], "dtype": "float32"},
+        "w1": {"shape": [8], "dtype": "float32"},
+        "w2": {"shape": [8, 4], "dtype": "float32"},
+    }
+    assert len(plan) > 1000 and not header["stripped"]
+    with pytest.raises(BackendUnavailableError, match="running an engine"):
+        backend.load(engine, _io(), None)
+
+
+@pytest.mark.skipif(
+    not HAS["tensorrt-rtx"], reason="TensorRT-RTX is not installed (pip install kiln[tensorrt-rtx])"
+)
+def test_parser_errors_name_the_partition_and_node():
+    backend = TensorRTBackend("tensorrt-rtx", require_gpu=False)
+    onnx_bytes, _ = _mlp_onnx(extra_op="BitwiseAnd")
+    with pytest.raises(
+        EngineBuildError, match=r"rejected partition part_7: node 'node_bitand' \(BitwiseAnd\)"
+    ) as err:
+        backend.parse(onnx_bytes, _io(), partition="part_7")
+    assert err.value.partition == "part_7" and err.value.node == "node_bitand"
+
+
+@pytest.mark.skipif(
+    not HAS["tensorrt-rtx"], reason="TensorRT-RTX is not installed (pip install kiln[tensorrt-rtx])"
+)
+def test_engine_io_that_does_not_match_the_graph_is_refused():
+    backend = TensorRTBackend("tensorrt-rtx", require_gpu=False)
+    onnx_bytes, _ = _mlp_onnx()
+    renamed = EngineIO(
+        (InputSpec("input_ids", "float32", (1, 8), (4, 8), (16, 8), {0: "b"}),), ("y0",), ("float32",)
+    )
+    with pytest.raises(EngineBuildError, match=r"inputs \['x0'\].*declares inputs \['input_ids'\]"):
+        backend.parse(onnx_bytes, renamed, partition="p")
+    wrong_width = EngineIO(
+        (InputSpec("x0", "float32", (1, 6), (4, 6), (16, 6), {0: "b"}),), ("y0",), ("float32",)
+    )
+    with pytest.raises(InputSpecError, match=r"'x0' has shape \(-1, 8\).*min \(1, 6\) max \(16, 6\)"):
+        backend.parse(onnx_bytes, wrong_width, partition="p")
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime and refit: a CUDA GPU and a TensorRT that runs on it
+# ---------------------------------------------------------------------------------------------
+
+
+def _runnable_backend() -> tuple[TensorRTBackend | None, str]:
+    reasons = []
+    for name in ("tensorrt", "tensorrt-rtx"):
+        try:
+            backend = TensorRTBackend(name)
+            backend.check_runnable()
+            return backend, ""
+        except BackendUnavailableError as exc:
+            reasons.append(f"{name}: {exc}")
+    return None, "needs a CUDA GPU and a TensorRT that supports it; " + " | ".join(reasons)
+
+
+@pytest.fixture(scope="module")
+def runnable():
+    backend, reason = _runnable_backend()
+    if backend is None:
+        pytest.skip(reason)
+    return backend
+
+
+def _reference(x: torch.Tensor, w: dict) -> torch.Tensor:
+    return (torch.relu(x @ w["w0"] + w["w1"]) * 0.5) @ w["w2"]
+
+
+@pytest.mark.gpu
+def test_full_engine_runs_and_matches_torch_on_the_current_stream(runnable):
+    onnx_bytes, weights = _mlp_onnx()
+    engine = runnable.load(runnable.build(onnx_bytes, _io(), BuildSettings()), _io(), None)
+    for batch in (1, 4, 16):
+        x = torch.randn(batch, 8, device="cuda")
+        (y,) = engine(x)
+        torch.cuda.current_stream().synchronize()
+        assert y.shape == (batch, 4) and y.device.type == "cuda"
+        torch.testing.assert_close(y.cpu(), _reference(x.cpu(), weights), rtol=1e-3, atol=1e-3)
+    with pytest.raises(InputSpecError, match="outside the spec"):
+        engine(torch.randn(17, 8, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_stripped_engine_is_small_needs_weights_and_refits_exactly(runnable):
+    onnx_bytes, weights = _mlp_onnx(width=512, out=512)
+    io = _io(512, 512)
+    full = runnable.build(onnx_bytes, io, BuildSettings())
+    stripped = runnable.build(onnx_bytes, io, BuildSettings(strip_weights=True))
+    assert len(stripped) < len(full) - 4 * 512 * 512
+    with pytest.raises(RefitError, match="weight-stripped; load it with its weights"):
+        runnable.load(stripped, io, None)
+    with pytest.raises(RefitError, match=r"expected shape \(512, 512\), got \(512, 4\)"):
+        runnable.load(stripped, io, {**weights, "w0": torch.zeros(512, 4)})
+    with pytest.raises(RefitError, match=r"weights \['w2'\] are missing"):
+        runnable.load(stripped, io, {"w0": weights["w0"], "w1": weights["w1"]})
+    x = torch.randn(4, 512, device="cuda")
+    (y_full,) = runnable.load(full, io, None)(x)
+    (y_stripped,) = runnable.load(stripped, io, weights)(x)
+    torch.testing.assert_close(y_stripped, y_full, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_refit_with_other_weights_equals_a_build_with_them(runnable):
+    onnx_bytes, _ = _mlp_onnx(seed=0)
+    other_bytes, other = _mlp_onnx(seed=1)
+    refitted = runnable.refit(runnable.build(onnx_bytes, _io(), BuildSettings()), other)
+    x = torch.randn(4, 8, device="cuda")
+    (y_refit,) = runnable.load(refitted, _io(), None)(x)
+    (y_built,) = runnable.load(runnable.build(other_bytes, _io(), BuildSettings()), _io(), None)(x)
+    torch.testing.assert_close(y_refit, y_built, rtol=1e-5, atol=1e-5)
+    assert not decode_engine(refitted)[0]["stripped"]
+
+
+@pytest.mark.gpu
+def test_engine_from_another_library_version_is_refused_before_use(runnable):
+    onnx_bytes, _ = _mlp_onnx()
+    header, plan = decode_engine(runnable.build(onnx_bytes, _io(), BuildSettings()))
+    forged = encode_engine({**header, "library_version": "0.0.1"}, bytes(plan))
+    with pytest.raises(EngineCompatibilityError, match=r"built by .* 0\.0\.1"):
+        runnable.load(forged, _io(), None)
