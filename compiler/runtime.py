@@ -64,7 +64,12 @@ class CompiledModule(torch.nn.Module):
         self.validation: dict | None = None  # set by package.load from the manifest
         program = plan.program
         self._in_spec, self._out_spec = program.call_spec.in_spec, program.call_spec.out_spec
-        self._feed = [(spec.kind, spec.target) for spec in program.graph_signature.input_specs]
+        # Weights are fixed for the module's life (refit builds a new module): resolve them once.
+        weights = plan.weights()
+        self._feed_template = [
+            None if spec.kind == InputKind.USER_INPUT else weights[spec.target]
+            for spec in program.graph_signature.input_specs
+        ]
         self._user_outputs = [
             i
             for i, spec in enumerate(program.graph_signature.output_specs)
@@ -86,11 +91,8 @@ class CompiledModule(torch.nn.Module):
     def run_flat(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run on the flat user inputs (the program's order); returns the flat user outputs."""
         check_inputs(self.plan.specs, flat)
-        weights = self.plan.weights()
         user = iter(flat)
-        feed = [
-            next(user) if kind == InputKind.USER_INPUT else weights[target] for kind, target in self._feed
-        ]
+        feed = [next(user) if value is None else value for value in self._feed_template]
         with torch.no_grad():
             outputs = self.graph(*feed)
         return [outputs[i] for i in self._user_outputs]
