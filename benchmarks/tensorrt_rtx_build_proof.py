@@ -207,6 +207,32 @@ def summarize(results: dict) -> dict:
     }
 
 
+def _write(payload: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(payload, fh, indent=1, sort_keys=True, default=str)
+    os.replace(tmp, out)
+    print(json.dumps(payload["summary"], indent=1))
+    print(f"wrote {out}")
+
+
+def merge(paths: list[Path], out: Path) -> None:
+    """One result from runs over model subsets (each GPU call has a 10-minute limit), which must
+    agree on library, GPU and versions."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    same = ("library", "gpu", "capability", "torch", "onnx", "cpu_aot_dry_run", "target_device")
+    for part in parts[1:]:
+        diff = [k for k in same if part[k] != parts[0][k]]
+        if diff:
+            raise SystemExit(f"cannot merge runs that differ in {diff}")
+    models = {name: res for part in parts for name, res in part["models"].items()}
+    payload = {**parts[0], "models": models, "seconds": round(sum(p["seconds"] for p in parts), 1)}
+    payload["runs"] = len(parts)
+    payload["summary"] = summarize(models)
+    _write(payload, out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=RESULT)
@@ -214,7 +240,13 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="*", default=["fp32", "fp16"])
     parser.add_argument("--modes", nargs="*", default=list(MODES))
     parser.add_argument("--cpu-aot", action="store_true", help="dry run without a GPU (see module doc)")
+    parser.add_argument(
+        "--merge", nargs="*", type=Path, help="combine result files of runs over model subsets"
+    )
     args = parser.parse_args()
+    if args.merge:
+        merge(args.merge, args.out)
+        return
 
     backend = (
         TensorRTBackend("tensorrt-rtx", require_gpu=False) if args.cpu_aot else get_backend("tensorrt-rtx")
@@ -270,13 +302,7 @@ def main() -> None:
         "summary": summarize(results),
         "models": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=args.out.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(payload, fh, indent=1, sort_keys=True, default=str)
-    os.replace(tmp, args.out)
-    print(json.dumps(payload["summary"], indent=1))
-    print(f"wrote {args.out}")
+    _write(payload, args.out)
 
 
 if __name__ == "__main__":
