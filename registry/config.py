@@ -172,6 +172,8 @@ def configure(tracking_uri: str | None = None, workdir: str | os.PathLike | None
     # Cap MLflow's internal HTTP retries (default: 7 with factor 2, ~4 minutes) unless the user chose.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    # Batch logs and CLI output stay readable: no per-file download progress bars.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     uri = tracking_uri or resolve_tracking_uri(workdir)
     if mlflow.get_tracking_uri() != uri or not mlflow.is_tracking_uri_set():
         mlflow.set_tracking_uri(uri)

@@ -121,7 +121,7 @@ class Registered:
     content_hash: str
 
 
-def _lock(mlclient: MlflowClient, name: str) -> FileLock:
+def registry_lock(mlclient: MlflowClient, name: str) -> FileLock:
     # Serialises registrations of one registered model between processes of this host; the
     # converge step in register_version covers writers on other hosts.
     key = hashlib.sha256(f"{mlclient.tracking_uri}|{name}".encode()).hexdigest()[:24]
@@ -201,27 +201,26 @@ def register_version(
     """
     content_hash = tags[TAG_CONTENT_HASH]
     ensure_registered_model(mlclient, name, policy)
-    with _lock(mlclient, name):
-        existing = versions_with_hash(mlclient, name, content_hash, policy)
-        if existing:
-            return Registered(name, str(existing[0].version), False, content_hash)
-        created = call_with_retry(
-            lambda: mlclient.create_model_version(
-                name, source, run_id=run_id, tags=dict(tags), model_id=model_id, await_creation_for=60
-            ),
-            f"create a version of {name}",
-            policy,
-        )
+    created = None
+    with registry_lock(mlclient, name):
+        if not versions_with_hash(mlclient, name, content_hash, policy):
+            created = call_with_retry(
+                lambda: mlclient.create_model_version(
+                    name, source, run_id=run_id, tags=dict(tags), model_id=model_id, await_creation_for=60
+                ),
+                f"create a version of {name}",
+                policy,
+            )
+    # Converge (also when nothing was created here: a writer elsewhere may have left a duplicate).
     same = versions_with_hash(mlclient, name, content_hash, policy)
     canonical = same[0] if same else created
-    aliased = set(get_aliases(mlclient, name, policy).values())
-    for duplicate in same[1:]:
-        if str(duplicate.version) in aliased:
-            continue
-        _delete_version(mlclient, name, str(duplicate.version), policy)
-    return Registered(
-        name, str(canonical.version), str(canonical.version) == str(created.version), content_hash
-    )
+    if len(same) > 1:
+        aliased = set(get_aliases(mlclient, name, policy).values())
+        for duplicate in same[1:]:
+            if str(duplicate.version) not in aliased:
+                _delete_version(mlclient, name, str(duplicate.version), policy)
+    is_new = created is not None and str(canonical.version) == str(created.version)
+    return Registered(name, str(canonical.version), is_new, content_hash)
 
 
 def _delete_version(mlclient: MlflowClient, name: str, version: str, policy: RetryPolicy | None) -> None:

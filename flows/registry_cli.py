@@ -1,0 +1,205 @@
+"""``kiln lookup``, ``kiln release``, ``kiln rollback`` and ``kiln versions``: the registry from the shell.
+
+Mounted on the main CLI by ``register_commands(app)``. Exit codes: 0 success (found / promoted /
+rolled back), 1 a decision against (no fitting version / candidate rejected), 2 an error (artifact
+refused, server unreachable, bad arguments).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+console = Console()
+
+TrackingUri = Annotated[
+    str | None,
+    typer.Option(
+        "--tracking-uri",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db)",
+        show_default=False,
+    ),
+]
+Target = Annotated[
+    str, typer.Option("--target", help="target device the engines were built for: cpu, cuda:sm_90")
+]
+
+
+def parse_shapes(values: list[str]) -> tuple[int, ...] | list[tuple[int, ...]] | dict[str, tuple[int, ...]]:
+    """``["4,64"]``: one shape; ``["4,16", "4,16"]``: per input in order; ``["ids=4,16", ...]``: by name."""
+
+    def dims(text: str) -> tuple[int, ...]:
+        try:
+            shape = tuple(int(d) for d in text.replace("x", ",").split(",") if d.strip())
+        except ValueError:
+            raise typer.BadParameter(
+                f"shape {text!r} must be integers separated by commas, e.g. 4,64"
+            ) from None
+        if not shape:
+            raise typer.BadParameter(f"shape {text!r} is empty; give e.g. 4,64")
+        return shape
+
+    if not values:
+        raise typer.BadParameter("give at least one --shape, e.g. --shape 4,64 or --shape input_ids=2,16")
+    named = [v for v in values if "=" in v]
+    if named and len(named) != len(values):
+        raise typer.BadParameter("either name every --shape (name=4,16) or none")
+    if named:
+        return {k.strip(): dims(v) for k, v in (item.split("=", 1) for item in values)}
+    shapes = [dims(v) for v in values]
+    return shapes[0] if len(shapes) == 1 else shapes
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    console.print(f"[red]error:[/red] {message}", soft_wrap=True)
+    return typer.Exit(code)
+
+
+def lookup_cmd(
+    model: Annotated[str, typer.Argument(help="model name as in the zoo file, e.g. tiny_bert")],
+    shape: Annotated[
+        list[str],
+        typer.Option("--shape", "-s", help="input shape, repeat per input: 4,64 or input_ids=2,16"),
+    ],
+    backend: Annotated[str | None, typer.Option(help="onnxruntime, tensorrt, ... (default: any)")] = None,
+    target: Target = "cpu",
+    precision: Annotated[str | None, typer.Option(help="fp32, fp16, bf16 (default: any)")] = None,
+    version: Annotated[str | None, typer.Option(help="pin a version number")] = None,
+    dst: Annotated[
+        str | None, typer.Option(help="download the package here (default: the kiln cache)")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+    tracking_uri: TrackingUri = None,
+) -> None:
+    """Find the champion (else newest) version whose input ranges cover SHAPE; download, verify, load it."""
+    from registry.errors import KilnError, NoMatchingVersionError
+    from registry.lookup import describe_result, lookup
+
+    try:
+        result = lookup(
+            model,
+            parse_shapes(shape),
+            backend=backend,
+            target=target,
+            precision=precision,
+            version=version,
+            dst=dst,
+            tracking_uri=tracking_uri,
+        )
+    except NoMatchingVersionError as exc:
+        if as_json:
+            print(json.dumps({"error": str(exc), "candidates": exc.candidates}, indent=2))
+        raise _fail(str(exc), 1) from None
+    except KilnError as exc:
+        raise _fail(f"{type(exc).__name__}: {exc}") from None
+    summary = describe_result(result)
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    aliases = f" ({', '.join(result.aliases)})" if result.aliases else ""
+    console.print(f"[green]{result.name}[/green] version {result.version}{aliases}: verified and loaded")
+    for key in ("backend", "precision", "target_device", "input_ranges", "package_dir"):
+        console.print(f"  {key}: {summary[key]}", soft_wrap=True)
+    for row in result.skipped:
+        console.print(f"  skipped v{row['version']}: {row['reason']}", soft_wrap=True)
+
+
+def release_cmd(
+    model: Annotated[str, typer.Argument(help="model name as in the zoo file")],
+    version: Annotated[
+        str | None, typer.Option(help="version to release (default: newest not champion, not rejected)")
+    ] = None,
+    target: Target = "cpu",
+    max_latency_ratio: Annotated[
+        float, typer.Option(help="candidate median latency may be at most this times the champion's")
+    ] = 1.10,
+    rel_l2: Annotated[
+        float | None, typer.Option(help="accuracy tolerance vs the original (default: the zoo entry's)")
+    ] = None,
+    runs: Annotated[int, typer.Option(help="timed runs per module for the latency gate")] = 30,
+    as_json: Annotated[bool, typer.Option("--json", help="print the outcome as JSON")] = False,
+    tracking_uri: TrackingUri = None,
+) -> None:
+    """Re-validate a candidate against the original model and the champion; promote it or reject it."""
+    from flows.release import release
+    from registry.errors import KilnError
+
+    try:
+        outcome = release(
+            model,
+            version=version,
+            target=target,
+            max_latency_ratio=max_latency_ratio,
+            rel_l2=rel_l2,
+            runs=runs,
+            tracking_uri=tracking_uri,
+        )
+    except KilnError as exc:
+        raise _fail(f"{type(exc).__name__}: {exc}") from None
+    if as_json:
+        print(json.dumps(outcome, indent=2, default=str))
+    elif outcome["promoted"]:
+        console.print(
+            f"[green]{outcome['registered_model']} version {outcome['version']} is the champion[/green]"
+            f" (previous: {outcome['previous'] or 'none'})"
+        )
+    else:
+        console.print(
+            f"[yellow]{outcome['registered_model']} version {outcome['version']} not promoted:[/yellow]"
+        )
+        for reason in outcome["reasons"]:
+            console.print(f"  - {reason}", soft_wrap=True)
+    if not outcome["promoted"]:
+        raise typer.Exit(1)
+
+
+def rollback_cmd(
+    model: Annotated[str, typer.Argument(help="model name as in the zoo file")],
+    target: Target = "cpu",
+    tracking_uri: TrackingUri = None,
+) -> None:
+    """Move the champion alias back to the previous champion."""
+    from registry.errors import KilnError
+    from registry.release import rollback
+
+    try:
+        outcome = rollback(model, target, tracking_uri=tracking_uri)
+    except KilnError as exc:
+        raise _fail(f"{type(exc).__name__}: {exc}") from None
+    console.print(
+        f"[green]{outcome.registered_model}: champion is version {outcome.champion} again[/green] "
+        f"(version {outcome.report['rolled_back_from']} tagged rolled_back)"
+    )
+
+
+def versions_cmd(tracking_uri: TrackingUri = None) -> None:
+    """List every registered kiln version with its aliases, backend, precision and input ranges."""
+    from registry.errors import KilnError
+    from registry.summary import print_registry_summary
+
+    try:
+        print_registry_summary(tracking_uri=tracking_uri, console=console)
+    except KilnError as exc:
+        raise _fail(f"{type(exc).__name__}: {exc}") from None
+
+
+def register_commands(app: typer.Typer) -> None:
+    """Add ``lookup``, ``release``, ``rollback`` and ``versions`` to the ``kiln`` CLI."""
+    app.command("lookup")(lookup_cmd)
+    app.command("release")(release_cmd)
+    app.command("rollback")(rollback_cmd)
+    app.command("versions")(versions_cmd)
+
+
+def build_app() -> typer.Typer:
+    """A CLI with only the registry commands (``python -m flows.registry_cli``), for tests and debugging."""
+    app = typer.Typer(no_args_is_help=True, add_completion=False, help="kiln registry commands")
+    register_commands(app)
+    return app
+
+
+if __name__ == "__main__":
+    build_app()()

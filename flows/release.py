@@ -1,0 +1,92 @@
+"""The ``release`` flow: re-validate a candidate version, then promote it or reject it.
+
+    resolve candidate + champion -> fetch, verify, load both -> rebuild the original from the zoo entry
+    -> accuracy gate (candidate vs original) -> latency gate (candidate vs champion, side by side)
+    -> promote (champion -> candidate, previous -> old champion) or tag it rejected with the reasons
+
+Both modules are measured in this one process on this one machine, interleaved, so the latency
+ratio compares like with like. The registry changes all-or-nothing (``registry.release``).
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+
+from registry import config
+from registry.errors import ArtifactMissingError, ArtifactVerificationError
+from registry.models import registered_model_name
+from registry.release import GateReport
+from tasks.registry import (
+    accuracy_gate,
+    decide,
+    fetch_and_load,
+    latency_gate,
+    rebuild_original,
+    resolve_candidate,
+    tolerance_for,
+)
+
+DEFAULT_MAX_LATENCY_RATIO = 1.10
+
+
+@flow(name="release", log_prints=True)
+def release(
+    model: str,
+    version: str | None = None,
+    target: str = "cpu",
+    max_latency_ratio: float = DEFAULT_MAX_LATENCY_RATIO,
+    rel_l2: float | None = None,
+    samples: int = 3,
+    runs: int = 30,
+    tracking_uri: str | None = None,
+) -> dict:
+    """Release ``version`` (default: the newest open candidate) of ``kiln.<model>.<target>``.
+
+    ``max_latency_ratio``: the candidate's median latency may be at most this times the champion's.
+    ``rel_l2``: accuracy tolerance vs the original model (default: the zoo entry's, by precision).
+    Returns the outcome (``promoted``, ``champion``, ``previous``, ``reasons``, the measured report).
+    """
+    logger = get_run_logger()
+    config.configure(tracking_uri)
+    name = registered_model_name(model, target)
+    resolved = resolve_candidate(name, version)
+    candidate_version, champion_version = resolved["candidate"], resolved["champion"]
+    if candidate_version == champion_version:
+        logger.info("%s version %s is already the champion; nothing to do", name, candidate_version)
+        return {
+            "registered_model": name,
+            "version": candidate_version,
+            "promoted": False,
+            "champion": champion_version,
+            "previous": None,
+            "reasons": ["already the champion"],
+            "report": {},
+        }
+    tolerance = tolerance_for(resolved["tags"], rel_l2)
+    try:
+        candidate = fetch_and_load(name, candidate_version)
+    except (ArtifactVerificationError, ArtifactMissingError) as exc:
+        # A candidate that cannot be trusted is rejected, with the reason; the champion stays.
+        report = GateReport(name, candidate_version, champion_version, {}, {}, [f"artifact refused: {exc}"])
+        return decide(report).to_dict()
+    champion = fetch_and_load(name, champion_version) if champion_version else None
+    original = rebuild_original(resolved["tags"])
+    accuracy = accuracy_gate(original, candidate, tolerance, samples=samples)
+    latency = latency_gate(candidate, champion, max_latency_ratio, runs=runs)
+    reasons = []
+    if not accuracy["passed"]:
+        reasons.append(
+            f"accuracy: max rel L2 {accuracy['max_rel_l2']:.3g} vs the original exceeds the tolerance "
+            f"{tolerance:.3g}"
+        )
+    if not latency["passed"]:
+        reasons.append(
+            f"latency: median {latency['candidate_median_ms']:.3f} ms is {latency['ratio']:.2f}x the "
+            f"champion's (v{champion_version}, {latency['champion_median_ms']:.3f} ms); "
+            f"the limit is {max_latency_ratio:.2f}x"
+        )
+    report = GateReport(name, candidate_version, champion_version, accuracy, latency, reasons)
+    outcome = decide(report)
+    verdict = "promoted to champion" if outcome.promoted else f"rejected: {'; '.join(reasons)}"
+    logger.info("%s version %s %s", name, candidate_version, verdict)
+    return outcome.to_dict()

@@ -1,0 +1,357 @@
+"""Look-ups: the registered version that serves a concrete input shape, downloaded, verified, loaded.
+
+Order of preference inside ``kiln.<model>.<target>``: the ``champion`` alias, then every other version
+newest first. A version is skipped (with the reason recorded) when it was rejected by a release, has
+another backend or precision, or its input spec ranges do not cover the requested shapes. The first
+that fits is downloaded, every checksum in its manifest is verified and its content hash compared
+with the registry's tag; only then is it loaded. No fit -> :class:`NoMatchingVersionError` listing
+every candidate and why it did not fit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from compiler.errors import PackageError
+from compiler.specs import InputSpec, specs_from_json
+from registry import config
+from registry.config import RetryPolicy, call_with_retry, is_transient
+from registry.errors import ArtifactMissingError, ArtifactVerificationError, NoMatchingVersionError
+from registry.models import (
+    CHAMPION,
+    TAG_CONTENT_HASH,
+    TAG_INPUT_SPECS,
+    TAG_REJECTED,
+    all_versions,
+    get_aliases,
+    registered_model_name,
+)
+from registry.pyfunc import PACKAGE_ARTIFACT, import_op_modules
+
+Shapes = Sequence[int] | Sequence[Sequence[int]] | Mapping[str, Sequence[int]]
+
+
+@dataclass
+class LookupResult:
+    """The chosen version, where its verified package lies, and (unless ``load=False``) the module."""
+
+    name: str
+    version: str
+    aliases: list[str]
+    package_dir: Path
+    manifest: dict
+    tags: dict[str, str]
+    module: Any = None
+    skipped: list[dict] = field(default_factory=list)
+
+
+def normalize_shapes(shapes: Shapes, specs: Sequence[InputSpec]) -> list[tuple[int, ...]]:
+    """Shapes in the specs' input order, from one shape, a list per input, or ``{name: shape}``.
+
+    Raises ValueError naming the mismatch (the caller turns it into a candidate's reason).
+    """
+    names = [s.name for s in specs]
+    if isinstance(shapes, Mapping):
+        unknown = sorted(set(shapes) - set(names))
+        if unknown:
+            raise ValueError(f"has no input(s) {unknown}; its inputs are {names}")
+        missing = [n for n in names if n not in shapes]
+        if missing:
+            raise ValueError(f"needs a shape for input(s) {missing} as well")
+        return [tuple(int(d) for d in shapes[n]) for n in names]
+    items = list(shapes)
+    if not items or isinstance(items[0], (int,)) or hasattr(items[0], "__index__"):
+        per_input = [tuple(int(d) for d in items)]
+    else:
+        per_input = [tuple(int(d) for d in shape) for shape in items]
+    if len(per_input) != len(specs):
+        raise ValueError(f"has {len(specs)} inputs {names}, but {len(per_input)} shape(s) were given")
+    return per_input
+
+
+def spec_misfit(specs: Sequence[InputSpec], shapes: Shapes) -> str | None:
+    """Why ``shapes`` fall outside ``specs`` (None when they fit), naming the input and its range."""
+    try:
+        ordered = normalize_shapes(shapes, specs)
+    except ValueError as exc:
+        return f"the model {exc}"
+    sizes: dict[str, tuple[str, int]] = {}
+    for spec, shape in zip(specs, ordered, strict=True):
+        if not spec.covers(shape):
+            ranges = ", ".join(
+                f"{lo}..{hi}" if lo != hi else str(lo)
+                for lo, hi in zip(spec.min_shape, spec.max_shape, strict=True)
+            )
+            return f"input {spec.name!r} shape {list(shape)} is outside its range [{ranges}]"
+        for axis, dim in spec.dynamic_dims.items():
+            if dim in sizes and sizes[dim][1] != shape[axis]:
+                return (
+                    f"dimension {dim!r} is {sizes[dim][1]} in input {sizes[dim][0]!r} but {shape[axis]} in "
+                    f"input {spec.name!r}; inputs sharing a dimension must agree"
+                )
+            sizes[dim] = (spec.name, shape[axis])
+    return None
+
+
+def _registered_for(mlclient: MlflowClient, model: str, policy: RetryPolicy | None) -> list[str]:
+    prefix = registered_model_name(model, "x")[: -len(".x")] + "."
+    found = call_with_retry(
+        lambda: list(mlclient.search_registered_models(max_results=1000)), "list registered models", policy
+    )
+    return sorted(m.name for m in found if m.name.startswith(prefix))
+
+
+def candidates(
+    mlclient: MlflowClient,
+    name: str,
+    *,
+    backend: str | None,
+    precision: str | None,
+    shapes: Shapes | None,
+    policy: RetryPolicy | None = None,
+) -> tuple[list[dict], list[dict]]:
+    """(fitting, skipped): versions in preference order, each a dict with version, aliases, tags, reason."""
+    versions = all_versions(mlclient, name, policy)
+    aliases = get_aliases(mlclient, name, policy)
+    by_version: dict[str, list[str]] = {}
+    for alias, version in aliases.items():
+        by_version.setdefault(version, []).append(alias)
+    champion = aliases.get(CHAMPION)
+    ordered = sorted(versions, key=lambda v: (str(v.version) != champion, -int(v.version)))
+    seen_hash: dict[str, str] = {}
+    fitting, skipped = [], []
+    for v in ordered:
+        tags = dict(v.tags)
+        row = {"version": str(v.version), "aliases": sorted(by_version.get(str(v.version), [])), "tags": tags}
+        reason = None
+        content_hash = tags.get(TAG_CONTENT_HASH, "")
+        if content_hash and content_hash in seen_hash:
+            reason = f"same content as version {seen_hash[content_hash]}"
+        elif TAG_REJECTED in tags:
+            reason = f"rejected by a release: {tags[TAG_REJECTED]}"
+        elif backend and tags.get("backend") != backend:
+            reason = f"backend is {tags.get('backend')!r}, not {backend!r}"
+        elif precision and tags.get("precision") != precision:
+            reason = f"precision is {tags.get('precision')!r}, not {precision!r}"
+        elif shapes is not None:
+            try:
+                specs = specs_from_json(tags.get(TAG_INPUT_SPECS, ""))
+            except Exception as exc:  # a version without readable specs cannot be matched by shape
+                reason = f"its input_specs tag is unreadable ({exc})"
+            else:
+                reason = spec_misfit(specs, shapes)
+        if content_hash:
+            seen_hash.setdefault(content_hash, str(v.version))
+        row["reason"] = reason
+        (skipped if reason else fitting).append(row)
+    return fitting, skipped
+
+
+def _describe(rows: list[dict]) -> str:
+    lines = []
+    for row in rows:
+        alias = f" [{', '.join(row['aliases'])}]" if row["aliases"] else ""
+        tags = row["tags"]
+        what = f"{tags.get('backend', '?')}/{tags.get('precision', '?')} {tags.get('input_ranges', '')}"
+        lines.append(f"  version {row['version']}{alias} ({what}): {row['reason']}")
+    return "\n".join(lines)
+
+
+def _package_in(model_dir: Path) -> Path:
+    """The package directory inside a downloaded pyfunc model (its MLmodel names the artifact path)."""
+    from mlflow.models import Model
+
+    try:
+        meta = Model.load(str(model_dir))
+        rel = meta.flavors["python_function"]["artifacts"][PACKAGE_ARTIFACT]["path"]
+    except (OSError, KeyError, MlflowException) as exc:
+        raise ArtifactMissingError(
+            f"{model_dir} is not a kiln pyfunc model (no package artifact): {exc}"
+        ) from exc
+    path = model_dir / rel
+    if not path.is_dir():
+        raise ArtifactMissingError(f"the package artifact {rel} is missing from {model_dir}")
+    return path
+
+
+def default_download_root() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(os.environ.get("KILN_REGISTRY_CACHE") or user_cache_dir("kiln")) / "registry"
+
+
+def fetch_version(
+    mlclient: MlflowClient,
+    name: str,
+    version: str,
+    *,
+    dst: str | os.PathLike | None = None,
+    policy: RetryPolicy | None = None,
+) -> tuple[Path, dict, dict[str, str]]:
+    """Download version ``version`` of ``name`` and verify it: (package dir, manifest, version tags).
+
+    The download always goes to a fresh directory (then replaces ``dst``), so a tampered or stale
+    earlier copy is never reused. Raises ArtifactMissingError when the artifact is gone and
+    ArtifactVerificationError when it does not match its manifest or its registry entry.
+    """
+    import compiler.package as package
+
+    mv = call_with_retry(lambda: mlclient.get_model_version(name, version), f"read {name}/{version}", policy)
+    tags = dict(mv.tags)
+    root = Path(dst) if dst else default_download_root() / name / f"v{version}"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = root.parent / f".{root.name}.{uuid.uuid4().hex[:8]}"
+
+    def download() -> str:
+        uri = mlclient.get_model_version_download_uri(name, version)
+        return mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(staging))
+
+    try:
+        local = Path(call_with_retry(download, f"download {name}/{version}", policy))
+        package_dir = _package_in(local)
+    except Exception as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, ArtifactMissingError) or not (isinstance(exc, (MlflowException, OSError))):
+            raise
+        if is_transient(exc):
+            raise
+        raise ArtifactMissingError(
+            f"version {version} of {name} is registered, but its artifact cannot be downloaded from "
+            f"{mv.source} ({type(exc).__name__}: {exc}); "
+            "re-record the package (kiln zoo) or delete the version"
+        ) from exc
+    try:
+        manifest = package.read_manifest(package_dir)
+        _check_content_hash(manifest, tags, name, version)
+    except PackageError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, ArtifactVerificationError):
+            raise
+        raise ArtifactVerificationError(
+            f"version {version} of {name} failed verification and is refused: {exc}"
+        ) from exc
+    if root.exists():
+        shutil.rmtree(root)
+    os.replace(staging, root)
+    return root / package_dir.relative_to(staging), manifest, tags
+
+
+def _check_content_hash(manifest: dict, tags: Mapping[str, str], name: str, version: str) -> None:
+    from compiler import package
+
+    expected = tags.get(TAG_CONTENT_HASH)
+    recomputed = package._content_hash(manifest)
+    if manifest.get("content_hash") != recomputed:
+        raise ArtifactVerificationError(
+            f"version {version} of {name}: the manifest's content_hash does not match its contents "
+            "(the manifest was edited); refused"
+        )
+    if expected and expected != recomputed:
+        raise ArtifactVerificationError(
+            f"version {version} of {name}: the artifact holds content {recomputed[:16]}..., but the registry "
+            f"recorded {expected[:16]}...; the artifact was replaced, refused"
+        )
+
+
+def lookup(
+    model: str,
+    shapes: Shapes | None = None,
+    *,
+    backend: str | None = None,
+    target: str = "cpu",
+    precision: str | None = None,
+    version: str | None = None,
+    load: bool = True,
+    dst: str | os.PathLike | None = None,
+    tracking_uri: str | None = None,
+    policy: RetryPolicy | None = None,
+) -> LookupResult:
+    """The ``champion`` (else newest) version of ``kiln.<model>.<target>`` that fits; verified and loaded.
+
+    ``shapes``: one shape for a single-input model (``(4, 64)``), a list in input order, or
+    ``{"input_ids": (2, 16), ...}``. ``version`` pins a version (still checked against the filters).
+    """
+    mlclient = config.client(tracking_uri)
+    name = registered_model_name(model, target)
+    fitting, skipped = candidates(
+        mlclient, name, backend=backend, precision=precision, shapes=shapes, policy=policy
+    )
+    if version is not None:
+        pinned = [r for r in fitting if r["version"] == str(version)]
+        skipped += [
+            dict(r, reason=f"not the requested version {version}") for r in fitting if r not in pinned
+        ]
+        fitting = pinned
+    if not fitting:
+        wanted = ", ".join(
+            f"{k}={v}"
+            for k, v in (
+                ("backend", backend),
+                ("precision", precision),
+                ("shapes", shapes),
+                ("version", version),
+            )
+            if v is not None
+        )
+        if not skipped:
+            others = _registered_for(mlclient, model, policy)
+            where = (
+                f"; registered for {model!r}: {', '.join(others)}"
+                if others
+                else f"; nothing is registered for {model!r}"
+            )
+            raise NoMatchingVersionError(f"no version of {name} is registered{where}", candidates=[])
+        raise NoMatchingVersionError(
+            f"no registered version of {name} fits ({wanted or 'no filters'}); "
+            f"candidates:\n{_describe(skipped)}",
+            candidates=[{k: r[k] for k in ("version", "aliases", "reason")} for r in skipped],
+        )
+    chosen = fitting[0]
+    package_dir, manifest, tags = fetch_version(mlclient, name, chosen["version"], dst=dst, policy=policy)
+    result = LookupResult(
+        name, chosen["version"], chosen["aliases"], package_dir, manifest, tags, None, skipped
+    )
+    if load:
+        result.module = load_package(package_dir, tags)
+    return result
+
+
+def load_package(package_dir: str | os.PathLike, tags: Mapping[str, str] | None = None) -> Any:
+    """``compiler.load`` after importing the factory module (it registers custom fallback ops)."""
+    import compiler
+
+    factory = (tags or {}).get("factory", "")
+    if ":" in factory:
+        import_op_modules([factory.split(":")[0]])
+    try:
+        return compiler.load(package_dir)
+    except PackageError as exc:
+        raise ArtifactVerificationError(
+            f"{package_dir} failed verification at load and is refused: {exc}"
+        ) from exc
+
+
+def describe_result(result: LookupResult) -> dict:
+    """A JSON-friendly summary for the CLI."""
+    return {
+        "registered_model": result.name,
+        "version": result.version,
+        "aliases": result.aliases,
+        "package_dir": str(result.package_dir),
+        "backend": result.tags.get("backend"),
+        "precision": result.tags.get("precision"),
+        "target_device": result.tags.get("target_device"),
+        "input_ranges": result.tags.get("input_ranges"),
+        "content_hash": result.tags.get(TAG_CONTENT_HASH),
+        "skipped": [{k: r[k] for k in ("version", "reason")} for r in result.skipped],
+    }

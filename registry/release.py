@@ -1,0 +1,225 @@
+"""Release bookkeeping in the registry: promote, reject, roll back, all-or-nothing.
+
+The measuring (accuracy against the original model, latency against the champion) happens in the
+Prefect flow ``flows/release.py``; this module applies its decision. Every change is a list of steps
+with an undo each: if any step fails, the steps already done are undone in reverse, so a release
+either moves ``champion``/``previous`` and writes its report, or leaves the registry as it found it.
+A file lock per registered model serialises releases on one host, and the champion is re-read
+before the first write: if another release moved it since the gates were measured, this one aborts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from registry import config
+from registry.config import RetryPolicy, call_with_retry
+from registry.errors import ReleaseError
+from registry.models import (
+    CHAMPION,
+    PREVIOUS,
+    TAG_REJECTED,
+    TAG_RELEASE_REPORT,
+    get_aliases,
+    registered_model_name,
+    registry_lock,
+)
+
+log = logging.getLogger("kiln.registry")
+
+TAG_ROLLED_BACK = "rolled_back"
+
+
+@dataclass
+class GateReport:
+    """What a release measured, and its verdict. Stored on the version as the ``release_report`` tag."""
+
+    registered_model: str
+    candidate: str
+    champion: str | None
+    accuracy: dict[str, Any]
+    latency: dict[str, Any]
+    reasons: list[str] = field(default_factory=list)
+    measured_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+    @property
+    def passed(self) -> bool:
+        return not self.reasons
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["passed"] = self.passed
+        return data
+
+
+@dataclass(frozen=True)
+class ReleaseOutcome:
+    registered_model: str
+    version: str
+    promoted: bool
+    champion: str | None  # champion after the release
+    previous: str | None  # previous after the release
+    reasons: list[str]
+    report: dict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+Step = tuple[str, Callable[[], None], Callable[[], None]]
+
+
+def _run_steps(steps: list[Step], policy: RetryPolicy | None) -> None:
+    done: list[Step] = []
+    try:
+        for step in steps:
+            call_with_retry(step[1], step[0], policy)
+            done.append(step)
+    except BaseException as exc:
+        for what, _, undo in reversed(done):
+            try:
+                call_with_retry(undo, f"undo: {what}", policy)
+            except Exception as undo_exc:  # report, and keep undoing the rest
+                log.error("could not undo %r after a failed release: %s", what, undo_exc)
+        if isinstance(exc, ReleaseError):
+            raise
+        raise ReleaseError(
+            f"release aborted at step {len(done) + 1} ({steps[len(done)][0]}); the "
+            f"{len(done)} earlier step(s) were undone: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _tag_steps(mlclient: MlflowClient, name: str, version: str, key: str, value: str | None) -> Step:
+    """Set (or, with None, delete) a version tag; the undo restores what was there."""
+    old = mlclient.get_model_version(name, version).tags.get(key)
+
+    def put(v: str | None) -> None:
+        if v is None:
+            try:
+                mlclient.delete_model_version_tag(name, version, key)
+            except MlflowException as exc:
+                if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+        else:
+            mlclient.set_model_version_tag(name, version, key, v)
+
+    return (f"tag {name}/{version} {key}", lambda: put(value), lambda: put(old))
+
+
+def _alias_step(mlclient: MlflowClient, name: str, alias: str, version: str | None, old: str | None) -> Step:
+    def put(v: str | None) -> None:
+        if v is None:
+            try:
+                mlclient.delete_registered_model_alias(name, alias)
+            except MlflowException as exc:
+                if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+        else:
+            mlclient.set_registered_model_alias(name, alias, v)
+
+    return (f"alias {name}@{alias} -> {version}", lambda: put(version), lambda: put(old))
+
+
+def apply_decision(
+    report: GateReport, *, tracking_uri: str | None = None, policy: RetryPolicy | None = None
+) -> ReleaseOutcome:
+    """Promote (gates passed) or reject (tag ``rejected`` with the reasons); all-or-nothing."""
+    mlclient = config.client(tracking_uri)
+    name, version = report.registered_model, report.candidate
+    report_json = json.dumps(report.to_dict(), sort_keys=True, default=str)[:4900]
+    with registry_lock(mlclient, name):
+        aliases = get_aliases(mlclient, name, policy)
+        champion = aliases.get(CHAMPION)
+        if champion != report.champion:
+            raise ReleaseError(
+                f"{name}: champion moved from {report.champion} to {champion} while version {version} was "
+                "being measured; nothing was changed, run the release again"
+            )
+        steps: list[Step] = [
+            call_with_retry(
+                lambda: _tag_steps(mlclient, name, version, TAG_RELEASE_REPORT, report_json),
+                "read tags",
+                policy,
+            )
+        ]
+        if report.passed:
+            steps.append(
+                call_with_retry(
+                    lambda: _tag_steps(mlclient, name, version, TAG_REJECTED, None), "read tags", policy
+                )
+            )
+            if champion and champion != version:
+                steps.append(_alias_step(mlclient, name, PREVIOUS, champion, aliases.get(PREVIOUS)))
+            steps.append(_alias_step(mlclient, name, CHAMPION, version, champion))
+        else:
+            reasons = json.dumps(report.reasons)[:4900]
+            steps.append(
+                call_with_retry(
+                    lambda: _tag_steps(mlclient, name, version, TAG_REJECTED, reasons), "read tags", policy
+                )
+            )
+        _run_steps(steps, policy)
+        after = get_aliases(mlclient, name, policy)
+    return ReleaseOutcome(
+        name,
+        version,
+        report.passed,
+        after.get(CHAMPION),
+        after.get(PREVIOUS),
+        report.reasons,
+        report.to_dict(),
+    )
+
+
+def rollback(
+    model: str,
+    target: str = "cpu",
+    *,
+    tracking_uri: str | None = None,
+    policy: RetryPolicy | None = None,
+) -> ReleaseOutcome:
+    """Move ``champion`` back to ``previous``; the demoted version is tagged ``rolled_back``.
+
+    ``previous`` is removed (there is no older champion on record to point it at), so a second
+    rollback without a release in between is refused rather than bouncing back to the bad version.
+    """
+    mlclient = config.client(tracking_uri)
+    name = registered_model_name(model, target)
+    with registry_lock(mlclient, name):
+        aliases = get_aliases(mlclient, name, policy)
+        champion, previous = aliases.get(CHAMPION), aliases.get(PREVIOUS)
+        if previous is None:
+            raise ReleaseError(
+                f"{name} has no 'previous' alias (champion: {champion or 'none'}); nothing to roll back to"
+            )
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        steps: list[Step] = []
+        if champion:
+            steps.append(
+                call_with_retry(
+                    lambda: _tag_steps(mlclient, name, champion, TAG_ROLLED_BACK, f"{stamp} to v{previous}"),
+                    "read tags",
+                    policy,
+                )
+            )
+        steps.append(_alias_step(mlclient, name, CHAMPION, previous, champion))
+        steps.append(_alias_step(mlclient, name, PREVIOUS, None, previous))
+        _run_steps(steps, policy)
+        after = get_aliases(mlclient, name, policy)
+    return ReleaseOutcome(
+        name,
+        previous,
+        True,
+        after.get(CHAMPION),
+        after.get(PREVIOUS),
+        [],
+        {"rolled_back_from": champion, "to": previous},
+    )

@@ -1,0 +1,447 @@
+"""MLflow tracking, registry, look-ups and releases against a real `mlflow server` on 127.0.0.1.
+
+One module-scoped server; packages are compiled once from ``zoo.models.mlp_with_fallback``:
+``A`` (batch 1..32), ``B`` (batch 16..64, same weights), ``D`` (A with deliberately degraded weights,
+put in by refit). The tests run in file order and build on each other's registry state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.export import Dim
+
+import compiler
+from registry.errors import (
+    ArtifactMissingError,
+    ArtifactVerificationError,
+    NoMatchingVersionError,
+    ReleaseError,
+)
+from registry.models import (
+    CHAMPION,
+    PREVIOUS,
+    TAG_CONTENT_HASH,
+    TAG_REJECTED,
+    all_versions,
+    get_aliases,
+    register_version,
+    registered_model_name,
+    versions_with_hash,
+)
+from tests.fixtures.mlflow_server import mlflow_server  # noqa: F401 - pytest fixture
+from zoo.models import mlp_with_fallback
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = registered_model_name("mlp", "cpu")
+
+
+def _entry(name: str = "mlp"):
+    from flows.zoo_config import ZooEntry
+
+    return ZooEntry(name=name, factory="zoo.models:mlp_with_fallback")
+
+
+def _compile(out: Path, name: str, lo: int, hi: int, example: int) -> compiler.PackageInfo:
+    case = mlp_with_fallback()
+    program = compiler.export(
+        case.model, (torch.randn(example, 64),), dynamic_shapes=({0: Dim("batch", min=lo, max=hi)},)
+    )
+    compiled = compiler.compile(program)
+    report = compiler.validate(case.model, compiled, samples=2, warmup=1, runs=5)
+    return compiler.save(compiled, out / f"{name}.kiln", validation=report)
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("packages")
+    a = _compile(out, "a", 1, 32, 4)
+    b = _compile(out, "b", 16, 64, 24)
+    degraded = out / "d.kiln"
+    shutil.copytree(a.path, degraded)
+    generator = torch.Generator().manual_seed(1)
+    state = {
+        k: v + 0.5 * torch.randn(v.shape, generator=generator)
+        for k, v in compiler.load(degraded).weights.items()
+        if v.is_floating_point()
+    }
+    compiler.refit_package(degraded, state)
+    return {"a": a.path, "b": b.path, "d": degraded}
+
+
+@pytest.fixture(scope="module")
+def recorded(mlflow_server, packages) -> dict:  # noqa: F811
+    """A recorded under a zoo run (nested), and its result."""
+    from registry.tracking import record_package, zoo_run
+
+    with zoo_run("zoo-test", {"zoo": "test"}) as parent:
+        result = record_package(packages["a"], _entry(), {"status": "ok"})
+    return {"a": result, "parent": parent}
+
+
+def test_record_registers_a_version_with_tags_params_metrics_and_artifacts(mlflow_server, packages, recorded):  # noqa: F811
+    import mlflow
+
+    result = recorded["a"]
+    manifest = compiler.read_manifest(packages["a"])
+    assert (result.registered_model, result.version, result.created) == (NAME, "1", True)
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    version = client.get_model_version(NAME, "1")
+    tags = version.tags
+    assert tags[TAG_CONTENT_HASH] == manifest["content_hash"]
+    assert tags["backend"] == "onnxruntime" and tags["backend_version"] == manifest["backend_version"]
+    assert tags["target_device"] == "cpu" and tags["precision"] == "fp32"
+    assert tags["input_ranges"] == "x: float32 [1..32, 64] (batch=axis 0)"
+    assert tags["factory"] == "zoo.models:mlp_with_fallback"
+    assert json.loads(tags["zoo_entry"])["name"] == "mlp"
+
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["mlflow.parentRunId"] == recorded["parent"]
+    assert client.get_run(recorded["parent"]).info.status == "FINISHED"
+    params = run.data.params
+    assert params["backend"] == "onnxruntime" and params["precision"] == "fp32"
+    assert params["min_block_size"] == "1" and params["strip_weights"] == "False"
+    assert params["kiln_version"] == manifest["kiln_version"]
+    metrics = run.data.metrics
+    validation = manifest["validation"]
+    assert metrics["rel_l2.output_0"] == pytest.approx(validation["outputs"][0]["rel_l2"])
+    assert metrics["rel_l2.output_0"] < 1e-4
+    assert metrics["eager_median_ms"] > 0 and metrics["compiled_p95_ms"] > 0
+    assert metrics["latency_ratio"] == pytest.approx(validation["latency_ratio"])
+    assert metrics["partitions"] == manifest["report"]["num_partitions"] >= 2
+    assert metrics["unique_engines"] >= 1 and metrics["build_seconds"] > 0 and "cache_hits" in metrics
+    assert metrics["package_bytes"] > 10_000
+    artifacts = {a.path for a in client.list_artifacts(result.run_id)}
+    assert {"input_specs.json", "manifest.json", "validation.json", "latency.png"} <= artifacts
+    specs = json.loads(Path(client.download_artifacts(result.run_id, "input_specs.json")).read_text())
+    assert specs["inputs"][0]["max_shape"] == [32, 64]
+    png = Path(client.download_artifacts(result.run_id, "latency.png")).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+    model_info = mlflow.models.get_model_info(result.model_uri)
+    inputs = model_info.signature.inputs.inputs
+    assert [(s.name, s.shape, str(s.type)) for s in inputs] == [("x", (-1, 64), "float32")]
+
+
+def test_same_content_twice_returns_the_existing_version(mlflow_server, packages, recorded, tmp_path):  # noqa: F811
+    from registry.tracking import record_package
+
+    again = record_package(packages["a"], _entry(), {"status": "ok"})
+    assert again.already_recorded and again.version == "1" and again.run_id == recorded["a"].run_id
+    copy = tmp_path / "copy-of-a.kiln"  # same content at another path, as a second zoo run would make
+    shutil.copytree(packages["a"], copy)
+    assert record_package(copy, _entry(), None).version == "1"
+    import mlflow
+
+    assert [v.version for v in all_versions(mlflow.MlflowClient(mlflow_server.uri), NAME)] == ["1"]
+
+
+def test_two_zoo_runs_at_once_register_one_version(mlflow_server, packages, tmp_path):  # noqa: F811
+    """Two processes record the same new content at the same moment: exactly one version results."""
+    script = textwrap.dedent(
+        """
+        import json, sys
+        from flows.zoo_config import ZooEntry
+        from registry.tracking import record_package, zoo_run
+        with zoo_run(sys.argv[2]):
+            r = record_package(sys.argv[1], ZooEntry(name="mlp", factory="zoo.models:mlp_with_fallback"))
+        print("RESULT " + json.dumps(r.to_dict()))
+        """
+    )
+    copies = []
+    for i in range(2):
+        copies.append(tmp_path / f"b{i}.kiln")
+        shutil.copytree(packages["b"], copies[-1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(c), f"zoo-{i}"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, c in enumerate(copies)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.split("RESULT ", 1)[1]))
+    import mlflow
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    content_hash = compiler.read_manifest(packages["b"])["content_hash"]
+    same = versions_with_hash(client, NAME, content_hash)
+    assert [v.version for v in same] == ["2"]
+    assert {r["version"] for r in results} == {"2"}
+    assert sorted(r["created"] for r in results) == [False, True]
+
+
+def test_duplicate_from_another_host_converges_to_the_lowest_version(mlflow_server, recorded):  # noqa: F811
+    """A writer on another host (no shared file lock) made a duplicate: the next registration removes it."""
+    import mlflow
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    original = client.get_model_version(NAME, "1")
+    model_id = original.source.removeprefix("models:/")  # the logged model's id, as the server wants it
+    duplicate = client.create_model_version(
+        NAME, original.source, run_id=original.run_id, tags=dict(original.tags), model_id=model_id
+    )
+    assert len(versions_with_hash(client, NAME, original.tags[TAG_CONTENT_HASH])) == 2
+    result = register_version(
+        client,
+        NAME,
+        source=original.source,
+        run_id=original.run_id,
+        model_id=model_id,
+        tags=dict(original.tags),
+    )
+    assert (result.version, result.created) == ("1", False)
+    remaining = [v.version for v in versions_with_hash(client, NAME, original.tags[TAG_CONTENT_HASH])]
+    assert remaining == ["1"] and str(duplicate.version) not in remaining
+
+
+def test_logged_model_loads_in_a_fresh_process_and_matches_eager(mlflow_server, recorded, tmp_path):  # noqa: F811
+    case = mlp_with_fallback()
+    x = torch.randn(7, 64)
+    np.save(tmp_path / "x.npy", x.numpy())
+    with torch.no_grad():
+        expected = case.model(x).numpy()
+    script = textwrap.dedent(
+        f"""
+        import sys, numpy as np, torch, mlflow
+        assert not any(p.rstrip("/") == {str(ROOT)!r} for p in sys.path)
+        model = mlflow.pyfunc.load_model({recorded["a"].model_uri!r})
+        x = np.load("x.npy")
+        np.save("numpy_out.npy", model.predict(x))
+        np.save("dict_out.npy", model.predict({{"x": x}}))
+        np.save("tensor_out.npy", model.unwrap_python_model().run(torch.from_numpy(x)).numpy())
+        import compiler
+        print("COMPILER_FROM", compiler.__file__)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert str(ROOT) not in proc.stdout.split("COMPILER_FROM", 1)[1]  # the code shipped with the model
+    for name in ("numpy_out", "dict_out", "tensor_out"):
+        np.testing.assert_allclose(np.load(tmp_path / f"{name}.npy"), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_lookup_picks_the_version_whose_ranges_cover_the_shape(mlflow_server, recorded):  # noqa: F811
+    from registry.lookup import lookup
+
+    # v1: batch 1..32, v2: batch 16..64, no champion yet -> newest that fits.
+    assert lookup("mlp", (8, 64), backend="onnxruntime", precision="fp32").version == "1"
+    found = lookup("mlp", {"x": (48, 64)})
+    assert found.version == "2"
+    out = found.module(torch.randn(48, 64))
+    assert tuple(out.shape) == (48, 16)
+    assert lookup("mlp", [(20, 64)]).version == "2"
+    with pytest.raises(NoMatchingVersionError) as err:
+        lookup("mlp", (100, 64))
+    reasons = {c["version"]: c["reason"] for c in err.value.candidates}
+    assert set(reasons) == {"1", "2"}
+    assert "outside its range [1..32, 64]" in reasons["1"] and "[16..64, 64]" in reasons["2"]
+    with pytest.raises(NoMatchingVersionError, match="precision is 'fp32', not 'fp16'"):
+        lookup("mlp", (8, 64), precision="fp16")
+    with pytest.raises(NoMatchingVersionError, match="nothing is registered for 'nope'"):
+        lookup("nope", (8, 64))
+
+
+def test_lookup_cli_exit_codes(mlflow_server, recorded):  # noqa: F811
+    from typer.testing import CliRunner
+
+    from flows.registry_cli import build_app
+
+    runner = CliRunner()
+    ok = runner.invoke(build_app(), ["lookup", "mlp", "--shape", "8,64", "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["version"] == "1"
+    miss = runner.invoke(build_app(), ["lookup", "mlp", "--shape", "100,64"])
+    assert miss.exit_code == 1 and "outside its range" in miss.output
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def test_release_promotes_good_candidates_and_rejects_degraded_weights(
+    mlflow_server,  # noqa: F811
+    packages,
+    recorded,
+    prefect_api,
+):
+    import mlflow
+
+    from flows.registry_cli import build_app
+    from flows.release import release
+    from registry.tracking import record_package
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    first = release("mlp", version="1", max_latency_ratio=3.0, runs=10)
+    assert first["promoted"] and first["champion"] == "1" and first["previous"] is None
+    assert first["report"]["latency"]["note"].startswith("no champion")
+
+    second = release("mlp", version="2", max_latency_ratio=3.0, runs=10)
+    assert second["promoted"], second["reasons"]
+    assert get_aliases(client, NAME) == {CHAMPION: "2", PREVIOUS: "1"}
+    gates = json.loads(client.get_model_version(NAME, "2").tags["release_report"])
+    assert gates["accuracy"]["max_rel_l2"] < 1e-4 and gates["latency"]["champion_median_ms"] > 0
+
+    degraded = record_package(packages["d"], _entry(), None)
+    assert degraded.created and degraded.version not in ("1", "2")
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(build_app(), ["release", "mlp", "--max-latency-ratio", "3.0", "--runs", "10"])
+    assert result.exit_code == 1, result.output
+    assert "accuracy" in result.output
+    tags = client.get_model_version(NAME, degraded.version).tags
+    reasons = json.loads(tags[TAG_REJECTED])
+    assert len(reasons) == 1 and reasons[0].startswith("accuracy: max rel L2")
+    assert get_aliases(client, NAME) == {CHAMPION: "2", PREVIOUS: "1"}  # nothing moved
+
+    from registry.lookup import lookup
+
+    assert lookup("mlp", (20, 64)).version == "2"  # the champion, though the degraded one is newer
+    assert lookup("mlp", (8, 64)).version == "1"  # the champion does not cover batch 8
+
+
+def test_rollback_moves_champion_back_and_refuses_a_second_time(mlflow_server, recorded):  # noqa: F811
+    import mlflow
+    from typer.testing import CliRunner
+
+    from flows.registry_cli import build_app
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    assert get_aliases(client, NAME) == {CHAMPION: "2", PREVIOUS: "1"}
+    result = CliRunner().invoke(build_app(), ["rollback", "mlp"])
+    assert result.exit_code == 0, result.output
+    assert get_aliases(client, NAME) == {CHAMPION: "1"}
+    assert "rolled_back" in client.get_model_version(NAME, "2").tags
+    again = CliRunner().invoke(build_app(), ["rollback", "mlp"])
+    assert again.exit_code == 2 and "no 'previous' alias" in again.output
+
+
+def test_failed_release_step_undoes_the_earlier_ones(mlflow_server, recorded):  # noqa: F811
+    import mlflow
+
+    from registry.release import _alias_step, _run_steps, _tag_steps
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    before_aliases = get_aliases(client, NAME)
+    before_tags = dict(client.get_model_version(NAME, "1").tags)
+    steps = [
+        _tag_steps(client, NAME, "1", "release_report", '{"half": true}'),
+        _alias_step(client, NAME, PREVIOUS, "1", before_aliases.get(PREVIOUS)),
+        _alias_step(client, NAME, CHAMPION, "999", before_aliases.get(CHAMPION)),  # no such version
+    ]
+    with pytest.raises(ReleaseError, match="aborted at step 3"):
+        _run_steps(steps, None)
+    assert get_aliases(client, NAME) == before_aliases
+    assert dict(client.get_model_version(NAME, "1").tags) == before_tags
+
+
+def _artifact_dir(client, name: str, version: str) -> Path:
+    return Path(client.get_model_version_download_uri(name, version))
+
+
+def test_tampered_artifact_is_refused_at_lookup(mlflow_server, packages):  # noqa: F811
+    import mlflow
+
+    from registry.lookup import lookup
+    from registry.tracking import record_package
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    engines = record_package(packages["a"], _entry("mlp_tamper_engine"))
+    stored = _artifact_dir(client, engines.registered_model, engines.version)
+    engine = next(stored.rglob("engines/*.engine"))
+    data = bytearray(engine.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    engine.write_bytes(bytes(data))
+    with pytest.raises(ArtifactVerificationError, match="does not match its checksum"):
+        lookup("mlp_tamper_engine", (4, 64))
+
+    # Editing the manifest (widening the ranges) is not covered by file checksums, but by the content hash.
+    manifest_entry = record_package(packages["b"], _entry("mlp_tamper_manifest"))
+    stored = _artifact_dir(client, manifest_entry.registered_model, manifest_entry.version)
+    manifest_path = next(stored.rglob("manifest.json"))
+    manifest = json.loads(manifest_path.read_text())
+    manifest["input_specs"][0]["min_shape"][0] = 1
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactVerificationError, match="content_hash"):
+        lookup("mlp_tamper_manifest", (20, 64))
+
+
+def test_deleted_artifact_gives_a_clear_error(mlflow_server, packages):  # noqa: F811
+    import mlflow
+
+    from registry.lookup import lookup
+    from registry.tracking import record_package
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    gone = record_package(packages["a"], _entry("mlp_gone"))
+    shutil.rmtree(_artifact_dir(client, gone.registered_model, gone.version))
+    with pytest.raises(
+        ArtifactMissingError, match=r"version 1 of kiln\.mlp_gone\.cpu is registered, but its artifact"
+    ):
+        lookup("mlp_gone", (4, 64))
+
+
+def test_embedded_default_store_and_summary(packages, tmp_path):
+    """No tracking URI: sqlite under the working folder, artifacts in ./mlruns, and the UI command."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from registry.tracking import record_package
+        from registry.summary import print_registry_summary
+        entry = {{"name": "mlp", "factory": "zoo.models:mlp_with_fallback"}}
+        r = record_package({str(packages["a"])!r}, entry)
+        print_registry_summary()
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING")}
+    env["COLUMNS"] = "250"
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "mlflow.db").is_file()
+    assert list((tmp_path / "mlruns").rglob("a.kiln/manifest.json"))
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db" in proc.stdout
+    assert "kiln.mlp.cpu" in proc.stdout and "1..32" in proc.stdout
+
+
+def test_pool_of_threads_recording_the_same_package(mlflow_server, packages, tmp_path):  # noqa: F811
+    """Threads of one zoo run (Prefect's thread runner) recording equal content: one version, no errors."""
+    import mlflow
+
+    from registry.tracking import record_package
+
+    paths = []
+    for i in range(3):
+        paths.append(tmp_path / f"t{i}.kiln")
+        shutil.copytree(packages["b"], paths[-1])
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda p: record_package(p, _entry("mlp_threads")), paths))
+    assert {r.version for r in results} == {"1"}
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    assert [v.version for v in all_versions(client, registered_model_name("mlp_threads", "cpu"))] == ["1"]
