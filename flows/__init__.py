@@ -1,0 +1,1 @@
+"""Prefect flows and the `kiln` CLI: compile one model, recompile the zoo, release."""

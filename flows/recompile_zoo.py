@@ -1,0 +1,236 @@
+"""``recompile_zoo``: every model of a zoo file, in parallel; one model's failure never stops the others.
+
+load + validate the zoo file -> preflight every (model, target) before any build -> set the build
+concurrency limits -> compile_model per (model, target), in parallel -> summary artifact + JSON
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import allow_failure, flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from compiler.atomic import write_bytes_atomic
+from compiler.errors import KilnError
+from flows import progress
+from flows.compile_model import ModelResult, compile_model, preflight
+from flows.runners import ensure_build_limits, shared_dask_cluster, task_runner_for
+from flows.zoo_config import ZooEntry, ZooSettings, load_zoo
+
+SUMMARY_FILE = "summary.json"
+SUMMARY_ARTIFACT = "zoo-summary"
+
+
+class ZooRunError(KilnError):
+    """At least one model of the zoo failed; the summary names each failure and its message."""
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+@task(name="compile-one", cache_policy=NO_CACHE, persist_result=False, task_run_name="{entry.name}-{target}")
+def compile_one(
+    entry: ZooEntry, target: str, out_dir: str, settings: ZooSettings, dask_address: str | None
+) -> ModelResult:
+    """One model as its own flow run; its failure becomes a failed row, not a failed zoo run."""
+    start = time.perf_counter()
+    try:
+        runner = task_runner_for(settings, dask_address)
+        return compile_model.with_options(task_runner=runner)(
+            entry=entry, target=target, out_dir=out_dir, settings=settings
+        )
+    except Exception as exc:
+        get_run_logger().error("%s on %s failed: %s", entry.name, target, _error_text(exc))
+        progress.emit("failed", entry.name, target, _error_text(exc))
+        return ModelResult(
+            entry.name,
+            target,
+            "failed",
+            error=_error_text(exc),
+            seconds=round(time.perf_counter() - start, 2),
+        )
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def summary_rows(results: list[ModelResult]) -> list[dict[str, Any]]:
+    return [
+        {
+            "model": r.name,
+            "target": r.target,
+            "status": r.status,
+            "partitions": r.partitions,
+            "engines": r.unique_engines,
+            "built": r.engines_built,
+            "reused": r.engines_reused,
+            "rel_l2": _fmt(r.max_rel_l2, ".2e"),
+            "latency_ratio": _fmt(r.latency_ratio, ".2f"),
+            "seconds": r.seconds,
+            "package_or_error": r.package if r.status == "ok" else r.error,
+        }
+        for r in results
+    ]
+
+
+def summary_markdown(results: list[ModelResult], seconds: float) -> str:
+    ok = [r for r in results if r.status == "ok"]
+    lines = [
+        f"# Zoo recompile: {len(ok)} of {len(results)} ok, "
+        f"{sum(r.engines_built for r in results)} engines built, "
+        f"{sum(r.engines_reused for r in results)} reused, {seconds:.1f}s",
+        "",
+        "| model | target | status | partitions | engines built / reused | rel L2 | latency ratio | s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.name} | {r.target} | {r.status} | {r.partitions} | {r.engines_built} / {r.engines_reused} "
+            f"| {_fmt(r.max_rel_l2, '.2e')} | {_fmt(r.latency_ratio, '.2f')} | {r.seconds} |"
+        )
+    failed = [r for r in results if r.status != "ok"]
+    if failed:
+        lines += ["", "## Failures", ""] + [f"- **{r.name}** ({r.target}): {r.error}" for r in failed]
+    if ok:
+        lines += ["", "## Packages", ""] + [f"- {r.name}: `{r.package}`" for r in ok]
+    return "\n".join(lines)
+
+
+def _merged_settings(settings: ZooSettings, overrides: dict[str, Any] | None) -> ZooSettings:
+    if not overrides:
+        return settings
+    return ZooSettings.model_validate({**settings.model_dump(), **overrides})
+
+
+@flow(name="recompile-zoo", log_prints=True)
+def recompile_zoo(
+    zoo_path: str = "deploy/zoo.yaml",
+    out_dir: str | None = None,
+    models: list[str] | None = None,
+    targets: list[str] | None = None,
+    settings_overrides: dict[str, Any] | None = None,
+    fail_on_error: bool = True,
+) -> dict[str, Any]:
+    """Compile every model of ``zoo_path`` (or only ``models``, only on ``targets``) into ``out_dir``.
+
+    Writes ``<out_dir>/summary.json`` and a ``zoo-summary`` table artifact. Fails (after writing both)
+    when any model failed, unless ``fail_on_error`` is false.
+    """
+    start = time.perf_counter()
+    logger = get_run_logger()
+    zoo = load_zoo(zoo_path)
+    settings = _merged_settings(zoo.settings, settings_overrides)
+    out = str(Path(out_dir or settings.out_dir).resolve())
+    if models:
+        unknown = sorted(set(models) - set(zoo.names))
+        if unknown:
+            raise ZooRunError(f"models {unknown} are not in {zoo_path}; it has {zoo.names}")
+
+    def selected(name: str) -> bool:
+        return not models or name in models
+
+    results: list[ModelResult] = [
+        ModelResult(bad.name, "-", "failed", error=f"ZooConfigError: {bad.error}")
+        for bad in zoo.invalid
+        if selected(bad.name)
+    ]
+    jobs = [
+        (entry, target)
+        for entry in zoo.entries
+        if selected(entry.name)
+        for target in entry.targets
+        if not targets or target in targets
+    ]
+    # Every check that needs no build runs for every model first, so bad input fails in seconds.
+    checks = [preflight.submit(entry, target) for entry, target in jobs]
+    runnable = []
+    for (entry, target), check in zip(jobs, checks, strict=True):
+        state = check.wait() or check.state
+        if state.is_completed():
+            runnable.append((entry, target))
+        else:
+            exc = state.result(raise_on_failure=False)
+            results.append(ModelResult(entry.name, target, "failed", error=_error_text(exc)))
+            progress.emit("failed", entry.name, target, _error_text(exc))
+
+    if runnable:
+        limits = ensure_build_limits(settings, {t for _, t in runnable})
+        logger.info("engine build limits: %s", limits)
+    with shared_dask_cluster(settings) as address:
+        # At most parallel_models at once: model i starts when model i - parallel_models has ended.
+        futures: list[Any] = []
+        for i, (entry, target) in enumerate(runnable):
+            after = (
+                [allow_failure(futures[i - settings.parallel_models])]
+                if i >= settings.parallel_models
+                else []
+            )
+            futures.append(compile_one.submit(entry, target, out, settings, address, wait_for=after))
+        results += [f.result() for f in futures]
+
+    order = {name: i for i, name in enumerate(zoo.names)}
+    results.sort(key=lambda r: (order.get(r.name, len(order)), r.target))
+    seconds = time.perf_counter() - start
+    summary = {
+        "zoo": str(zoo_path),
+        "out_dir": out,
+        "ok": sum(r.status == "ok" for r in results),
+        "failed": sum(r.status != "ok" for r in results),
+        "engines_built": sum(r.engines_built for r in results),
+        "engines_reused": sum(r.engines_reused for r in results),
+        "seconds": round(seconds, 2),
+        "models": [r.to_dict() for r in results],
+    }
+    Path(out).mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(Path(out) / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
+    create_table_artifact(
+        key=SUMMARY_ARTIFACT, table=summary_rows(results), description=f"zoo recompile of {zoo_path}"
+    )
+    create_markdown_artifact(key=f"{SUMMARY_ARTIFACT}-report", markdown=summary_markdown(results, seconds))
+    if summary["engines_built"] == 0 and summary["failed"] == 0:
+        logger.info("nothing changed: every engine came from the cache, 0 built")
+    if fail_on_error and summary["failed"]:
+        names = ", ".join(f"{r.name} ({r.error})" for r in results if r.status != "ok")
+        raise ZooRunError(f"{summary['failed']} of {len(results)} models failed: {names}")
+    return summary
+
+
+def run_zoo(
+    zoo_path: str,
+    out_dir: str | None = None,
+    *,
+    models: list[str] | None = None,
+    targets: list[str] | None = None,
+    settings_overrides: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any] | None, BaseException | None]:
+    """Run the flow in this process with the zoo's parallelism; returns (summary or None, error or None).
+
+    The summary comes from ``summary.json`` so it is there even when the flow ends failed.
+    """
+    zoo = load_zoo(zoo_path)  # a broken file fails here, before Prefect starts
+    settings = _merged_settings(zoo.settings, settings_overrides)
+    out = str(Path(out_dir or settings.out_dir).resolve())
+    summary_file = Path(out) / SUMMARY_FILE
+    summary_file.unlink(missing_ok=True)
+    state = recompile_zoo(
+        zoo_path=zoo_path,
+        out_dir=out,
+        models=models,
+        targets=targets,
+        settings_overrides=settings_overrides,
+        return_state=True,
+    )
+    error = None
+    if not state.is_completed():
+        error = state.result(raise_on_failure=False)
+        if not isinstance(error, BaseException):
+            error = ZooRunError(state.message or "the zoo run failed")
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
+    return summary, error

@@ -1,0 +1,378 @@
+"""One thin Prefect task per compiler stage.
+
+Each task calls one function of ``compiler`` and moves its value into or out of the workspace
+(``tasks.workspace``), so what travels between tasks is a small reference, not a model or engine
+bytes. Cache keys are content hashes (the model's weights and source, kiln's code, the settings), so a
+re-run with nothing changed returns every stage from the cache and builds no engine. Engine builds
+also go through the compiler's persistent ``EngineCache``, which is shared by models, runs and workers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
+from prefect.tasks import exponential_backoff
+
+import compiler
+from compiler.backends.base import EngineIO
+from compiler.errors import (
+    BackendUnavailableError,
+    EngineCompatibilityError,
+    ExportError,
+    InputSpecError,
+    KilnError,
+    LoweringError,
+    PartitionError,
+    RefitError,
+)
+from compiler.partition import replay
+from flows.zoo_config import ZooEntry
+from tasks.model_case import load_case, model_key
+from tasks.workspace import Workspace, code_version, content_hash, read_json
+
+# torch.export (and the torch.onnx exporter built on it) is not thread-safe: two traces in one process
+# corrupt each other's dispatch-mode stack. Every stage that traces, runs or times torch code holds this
+# lock, so threads of one process take turns (timings stay honest too); the Dask runner with processes
+# is the way to build engines truly in parallel.
+TORCH_LOCK = threading.RLock()
+
+# Parameters that say where things live, not what is computed: left out of cache keys so a moved
+# workspace or engine cache still hits.
+_LOCATION_PARAMS = frozenset({"workspace", "engine_cache"})
+
+
+class ValidationFailedError(KilnError):
+    """The compiled model is less accurate (or slower) than the zoo entry's tolerances allow."""
+
+
+def content_key(context: TaskRunContext, parameters: Mapping[str, Any]) -> str:
+    """Task name + kiln code version + the content of every parameter (refs hash by their files' hashes)."""
+    content = {k: v for k, v in parameters.items() if k not in _LOCATION_PARAMS}
+    return f"{context.task.name}-{content_hash(context.task.name, code_version(), content)}"
+
+
+# ---------------------------------------------------------------- references passed between tasks
+
+
+@dataclass(frozen=True)
+class ProgramRef:
+    model: str
+    key: str
+    path: str
+    sha256: str
+    input_specs: tuple[dict, ...]
+
+    def cache_identity(self) -> dict:
+        return {"key": self.key, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class PlanRef:
+    program: ProgramRef
+    options: dict
+    plan_path: str
+    dedup_path: str
+    sha256: str
+    fingerprints: tuple[str, ...]
+    partitions: int
+    fallback_ops: dict[str, int] = field(default_factory=dict)
+
+    def cache_identity(self) -> dict:
+        return {"program": self.program.cache_identity(), "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class EngineRef:
+    fingerprint: str
+    cache_key: str
+    path: str
+    sha256: str
+    bytes: int
+    stripped: bool
+    cache_hit: bool
+    seconds: float
+
+    def cache_identity(self) -> dict:
+        return {"fingerprint": self.fingerprint, "cache_key": self.cache_key, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class StagedRef:
+    key: str
+    path: str
+    content_hash: str
+    report: dict
+
+    def cache_identity(self) -> dict:
+        return {"key": self.key, "content_hash": self.content_hash}
+
+
+@dataclass(frozen=True)
+class PackageRef:
+    path: str
+    content_hash: str
+    bytes: int
+
+
+# ---------------------------------------------------------------- plan replay, once per process
+
+_plans: dict[str, tuple[Any, Any]] = {}
+_plans_lock = threading.Lock()
+_plan_locks: dict[str, threading.Lock] = {}
+
+
+def _load_plan(ref: PlanRef) -> tuple[Any, Any]:
+    """(PartitionPlan, DedupPlan) replayed from the workspace; parallel builds of one model share it."""
+    with _plans_lock:
+        lock = _plan_locks.setdefault(ref.sha256, threading.Lock())
+    with lock, TORCH_LOCK:
+        if ref.sha256 not in _plans:
+            program = compiler.load_program(ref.program.path)
+            plan = replay(program, read_json(ref.plan_path))
+            dedup = compiler.DedupPlan.from_dict(read_json(ref.dedup_path))
+            with _plans_lock:
+                if len(_plans) >= 8:  # a zoo run touches a handful of models at a time
+                    _plans.pop(next(iter(_plans)))
+                _plans[ref.sha256] = (plan, dedup)
+        return _plans[ref.sha256]
+
+
+def _artifact(ref: EngineRef) -> compiler.EngineArtifact:
+    path = Path(ref.path)
+    meta = read_json(path.with_suffix(".json"))
+    return compiler.EngineArtifact(
+        ref.fingerprint,
+        ref.cache_key,
+        path.read_bytes(),
+        EngineIO.from_dict(meta["io"]),
+        ref.stripped,
+        ref.cache_hit,
+        ref.seconds,
+    )
+
+
+def _transient(task_: Any, task_run: Any, state: Any) -> bool:
+    """Retry what may pass on a second try (I/O, memory, a busy device), never a deterministic error."""
+    exc = state.data if isinstance(state.data, BaseException) else None
+    if exc is None:
+        try:
+            state.result(raise_on_failure=True)
+        except BaseException as raised:
+            exc = raised
+    deterministic = (
+        InputSpecError,
+        ExportError,
+        PartitionError,
+        LoweringError,
+        RefitError,
+        BackendUnavailableError,
+        EngineCompatibilityError,
+        ValueError,
+        TypeError,
+        KeyError,
+    )
+    return not isinstance(exc, deterministic)
+
+
+# ---------------------------------------------------------------- the stages
+
+
+@task(name="fingerprint-model", cache_policy=NO_CACHE, persist_result=False)
+def fingerprint_model(entry: ZooEntry) -> str:
+    """The model's content key: its weights, factory source and settings (the root of every cache key)."""
+    with TORCH_LOCK:
+        return model_key(entry, load_case(entry))
+
+
+@task(name="export", cache_key_fn=content_key, persist_result=True)
+def export_program(entry: ZooEntry, model_key: str, workspace: str) -> ProgramRef:
+    """torch.export the model with its input specs captured once; the program lands in the workspace."""
+    with TORCH_LOCK:
+        case = load_case(entry)
+        program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+        path = compiler.save_program(program, Workspace(workspace).program_path(model_key))
+        from compiler.atomic import sha256_file
+
+        specs = tuple(s.to_dict() for s in compiler.input_specs(program))
+        return ProgramRef(entry.name, model_key, str(path), sha256_file(path), specs)
+
+
+@task(name="partition", cache_key_fn=content_key, persist_result=True)
+def partition_program(program: ProgramRef, options: dict, workspace: str) -> PlanRef:
+    """Partition (engine subgraphs vs PyTorch fallback) and dedup (structurally equal subgraphs share one
+    engine); both plans are JSON in the workspace."""
+    with TORCH_LOCK:
+        loaded = compiler.load_program(program.path)
+        plan = compiler.partition(loaded, compiler.CompileOptions(**options))
+        unique = compiler.dedup(plan)
+        ws = Workspace(workspace)
+        plan_path, plan_sha = ws.put_json("plans", plan.to_dict())
+        dedup_path, dedup_sha = ws.put_json("plans", unique.to_dict())
+        logger = get_run_logger()
+        logger.info(
+            "%s: %d engine partitions, %d unique structures, fallback %s",
+            program.model,
+            len(plan.partitions),
+            len(unique.fingerprints),
+            dict(plan.fallback_ops) or "none",
+        )
+        return PlanRef(
+            program=program,
+            options=dict(options),
+            plan_path=str(plan_path),
+            dedup_path=str(dedup_path),
+            sha256=content_hash(plan_sha, dedup_sha),
+            fingerprints=tuple(unique.fingerprints),
+            partitions=len(plan.partitions),
+            fallback_ops=dict(plan.fallback_ops),
+        )
+
+
+@task(
+    name="build-engine",
+    tags=["engine-build"],
+    cache_key_fn=content_key,
+    persist_result=True,
+    retries=2,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=_transient,
+    task_run_name="build-engine-{fingerprint:.12}-{target}",
+)
+def build_engine(
+    plan: PlanRef, fingerprint: str, target: str, workspace: str, engine_cache: str | None
+) -> EngineRef:
+    """Build (or take from the persistent engine cache) the engine for one unique structure."""
+    with TORCH_LOCK:
+        partition_plan, dedup = _load_plan(plan)
+        cache = compiler.EngineCache(engine_cache) if engine_cache else None
+        artifact = compiler.build_engine(partition_plan, dedup, fingerprint, cache=cache)
+        path, sha = Workspace(workspace).put_engine(
+            artifact.cache_key, artifact.engine, artifact.io.to_dict()
+        )
+        get_run_logger().info(
+            "%s engine %s: %s (%d bytes, %.2fs)",
+            plan.program.model,
+            fingerprint[:12],
+            "engine-cache hit" if artifact.cache_hit else "built",
+            artifact.bytes,
+            artifact.seconds,
+        )
+        return EngineRef(
+            fingerprint,
+            artifact.cache_key,
+            str(path),
+            sha,
+            artifact.bytes,
+            artifact.stripped,
+            artifact.cache_hit,
+            artifact.seconds,
+        )
+
+
+@task(name="assemble", cache_key_fn=content_key, persist_result=True)
+def assemble_engines(plan: PlanRef, engines: Sequence[EngineRef], workspace: str) -> StagedRef:
+    """Wire every engine instance into the fallback graph (refitting shared engines with each instance's
+    weights) and stage the result as an unvalidated package."""
+    with TORCH_LOCK:
+        partition_plan, dedup = _load_plan(plan)
+        compiled = compiler.assemble(partition_plan, dedup, {e.fingerprint: _artifact(e) for e in engines})
+        key = content_hash(plan.cache_identity(), [e.cache_identity() for e in engines])
+        info = compiler.save(compiled, Workspace(workspace).staged_path(key))
+        return StagedRef(key, str(info.path), info.content_hash, compiled.report.to_dict())
+
+
+@task(name="validate", cache_key_fn=content_key, persist_result=True)
+def validate_package(entry: ZooEntry, staged: StagedRef, settings: dict) -> dict:
+    """Accuracy against the eager model on fresh inputs inside the spec ranges, and latency of both.
+
+    Raises ValidationFailedError when the entry's tolerances are not met, so no package is published.
+    """
+    with TORCH_LOCK:
+        compiled = compiler.load(staged.path)
+        case = load_case(entry)
+        report = compiler.validate(
+            case.model,
+            compiled,
+            samples=settings.get("samples", 3),
+            warmup=settings.get("warmup", 3),
+            runs=settings.get("runs", 20),
+            seed=settings.get("seed", 0),
+        )
+        data = report.to_dict()
+        data["tolerance_rel_l2"] = entry.rel_l2()
+        problems = []
+        if not report.passed(rel_l2=entry.rel_l2()):
+            problems.append(
+                f"accuracy: max relative L2 {report.max_rel_l2:.3g} > tolerance {entry.rel_l2():.3g} "
+                f"(tolerances.rel_l2); check the precision or loosen the tolerance"
+            )
+        limit = entry.tolerances.max_latency_ratio
+        if limit is not None and report.latency_ratio > limit:
+            problems.append(
+                f"latency: compiled/eager {report.latency_ratio:.2f} > tolerances.max_latency_ratio {limit}"
+            )
+        if problems:
+            raise ValidationFailedError(f"{entry.name}: " + "; ".join(problems))
+        return data
+
+
+@task(name="package", cache_policy=NO_CACHE, persist_result=False)
+def package_model(staged: StagedRef, validation: dict, out_path: str) -> PackageRef:
+    """The validated package: one self-describing directory with its measured accuracy and latency."""
+    with TORCH_LOCK:
+        start = time.perf_counter()
+        info = compiler.save(compiler.load(staged.path), out_path, validation=validation)
+        get_run_logger().info(
+            "package %s (%d bytes, %.2fs)", info.path, info.bytes, time.perf_counter() - start
+        )
+        return PackageRef(str(info.path), info.content_hash, info.bytes)
+
+
+# ---------------------------------------------------------------- binding to a run's settings
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The stage tasks with one run's result storage, build tag, retries and back-off applied."""
+
+    fingerprint_model: Any
+    export_program: Any
+    partition_program: Any
+    build_engine: Any
+    assemble_engines: Any
+    validate_package: Any
+    package_model: Any
+
+
+def build_tag(target: str) -> str:
+    """The tag whose concurrency limit keeps engine builds from oversubscribing one device."""
+    return f"engine-build:{target}"
+
+
+def configured(workspace: str, target: str, *, retries: int = 2, backoff: float = 2.0) -> Stages:
+    """Stage tasks that persist results (and cache records) under ``<workspace>/results``."""
+    # A Path is a local result store that needs no block saved on the server (works with the ephemeral API).
+    cached = {"result_storage": Workspace(workspace).results}
+    return Stages(
+        fingerprint_model=fingerprint_model,
+        export_program=export_program.with_options(**cached),
+        partition_program=partition_program.with_options(**cached),
+        build_engine=build_engine.with_options(
+            **cached,
+            tags={"engine-build", build_tag(target)},
+            retries=retries,
+            retry_delay_seconds=exponential_backoff(backoff_factor=backoff) if backoff else 0,
+        ),
+        assemble_engines=assemble_engines.with_options(**cached),
+        validate_package=validate_package.with_options(**cached),
+        package_model=package_model,
+    )

@@ -1,0 +1,128 @@
+"""The content-addressed workspace that Prefect tasks pass file references into.
+
+Tasks hand each other small value objects (``ProgramRef``, ``PlanRef``, ``EngineRef``, ``StagedRef``)
+that point at files here, never engine bytes or models: results stay tiny to persist, Dask workers
+read the files they need, and a crashed run resumes from what is already on disk.
+
+    <root>/programs/<key>.pt2        exported programs, named by the model's content key
+    <root>/plans/<sha256>.json       partition + dedup plans, named by their own content
+    <root>/engines/<cache_key>.engine + .json   engine bytes and their EngineIO, named by the engine's
+                                     cache key (fingerprint + backend + version + device + settings)
+    <root>/staged/<key>.kiln         assembled, not yet validated packages
+    <root>/results/                  Prefect's persisted task results and cache records
+
+Delete the whole workspace to start over; deleting parts of it leaves cache records pointing at
+missing files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from compiler.atomic import sha256_file, write_bytes_atomic
+from compiler.version import kiln_version
+
+ROOT = Path(__file__).resolve().parents[1]
+# Code whose change must invalidate cached task results: the compiler and these tasks.
+_CODE_PACKAGES = ("compiler", "tasks")
+
+
+@cache
+def code_version() -> str:
+    """kiln's version plus a hash of the compiler's and the tasks' source, so an edit re-runs stages."""
+    digest = hashlib.sha256(kiln_version().encode())
+    for package in _CODE_PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.name == "registry.py" and package == "tasks":
+                continue  # MLflow recording does not change what is compiled
+            digest.update(str(path.relative_to(ROOT)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _jsonable(value: Any) -> Any:
+    """A stable JSON form of parameters: refs hash by content, pydantic by fields, paths as strings."""
+    identity = getattr(value, "cache_identity", None)
+    if callable(identity):
+        return _jsonable(identity())
+    if hasattr(value, "model_dump"):
+        return _jsonable(value.model_dump(mode="json"))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _jsonable(dataclasses.asdict(value))
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, list | tuple | set | frozenset):
+        items = [_jsonable(v) for v in value]
+        return sorted(items, key=json.dumps) if isinstance(value, set | frozenset) else items
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return repr(value)
+
+
+def content_hash(*parts: Any) -> str:
+    """sha256 of the stable JSON form of ``parts``."""
+    text = json.dumps(_jsonable(list(parts)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Workspace:
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root).resolve())
+
+    def dir(self, kind: str) -> Path:
+        path = self.root / kind
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    @property
+    def results(self) -> Path:
+        return self.dir("results")
+
+    def program_path(self, key: str) -> Path:
+        return self.dir("programs") / f"{key}.pt2"
+
+    def staged_path(self, key: str) -> Path:
+        return self.dir("staged") / f"{key}.kiln"
+
+    def put_json(self, kind: str, data: Any) -> tuple[Path, str]:
+        """Write JSON named by its own sha256 (atomic; an existing equal file is kept).
+
+        Keys keep their order: the compiler's plans map canonical weight names (w0, w1, ..., w10) in
+        insertion order, and sorting them would put w10 before w2.
+        """
+        blob = json.dumps(data, indent=1).encode()
+        sha = hashlib.sha256(blob).hexdigest()
+        path = self.dir(kind) / f"{sha}.json"
+        if not path.exists():
+            write_bytes_atomic(path, blob)
+        return path, sha
+
+    def put_engine(self, cache_key: str, engine: bytes, io: dict) -> tuple[Path, str]:
+        """Engine bytes under their cache key, with the EngineIO beside them; returns (path, sha256)."""
+        path = self.dir("engines") / f"{cache_key}.engine"
+        sha = hashlib.sha256(engine).hexdigest()
+        if not path.exists() or sha256_file(path) != sha:
+            write_bytes_atomic(path, engine)
+        meta = path.with_suffix(".json")
+        write_bytes_atomic(meta, json.dumps({"io": io, "sha256": sha}, sort_keys=True).encode())
+        return path, sha
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    return json.loads(Path(path).read_text())
