@@ -41,13 +41,28 @@ def _registry() -> Any:
         logger.setLevel(level)
 
 
+@cache
+def _decomposable() -> frozenset:
+    return frozenset(torch.export.default_decompositions())
+
+
+@cache
 def onnx_exportable(target: Any) -> bool:
-    """Whether an fx node target (ATen overload or symbolic op) has an ONNX translation."""
+    """Whether an fx node target (ATen overload or symbolic op) has an ONNX translation.
+
+    Either torchlib translates it directly, or the exporter decomposes it first (the core ATen
+    decompositions, or a CompositeImplicitAutograd kernel) into ops that it translates. Mutating ops
+    are never exportable: an engine cannot write into a tensor it was given.
+    """
     if target in SYMBOLIC_OPS:
         return True
     if not isinstance(target, torch._ops.OpOverload):
         return False
-    return bool(_registry().is_registered(target))
+    if any(arg.alias_info is not None and arg.alias_info.is_write for arg in target._schema.arguments):
+        return False
+    if _registry().is_registered(target) or target in _decomposable():
+        return True
+    return torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd")
 
 
 def op_name(target: Any) -> str:

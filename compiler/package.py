@@ -1,7 +1,7 @@
 """Package: one self-describing directory per compiled model (seeds 003, 004).
 
     manifest.json            format version, specs, versions, plan, report, validation, file checksums
-    program.pt2              the decomposed program (torch.export format), weights left hollow
+    program.pt2              the exported program (torch.export format), weights left hollow
     weights.safetensors      every weight, once
     engines/<fp>.engine      one engine per unique fingerprint (weight-stripped or full)
 

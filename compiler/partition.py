@@ -74,7 +74,7 @@ class Partition:
 
 @dataclass
 class PartitionPlan:
-    """The decomposed program, its split graph (engine partitions as submodules) and what falls back."""
+    """The program, its split graph (engine partitions as submodules) and what falls back."""
 
     program: ExportedProgram
     specs: tuple[InputSpec, ...]
@@ -116,7 +116,6 @@ def partition(
     options = options or CompileOptions()
     start = time.perf_counter()
     specs = input_specs(program)
-    program = decompose(program, specs)
     gm = _prepared_copy(program)
     support = _Support(get_backend(options.backend), _resolve_ops(options.torch_executed_ops))
     proposals = CapabilityBasedPartitioner(
@@ -136,7 +135,6 @@ def replay(program: ExportedProgram, plan: Mapping[str, Any]) -> PartitionPlan:
     start = time.perf_counter()
     options = CompileOptions.from_dict(plan["options"])
     specs = input_specs(program)
-    program = decompose(program, specs)
     gm = _prepared_copy(program)
     by_name = {n.name: n for n in gm.graph.nodes}
     groups, blocks = [], {}
@@ -154,16 +152,6 @@ def replay(program: ExportedProgram, plan: Mapping[str, Any]) -> PartitionPlan:
                 "the package's program and plan disagree"
             )
     return replayed
-
-
-def decompose(program: ExportedProgram, specs: tuple[InputSpec, ...] | None = None) -> ExportedProgram:
-    """The program in core ATen (skipped when it already is), with its specs kept."""
-    if _is_core_aten(program):
-        return program
-    specs = specs or input_specs(program)
-    decomposed = program.run_decompositions()
-    attach_specs(decomposed, specs)
-    return decomposed
 
 
 def program_weights(program: ExportedProgram) -> dict[str, torch.Tensor]:
@@ -213,24 +201,11 @@ def _resolve_ops(names: Iterable[str]) -> frozenset[Any]:
     return frozenset(ops)
 
 
-def _is_core_aten(program: ExportedProgram) -> bool:
-    for node in program.graph.nodes:
-        target = node.target
-        if (
-            node.op == "call_function"
-            and isinstance(target, torch._ops.OpOverload)
-            and target.namespace == "aten"
-            and torch.Tag.core not in target.tags
-            and target not in SYMBOLIC_OPS
-            and target not in _DROPPED_OPS
-        ):
-            return False
-    return True
-
-
 def _prepared_copy(program: ExportedProgram) -> torch.fx.GraphModule:
-    """A copy of the program's graph to cut up: asserts dropped, symbolic sizes private to each user."""
+    """A copy of the program's graph to cut up: asserts dropped, simple in-place ops made functional,
+    symbolic sizes private to each user."""
     gm = copy.deepcopy(program.graph_module)
+    _functionalize_simple_inplace(gm.graph)
     for node in list(gm.graph.nodes):
         # Unused multi-output items appear or vanish across torch.export.save/load: drop them so a saved
         # plan replays on the loaded program node for node.
@@ -240,6 +215,56 @@ def _prepared_copy(program: ExportedProgram) -> torch.fx.GraphModule:
     _privatize_symbolic_nodes(gm.graph)
     gm.recompile()
     return gm
+
+
+def _functionalize_simple_inplace(graph: torch.fx.Graph) -> None:
+    """``x.add_(y)`` -> ``z = x.add(y)`` with later uses of ``x`` reading ``z``, where that is exact.
+
+    Partitioning runs on torch.export's graph as it comes (decomposing a 24-layer model first costs a
+    minute; the ONNX exporter decomposes each unique partition anyway), and that graph may still hold
+    in-place ops. An engine cannot mutate a tensor it received, so a mutation is rewritten when its
+    target is a fresh intermediate that no view aliases; any other mutation stays in PyTorch.
+    """
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        functional = _functional_variant(node)
+        if functional is None:
+            continue
+        target = node.args[0]
+        if not isinstance(target, torch.fx.Node) or target.op != "call_function" or _is_view(target):
+            continue
+        if any(_is_view(user) for user in target.users if user is not node):
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(functional, node.args, node.kwargs)
+        new.meta = copy.copy(node.meta)
+        node.replace_all_uses_with(new)
+        for user in list(target.users):
+            if user is not node and user is not new and order.get(user, -1) > order[node]:
+                user.replace_input_with(target, new)
+        graph.erase_node(node)
+
+
+def _functional_variant(node: torch.fx.Node) -> Any:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    schema = target._schema
+    first = schema.arguments[0] if schema.arguments else None
+    if first is None or first.alias_info is None or not first.alias_info.is_write:
+        return None
+    name = schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    return any(ret.alias_info is not None for ret in target._schema.returns)
 
 
 def _is_symbolic(node: Any) -> bool:

@@ -42,10 +42,12 @@ def test_unknown_op_name_is_rejected():
 
 
 def test_min_block_size_sends_small_partitions_to_pytorch():
-    plan = compiler.partition(_program(repeated_fallback(depth=3)), CompileOptions(min_block_size=4))
-    # The 2-op head before the first fallback op is too small; 5-op bodies stay engines.
-    assert all(sum(p.ops.values()) >= 4 for p in plan.partitions)
-    assert plan.fallback_ops.get("aten.addmm.default", 0) >= 1
+    program = _program(repeated_fallback(depth=3))
+    assert min(sum(p.ops.values()) for p in compiler.partition(program).partitions) == 1
+    plan = compiler.partition(program, CompileOptions(min_block_size=3))
+    # The one-op head before the first fallback op is too small; the 3- and 4-op bodies stay engines.
+    assert all(sum(p.ops.values()) >= 3 for p in plan.partitions) and len(plan.partitions) == 3
+    assert plan.fallback_ops["aten.linear.default"] == 1
 
 
 def test_bad_settings_are_typed_errors():
