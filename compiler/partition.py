@@ -29,7 +29,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions, validate_parti
 
 from compiler.backends import get_backend
 from compiler.errors import PartitionError
-from compiler.export import attach_specs, input_specs
+from compiler.export import input_specs
 from compiler.onnx_support import SYMBOLIC_OPS, op_name
 from compiler.options import CompileOptions
 from compiler.specs import InputSpec
