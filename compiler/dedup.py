@@ -7,6 +7,7 @@ shared engine is refitted per instance.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -65,12 +66,16 @@ def partition_fingerprint(plan: PartitionPlan, partition: Partition) -> str:
     return fingerprint(plan.submodule(partition.name).graph, kinds, plan.symbols, settings)
 
 
-def dedup(plan: PartitionPlan) -> DedupPlan:
+def dedup(plan: PartitionPlan, *, share: bool = True) -> DedupPlan:
+    """Group partitions by fingerprint. ``share=False`` gives every partition its own engine (the
+    baseline that the dedup benchmark measures against)."""
     start = time.perf_counter()
     unique: dict[str, str] = {}
     instances = []
     for part in plan.partitions:
         fp = partition_fingerprint(plan, part)
+        if not share:
+            fp = hashlib.sha256(f"{fp}:{part.name}".encode()).hexdigest()
         unique.setdefault(fp, part.name)
         instances.append(EngineInstance(part.name, fp, canonical_weights(part)))
     return DedupPlan(unique, tuple(instances), time.perf_counter() - start)
