@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler.backends.base import BuildSettings, EngineIO
 from compiler.backends.tensorrt import (
+    _BOOL_BITWISE,
     EXPORTER_FOLDED_SEQUENCE_OPS,
     PARSER_REJECTED_ONNX_OPS,
     RTX_DEFAULT_TARGETS,
@@ -35,6 +36,7 @@ from compiler.backends.tensorrt import (
     onnx_ops_for,
     profile_shapes,
     tensorrt_supports,
+    unfold_batch_norm,
     unsupported_reason,
 )
 from compiler.errors import (
@@ -196,6 +198,58 @@ def test_refit_weights_must_match_names_shapes_and_dtypes():
         check_refit_weights(declared, {**good, "w0": np.zeros((8, 8))}, require_all=True)
 
 
+def _conv_bn_onnx(dtype=np.float32) -> bytes:
+    """Conv -> BatchNormalization (inference) -> Relu, as the lowering writes a ResNet stem."""
+    rng = np.random.default_rng(0)
+    onnx_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(dtype), "w0"),
+        numpy_helper.from_array(rng.uniform(0.5, 2, 4).astype(dtype), "w1"),  # scale
+        numpy_helper.from_array(rng.standard_normal(4).astype(dtype), "w2"),  # bias
+        numpy_helper.from_array(rng.standard_normal(4).astype(dtype), "w3"),  # running mean
+        numpy_helper.from_array(rng.uniform(0.5, 2, 4).astype(dtype), "w4"),  # running var
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x0", "w0"], ["v0"], pads=[1, 1, 1, 1], name="node_conv"),
+        helper.make_node(
+            "BatchNormalization", ["v0", "w1", "w2", "w3", "w4"], ["v1"], epsilon=1e-3, name="bn"
+        ),
+        helper.make_node("Relu", ["v1"], ["y0"], name="node_relu"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "stem",
+        [helper.make_tensor_value_info("x0", onnx_type, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("y0", onnx_type, ["batch", 4, 8, 8])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_batch_norm_unfolds_into_named_weight_arithmetic_with_equal_outputs(dtype):
+    import onnxruntime as ort
+
+    original = _conv_bn_onnx(dtype)
+    model = onnx.load_model_from_string(original)
+    assert unfold_batch_norm(model) == 1
+    onnx.checker.check_model(model)
+    ops = [n.op_type for n in model.graph.node]
+    assert "BatchNormalization" not in ops and {"Sub", "Div", "Mul", "Sqrt"} <= set(ops)
+    assert list(canonical_weights(model)) == ["w0", "w1", "w2", "w3", "w4"]
+    # each BatchNorm parameter is still consumed by name (so TensorRT can refit it)
+    consumed = {i for n in model.graph.node for i in n.input}
+    assert {"w1", "w2", "w3", "w4"} <= consumed
+    x = np.random.default_rng(1).standard_normal((2, 3, 8, 8)).astype(dtype)
+
+    def run(m: bytes) -> np.ndarray:
+        return ort.InferenceSession(m, providers=["CPUExecutionProvider"]).run(None, {"x0": x})[0]
+
+    tol = 1e-5 if dtype == np.float32 else 1e-2  # fp16 rounds differently per op order
+    np.testing.assert_allclose(run(model.SerializeToString()), run(original), rtol=tol, atol=tol)
+    assert unfold_batch_norm(onnx.load_model_from_string(_mlp_onnx()[0])) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Engine header and compatibility
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +310,7 @@ aten = torch.ops.aten
     "op",
     [aten.addmm.default, aten.mm.default, aten.add.Tensor, aten._softmax.default, aten.gelu.default,
      aten.native_layer_norm.default, aten.convolution.default, aten.split.Tensor, aten.embedding.default,
-     aten.sym_size.int, aten.where.self],
+     aten.sym_size.int, aten.where.self, aten.bitwise_and.Tensor, aten.bitwise_not.default],
 )  # fmt: skip
 def test_common_ops_go_to_tensorrt(op):
     assert tensorrt_supports(op), unsupported_reason(op)
@@ -265,7 +319,7 @@ def test_common_ops_go_to_tensorrt(op):
 @pytest.mark.parametrize(
     ("op", "why"),
     [
-        (aten.bitwise_and.Tensor, "BitwiseAnd"),
+        (aten.bitwise_left_shift.Tensor, "BitShift"),
         (aten.linalg_det.default, "Det"),
         (aten.bernoulli.default, "Bernoulli"),
         (aten.nll_loss_forward.default, "NegativeLogLikelihoodLoss"),
@@ -299,7 +353,7 @@ def test_tensorrt_table_is_the_exporter_table_minus_rejected_onnx_ops():
     for op in overloads:
         ops = onnx_ops_for(op)
         assert onnx_exportable(op) == (ops is not None)
-        if tensorrt_supports(op):
+        if tensorrt_supports(op) and op.name() not in _BOOL_BITWISE:
             assert not (ops - EXPORTER_FOLDED_SEQUENCE_OPS) & PARSER_REJECTED_ONNX_OPS
         else:
             rejected.append(str(op))
@@ -385,6 +439,21 @@ def test_parser_errors_name_the_partition_and_node():
     ) as err:
         backend.parse(onnx_bytes, _io(), partition="part_7")
     assert err.value.partition == "part_7" and err.value.node == "node_bitand"
+
+
+@pytest.mark.skipif(
+    not HAS["tensorrt-rtx"], reason="TensorRT-RTX is not installed (pip install kiln[tensorrt-rtx])"
+)
+def test_unfolded_batch_norm_weights_can_be_marked_refittable():
+    backend = TensorRTBackend("tensorrt-rtx", require_gpu=False)
+    spec = InputSpec("x0", "float32", (1, 3, 8, 8), (2, 3, 8, 8), (4, 3, 8, 8), {0: "b"})
+    io = EngineIO((spec,), ("y0",), ("float32",))
+    _logger, _builder, folded, _parser = backend._parsed(_conv_bn_onnx(), io, "stem")
+    assert not folded.mark_weights_refittable("w1")  # the parser folded BatchNorm's weights away
+    model = onnx.load_model_from_string(_conv_bn_onnx())
+    unfold_batch_norm(model)
+    _logger, _builder, network, _parser = backend._parsed(model.SerializeToString(), io, "stem")
+    assert all(network.mark_weights_refittable(f"w{i}") for i in range(5))
 
 
 @pytest.mark.skipif(

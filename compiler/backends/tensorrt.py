@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from compiler.backends.base import BuildSettings, EngineIO
@@ -80,6 +81,15 @@ PARSER_REJECTED_ONNX_OPS = frozenset(
 EXPORTER_FOLDED_SEQUENCE_OPS = frozenset(
     {"SplitToSequence", "ConcatFromSequence", "SequenceAt", "SequenceConstruct"}
 )
+
+# Bitwise ops translate to And/Or/Xor/Not on bool tensors (attention masks in every transformer) and
+# to BitwiseAnd/... on integers. The op table sees targets, not dtypes, so it takes them: the rare
+# integer case fails the build with the node named rather than splitting every BERT and GPT-2.
+_BOOL_BITWISE = frozenset(
+    f"aten::bitwise_{op}.{overload}"
+    for op in ("and", "or", "xor")
+    for overload in ("Tensor", "Scalar", "Scalar_Tensor")
+) | {"aten::bitwise_not"}
 
 _MAGIC = b"KILNTRT1"
 _HEADER_FORMAT = 1
@@ -170,6 +180,63 @@ def canonical_weights(model: Any) -> dict[str, dict[str, Any]]:
             "dtype": torch_name,
         }
     return {found[i]["name"]: {"shape": found[i]["shape"], "dtype": found[i]["dtype"]} for i in sorted(found)}
+
+
+def unfold_batch_norm(model: Any) -> int:
+    """Rewrite inference BatchNormalization nodes whose parameters are canonical weights into
+    Sub/Div/Mul/Add (in place); returns how many. TensorRT's ONNX parser folds a BatchNormalization's
+    scale, bias, mean and variance into new unnamed weights, so they could be neither marked
+    refittable nor refitted by name; as elementwise operands they stay named weights (and TensorRT
+    still fuses the arithmetic into the convolution)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    canonical = set(canonical_weights(model))
+    if not any(n.op_type == "BatchNormalization" and set(n.input[1:]) & canonical for n in model.graph.node):
+        return 0
+    inferred = onnx.shape_inference.infer_shapes(model)
+    ranks = {
+        v.name: len(v.type.tensor_type.shape.dim)
+        for v in [*inferred.graph.value_info, *inferred.graph.input]
+        if v.type.tensor_type.HasField("shape")
+    }
+    dtypes = {i.name: i.data_type for i in model.graph.initializer}
+    nodes, count = [], 0
+    for node in model.graph.node:
+        if (
+            node.op_type != "BatchNormalization"
+            or not set(node.input[1:]) & canonical
+            or len(node.output) != 1
+        ):
+            nodes.append(node)
+            continue
+        count += 1
+        x, scale, bias, mean, var = node.input
+        eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        rank = ranks.get(x, 4)
+        tag = f"kiln_bn{count}"
+        shape = numpy_helper.from_array(
+            np.array([-1] + [1] * max(rank - 2, 0), dtype=np.int64), f"{tag}_shape"
+        )
+        eps_t = helper.make_tensor(f"{tag}_eps", dtypes.get(var, onnx.TensorProto.FLOAT), [], [eps])
+        model.graph.initializer.extend([shape, eps_t])
+        for name in (scale, bias, mean, var):
+            nodes.append(
+                helper.make_node("Reshape", [name, shape.name], [f"{tag}_{name}"], name=f"{tag}_r_{name}")
+            )
+        nodes += [
+            helper.make_node("Add", [f"{tag}_{var}", eps_t.name], [f"{tag}_ve"], name=f"{tag}_add_eps"),
+            helper.make_node("Sqrt", [f"{tag}_ve"], [f"{tag}_sd"], name=f"{tag}_sqrt"),
+            helper.make_node("Sub", [x, f"{tag}_{mean}"], [f"{tag}_xc"], name=f"{tag}_sub"),
+            helper.make_node("Div", [f"{tag}_xc", f"{tag}_sd"], [f"{tag}_xn"], name=f"{tag}_div"),
+            helper.make_node("Mul", [f"{tag}_xn", f"{tag}_{scale}"], [f"{tag}_xs"], name=f"{tag}_mul"),
+            helper.make_node(
+                "Add", [f"{tag}_xs", f"{tag}_{bias}"], [node.output[0]], name=node.name or f"{tag}_out"
+            ),
+        ]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return count
 
 
 def check_refit_weights(
@@ -338,15 +405,33 @@ def _onnx_ops_by_name(name: Any) -> frozenset[str] | None:
 
 
 def onnx_ops_for(target: Any) -> frozenset[str] | None:
-    """ONNX ops the torch.onnx exporter may translate an fx node target into; None if it has no
-    translation at all (the same test as ONNX Runtime's table, ``compiler.onnx_support``)."""
+    """ONNX ops the torch.onnx exporter may translate an fx node target into: from its torchlib
+    function when it has one, empty when the exporter decomposes the op first (into ATen ops that
+    then have translations); None if it has no translation at all (the same test as ONNX Runtime's
+    table, ``compiler.onnx_support``)."""
     from compiler.onnx_support import SYMBOLIC_OPS, onnx_exportable
 
     if target in SYMBOLIC_OPS:
         return frozenset({"Shape", "Gather", "Add", "Sub", "Mul", "Div", "Neg", "Mod"})
     if not onnx_exportable(target):
         return None
-    return _onnx_ops_by_name(target.name())
+    return _onnx_ops_by_name(target.name()) or frozenset()
+
+
+@functools.cache
+def _rejected_families() -> dict[str, tuple[str, ...]]:
+    """Base op names (``nll_loss``, ``unique``...) whose direct translations TensorRT rejects, with the
+    ONNX ops to blame. A decomposed overload of the same family (``aten.unique.default``) lands
+    there too, so it is refused with them rather than failing the build later."""
+    families: dict[str, set[str]] = {}
+    for name in _onnx_registry().functions:
+        if not isinstance(name, str) or not name.startswith("aten::"):
+            continue
+        ops = _onnx_ops_by_name(name) or frozenset()
+        bad = (ops - EXPORTER_FOLDED_SEQUENCE_OPS) & PARSER_REJECTED_ONNX_OPS
+        if bad and name not in _BOOL_BITWISE:
+            families.setdefault(name.split(".")[0][len("aten::") :], set()).update(bad)
+    return {family: tuple(sorted(bad)) for family, bad in families.items()}
 
 
 def unsupported_reason(target: Any) -> str | None:
@@ -355,9 +440,17 @@ def unsupported_reason(target: Any) -> str | None:
     ops = onnx_ops_for(target)
     if ops is None:
         return "no ONNX translation in the torch.onnx exporter"
+    if not isinstance(target, torch._ops.OpOverload) or target.name() in _BOOL_BITWISE:
+        return None  # symbolic shape math; And/Or/Xor/Not on bool masks (integers fail the parser, named)
     rejected = sorted((ops - EXPORTER_FOLDED_SEQUENCE_OPS) & PARSER_REJECTED_ONNX_OPS)
     if rejected:
         return f"its ONNX translation uses {rejected}, which TensorRT's ONNX parser does not support"
+    family = target.name().split(".")[0].removeprefix("aten::")
+    if not ops and family in _rejected_families():
+        return (
+            f"it decomposes like aten::{family}, whose ONNX translation uses "
+            f"{list(_rejected_families()[family])}, which TensorRT's ONNX parser does not support"
+        )
     return None
 
 
@@ -540,6 +633,8 @@ class TensorRTBackend:
         # JIT then queries the device, seen on TensorRT-RTX 1.7.1); TensorRT always needs one.
         if not self.rtx or flag_names:
             self._require_gpu(f"building a{' refittable' if flag_names else 'n'} engine")
+        if flag_names and unfold_batch_norm(model):  # refit needs BatchNorm weights by name
+            onnx_model = model.SerializeToString()
         logger, builder, network, _parser = self._parsed(onnx_model, io, partition)
 
         config = builder.create_builder_config()
