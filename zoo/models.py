@@ -26,23 +26,24 @@ def _seeded(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def tiny_bert(num_layers: int = 2, hidden: int = 64, seed: int = 0) -> ModelCase:
-    """BERT encoder, dynamic batch (1..8) and sequence length (4..64)."""
+def tiny_bert(num_layers: int = 2, hidden: int = 64, seed: int = 0, seq_len: int = 16) -> ModelCase:
+    """BERT encoder, dynamic batch (1..8) and sequence length (4..max(64, 2*seq_len))."""
     from transformers import BertConfig, BertModel
 
     _seeded(seed)
+    max_seq = max(64, 2 * seq_len)
     config = BertConfig(
         vocab_size=512,
         hidden_size=hidden,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
+        num_attention_heads=4 if hidden < 256 else hidden // 64,
         intermediate_size=hidden * 4,
-        max_position_embeddings=128,
+        max_position_embeddings=max_seq,
         attn_implementation="eager",
     )
     model = BertModel(config).eval()
-    ids = torch.randint(0, config.vocab_size, (2, 16))
-    batch, seq = Dim("batch", min=1, max=8), Dim("seq", min=4, max=64)
+    ids = torch.randint(0, config.vocab_size, (2, seq_len))
+    batch, seq = Dim("batch", min=1, max=8), Dim("seq", min=4, max=max_seq)
     shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
     return ModelCase(model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, shapes)
 
@@ -52,47 +53,47 @@ def bert_encoder(num_layers: int, hidden: int = 128, seed: int = 0) -> ModelCase
     return tiny_bert(num_layers=num_layers, hidden=hidden, seed=seed)
 
 
-def tiny_vit(seed: int = 0) -> ModelCase:
-    """ViT on 32x32 images, dynamic batch (1..8)."""
+def tiny_vit(seed: int = 0, image: int = 32, hidden: int = 64, num_layers: int = 2) -> ModelCase:
+    """ViT, dynamic batch (1..8)."""
     from transformers import ViTConfig, ViTModel
 
     _seeded(seed)
     config = ViTConfig(
-        image_size=32,
-        patch_size=8,
+        image_size=image,
+        patch_size=8 if image <= 64 else 16,
         num_channels=3,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
+        hidden_size=hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4 if hidden < 256 else hidden // 64,
+        intermediate_size=hidden * 2 if hidden < 256 else hidden * 4,
         attn_implementation="eager",
     )
     model = ViTModel(config, add_pooling_layer=False).eval()
     return ModelCase(
         model,
         (),
-        {"pixel_values": torch.randn(2, 3, 32, 32)},
+        {"pixel_values": torch.randn(2, 3, image, image)},
         {"pixel_values": {0: Dim("batch", min=1, max=8)}},
     )
 
 
-def tiny_resnet(seed: int = 0) -> ModelCase:
-    """HF ResNet on 64x64 images, dynamic batch (1..8)."""
+def tiny_resnet(seed: int = 0, image: int = 64, resnet18: bool = False) -> ModelCase:
+    """HF ResNet, dynamic batch (1..8); ``resnet18=True`` gives ResNet-18's stages."""
     from transformers import ResNetConfig, ResNetModel
 
     _seeded(seed)
     config = ResNetConfig(
         num_channels=3,
-        embedding_size=16,
-        hidden_sizes=[16, 32],
-        depths=[1, 1],
+        embedding_size=64 if resnet18 else 16,
+        hidden_sizes=[64, 128, 256, 512] if resnet18 else [16, 32],
+        depths=[2, 2, 2, 2] if resnet18 else [1, 1],
         layer_type="basic",
     )
     model = ResNetModel(config).eval()
     return ModelCase(
         model,
         (),
-        {"pixel_values": torch.randn(2, 3, 64, 64)},
+        {"pixel_values": torch.randn(2, 3, image, image)},
         {"pixel_values": {0: Dim("batch", min=1, max=8)}},
     )
 
@@ -108,22 +109,25 @@ class _LogitsOnly(nn.Module):
         return self.lm(input_ids=input_ids, use_cache=False).logits
 
 
-def tiny_gpt2(seed: int = 0) -> ModelCase:
-    """GPT-2 language model (no cache), dynamic batch (1..8) and sequence length (4..64)."""
+def tiny_gpt2(seed: int = 0, hidden: int = 64, num_layers: int = 2, seq_len: int = 16) -> ModelCase:
+    """GPT-2 language model (no cache), dynamic batch (1..8) and sequence length."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     _seeded(seed)
+    max_seq = max(64, 2 * seq_len)
     config = GPT2Config(
         vocab_size=512,
-        n_positions=128,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
+        n_positions=max_seq,
+        n_embd=hidden,
+        n_layer=num_layers,
+        n_head=4 if hidden < 256 else hidden // 64,
+        bos_token_id=0,
+        eos_token_id=0,
         attn_implementation="eager",
     )
     model = _LogitsOnly(GPT2LMHeadModel(config).eval()).eval()
-    ids = torch.randint(0, config.vocab_size, (2, 16))
-    return ModelCase(model, (ids,), {}, ({0: Dim("batch", min=1, max=8), 1: Dim("seq", min=4, max=64)},))
+    ids = torch.randint(0, config.vocab_size, (2, seq_len))
+    return ModelCase(model, (ids,), {}, ({0: Dim("batch", min=1, max=8), 1: Dim("seq", min=4, max=max_seq)},))
 
 
 @torch.library.custom_op("kiln_zoo::soft_sign_clip", mutates_args=())
@@ -187,6 +191,26 @@ def repeated_fallback(depth: int = 6, width: int = 64, seed: int = 0) -> ModelCa
     )
 
 
+def small_bert() -> ModelCase:
+    """MiniLM-sized BERT (6 layers, 384 wide, sequence 128): a realistic size for latency benchmarks."""
+    return tiny_bert(num_layers=6, hidden=384, seq_len=128)
+
+
+def small_vit() -> ModelCase:
+    """DeiT-small-sized ViT (224 px, patch 16, 6 layers, 384 wide)."""
+    return tiny_vit(image=224, hidden=384, num_layers=6)
+
+
+def small_resnet() -> ModelCase:
+    """ResNet-18 stages on 224 px images."""
+    return tiny_resnet(image=224, resnet18=True)
+
+
+def small_gpt2() -> ModelCase:
+    """DistilGPT-2-sized (6 layers, 384 wide, sequence 128)."""
+    return tiny_gpt2(hidden=384, num_layers=6, seq_len=128)
+
+
 FACTORIES = {
     "tiny_bert": tiny_bert,
     "tiny_vit": tiny_vit,
@@ -194,4 +218,8 @@ FACTORIES = {
     "tiny_gpt2": tiny_gpt2,
     "mlp_with_fallback": mlp_with_fallback,
     "repeated_fallback": repeated_fallback,
+    "small_bert": small_bert,
+    "small_vit": small_vit,
+    "small_resnet": small_resnet,
+    "small_gpt2": small_gpt2,
 }
