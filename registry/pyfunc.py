@@ -99,7 +99,10 @@ class KilnPackageModel(mlflow.pyfunc.PythonModel):
         flat = self.module.run_flat(self._tensors(list(inputs)))
         return flat[0] if len(flat) == 1 else tuple(flat)
 
-    def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> Any:
+    # No type hints here on purpose: MLflow would try to derive (and enforce) a signature from them
+    # instead of the TensorSpec signature built from the input specs.
+    def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
+        """numpy in (one array, ``{name: array}`` or a list in input order), numpy out."""
         flat = self.module.run_flat(self._tensors(self._ordered(model_input)))
         arrays = [t.detach().cpu().numpy() for t in flat]
         return arrays[0] if len(arrays) == 1 else arrays

@@ -445,3 +445,23 @@ def test_pool_of_threads_recording_the_same_package(mlflow_server, packages, tmp
     assert {r.version for r in results} == {"1"}
     client = mlflow.MlflowClient(mlflow_server.uri)
     assert [v.version for v in all_versions(client, registered_model_name("mlp_threads", "cpu"))] == ["1"]
+
+
+def test_a_failing_logging_step_marks_its_run_failed(mlflow_server, packages):  # noqa: F811
+    """The server is up but rejects the step: the run is marked FAILED with the error, the package kept."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from registry.tracking import TAG_CONTENT_HASH, record_package
+
+    before = compiler.read_manifest(packages["a"])
+    entry = {"name": "mlp_bad_entry", "factory": "zoo.models:" + "x" * 150_000}  # over the registry tag limit
+    with pytest.raises(MlflowException):
+        record_package(packages["a"], entry)
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    experiment = client.get_experiment_by_name("kiln")
+    query = f"tags.`{TAG_CONTENT_HASH}` = '{before['content_hash']}' and tags.`kiln.model` = 'mlp_bad_entry'"
+    runs = client.search_runs([experiment.experiment_id], filter_string=query)
+    assert [r.info.status for r in runs] == ["FAILED"]
+    assert "kiln.error" in runs[0].data.tags
+    assert compiler.read_manifest(packages["a"]) == before
