@@ -37,6 +37,7 @@ class ModelResult:
     latency_ratio: float | None = None
     seconds: float = 0.0
     tracking: dict | None = None
+    build_workers: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +125,7 @@ def compile_model(
         latency_ratio=validation.get("latency_ratio"),
         seconds=round(time.perf_counter() - start, 2),
         tracking=tracking if isinstance(tracking, dict) else None,
+        build_workers=sorted({e.worker for e in engines}),
     )
     progress.emit("done", entry.name, target, "ok")
     return result

@@ -293,9 +293,9 @@ def _format_errors(exc: ValidationError, prefix: str) -> str:
         elif err["type"] == "missing":
             msg = "required field is missing; add it"
         got = err.get("input")
-        got_text = (
-            f" (got {got!r})" if err["type"] not in ("missing", "extra_forbidden") and got is not None else ""
-        )
+        # The offending scalar helps; a whole echoed mapping (model-level checks) only adds noise.
+        shown = err["type"] not in ("missing", "extra_forbidden") and not isinstance(got, dict | list)
+        got_text = f" (got {got!r})" if shown and got is not None else ""
         lines.append(f"{where}: {msg}{got_text}")
     return "; ".join(lines)
 

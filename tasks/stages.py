@@ -9,6 +9,8 @@ also go through the compiler's persistent ``EngineCache``, which is shared by mo
 
 from __future__ import annotations
 
+import importlib
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -44,6 +46,13 @@ from tasks.workspace import Workspace, code_version, content_hash, read_json
 # is the way to build engines truly in parallel.
 TORCH_LOCK = threading.RLock()
 
+
+def torch_lock() -> threading.RLock:
+    # Task bodies reach the lock through this function: Dask pickles a task's function by value, and a
+    # function (pickled by reference) travels where a lock cannot.
+    return TORCH_LOCK
+
+
 # Parameters that say where things live, not what is computed: left out of cache keys so a moved
 # workspace or engine cache still hits.
 _LOCATION_PARAMS = frozenset({"workspace", "engine_cache"})
@@ -69,6 +78,9 @@ class ProgramRef:
     path: str
     sha256: str
     input_specs: tuple[dict, ...]
+    # Modules to import before loading the program: they register its custom ops (a Dask worker
+    # process has not imported the model's module).
+    op_modules: tuple[str, ...] = ()
 
     def cache_identity(self) -> dict:
         return {"key": self.key, "sha256": self.sha256}
@@ -99,6 +111,7 @@ class EngineRef:
     stripped: bool
     cache_hit: bool
     seconds: float
+    worker: str = ""  # where it was built: "dask:<address>" or "process:<pid>"
 
     def cache_identity(self) -> dict:
         return {"fingerprint": self.fingerprint, "cache_key": self.cache_key, "sha256": self.sha256}
@@ -110,6 +123,7 @@ class StagedRef:
     path: str
     content_hash: str
     report: dict
+    op_modules: tuple[str, ...] = ()
 
     def cache_identity(self) -> dict:
         return {"key": self.key, "content_hash": self.content_hash}
@@ -129,12 +143,19 @@ _plans_lock = threading.Lock()
 _plan_locks: dict[str, threading.Lock] = {}
 
 
+def import_op_modules(modules: Sequence[str]) -> None:
+    """Import the modules that register a program's custom ops (no-op when already imported)."""
+    for module in modules:
+        importlib.import_module(module)
+
+
 def _load_plan(ref: PlanRef) -> tuple[Any, Any]:
     """(PartitionPlan, DedupPlan) replayed from the workspace; parallel builds of one model share it."""
     with _plans_lock:
         lock = _plan_locks.setdefault(ref.sha256, threading.Lock())
-    with lock, TORCH_LOCK:
+    with lock, torch_lock():
         if ref.sha256 not in _plans:
+            import_op_modules(ref.program.op_modules)
             program = compiler.load_program(ref.program.path)
             plan = replay(program, read_json(ref.plan_path))
             dedup = compiler.DedupPlan.from_dict(read_json(ref.dedup_path))
@@ -157,6 +178,16 @@ def _artifact(ref: EngineRef) -> compiler.EngineArtifact:
         ref.cache_hit,
         ref.seconds,
     )
+
+
+def _where() -> str:
+    """The Dask worker running this task, else this process."""
+    try:
+        from distributed import get_worker
+
+        return f"dask:{get_worker().address}"
+    except (ImportError, ValueError):
+        return f"process:{os.getpid()}"
 
 
 def _transient(task_: Any, task_run: Any, state: Any) -> bool:
@@ -188,28 +219,29 @@ def _transient(task_: Any, task_run: Any, state: Any) -> bool:
 @task(name="fingerprint-model", cache_policy=NO_CACHE, persist_result=False)
 def fingerprint_model(entry: ZooEntry) -> str:
     """The model's content key: its weights, factory source and settings (the root of every cache key)."""
-    with TORCH_LOCK:
+    with torch_lock():
         return model_key(entry, load_case(entry))
 
 
 @task(name="export", cache_key_fn=content_key, persist_result=True)
 def export_program(entry: ZooEntry, model_key: str, workspace: str) -> ProgramRef:
     """torch.export the model with its input specs captured once; the program lands in the workspace."""
-    with TORCH_LOCK:
+    with torch_lock():
         case = load_case(entry)
         program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
         path = compiler.save_program(program, Workspace(workspace).program_path(model_key))
         from compiler.atomic import sha256_file
 
         specs = tuple(s.to_dict() for s in compiler.input_specs(program))
-        return ProgramRef(entry.name, model_key, str(path), sha256_file(path), specs)
+        modules = (entry.factory.partition(":")[0],)
+        return ProgramRef(entry.name, model_key, str(path), sha256_file(path), specs, modules)
 
 
 @task(name="partition", cache_key_fn=content_key, persist_result=True)
 def partition_program(program: ProgramRef, options: dict, workspace: str) -> PlanRef:
     """Partition (engine subgraphs vs PyTorch fallback) and dedup (structurally equal subgraphs share one
     engine); both plans are JSON in the workspace."""
-    with TORCH_LOCK:
+    with torch_lock():
         loaded = compiler.load_program(program.path)
         plan = compiler.partition(loaded, compiler.CompileOptions(**options))
         unique = compiler.dedup(plan)
@@ -251,7 +283,7 @@ def build_engine(
     plan: PlanRef, fingerprint: str, target: str, workspace: str, engine_cache: str | None
 ) -> EngineRef:
     """Build (or take from the persistent engine cache) the engine for one unique structure."""
-    with TORCH_LOCK:
+    with torch_lock():
         partition_plan, dedup = _load_plan(plan)
         cache = compiler.EngineCache(engine_cache) if engine_cache else None
         artifact = compiler.build_engine(partition_plan, dedup, fingerprint, cache=cache)
@@ -275,6 +307,7 @@ def build_engine(
             artifact.stripped,
             artifact.cache_hit,
             artifact.seconds,
+            _where(),
         )
 
 
@@ -282,12 +315,14 @@ def build_engine(
 def assemble_engines(plan: PlanRef, engines: Sequence[EngineRef], workspace: str) -> StagedRef:
     """Wire every engine instance into the fallback graph (refitting shared engines with each instance's
     weights) and stage the result as an unvalidated package."""
-    with TORCH_LOCK:
+    with torch_lock():
         partition_plan, dedup = _load_plan(plan)
         compiled = compiler.assemble(partition_plan, dedup, {e.fingerprint: _artifact(e) for e in engines})
         key = content_hash(plan.cache_identity(), [e.cache_identity() for e in engines])
         info = compiler.save(compiled, Workspace(workspace).staged_path(key))
-        return StagedRef(key, str(info.path), info.content_hash, compiled.report.to_dict())
+        return StagedRef(
+            key, str(info.path), info.content_hash, compiled.report.to_dict(), plan.program.op_modules
+        )
 
 
 @task(name="validate", cache_key_fn=content_key, persist_result=True)
@@ -296,7 +331,8 @@ def validate_package(entry: ZooEntry, staged: StagedRef, settings: dict) -> dict
 
     Raises ValidationFailedError when the entry's tolerances are not met, so no package is published.
     """
-    with TORCH_LOCK:
+    with torch_lock():
+        import_op_modules(staged.op_modules)
         compiled = compiler.load(staged.path)
         case = load_case(entry)
         report = compiler.validate(
@@ -328,8 +364,9 @@ def validate_package(entry: ZooEntry, staged: StagedRef, settings: dict) -> dict
 @task(name="package", cache_policy=NO_CACHE, persist_result=False)
 def package_model(staged: StagedRef, validation: dict, out_path: str) -> PackageRef:
     """The validated package: one self-describing directory with its measured accuracy and latency."""
-    with TORCH_LOCK:
+    with torch_lock():
         start = time.perf_counter()
+        import_op_modules(staged.op_modules)
         info = compiler.save(compiler.load(staged.path), out_path, validation=validation)
         get_run_logger().info(
             "package %s (%d bytes, %.2fs)", info.path, info.bytes, time.perf_counter() - start
