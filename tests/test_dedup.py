@@ -57,3 +57,17 @@ def test_dedup_builds_once_and_refits_the_rest(tmp_path):
     assert report.engines_built == 3 and report.refits == 4
     x = torch.randn(5, 64)
     torch.testing.assert_close(compiled(x), case.model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_split_compile_matches_the_unsplit_one(tmp_path):
+    case = bert_encoder(3, hidden=64)
+    program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+    split = compiler.compile(program, cache=tmp_path, split_modules=("BertLayer",))
+    whole = compiler.compile(program, cache=tmp_path)
+    assert split.report.unique_fingerprints == 3 and len(split.report.partitions) == 5
+    assert len(whole.report.partitions) == 1
+    ids = torch.randint(0, 500, (3, 40))
+    mask = torch.ones_like(ids)
+    a = split(input_ids=ids, attention_mask=mask).last_hidden_state
+    b = whole(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert float((a - b).norm() / b.norm()) < 1e-5
