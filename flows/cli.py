@@ -420,6 +420,48 @@ def compile_cmd(
     raise typer.Exit(_report(start_summary, as_json))
 
 
+DEPLOY_HELP = (
+    "Register the deployments of a prefect.yaml (default deploy/prefect.yaml: the nightly zoo recompile "
+    "per device) on the Prefect server at PREFECT_API_URL; re-running updates them.\n\n"
+    "Then start a worker for each pool:  [bold]prefect worker start --pool kiln-cpu[/bold]"
+)
+
+
+@app.command("deploy", help=DEPLOY_HELP)
+def deploy_cmd(
+    prefect_file: Annotated[Path, typer.Argument(help="the prefect.yaml to register")] = Path(
+        "deploy/prefect.yaml"
+    ),
+    name: Annotated[
+        list[str] | None, typer.Option("--name", "-n", help="only these deployments (repeatable)")
+    ] = None,
+    repo: Annotated[
+        Path | None,
+        typer.Option("--repo", help="checkout the workers run from (sets $KILN_REPO; default: current dir)"),
+    ] = None,
+    verbose: Verbose = False,
+) -> None:
+    _quiet_prefect(verbose)
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.deployments import register
+    from flows.zoo_config import ZooConfigError
+
+    if not PREFECT_API_URL.value():
+        raise _bad_input(
+            "PREFECT_API_URL is not set: deployments need a running server. Start one "
+            "(prefect server start) and export PREFECT_API_URL=http://127.0.0.1:4200/api"
+        )
+    os.environ["KILN_REPO"] = str((repo or Path(os.environ.get("KILN_REPO") or Path.cwd())).resolve())
+    try:
+        registered = register(prefect_file, name or None)
+    except ZooConfigError as exc:
+        raise _bad_input(str(exc)) from None
+    for full_name, deployment_id in registered.items():
+        console.print(f"registered [bold]{escape(full_name)}[/bold] ({deployment_id})")
+    console.print(f"run one now:  prefect deployment run {next(iter(registered), 'recompile-zoo/<name>')}")
+
+
 try:
     from flows.registry_cli import register_commands
 except ModuleNotFoundError as _exc:  # only while the registry half does not exist yet

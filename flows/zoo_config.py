@@ -131,7 +131,10 @@ class ZooEntry(_Strict):
     @classmethod
     def _name(cls, v: str) -> str:
         if not _NAME_RE.match(v):
-            raise ValueError(f"name {v!r} must match {_NAME_RE.pattern} (it names the package directory)")
+            raise ValueError(
+                f"name {v!r} must be lowercase letters, digits, '_', '-' or '.', starting with a letter or "
+                "digit (it names the package directory), e.g. 'bert-base'"
+            )
         return v
 
     @field_validator("factory")
