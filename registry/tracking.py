@@ -62,6 +62,7 @@ TAG_PACKAGE_DIR = "kiln.package_dir"
 TAG_VERSION = "kiln.model_version"
 TAG_REGISTERED = "kiln.registered_model"
 TAG_KIND = "kiln.kind"
+TAG_ZOO_KEY = "kiln.zoo_key"
 PARENT_ENV = "KILN_MLFLOW_PARENT_RUN_ID"
 
 # The zoo run of the current context (thread or Prefect task); record_package nests under it.
@@ -259,7 +260,7 @@ def _requirements(backend: str) -> list[str]:
 
 
 def _parent_run_id(explicit: str | None) -> str | None:
-    return explicit or _zoo_run.get() or os.environ.get(PARENT_ENV) or None
+    return explicit or current_zoo_run()
 
 
 def _find_runs(
@@ -527,6 +528,47 @@ def start_zoo_run(
         return run.info.run_id
 
     return call_with_retry(create, f"start zoo run {name}", policy)
+
+
+def current_zoo_run() -> str | None:
+    """The parent run set by :func:`zoo_run` in this context, or ``$KILN_MLFLOW_PARENT_RUN_ID``."""
+    return _zoo_run.get() or os.environ.get(PARENT_ENV) or None
+
+
+def zoo_run_for(
+    key: str,
+    name: str,
+    *,
+    experiment: str | None = None,
+    tracking_uri: str | None = None,
+    policy: RetryPolicy | None = None,
+) -> str:
+    """The zoo run for an outside run id (e.g. the Prefect zoo flow run): found by tag, else created.
+
+    Models of one zoo compile in parallel, so find-or-create runs under a lock; should two hosts
+    still race, the oldest run with the key is the one every caller returns.
+    """
+    from registry.models import registry_lock
+
+    mlclient = config.client(tracking_uri)
+    experiment_id = config.ensure_experiment(mlclient, experiment, policy)
+    query = f"tags.`{TAG_ZOO_KEY}` = '{key}'"
+
+    def find() -> str | None:
+        runs = mlclient.search_runs(
+            [experiment_id], filter_string=query, max_results=10, order_by=["attributes.start_time ASC"]
+        )
+        return runs[0].info.run_id if runs else None
+
+    with registry_lock(mlclient, f"zoo-run:{key}"):
+        found = call_with_retry(find, f"find zoo run {key}", policy)
+        if found:
+            return found
+        tags = {"mlflow.runName": name, TAG_KIND: "zoo", TAG_ZOO_KEY: key}
+        call_with_retry(
+            lambda: mlclient.create_run(experiment_id, tags=tags), f"start zoo run {name}", policy
+        )
+        return call_with_retry(find, f"find zoo run {key}", policy) or ""
 
 
 def end_run(

@@ -21,11 +21,22 @@ from registry.errors import ReleaseError
 from registry.lookup import fetch_version, load_package
 from registry.models import CHAMPION, TAG_REJECTED, all_versions, get_aliases
 from registry.release import GateReport, ReleaseOutcome, apply_decision
+from registry.tracking import current_zoo_run, end_run, zoo_run_for
 from registry.tracking import record_package as _record_package
 
 # Accuracy tolerance (relative L2 vs eager) per precision, when the zoo entry sets none. Mirrors
 # flows.zoo_config.DEFAULT_REL_L2; read from there when the entry parses.
 DEFAULT_REL_L2 = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}
+
+
+def _prefect_zoo_parent() -> str | None:
+    """The MLflow zoo run of the Prefect flow run this one is nested in (e.g. recompile-zoo), if any."""
+    from prefect.runtime import flow_run
+
+    root, current = flow_run.root_flow_run_id, flow_run.id
+    if not root or not current or str(root) == str(current):
+        return None  # a model compiled on its own (kiln compile): no zoo run to nest under
+    return zoo_run_for(str(root), f"zoo-{str(root)[:8]}")
 
 
 @task(name="record-package", cache_policy=NO_CACHE, persist_result=False, tags=["mlflow"])
@@ -38,10 +49,21 @@ def record_package(
 ) -> dict:
     """Log ``package_dir`` to MLflow and register it (idempotent; a re-run completes an interrupted one).
 
-    Raises ``RegistryUnavailableError`` when the server stays away: the package stays on disk and the
-    run is marked failed; calling again later completes it.
+    The run nests under ``parent_run_id``, else the :func:`registry.tracking.zoo_run` of this context,
+    else the zoo run of the enclosing Prefect flow run (found or created by its id). Raises
+    ``RegistryUnavailableError`` when the server stays away: the package stays on disk and the run is
+    marked failed; calling again later completes it.
     """
-    return _record_package(package_dir, entry, report, parent_run_id=parent_run_id).to_dict()
+    parent = parent_run_id or current_zoo_run()
+    automatic = False
+    if parent is None:
+        parent = _prefect_zoo_parent()
+        automatic = parent is not None
+    result = _record_package(package_dir, entry, report, parent_run_id=parent).to_dict()
+    if automatic:
+        # Nobody else ends a zoo run found this way: it ends with its latest model (set again by each).
+        end_run(parent, "FINISHED")
+    return result
 
 
 @task(name="resolve-candidate", cache_policy=NO_CACHE, persist_result=False)
@@ -78,8 +100,11 @@ def fetch_and_load(name: str, version: str) -> Any:
 
 
 def build_original(tags: Mapping[str, str]) -> Any:
-    """Rebuild the original eager model from the version's zoo entry (factory, kwargs, seed)."""
-    from flows.zoo_config import resolve_factory
+    """Rebuild the original eager model from the version's zoo entry (factory, kwargs, seed).
+
+    Built exactly as the zoo flow built it (``tasks.model_case.load_case``), so the weights match.
+    """
+    from flows.zoo_config import ZooEntry, resolve_factory
 
     entry = json.loads(tags["zoo_entry"]) if tags.get("zoo_entry") else {}
     factory_path = entry.get("factory") or tags.get("factory")
@@ -88,6 +113,16 @@ def build_original(tags: Mapping[str, str]) -> Any:
             "the version carries no 'factory' tag (it was not recorded from a zoo entry), so its accuracy "
             "cannot be re-validated against the original model"
         )
+    try:
+        parsed = ZooEntry.model_validate(
+            {"name": tags.get("model", "model"), **entry, "factory": factory_path}
+        )
+    except Exception:  # an entry written by another kiln version: rebuild from its plain fields below
+        parsed = None
+    if parsed is not None:
+        from tasks.model_case import load_case
+
+        return load_case(parsed).model
     factory = resolve_factory(factory_path)
     kwargs = dict(entry.get("factory_kwargs") or {})
     seed = int(entry.get("seed", 0))

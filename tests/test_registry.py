@@ -324,6 +324,42 @@ def test_release_promotes_good_candidates_and_rejects_degraded_weights(
     assert lookup("mlp", (8, 64)).version == "1"  # the champion does not cover batch 8
 
 
+def test_zoo_flow_records_its_models_nested_under_one_zoo_run(mlflow_server, prefect_api, tmp_path):  # noqa: F811
+    """End to end through ``recompile_zoo``: the flow's tracking step lands each package in the registry."""
+    import mlflow
+    import yaml
+
+    from flows.recompile_zoo import recompile_zoo
+
+    zoo = {
+        "settings": {
+            "out_dir": str(tmp_path / "out"),
+            "workspace": str(tmp_path / "workspace"),
+            "engine_cache": str(tmp_path / "engine-cache"),
+            "tracking": True,
+            "validation": {"samples": 2, "warmup": 1, "runs": 3},
+        },
+        "models": [
+            {"name": "mlp_zoo", "factory": "zoo.models:mlp_with_fallback", "factory_kwargs": {"width": 32}}
+        ],
+    }
+    path = tmp_path / "zoo.yaml"
+    path.write_text(yaml.safe_dump(zoo))
+    recompile_zoo(zoo_path=str(path))
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    name = registered_model_name("mlp_zoo", "cpu")
+    [version] = all_versions(client, name)
+    manifest = compiler.read_manifest(tmp_path / "out" / "mlp_zoo.kiln")
+    assert version.tags[TAG_CONTENT_HASH] == manifest["content_hash"]
+    assert version.tags["input_ranges"] == "x: float32 [1..32, 32] (batch=axis 0)"
+    assert json.loads(version.tags["zoo_entry"])["factory_kwargs"] == {"width": 32}
+    run = client.get_run(version.run_id)
+    assert run.data.metrics["rel_l2.output_0"] < 1e-4 and run.data.metrics["compiled_median_ms"] > 0
+    parent = client.get_run(run.data.tags["mlflow.parentRunId"])
+    assert parent.data.tags["kiln.kind"] == "zoo" and parent.info.status == "FINISHED"
+
+
 def test_rollback_moves_champion_back_and_refuses_a_second_time(mlflow_server, recorded):  # noqa: F811
     import mlflow
     from typer.testing import CliRunner
