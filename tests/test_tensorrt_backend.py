@@ -53,6 +53,10 @@ HAS = {name: importlib.util.find_spec(mod) is not None for name, mod in
        (("tensorrt", "tensorrt"), ("tensorrt-rtx", "tensorrt_rtx"))}  # fmt: skip
 
 
+# IR 10 (opset 18): readable by every ONNX Runtime and TensorRT parser in use, also older ones.
+IR_VERSION = 10
+
+
 def _io(width: int = 8, out: int = 4) -> EngineIO:
     spec = InputSpec("x0", "float32", (1, width), (4, width), (16, width), {0: "batch"})
     return EngineIO((spec,), ("y0",), ("float32",))
@@ -89,7 +93,7 @@ def _mlp_onnx(width: int = 8, out: int = 4, seed: int = 0, extra_op: str | None 
         [helper.make_tensor_value_info("y0", TensorProto.FLOAT, ["batch", out])],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=IR_VERSION)
     onnx.checker.check_model(model)
     return model.SerializeToString(), {k: torch.from_numpy(v) for k, v in weights.items()}
 
@@ -223,7 +227,9 @@ def _conv_bn_onnx(dtype=np.float32) -> bytes:
         [helper.make_tensor_value_info("y0", onnx_type, ["batch", 4, 8, 8])],
         inits,
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=IR_VERSION
+    ).SerializeToString()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
