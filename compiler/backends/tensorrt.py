@@ -2,8 +2,10 @@
 
 ``TensorRTBackend("tensorrt")`` drives NVIDIA TensorRT 10/11 (``pip install kiln[tensorrt]``),
 ``TensorRTBackend("tensorrt-rtx")`` drives TensorRT for RTX (``pip install kiln[tensorrt-rtx]``).
-The library is imported on first use, so planning partitions for TensorRT (``supports``) works
-where it is not installed.
+Constructing a backend imports the library and needs a CUDA GPU (BackendUnavailableError
+otherwise); the op table (:func:`tensorrt_supports`) needs neither. ``check_runnable()`` says
+whether engines built here can also run here (TensorRT-RTX builds on an H100 but refuses to run
+on sm_90).
 
 Build: ONNX parser -> strongly typed network (precision is already in the graph) -> one
 optimization profile from the EngineIO specs -> refittable engine whose refittable weights are
@@ -18,7 +20,11 @@ ONNX Runtime uses) minus those whose translation uses an ONNX op that TensorRT's
 rejects. The rejected ONNX ops are :data:`PARSER_REJECTED_ONNX_OPS`, recorded from
 ``OnnxParser.supports_operator`` over every default-domain ONNX op (TensorRT-RTX 1.7.1;
 ``tests/test_tensorrt_backend.py`` re-checks it against any installed library), and which ONNX ops
-an ATen overload's translation uses is read from the exporter's own torchlib functions.
+an ATen overload's translation uses is read from the exporter's own torchlib functions
+(over-approximated across dtype branches, so doubt means fallback). Exceptions, each checked on
+the zoo: sequence ops the exporter's optimizer folds into Split/Concat; bitwise ops, which are
+And/Or/Not on bool masks; ops the exporter decomposes first, judged by their op family. The H100
+proof (``benchmarks/tensorrt_rtx_build_proof.py``) parses and builds every zoo partition with it.
 """
 
 from __future__ import annotations
