@@ -501,3 +501,16 @@ def test_a_failing_logging_step_marks_its_run_failed(mlflow_server, packages):  
     assert [r.info.status for r in runs] == ["FAILED"]
     assert "kiln.error" in runs[0].data.tags
     assert compiler.read_manifest(packages["a"]) == before
+
+
+def test_a_corrupt_package_is_refused_before_anything_is_logged(packages, tmp_path):
+    from compiler.errors import PackageCorruptError
+    from registry.tracking import record_package
+
+    broken = tmp_path / "broken.kiln"
+    shutil.copytree(packages["a"], broken)
+    (broken / "weights.safetensors").write_bytes(b"not the weights")
+    store = tmp_path / "store"
+    with pytest.raises(PackageCorruptError, match=r"weights\.safetensors"):
+        record_package(broken, _entry(), tracking_uri=f"sqlite:///{store / 'mlflow.db'}")
+    assert not store.exists()  # the check ran before any MLflow call
