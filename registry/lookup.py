@@ -32,6 +32,7 @@ from registry.models import (
     TAG_CONTENT_HASH,
     TAG_INPUT_SPECS,
     TAG_REJECTED,
+    TAG_ROLLED_BACK,
     all_versions,
     get_aliases,
     registered_model_name,
@@ -139,6 +140,8 @@ def candidates(
             reason = f"same content as version {seen_hash[content_hash]}"
         elif TAG_REJECTED in tags:
             reason = f"rejected by a release: {tags[TAG_REJECTED]}"
+        elif TAG_ROLLED_BACK in tags and str(v.version) != champion:
+            reason = f"rolled back from champion ({tags[TAG_ROLLED_BACK]})"
         elif backend and tags.get("backend") != backend:
             reason = f"backend is {tags.get('backend')!r}, not {backend!r}"
         elif precision and tags.get("precision") != precision:

@@ -21,7 +21,8 @@ Every version carries these tags (strings):
 =================  =============================================================================
 
 Release adds ``release_report`` (JSON of the measured gates) and, for a failed candidate,
-``rejected`` (JSON list of reasons). Aliases: ``champion`` (what look-ups serve first) and
+``rejected`` (JSON list of reasons); ``kiln rollback`` tags the demoted champion ``rolled_back``.
+Look-ups skip rejected and rolled-back versions. Aliases: ``champion`` (what look-ups serve first) and
 ``previous`` (where ``kiln rollback`` goes).
 """
 
@@ -51,6 +52,7 @@ PREVIOUS = "previous"
 TAG_CONTENT_HASH = "content_hash"
 TAG_REJECTED = "rejected"
 TAG_RELEASE_REPORT = "release_report"
+TAG_ROLLED_BACK = "rolled_back"
 TAG_INPUT_SPECS = "input_specs"
 
 _UNSAFE = re.compile(r"[^a-z0-9_-]+")

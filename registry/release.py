@@ -28,14 +28,13 @@ from registry.models import (
     PREVIOUS,
     TAG_REJECTED,
     TAG_RELEASE_REPORT,
+    TAG_ROLLED_BACK,
     get_aliases,
     registered_model_name,
     registry_lock,
 )
 
 log = logging.getLogger("kiln.registry")
-
-TAG_ROLLED_BACK = "rolled_back"
 
 
 @dataclass
@@ -128,13 +127,34 @@ def _alias_step(mlclient: MlflowClient, name: str, alias: str, version: str | No
     return (f"alias {name}@{alias} -> {version}", lambda: put(version), lambda: put(old))
 
 
+def _compact_json(data: dict, limit: int = 4900) -> str:
+    """The report as JSON within a registry tag's size: per-output detail goes first, never validity."""
+    text = json.dumps(data, sort_keys=True, default=str)
+    if len(text) <= limit:
+        return text
+    slim = json.loads(text)
+    for gate in ("accuracy", "latency"):
+        for key in ("outputs", "shapes"):
+            slim.get(gate, {}).pop(key, None)
+    text = json.dumps(slim, sort_keys=True)
+    if len(text) <= limit:
+        return text
+    summary = {
+        "passed": data.get("passed"),
+        "reasons": [r[:300] for r in data.get("reasons", [])][:5],
+        "max_rel_l2": data.get("accuracy", {}).get("max_rel_l2"),
+        "latency_ratio": data.get("latency", {}).get("ratio"),
+    }
+    return json.dumps(summary, sort_keys=True, default=str)[:limit]
+
+
 def apply_decision(
     report: GateReport, *, tracking_uri: str | None = None, policy: RetryPolicy | None = None
 ) -> ReleaseOutcome:
     """Promote (gates passed) or reject (tag ``rejected`` with the reasons); all-or-nothing."""
     mlclient = config.client(tracking_uri)
     name, version = report.registered_model, report.candidate
-    report_json = json.dumps(report.to_dict(), sort_keys=True, default=str)[:4900]
+    report_json = _compact_json(report.to_dict())
     with registry_lock(mlclient, name):
         aliases = get_aliases(mlclient, name, policy)
         champion = aliases.get(CHAMPION)
@@ -160,7 +180,7 @@ def apply_decision(
                 steps.append(_alias_step(mlclient, name, PREVIOUS, champion, aliases.get(PREVIOUS)))
             steps.append(_alias_step(mlclient, name, CHAMPION, version, champion))
         else:
-            reasons = json.dumps(report.reasons)[:4900]
+            reasons = json.dumps([r[:1000] for r in report.reasons][:4])
             steps.append(
                 call_with_retry(
                     lambda: _tag_steps(mlclient, name, version, TAG_REJECTED, reasons), "read tags", policy

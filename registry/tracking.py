@@ -48,7 +48,13 @@ from compiler.specs import InputSpec
 from registry import config
 from registry.config import RetryPolicy, call_with_retry
 from registry.errors import RegistryError, RegistryUnavailableError
-from registry.models import Registered, register_version, registered_model_name, version_tags
+from registry.models import (
+    Registered,
+    register_version,
+    registered_model_name,
+    version_tags,
+    versions_with_hash,
+)
 from registry.pyfunc import PACKAGE_ARTIFACT, KilnPackageModel
 
 log = logging.getLogger("kiln.registry")
@@ -310,14 +316,31 @@ def record_package(
 
     previous = _find_runs(mlclient, experiment_id, content_hash, model, policy)
     for run in previous:
-        if run.data.tags.get(TAG_COMPLETE) == "true" and run.data.tags.get(TAG_VERSION):
+        model_uri = run.data.tags.get("kiln.model_uri", "")
+        if run.data.tags.get(TAG_COMPLETE) == "true" and model_uri:
+            # The registry, not the run's tag, is the authority: the version may have been deleted
+            # since; then the logged model is registered again (no re-upload).
+            found = versions_with_hash(mlclient, registered, content_hash, policy)
+            if found:
+                version, created = str(found[0].version), False
+            else:
+                again = register_version(
+                    mlclient,
+                    registered,
+                    source=model_uri,
+                    run_id=run.info.run_id,
+                    model_id=model_uri.removeprefix("models:/"),
+                    tags=version_tags(manifest, model, entry_data),
+                    policy=policy,
+                )
+                version, created = again.version, again.created
             return RecordResult(
                 run.info.run_id,
-                run.data.tags.get("kiln.model_uri", ""),
-                run.data.tags.get(TAG_REGISTERED, registered),
-                run.data.tags[TAG_VERSION],
+                model_uri,
+                registered,
+                version,
                 content_hash,
-                created=False,
+                created=created,
                 resumed=False,
                 already_recorded=True,
             )

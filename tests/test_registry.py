@@ -372,6 +372,10 @@ def test_rollback_moves_champion_back_and_refuses_a_second_time(mlflow_server, r
     assert result.exit_code == 0, result.output
     assert get_aliases(client, NAME) == {CHAMPION: "1"}
     assert "rolled_back" in client.get_model_version(NAME, "2").tags
+    from registry.lookup import lookup
+
+    with pytest.raises(NoMatchingVersionError, match="rolled back from champion"):
+        lookup("mlp", (48, 64))  # only the demoted version covers batch 48: it is not served
     again = CliRunner().invoke(build_app(), ["rollback", "mlp"])
     assert again.exit_code == 2 and "no 'previous' alias" in again.output
 
@@ -480,7 +484,16 @@ def test_pool_of_threads_recording_the_same_package(mlflow_server, packages, tmp
         results = list(pool.map(lambda p: record_package(p, _entry("mlp_threads")), paths))
     assert {r.version for r in results} == {"1"}
     client = mlflow.MlflowClient(mlflow_server.uri)
-    assert [v.version for v in all_versions(client, registered_model_name("mlp_threads", "cpu"))] == ["1"]
+    name = registered_model_name("mlp_threads", "cpu")
+    assert [v.version for v in all_versions(client, name)] == ["1"]
+
+    # Someone deletes the version: recording the same package registers the logged model again.
+    client.delete_model_version(name, "1")
+    again = record_package(paths[0], _entry("mlp_threads"))
+    assert again.already_recorded and again.created and again.version == "2"
+    assert (
+        client.get_model_version(name, "2").tags["input_ranges"] == "x: float32 [16..64, 64] (batch=axis 0)"
+    )
 
 
 def test_a_failing_logging_step_marks_its_run_failed(mlflow_server, packages):  # noqa: F811
