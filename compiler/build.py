@@ -14,6 +14,7 @@ from compiler.backends import get_backend
 from compiler.backends.base import EngineIO
 from compiler.cache import EngineCache
 from compiler.dedup import DedupPlan
+from compiler.errors import EngineBuildError
 from compiler.lower import engine_io, lower
 from compiler.partition import PartitionPlan
 
@@ -69,7 +70,16 @@ def build_engine(
         nonlocal lowered_seconds
         lowered = lower(plan, dedup, fingerprint)
         lowered_seconds = lowered.seconds
-        return backend.build(lowered.onnx, lowered.io, settings)
+        try:
+            return backend.build(lowered.onnx, lowered.io, settings)
+        except EngineBuildError as exc:
+            if exc.partition is None:  # the backend sees ONNX only; name the partition for the report
+                raise EngineBuildError(
+                    f"{representative.name} ({fingerprint[:12]}): {exc}",
+                    partition=representative.name,
+                    node=exc.node,
+                ) from exc
+            raise
 
     if cache is None:
         engine, hit = build(), False

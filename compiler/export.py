@@ -27,9 +27,10 @@ from compiler.specs import InputSpec, dtype_name, specs_from_json, specs_to_json
 
 SPEC_META_KEY = "kiln_input_spec"
 SPEC_EXTRA_FILE = "kiln_input_specs.json"
-# Modules that register the pytree types of the program's inputs/outputs (e.g. transformers'
-# ModelOutput classes): they must be imported before torch.export.load can rebuild the call spec.
-PYTREE_EXTRA_FILE = "kiln_pytree_modules.json"
+# Modules that register what the program refers to by name: pytree types of its inputs/outputs (e.g.
+# transformers' ModelOutput classes) and custom ops (torch.library). torch.export.load needs them
+# imported first, so a program or package loads in a process that never imported the model.
+MODULES_EXTRA_FILE = "kiln_import_modules.json"
 
 
 def export(
@@ -82,15 +83,23 @@ def save_program(program: ExportedProgram, path: str | os.PathLike) -> Path:
     """``torch.export.save`` with the specs as an extra file; written atomically."""
     specs = input_specs(program)
     path = Path(path)
-    extra = {SPEC_EXTRA_FILE: specs_to_json(specs), PYTREE_EXTRA_FILE: json.dumps(pytree_modules(program))}
+    extra = {SPEC_EXTRA_FILE: specs_to_json(specs), MODULES_EXTRA_FILE: json.dumps(import_modules(program))}
     with atomic_write(path) as tmp:
         torch.export.save(program, tmp, extra_files=extra)
     return path
 
 
-def pytree_modules(program: ExportedProgram) -> list[str]:
-    """Modules defining the non-builtin container types in the program's call signature."""
+def import_modules(program: ExportedProgram) -> list[str]:
+    """Modules defining the program's non-builtin container types and custom ops."""
     modules: set[str] = set()
+    for node in program.graph.nodes:
+        target = node.target
+        custom = isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims")
+        if node.op == "call_function" and custom:
+            definition = torch._library.custom_ops.OPDEFS.get(f"{target.namespace}::{target._opname}")
+            function = getattr(definition, "_init_fn", None)
+            if function is not None and function.__module__ != "__main__":
+                modules.add(function.__module__)
 
     def walk(spec: Any) -> None:
         kind = getattr(spec, "type", None)
@@ -109,10 +118,10 @@ def pytree_modules(program: ExportedProgram) -> list[str]:
     return sorted(modules)
 
 
-def _import_pytree_modules(path: str | os.PathLike) -> None:
+def _import_modules(path: str | os.PathLike) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
-            names = [n for n in archive.namelist() if n.endswith(PYTREE_EXTRA_FILE)]
+            names = [n for n in archive.namelist() if n.endswith(MODULES_EXTRA_FILE)]
             modules = json.loads(archive.read(names[0])) if names else []
     except (OSError, zipfile.BadZipFile, ValueError):
         return  # not ours to judge here: torch.export.load reports unreadable archives
@@ -121,14 +130,14 @@ def _import_pytree_modules(path: str | os.PathLike) -> None:
             importlib.import_module(module)
         except ImportError as exc:
             raise ExportError(
-                f"{path} returns types from {module!r}, which cannot be imported here: {exc}; install it"
+                f"{path} uses types or ops from {module!r}, which cannot be imported here: {exc}; install it"
             ) from exc
 
 
 def load_program(path: str | os.PathLike) -> ExportedProgram:
     """``torch.export.load``; re-attaches specs saved by :func:`save_program` (plain archives derive them)."""
-    extra = {SPEC_EXTRA_FILE: "", PYTREE_EXTRA_FILE: ""}
-    _import_pytree_modules(path)
+    extra = {SPEC_EXTRA_FILE: "", MODULES_EXTRA_FILE: ""}
+    _import_modules(path)
     try:
         program = torch.export.load(os.fspath(path), extra_files=extra)
     except FileNotFoundError:

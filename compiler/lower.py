@@ -9,6 +9,7 @@ same graph apart from initializer values, and refit maps canonical name -> tenso
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import time
@@ -123,7 +124,7 @@ class _EngineGraph(torch.nn.Module):
         self, sub: torch.fx.GraphModule, partition: Partition, precision: str, out_dtypes: tuple[str, ...]
     ):
         super().__init__()
-        self.sub = sub
+        self.sub = _retyped(sub, PRECISION_DTYPES[precision])
         self.kinds = [i.kind for i in partition.inputs]
         self.dtype = PRECISION_DTYPES[precision]
         self.out_dtypes = [getattr(torch, d) for d in out_dtypes]
@@ -135,6 +136,27 @@ class _EngineGraph(torch.nn.Module):
         args = [next(acts) if kind == "activation" else next(weights) for kind in self.kinds]
         outs = self.sub(*args)
         return tuple(o.to(d) if o.dtype != d else o for o, d in zip(outs, self.out_dtypes, strict=True))
+
+
+def _retyped(sub: torch.fx.GraphModule, dtype: torch.dtype) -> torch.fx.GraphModule:
+    """The partition with every float32 the graph names (casts, factory ops) turned into ``dtype``.
+
+    The graph was traced in float32: its explicit casts and constants would otherwise put float32
+    back in the middle of an fp16/bf16 engine, which strongly typed engines reject.
+    """
+    if dtype == torch.float32:
+        return sub
+    sub = copy.deepcopy(sub)
+
+    def swap(value: object) -> object:
+        return dtype if value is torch.float32 else value
+
+    for node in sub.graph.nodes:
+        if node.op == "call_function":
+            node.args = torch.fx.node.map_aggregate(node.args, swap)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+    sub.recompile()
+    return sub
 
 
 def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

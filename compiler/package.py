@@ -106,7 +106,7 @@ def save(
             "validation": _as_dict(validation),
             "files": files,
         }
-        manifest["content_hash"] = _content_hash(manifest)
+        manifest["content_hash"] = content_hash(manifest)
         write_bytes_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
         _swap_into_place(tmp, path)
     except BaseException:
@@ -136,6 +136,15 @@ def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> dict:
             f"({kiln_version()}) reads formats <= {FORMAT_VERSION}: upgrade kiln to load it"
         )
     if verify:
+        # The file checksums cover every file but the manifest; its meaning is covered by the hash.
+        try:
+            expected = content_hash(manifest)
+        except (KeyError, TypeError) as exc:
+            raise PackageCorruptError(f"{manifest_path} lacks a field every package has: {exc}") from exc
+        if manifest.get("content_hash") != expected:
+            raise PackageCorruptError(
+                f"{manifest_path} does not match its content_hash: the manifest was edited after saving"
+            )
         for rel, entry in manifest.get("files", {}).items():
             file = path / rel
             if not file.is_file():
@@ -224,7 +233,7 @@ def _hollow(program: torch.export.ExportedProgram) -> torch.export.ExportedProgr
     return new
 
 
-def _content_hash(manifest: dict) -> str:
+def content_hash(manifest: dict) -> str:
     """Equal content, equal hash: weights, engines and the compile's meaning.
 
     Not timestamps, and not the pt2 zip, whose bytes vary between saves of one program.

@@ -253,7 +253,7 @@ def _check_content_hash(manifest: dict, tags: Mapping[str, str], name: str, vers
     from compiler import package
 
     expected = tags.get(TAG_CONTENT_HASH)
-    recomputed = package._content_hash(manifest)
+    recomputed = package.content_hash(manifest)
     if manifest.get("content_hash") != recomputed:
         raise ArtifactVerificationError(
             f"version {version} of {name}: the manifest's content_hash does not match its contents "

@@ -64,6 +64,28 @@ def test_tampered_or_missing_files_are_refused(mlp_package, tmp_path):
         compiler.load(path)
 
 
+def test_edited_manifest_is_refused(mlp_package, tmp_path):
+    _, compiled, _ = mlp_package
+    path = compiler.save(compiled, tmp_path / "edited.kiln").path
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["input_specs"][0]["max_shape"] = [4096, 64]  # widen the range the engines were built for
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackageCorruptError, match="edited after saving"):
+        compiler.load(path)
+
+
+def test_package_with_a_custom_op_loads_in_a_process_that_never_imported_it(mlp_package):
+    _, _, info = mlp_package
+    out = _run_fresh(f"""
+        import sys, torch, compiler
+        assert "zoo.models" not in sys.modules
+        compiled = compiler.load({str(info.path)!r})
+        assert "zoo.models" in sys.modules  # imported from the archive's list, to register the op
+        print(compiled(torch.randn(3, 64)).shape)
+    """)
+    assert out.strip() == "torch.Size([3, 16])"
+
+
 def test_newer_format_is_refused_with_the_fix(mlp_package, tmp_path):
     _, compiled, _ = mlp_package
     path = compiler.save(compiled, tmp_path / "new.kiln").path

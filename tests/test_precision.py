@@ -1,6 +1,7 @@
 """Precision is cast in the graph; every precision loss is measured, not hidden (seed 002)."""
 
 import onnx
+import pytest
 import torch
 
 import compiler
@@ -19,3 +20,30 @@ def test_fp16_engines_are_strongly_typed_and_their_error_is_reported(tmp_path):
     assert report.precision == "fp16"
     assert 1e-6 < report.max_rel_l2 < 1e-2  # a real, measured, bounded fp16 error
     assert compiled(torch.randn(3, 64)).dtype == torch.float32
+
+
+def test_fp16_transformer_keeps_every_float32_cast_out_of_the_engine(tmp_path):
+    from zoo.models import tiny_gpt2
+
+    case = tiny_gpt2()
+    program = compiler.export(case.model, case.args, dynamic_shapes=case.dynamic_shapes)
+    compiled = compiler.compile(program, cache=tmp_path, precision="fp16")
+    engine = onnx.shape_inference.infer_shapes(
+        onnx.load_from_string(next(iter(compiled.engines.values())).engine)
+    )
+    dtypes = {v.name: v.type.tensor_type.elem_type for v in engine.graph.value_info}
+    produced = [(n.op_type, dtypes.get(out)) for n in engine.graph.node for out in n.output]
+    assert sum(1 for _, dtype in produced if dtype == onnx.TensorProto.FLOAT16) > 20
+    # float32 appears only where the engine casts its outputs back to the model's dtype
+    assert {op for op, dtype in produced if dtype == onnx.TensorProto.FLOAT} <= {"Cast"}
+    assert compiler.validate(case.model, compiled, runs=1, warmup=0).max_rel_l2 < 1e-2
+
+
+def test_bf16_lowers_but_onnx_runtime_on_cpu_refuses_it_with_the_node(tmp_path):
+    from compiler.errors import EngineBuildError
+
+    case = mlp_with_fallback()
+    program = compiler.export(case.model, case.args, dynamic_shapes=case.dynamic_shapes)
+    with pytest.raises(EngineBuildError, match=r"engine_0 .*ONNX Runtime rejected.*Gemm") as failure:
+        compiler.compile(program, cache=tmp_path, precision="bf16")
+    assert failure.value.partition == "engine_0"

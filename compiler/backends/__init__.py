@@ -28,7 +28,9 @@ def get_backend(name: str) -> EngineBackend:
     if name == "auto":
         for candidate in ("tensorrt", "tensorrt-rtx"):
             try:
-                return get_backend(candidate)
+                backend = get_backend(candidate)
+                backend.check_runnable()  # TensorRT-RTX builds on an H100 but cannot run there
+                return backend
             except (BackendUnavailableError, ImportError):
                 continue
         return get_backend("onnxruntime")
