@@ -185,17 +185,14 @@ def _report(summary: dict[str, Any], as_json: bool) -> int:
         out_console.print_json(json.dumps(summary))
     else:
         console.print(_summary_table(summary))
-        for m in summary["models"]:
-            if m["status"] == "ok":
-                console.print(
-                    f"  [green]{escape(m['name'])}[/green] -> {escape(m['package'])}", soft_wrap=True
-                )
-        for m in summary["models"]:
-            if m["status"] != "ok":
-                console.print(
-                    f"  [red]{escape(m['name'])}[/red] failed: {escape(_first_line(m['error']))}",
-                    soft_wrap=True,
-                )
+    # Packages and failures go to stderr either way: with --json, stdout stays machine-readable.
+    for m in summary["models"]:
+        if m["status"] == "ok":
+            console.print(f"  [green]{escape(m['name'])}[/green] -> {escape(m['package'])}", soft_wrap=True)
+    for m in summary["models"]:
+        if m["status"] != "ok":
+            line = escape(_first_line(m["error"]))
+            console.print(f"  [red]{escape(m['name'])}[/red] failed: {line}", soft_wrap=True)
     if summary["engines_built"] == 0 and not summary["failed"]:
         console.print("nothing changed: 0 engines built, every engine came from the cache")
     console.print(f"packages: {summary['out_dir']}   summary: {Path(summary['out_dir']) / 'summary.json'}")

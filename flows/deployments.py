@@ -9,6 +9,7 @@ parameters, cron schedules, work pool and queue, job variables, pull steps, tags
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -75,6 +76,7 @@ def register(prefect_file: str | Path, names: list[str] | None = None) -> dict[s
     registered = {}
     with get_client(sync_client=True) as client:
         for dep in read_deployments(prefect_file, names):
+            _ensure_pool(client, dep["work_pool"]["name"])
             flow = load_flow_from_entrypoint(dep["entrypoint"])
             flow_id = client.create_flow_from_name(flow.name)
             schedules = [
@@ -103,3 +105,15 @@ def register(prefect_file: str | Path, names: list[str] | None = None) -> dict[s
             )
             registered[f"{flow.name}/{dep['name']}"] = deployment_id
     return registered
+
+
+def _ensure_pool(client: Any, name: str) -> None:
+    """Create a missing work pool as a process pool (what deploy/create-work-pools.sh makes)."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    try:
+        client.read_work_pool(name)
+    except ObjectNotFound:
+        with contextlib.suppress(ObjectAlreadyExists):  # another registrar made it meanwhile
+            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
