@@ -51,6 +51,8 @@ MODELS = {
     "mlp_with_fallback": zoo.mlp_with_fallback,
     "repeated_fallback": zoo.repeated_fallback,
     "bert_encoder_768": lambda: zoo.bert_encoder(num_layers=2, hidden=768),
+    # BERT-base sized (12 x 768): one engine holds ~340 MB of weights, where the 2% target applies.
+    "bert_base_768x12": lambda: zoo.bert_encoder(num_layers=12, hidden=768),
 }
 MODES = {"capability": None, "blocks": "auto"}
 STRIP_TARGET = 0.02

@@ -39,7 +39,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import platformdirs
 from filelock import FileLock, Timeout
 
 from compiler.errors import CacheError
@@ -477,9 +476,18 @@ class EngineCache:
         )
 
 
+def _user_cache_dir() -> Path:
+    # platformdirs knows every OS's convention; GPU images may lack it, where XDG's default serves.
+    try:
+        import platformdirs
+    except ImportError:
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln"
+    return Path(platformdirs.user_cache_dir("kiln"))
+
+
 def _resolve_directory(directory: str | os.PathLike[str] | None) -> Path:
     if directory is None:
-        directory = os.environ.get("KILN_CACHE_DIR") or Path(platformdirs.user_cache_dir("kiln")) / "engines"
+        directory = os.environ.get("KILN_CACHE_DIR") or _user_cache_dir() / "engines"
     path = Path(directory).expanduser().absolute()
     if path.exists() and not path.is_dir():
         raise CacheError(f"cache directory {path} exists but is not a directory; expected a directory")
