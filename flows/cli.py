@@ -7,6 +7,7 @@ summary names each failure); 2 the input was unusable (a broken zoo file, a bad 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import warnings
@@ -87,7 +88,10 @@ def _quiet_prefect(verbose: bool) -> None:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
         warnings.filterwarnings("ignore")
         os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+        logging.getLogger("mlflow").setLevel(logging.ERROR)  # tracking chatter; failures still show
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The temporary API server migrates a fresh database first: 20 s is not enough on a busy 2-core box.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")
 
 
@@ -156,9 +160,11 @@ def _progress() -> Progress:
 
 def _summary_table(summary: dict[str, Any]) -> Table:
     table = Table(title=f"kiln: {summary['ok']} ok, {summary['failed']} failed, {summary['seconds']}s")
-    for column in ("model", "target", "status"):
-        table.add_column(column)
-    for column in ("partitions", "built", "reused", "rel L2", "latency", "s"):
+    # Short headers: the table must fit 80 columns (CI logs, pipes).
+    table.add_column("model", overflow="fold", min_width=6)
+    table.add_column("target")
+    table.add_column("status")
+    for column in ("parts", "built", "reused", "rel L2", "lat x", "s"):
         table.add_column(column, justify="right")
     for m in summary["models"]:
         table.add_row(
@@ -169,7 +175,7 @@ def _summary_table(summary: dict[str, Any]) -> Table:
             str(m["engines_built"]),
             str(m["engines_reused"]),
             f"{m['max_rel_l2']:.1e}" if m.get("max_rel_l2") is not None else "-",
-            f"{m['latency_ratio']:.2f}x" if m.get("latency_ratio") is not None else "-",
+            f"{m['latency_ratio']:.2f}" if m.get("latency_ratio") is not None else "-",
             f"{m['seconds']:.1f}",
         )
     return table
