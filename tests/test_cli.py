@@ -1,0 +1,82 @@
+"""The ``kiln`` command line without a server: help a new user can follow, exit codes scripts can trust.
+
+The runs that compile (exit 0 and 1) are in tests/test_flows.py, against a real Prefect server.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kiln(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    # No server here: these runs must fail (or finish) before Prefect is needed.
+    full_env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    full_env.update({"PYTHONPATH": str(ROOT), "COLUMNS": "200", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_help_names_every_command_and_the_first_step() -> None:
+    proc = _kiln("--help")
+    assert proc.returncode == 0
+    for command in ("zoo", "compile", "deploy", "lookup", "release", "rollback"):
+        assert command in proc.stdout
+    assert "kiln zoo deploy/zoo.yaml --out out/" in proc.stdout
+    assert "Exit codes: 0" in proc.stdout
+    zoo_help = _kiln("zoo", "--help").stdout
+    assert "--task-runner" in zoo_help and "--dask-address" in zoo_help and "--check" in zoo_help
+
+
+def test_example_zoo_checks_clean() -> None:
+    proc = _kiln("zoo", "deploy/zoo.yaml", "--check")
+    assert proc.returncode == 0, proc.stderr
+    assert "5 models ready, 0 with problems" in proc.stderr
+
+
+def test_check_names_each_problem_and_exits_1(tmp_path: Path) -> None:
+    zoo = tmp_path / "zoo.yaml"
+    zoo.write_text(
+        "models:\n"
+        "  - {name: a, factory: 'zoo.models:mlp_with_fallback', backend: onnxrt}\n"
+        "  - {name: b, factory: 'nowhere.models:f'}\n"
+        "  - {name: c, factory: 'zoo.models:tiny_vit'}\n"
+    )
+    proc = _kiln("zoo", str(zoo), "--check")
+    assert proc.returncode == 1
+    assert "models[0] (a).backend: unknown backend 'onnxrt'" in proc.stderr
+    assert "models[b].factory: cannot import module 'nowhere.models'" in proc.stderr
+    assert "1 models ready, 2 with problems" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("zoo", "{broken}"), "not valid YAML"),
+        (("zoo", "{missing}"), "cannot read zoo file"),
+        (("zoo", "deploy/zoo.yaml", "--model", "nope"), "--model ['nope']: not in deploy/zoo.yaml"),
+        (("zoo", "deploy/zoo.yaml", "--task-runner", "spark"), "use 'thread' or 'dask'"),
+        (("compile", "nope"), "'nope' is not a model of deploy/zoo.yaml"),
+        (("compile", "zoo.models:mlp_with_fallback", "--precision", "fp64"), "options.precision"),
+        (("deploy",), "PREFECT_API_URL is not set"),
+    ],
+)
+def test_unusable_input_exits_2_with_the_reason(tmp_path: Path, args: tuple[str, ...], message: str) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("models: [\n")
+    paths = {"broken": str(broken), "missing": str(tmp_path / "missing.yaml")}
+    proc = _kiln(*(a.format(**paths) for a in args))
+    assert proc.returncode == 2, proc.stderr
+    assert message in " ".join(proc.stderr.split()), proc.stderr
