@@ -283,10 +283,10 @@ def _check(zoo: Any, models: list[str] | None, targets: list[str] | None) -> int
             continue
         try:
             resolve_factory(entry.factory, f"models[{entry.name}].factory")
-            check_backend_available(entry.backend)
             for t in entry.targets:
                 if not targets or t in targets:
                     check_target(t)
+                    check_backend_available(entry.backend, t)
         except ZooConfigError as exc:
             problems.append((entry.name, str(exc)))
     for name, message in problems:

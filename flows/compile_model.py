@@ -53,8 +53,8 @@ def package_path(out_dir: str, entry: ZooEntry, target: str) -> str:
 def preflight(entry: ZooEntry, target: str) -> None:
     """Everything that can be checked before any engine is built: factory, backend, device."""
     resolve_factory(entry.factory, f"models[{entry.name}].factory")
-    check_backend_available(entry.backend)
     check_target(target)
+    check_backend_available(entry.backend, target)
 
 
 def _tracking_task():

@@ -390,8 +390,8 @@ def check_target(target: str) -> None:
         raise ZooConfigError(f"targets: {target!r} does not exist; this machine has cuda:0..cuda:{count - 1}")
 
 
-def check_backend_available(backend: str) -> None:
-    """Raise ZooConfigError when the backend's library is not installed here."""
+def check_backend_available(backend: str, target: str | None = None) -> None:
+    """Raise ZooConfigError when the backend is not installed here or cannot build for ``target``."""
     try:
         import compiler.backends as backends
     except ImportError:  # pragma: no cover
@@ -400,6 +400,13 @@ def check_backend_available(backend: str) -> None:
     if get_backend is None:
         return
     try:
-        get_backend(backend)
+        instance = get_backend(backend)
     except KilnError as exc:
         raise ZooConfigError(f"backend: {backend!r} cannot be used here: {exc}") from None
+    if target is not None and target.startswith("cuda"):
+        builds_for = instance.target_device()
+        if not builds_for.startswith("cuda"):
+            raise ZooConfigError(
+                f"targets: {target!r} needs GPU engines, but backend {backend!r} builds for {builds_for!r} "
+                "here; use backend: tensorrt (or auto) for cuda targets, or targets: [cpu]"
+            )

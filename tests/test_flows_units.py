@@ -1,0 +1,79 @@
+"""Pieces of the pipeline that need no server: retry policy, build tags, naming, summaries, preflight."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from prefect.states import Failed
+
+from compiler.errors import BackendError, EngineBuildError, LoweringError, PartitionError
+from flows.compile_model import ModelResult, package_path
+from flows.recompile_zoo import summary_markdown, summary_rows
+from flows.zoo_config import ZooConfigError, ZooEntry, ZooSettings, check_backend_available
+from tasks.stages import _transient, build_tag, configured
+
+
+@pytest.mark.parametrize(
+    ("exc", "retry"),
+    [
+        (OSError("disk busy"), True),
+        (MemoryError(), True),
+        (EngineBuildError("builder ran out of workspace"), True),
+        (BackendError("device busy"), True),
+        (LoweringError("op has no ONNX translation"), False),
+        (PartitionError("unknown op"), False),
+        (ValueError("bad shape"), False),
+    ],
+)
+def test_only_transient_build_failures_are_retried(exc: BaseException, retry: bool) -> None:
+    assert _transient(None, None, Failed(data=exc)) is retry
+
+
+def test_build_tasks_carry_device_tags_retries_and_backoff(tmp_path: Path) -> None:
+    stages = configured(str(tmp_path), "cuda:0", retries=3, backoff=1.5)
+    build = stages.build_engine
+    assert {"engine-build", build_tag("cuda:0")} <= set(build.tags)
+    assert build.retries == 3
+    assert build.retry_delay_seconds == [1.5, 3.0, 6.0]  # exponential back-off
+    # Results (and cache records) persist under the workspace, not in ~/.prefect.
+    assert Path(stages.export_program.result_storage) == tmp_path.resolve() / "results"
+    assert stages.export_program.persist_result is True
+
+
+def test_build_limits_per_device() -> None:
+    settings = ZooSettings(build_concurrency={"cpu": 3, "cuda": 1, "cuda:1": 2})
+    assert settings.build_limit("cpu") == 3
+    assert settings.build_limit("cuda:0") == 1  # the family's limit
+    assert settings.build_limit("cuda:1") == 2
+    with pytest.raises(ValueError, match="build_concurrency"):
+        ZooSettings(build_concurrency={"tpu": 1})
+
+
+def test_package_paths_are_per_device_when_an_entry_has_several_targets() -> None:
+    one = ZooEntry(name="bert", factory="zoo.models:tiny_bert")
+    two = ZooEntry(name="bert", factory="zoo.models:tiny_bert", targets=["cpu", "cuda:0"])
+    assert package_path("out", one, "cpu") == str(Path("out") / "bert.kiln")
+    assert package_path("out", two, "cuda:0") == str(Path("out") / "bert-cuda0.kiln")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="ONNX Runtime may build CUDA engines on a GPU machine")
+def test_a_cuda_target_needs_a_backend_that_builds_for_cuda() -> None:
+    check_backend_available("onnxruntime", "cpu")
+    with pytest.raises(ZooConfigError, match=r"targets: 'cuda:0' needs GPU engines.*backend: tensorrt"):
+        check_backend_available("onnxruntime", "cuda:0")
+
+
+def test_summary_lists_failures_with_their_message() -> None:
+    results = [
+        ModelResult("bert", "cpu", "ok", package="out/bert.kiln", partitions=3, unique_engines=2,
+                    engines_built=0, engines_reused=2, max_rel_l2=1e-7, latency_ratio=0.5, seconds=1.0),
+        ModelResult("gpt2", "cpu", "failed", error="ExportError: could not trace"),
+    ]  # fmt: skip
+    rows = summary_rows(results)
+    assert rows[0]["built"] == 0 and rows[0]["reused"] == 2 and rows[0]["package_or_error"] == "out/bert.kiln"
+    assert rows[1]["status"] == "failed" and rows[1]["package_or_error"] == "ExportError: could not trace"
+    text = summary_markdown(results, 3.0)
+    assert "1 of 2 ok, 0 engines built, 2 reused" in text
+    assert "**gpt2** (cpu): ExportError: could not trace" in text
