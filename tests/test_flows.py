@@ -192,13 +192,18 @@ def test_dask_task_runner_builds_on_a_local_cluster(prefect_api, tmp_path: Path)
     assert row["build_workers"] and all(w.startswith("dask:") for w in row["build_workers"])
 
 
-def test_a_deployment_from_prefect_yaml_runs_on_a_worker(prefect_api, first_run, zoo3: Path) -> None:  # noqa: F811
+def test_a_deployment_from_prefect_yaml_runs_on_a_worker(
+    prefect_api,  # noqa: F811
+    first_run,
+    zoo3: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from prefect import get_client
     from prefect.deployments import run_deployment
 
     from flows.deployments import register
 
-    os.environ["KILN_REPO"] = str(ROOT)
+    monkeypatch.setenv("KILN_REPO", str(ROOT))  # prefect.yaml's pull step: where workers find the code
     ids = register(ROOT / "deploy" / "prefect.yaml", ["zoo-nightly-cpu"])
     assert list(ids) == ["recompile-zoo/zoo-nightly-cpu"]
     with get_client(sync_client=True) as client:

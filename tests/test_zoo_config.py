@@ -100,7 +100,9 @@ def test_broken_files_fail_the_whole_run(tmp_path: Path) -> None:
 
 
 def test_unimportable_factories_are_named() -> None:
-    with pytest.raises(ZooConfigError, match=r"models\[x\]\.factory: cannot import module 'no_such_pkg.models'"):
+    with pytest.raises(
+        ZooConfigError, match=r"models\[x\]\.factory: cannot import module 'no_such_pkg\.models'"
+    ):
         resolve_factory("no_such_pkg.models:f", "models[x].factory")
     with pytest.raises(ZooConfigError, match=r"has no 'tiny_bret'; functions there: .*tiny_bert"):
         resolve_factory("zoo.models:tiny_bret")
