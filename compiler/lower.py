@@ -66,11 +66,14 @@ def engine_weights(plan: PartitionPlan, instance: EngineInstance) -> dict[str, t
     """Canonical name -> tensor for one instance, in the engine's precision."""
     weights = plan.weights()
     target = PRECISION_DTYPES[plan.options.precision]
+    # Canonical order (w0, w1, ..., w10), whatever order the mapping arrived in (JSON may sort keys):
+    # the engine graph takes its weight inputs by position.
+    ordered = sorted(instance.weights.items(), key=lambda item: int(item[0][1:]))
     return {
         name: (weights[key].to(target) if weights[key].is_floating_point() else weights[key])
         .detach()
         .contiguous()
-        for name, key in instance.weights.items()
+        for name, key in ordered
     }
 
 

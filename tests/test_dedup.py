@@ -71,3 +71,21 @@ def test_split_compile_matches_the_unsplit_one(tmp_path):
     a = split(input_ids=ids, attention_mask=mask).last_hidden_state
     b = whole(input_ids=ids, attention_mask=mask).last_hidden_state
     assert float((a - b).norm() / b.norm()) < 1e-5
+
+
+def test_a_dedup_plan_read_back_from_sorted_json_builds_the_same_engine(tmp_path):
+    import json
+
+    from zoo.models import tiny_resnet
+
+    case = tiny_resnet()
+    program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+    plan = compiler.partition(program)
+    unique = compiler.dedup(plan)
+    assert len(unique.instances[0].weights) > 10  # w10 sorts before w2 as text
+    again = compiler.DedupPlan.from_dict(json.loads(json.dumps(unique.to_dict(), sort_keys=True)))
+    engines = {fp: compiler.build_engine(plan, again, fp) for fp in again.fingerprints}
+    x = torch.randn(3, 3, 64, 64)
+    expected = case.model(pixel_values=x).last_hidden_state
+    got = compiler.assemble(plan, again, engines)(pixel_values=x).last_hidden_state
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
