@@ -271,7 +271,14 @@ def zoo_cmd(
         )
     if summary is None:
         raise _bad_input(f"the zoo run stopped before any model ran: {error}")
-    raise typer.Exit(_report(summary, as_json))
+    code = _report(summary, as_json)
+    settings = zoo.settings.model_copy(update={"tracking": overrides.get("tracking", zoo.settings.tracking)})
+    if settings.tracking_enabled() and not as_json:
+        # The main job ends where a user goes next: the MLflow UI and what is now registered.
+        from registry.summary import print_registry_summary
+
+        print_registry_summary(console=console)
+    raise typer.Exit(code)
 
 
 def _check(zoo: Any, models: list[str] | None, targets: list[str] | None) -> int:
