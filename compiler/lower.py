@@ -22,8 +22,7 @@ import torch
 from onnx import numpy_helper
 from torch.export import Dim
 
-from compiler.backends.base import EngineIO
-from compiler.backends.onnxruntime import _to_numpy
+from compiler.backends.base import EngineIO, to_numpy
 from compiler.dedup import DedupPlan, EngineInstance
 from compiler.errors import LoweringError
 from compiler.partition import Partition, PartitionPlan
@@ -225,7 +224,7 @@ def _weights_to_initializers(model: onnx.ModelProto, weights: dict[str, torch.Te
     del graph.input[:]
     graph.input.extend(keep)
     for name, tensor in weights.items():
-        graph.initializer.append(numpy_helper.from_array(_to_numpy(tensor), name))
+        graph.initializer.append(numpy_helper.from_array(to_numpy(tensor), name))
 
 
 def _canonicalize(model: onnx.ModelProto) -> None:

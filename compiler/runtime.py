@@ -18,10 +18,10 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from compiler.backends import get_backend
-from compiler.backends.base import Engine, EngineIO
+from compiler.backends.base import Engine, EngineBackend, EngineIO
 from compiler.build import EngineArtifact
 from compiler.dedup import DedupPlan
-from compiler.errors import InputSpecError
+from compiler.errors import InputSpecError, RefitError
 from compiler.lower import engine_weights
 from compiler.partition import PartitionPlan
 from compiler.report import CompileReport
@@ -120,8 +120,6 @@ class CompiledModule(torch.nn.Module):
 
     def refit(self, state: Mapping[str, torch.Tensor]) -> CompiledModule:
         """The same engines with new weights (a fine-tuned checkpoint): no lowering, no build."""
-        from compiler.errors import RefitError
-
         current = self.plan.weights()
         unknown = sorted(set(state) - set(current))
         if unknown:
@@ -185,8 +183,12 @@ def assemble(
 
 
 def _report(
-    plan: PartitionPlan, dedup: DedupPlan, engines: Mapping[str, EngineArtifact], backend, refits: int
-):
+    plan: PartitionPlan,
+    dedup: DedupPlan,
+    engines: Mapping[str, EngineArtifact],
+    backend: EngineBackend,
+    refits: int,
+) -> CompileReport:
     partitions = [
         {**p.to_dict(), "fingerprint": dedup.instance(p.name).fingerprint, "nodes": len(p.nodes)}
         for p in plan.partitions

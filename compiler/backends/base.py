@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from compiler.specs import InputSpec
@@ -106,3 +107,13 @@ class EngineBackend(Protocol):
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
         """New engine bytes with new weights, without a rebuild (full engines)."""
         ...
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU copy of ``tensor``; bfloat16 through ml_dtypes (numpy has none)."""
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()

@@ -19,7 +19,7 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
-from compiler.backends.base import BuildSettings, EngineIO, is_weight_name
+from compiler.backends.base import BuildSettings, EngineIO, is_weight_name, to_numpy
 from compiler.errors import EngineBuildError, RefitError
 from compiler.onnx_support import onnx_exportable
 
@@ -129,7 +129,7 @@ def _fill(model: onnx.ModelProto, weights: Mapping[str, torch.Tensor]) -> None:
     for name, tensor in weights.items():
         init = inits[name]
         expected_dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
-        array = _to_numpy(tensor)
+        array = to_numpy(tensor)
         if tuple(array.shape) != tuple(init.dims) or array.dtype != expected_dtype:
             raise RefitError(
                 f"weight {name!r}: expected shape {tuple(init.dims)} dtype {expected_dtype.name}, got "
@@ -138,12 +138,3 @@ def _fill(model: onnx.ModelProto, weights: Mapping[str, torch.Tensor]) -> None:
         filled = numpy_helper.from_array(array, name)
         init.Clear()
         init.CopyFrom(filled)
-
-
-def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach().cpu().contiguous()
-    if tensor.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
