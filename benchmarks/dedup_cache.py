@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import compiler
 from benchmarks._common import interleaved, print_table, write_json
 from compiler.options import CompileOptions
+from compiler.validate import sample_inputs
 from zoo.models import bert_encoder, repeated_fallback
 
 
@@ -62,6 +63,16 @@ def run_case(name: str, case, runs: int, work: Path) -> dict:
         },
         runs=runs,
     )
+    # At the largest shape the specs allow, per-engine-call overhead weighs what it weighs in serving.
+    flat = sample_inputs(split_compiled.input_specs, "max", torch.Generator().manual_seed(0))
+    big_args, big_kwargs = torch.utils._pytree.tree_unflatten(flat, program.call_spec.in_spec)
+    timing_max = interleaved(
+        {
+            "split": lambda: split_compiled(*big_args, **big_kwargs),
+            "unsplit": lambda: unsplit_compiled(*big_args, **big_kwargs),
+        },
+        runs=max(5, runs // 2),
+    )
     report = split_compiled.report
     return {
         "model": name,
@@ -75,6 +86,9 @@ def run_case(name: str, case, runs: int, work: Path) -> dict:
         "split_ms": timing["split"]["median_ms"],
         "unsplit_ms": timing["unsplit"]["median_ms"],
         "split_latency_ratio": timing["split"]["median_ms"] / timing["unsplit"]["median_ms"],
+        "split_ms_at_max": timing_max["split"]["median_ms"],
+        "unsplit_ms_at_max": timing_max["unsplit"]["median_ms"],
+        "split_latency_ratio_at_max": timing_max["split"]["median_ms"] / timing_max["unsplit"]["median_ms"],
         "full_pkg_bytes": dir_bytes(full_pkg),
         "stripped_pkg_bytes": dir_bytes(strip_pkg),
         "full_engine_bytes": report.engine_bytes,
@@ -105,6 +119,7 @@ def main() -> None:
             "warm s",
             "warm/cold",
             "split/unsplit",
+            "at max shape",
             "full KB",
             "stripped KB",
         ],
@@ -119,6 +134,7 @@ def main() -> None:
                 r["warm_s"],
                 r["warm_ratio"],
                 r["split_latency_ratio"],
+                r["split_latency_ratio_at_max"],
                 r["full_pkg_bytes"] / 1e3,
                 r["stripped_pkg_bytes"] / 1e3,
             ]
@@ -131,6 +147,7 @@ def main() -> None:
         "dedup_ratio_24L<=0.2": by_name.get("bert-24L", {}).get("dedup_ratio"),
         "warm_ratio_max<=0.1": max(r["warm_ratio"] for r in rows),
         "split_latency_ratio_max<=1.1": max(r["split_latency_ratio"] for r in rows),
+        "split_latency_ratio_at_max_shape_max<=1.1": max(r["split_latency_ratio_at_max"] for r in rows),
     }
     print("targets:", {k: round(v, 3) if v is not None else None for k, v in targets.items()})
     write_json("dedup_cache", {"rows": rows, "targets": targets, "torch_threads": torch.get_num_threads()})
