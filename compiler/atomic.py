@@ -10,6 +10,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path beside ``path``; on success fsync it and rename it over ``path``."""
@@ -17,7 +26,11 @@ def atomic_write(path: str | os.PathLike) -> Iterator[str]:
     path.parent.mkdir(parents=True, exist_ok=True)
     # Keep the suffix: some writers (torch.export.save) check the file name ending.
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
-    os.close(fd)
+    try:
+        # mkstemp makes 0o600 files; packages and cache entries are read by other users and workers.
+        os.fchmod(fd, 0o666 & ~_UMASK)
+    finally:
+        os.close(fd)
     try:
         yield tmp
         with open(tmp, "rb+") as handle:

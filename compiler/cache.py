@@ -27,7 +27,6 @@ import json
 import lzma
 import os
 import re
-import tempfile
 import threading
 import time
 import warnings
@@ -41,6 +40,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from compiler.atomic import write_bytes_atomic
 from compiler.errors import CacheError
 
 FORMAT_VERSION = 1
@@ -387,9 +387,9 @@ class EngineCache:
         }
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            _atomic_write(self._payload_path(key), stored)
+            write_bytes_atomic(self._payload_path(key), stored)
             # Metadata last: a crash in between leaves a payload without metadata, which reads detect.
-            _atomic_write(self._meta_path(key), json.dumps(record, indent=1, sort_keys=True).encode())
+            write_bytes_atomic(self._meta_path(key), json.dumps(record, indent=1, sort_keys=True).encode())
             _fsync_directory(self.directory)
         except OSError as exc:
             for path in (self._meta_path(key), self._payload_path(key)):
@@ -553,21 +553,6 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
             out.update(_flatten(item, f"{prefix}{name}."))
         return out
     return {prefix.rstrip("."): value}
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0o600 would hide entries from other cache users
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _fsync_directory(directory: Path) -> None:

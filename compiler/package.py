@@ -68,7 +68,7 @@ def save(
         plan = compiled.plan
         save_program(_hollow(plan.program), tmp / PROGRAM)
         weights = {k: v.detach().cpu().contiguous().clone() for k, v in sorted(compiled.weights.items())}
-        safetensors.torch.save_file(weights, tmp / WEIGHTS)
+        write_bytes_atomic(tmp / WEIGHTS, safetensors.torch.save(weights))
         (tmp / "engines").mkdir()
         engines = {}
         for fp, artifact in sorted(compiled.engines.items()):

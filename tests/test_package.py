@@ -148,3 +148,9 @@ def test_seed_003_round_trip_in_fresh_processes(tmp_path):
             print(point, shape[0], rel)
     """)
     assert [line.split()[1] for line in out.splitlines()] == ["1", "2", "8"]
+
+
+def test_package_files_are_readable_by_other_users(mlp_package):
+    _, _, info = mlp_package
+    modes = {p.name: p.stat().st_mode & 0o777 for p in info.path.rglob("*") if p.is_file()}
+    assert modes and all(mode & 0o044 == 0o044 for mode in modes.values()), modes
