@@ -26,6 +26,7 @@ from compiler.build import build_engine
 from compiler.cache import EngineCache
 from compiler.dedup import dedup
 from compiler.errors import BackendError
+from compiler.export import TRACING
 from compiler.options import CompileOptions
 from compiler.partition import partition
 from compiler.pipeline import resolve_cache
@@ -54,7 +55,7 @@ class KilnBackend:
                 " each new shape then compiles through the engine cache"
             )
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        with torch.no_grad():
+        with TRACING, torch.no_grad():
             program = torch.export.export(gm, tuple(example_inputs), strict=False)
         user_inputs = program.graph_signature.user_inputs
         weights = {

@@ -12,6 +12,7 @@ import importlib
 import inspect
 import json
 import os
+import threading
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,6 +25,10 @@ from torch.export import ExportedProgram
 from compiler.atomic import atomic_write
 from compiler.errors import ExportError, InputSpecError
 from compiler.specs import InputSpec, dtype_name, specs_from_json, specs_to_json
+
+# torch.export and the ONNX exporter built on it are not thread-safe (two traces in one process corrupt
+# each other's dispatch state): every trace in kiln holds this lock, so callers may use threads.
+TRACING = threading.RLock()
 
 SPEC_META_KEY = "kiln_input_spec"
 SPEC_EXTRA_FILE = "kiln_input_specs.json"
@@ -48,9 +53,10 @@ def export(
     """
     kwargs = dict(kwargs or {})
     try:
-        program = torch.export.export(
-            model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=strict
-        )
+        with TRACING:
+            program = torch.export.export(
+                model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=strict
+            )
     except Exception as exc:  # torch raises many types here; the user needs one with the cause
         raise ExportError(
             f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {exc}".strip()[:4000]

@@ -25,6 +25,7 @@ from torch.export import Dim
 from compiler.backends.base import EngineIO, to_numpy
 from compiler.dedup import DedupPlan, EngineInstance
 from compiler.errors import LoweringError
+from compiler.export import TRACING
 from compiler.partition import Partition, PartitionPlan
 from compiler.specs import InputSpec, dtype_name
 
@@ -96,7 +97,7 @@ def lower(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
     dynamic_shapes = (act_shapes + tuple(None for _ in weights),)
     names = [s.name for s in io_spec.inputs] + list(weights)
     try:
-        with warnings.catch_warnings(), _quiet_exporter():
+        with TRACING, warnings.catch_warnings(), _quiet_exporter():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 module,

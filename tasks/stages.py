@@ -40,10 +40,10 @@ from flows.zoo_config import ZooEntry
 from tasks.model_case import load_case, model_key
 from tasks.workspace import Workspace, code_version, content_hash, read_json
 
-# torch.export (and the torch.onnx exporter built on it) is not thread-safe: two traces in one process
-# corrupt each other's dispatch-mode stack. Every stage that traces, runs or times torch code holds this
-# lock, so threads of one process take turns (timings stay honest too); the Dask runner with processes
-# is the way to build engines truly in parallel.
+# compiler/ serialises its own traces (torch.export, the ONNX exporter: compiler.export.TRACING). This
+# coarser lock also covers running and timing torch code, so validation latencies of models compiled
+# side by side in one process are not measured against each other; the Dask runner with processes is
+# the way to build engines truly in parallel.
 TORCH_LOCK = threading.RLock()
 
 
