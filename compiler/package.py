@@ -36,7 +36,7 @@ from compiler.errors import EngineCompatibilityError, PackageCorruptError, Packa
 from compiler.export import load_program, save_program
 from compiler.partition import program_weights, replay
 from compiler.report import CompileReport
-from compiler.runtime import CompiledModule, _with_weights, assemble
+from compiler.runtime import CompiledModule, assemble, with_weights
 from compiler.version import kiln_version
 
 FORMAT_VERSION = 1
@@ -177,7 +177,7 @@ def load(path: str | os.PathLike) -> CompiledModule:
     missing = sorted((own | set(manifest["input_weights"])) - set(weights))
     if missing:
         raise PackageCorruptError(f"{path}: {WEIGHTS} lacks weights {missing[:10]}")
-    program = _with_weights(program, {k: v for k, v in weights.items() if k in own})
+    program = with_weights(program, {k: v for k, v in weights.items() if k in own})
     plan = replay(program, manifest["plan"])
     plan.input_weights = {k: weights[k] for k in manifest["input_weights"]}
     engines = {

@@ -136,7 +136,7 @@ class CompiledModule(torch.nn.Module):
             **self.plan.input_weights,
             **{k: v for k, v in state.items() if k not in program_weights},
         }
-        plan.program = _with_weights(
+        plan.program = with_weights(
             self.plan.program, {k: v for k, v in state.items() if k in program_weights}
         )
         # Full engines carry their representative's weights: put the new ones in (no rebuild).
@@ -217,7 +217,9 @@ def _report(
     )
 
 
-def _with_weights(program: torch.export.ExportedProgram, state: Mapping[str, torch.Tensor]):
+def with_weights(
+    program: torch.export.ExportedProgram, state: Mapping[str, torch.Tensor]
+) -> torch.export.ExportedProgram:
     """A shallow copy of the program whose state dict / constants carry the given tensors."""
     if not state:
         return program
