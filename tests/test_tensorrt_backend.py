@@ -11,7 +11,9 @@ TensorRT-RTX's runtime refuses sm_90 and full TensorRT is not installable).
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
+import struct
 
 import numpy as np
 import onnx
@@ -264,7 +266,36 @@ def test_batch_norm_unfolds_into_named_weight_arithmetic_with_equal_outputs(dtyp
 def test_engine_header_round_trips_and_keeps_the_plan_unchanged():
     plan = bytes(range(256)) * 3
     header, body = decode_engine(encode_engine(_header(), plan))
-    assert header == _header() and bytes(body) == plan
+    assert header == {**_header(), "plan_encoding": "raw"} and bytes(body) == plan
+
+
+def test_compressed_plans_round_trip_exactly_and_shrink_redundant_kernel_code():
+    rng = np.random.default_rng(0)
+    kernel = rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()  # one "cubin", repeated per layer
+    plan = kernel * 64 + rng.integers(0, 256, 1000, dtype=np.uint8).tobytes()
+    engine = encode_engine(_header(stripped=True), plan, compress=True)
+    header, body = decode_engine(engine)
+    assert header["plan_encoding"] == "xz" and bytes(body) == plan
+    assert len(engine) < len(plan) / 20
+    # re-encoding a decoded header without compression stores the plan raw, and says so
+    header2, body2 = decode_engine(encode_engine(header, bytes(body)))
+    assert header2["plan_encoding"] == "raw" and bytes(body2) == plan
+
+
+def test_engine_from_before_compression_decodes_as_raw():
+    text = json.dumps(_header(), sort_keys=True).encode()  # no plan_encoding key
+    header, body = decode_engine(b"KILNTRT1" + struct.pack("<I", len(text)) + text + b"plan")
+    assert bytes(body) == b"plan" and "plan_encoding" not in header
+
+
+def test_corrupt_compressed_plan_or_unknown_encoding_is_a_compatibility_error():
+    engine = bytearray(encode_engine(_header(), b"kernels" * 1000, compress=True))
+    engine[-20] ^= 0xFF  # inside the xz stream: its CRC64 catches it
+    with pytest.raises(EngineCompatibilityError, match=r"plan is corrupt \(xz: "):
+        decode_engine(bytes(engine))
+    text = json.dumps({**_header(), "plan_encoding": "zstd"}).encode()
+    with pytest.raises(EngineCompatibilityError, match="plan encoding 'zstd'; this kiln reads"):
+        decode_engine(b"KILNTRT1" + struct.pack("<I", len(text)) + text + b"plan")
 
 
 @pytest.mark.parametrize("data", [b"", b"ftrt" * 10, b"KILNTRT1\x05\x00\x00\x00{oops"])
