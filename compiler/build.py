@@ -3,25 +3,38 @@
 The cache key is the fingerprint plus backend name and version, target device and build settings,
 so a structure built once (by any model, run or worker) is never built again, and a corrupt entry is
 rebuilt rather than used.
+
+A build that fails (``EngineBuildError``: the library rejected the graph) falls back as
+``CompileOptions.on_build_failure`` says: to the partition's own PyTorch submodule (an artifact of
+backend ``"torch"`` with no engine bytes), to an ONNX Runtime engine of the same lowered graph, or
+not at all (the error propagates). The artifact keeps the error, partition and node for the report. A
+failed build is never written to the engine cache: a later library may build it.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from compiler.backends import get_backend
-from compiler.backends.base import EngineIO
+from compiler.backends.base import BuildSettings, EngineBackend, EngineIO
 from compiler.cache import EngineCache
 from compiler.dedup import DedupPlan
 from compiler.errors import EngineBuildError
-from compiler.lower import engine_io, lower
+from compiler.lower import LoweredPartition, engine_io, lower
 from compiler.partition import PartitionPlan
+
+TORCH = "torch"  # the backend of a partition that runs as its own PyTorch submodule (no engine)
 
 
 @dataclass(frozen=True)
 class EngineArtifact:
-    """A built (or cache-hit) engine for one fingerprint."""
+    """A built (or cache-hit) engine for one fingerprint, or the PyTorch fallback of a failed build.
+
+    ``backend`` built it and runs it (``"torch"``: nothing was built, the partition's submodule stays in
+    the graph and ``engine`` is empty). ``build_failure`` is set when the configured backend failed:
+    error text, node, partition, fingerprint, the backend that failed and the one it fell back to.
+    """
 
     fingerprint: str
     cache_key: str
@@ -31,20 +44,29 @@ class EngineArtifact:
     cache_hit: bool
     seconds: float
     lower_seconds: float = 0.0
+    backend: str = field(kw_only=True)
+    build_failure: dict | None = field(default=None, kw_only=True)
 
     @property
     def bytes(self) -> int:
         return len(self.engine)
 
+    @property
+    def is_engine(self) -> bool:
+        """Whether an engine runs this fingerprint (not the PyTorch fallback)."""
+        return self.backend != TORCH
+
     def summary(self) -> dict:
         return {
             "fingerprint": self.fingerprint,
             "cache_key": self.cache_key,
+            "backend": self.backend,
             "bytes": self.bytes,
             "stripped": self.stripped,
             "cache_hit": self.cache_hit,
             "seconds": round(self.seconds, 4),
             "lower_seconds": round(self.lower_seconds, 4),
+            "build_failure": self.build_failure,
         }
 
 
@@ -64,12 +86,11 @@ def build_engine(
         target_device=backend.target_device(),
         settings=settings.to_dict(),
     )
-    lowered_seconds = 0.0
+    lowered: LoweredPartition | None = None
 
     def build() -> bytes:
-        nonlocal lowered_seconds
+        nonlocal lowered
         lowered = lower(plan, dedup, fingerprint)
-        lowered_seconds = lowered.seconds
         try:
             return backend.build(lowered.onnx, lowered.io, settings)
         except EngineBuildError as exc:
@@ -81,12 +102,18 @@ def build_engine(
                 ) from exc
             raise
 
-    if cache is None:
-        engine, hit = build(), False
-    else:
-        engine, hit = cache.get_or_build(
-            key, build, meta={"partition": representative.name, "io": io.to_dict()}
-        )
+    try:
+        if cache is None:
+            engine, hit = build(), False
+        else:
+            # get_or_build stores only what build() returned: a failed build leaves no entry.
+            engine, hit = cache.get_or_build(
+                key, build, meta={"partition": representative.name, "io": io.to_dict()}
+            )
+    except EngineBuildError as exc:
+        if plan.options.on_build_failure == "error":
+            raise
+        return _fall_back(plan, fingerprint, str(key), io, backend, settings, lowered, exc, cache, start)
     return EngineArtifact(
         fingerprint,
         str(key),
@@ -95,5 +122,82 @@ def build_engine(
         settings.strip_weights,
         hit,
         time.perf_counter() - start,
-        lowered_seconds,
+        lowered.seconds if lowered is not None else 0.0,
+        backend=backend.name,
+    )
+
+
+def _fall_back(
+    plan: PartitionPlan,
+    fingerprint: str,
+    key: str,
+    io: EngineIO,
+    failed: EngineBackend,
+    settings: BuildSettings,
+    lowered: LoweredPartition | None,
+    exc: EngineBuildError,
+    cache: EngineCache | None,
+    start: float,
+) -> EngineArtifact:
+    """The artifact that stands in for a failed build: an ONNX Runtime engine of the same lowered graph
+    (``on_build_failure="onnxruntime"``) or, failing that or by choice, the PyTorch submodule."""
+    failure = {
+        "error": str(exc),
+        "node": exc.node,
+        "partition": exc.partition,
+        "fingerprint": fingerprint,
+        "backend": failed.name,
+        "fell_back_to": TORCH,
+    }
+    lower_seconds = lowered.seconds if lowered is not None else 0.0
+    if plan.options.on_build_failure == "onnxruntime" and failed.name != "onnxruntime" and lowered:
+        ort = get_backend("onnxruntime")
+        ort_key = EngineCache.key(
+            fingerprint=fingerprint,
+            backend=ort.name,
+            library_version=ort.library_version(),
+            target_device=ort.target_device(),
+            settings=settings.to_dict(),
+        )
+        graph = lowered.onnx
+
+        def build() -> bytes:
+            return ort.build(graph, io, settings)
+
+        try:
+            if cache is None:
+                engine, hit = build(), False
+            else:
+                engine, hit = cache.get_or_build(
+                    ort_key, build, meta={"partition": exc.partition, "io": io.to_dict()}
+                )
+        except EngineBuildError as ort_exc:  # ONNX Runtime cannot run it either: PyTorch it is
+            failure["fallback_error"] = str(ort_exc)
+        else:
+            failure["fell_back_to"] = ort.name
+            return EngineArtifact(
+                fingerprint,
+                str(ort_key),
+                engine,
+                io,
+                settings.strip_weights,
+                hit,
+                time.perf_counter() - start,
+                lower_seconds,
+                backend=ort.name,
+                build_failure=failure,
+            )
+    # No engine: the partition's submodule stays in the graph. The key is the one the failed engine
+    # would have had, to tell which build to retry.
+    return EngineArtifact(
+        fingerprint,
+        key,
+        b"",
+        io,
+        False,
+        False,
+        time.perf_counter() - start,
+        lower_seconds,
+        backend=TORCH,
+        build_failure=failure,
     )

@@ -9,6 +9,9 @@ from typing import Any
 from compiler.backends.base import PRECISIONS, BuildSettings
 from compiler.errors import PartitionError
 
+# What a partition whose engine build fails becomes (see CompileOptions.on_build_failure).
+ON_BUILD_FAILURE = ("torch", "onnxruntime", "error")
+
 
 @dataclass(frozen=True)
 class CompileOptions:
@@ -17,6 +20,12 @@ class CompileOptions:
     ``split_modules``: ``None`` (capability partitioning only), ``"auto"`` (detect repeated blocks) or
     class names (e.g. ``("BertLayer",)``) whose instances each become their own engine, so build time
     grows with the number of unique blocks, not with depth.
+
+    ``on_build_failure``: what a partition whose engine build fails (``EngineBuildError``) becomes:
+    ``"torch"`` (its original submodule runs eagerly in PyTorch, in the model's own precision),
+    ``"onnxruntime"`` (the same lowered ONNX is built with ONNX Runtime; if that fails too, PyTorch) or
+    ``"error"`` (the compile fails: strict release pipelines). The report lists every failure. It does
+    not change an engine's bytes, so it is not a build setting and stays out of engine cache keys.
     """
 
     backend: str = "onnxruntime"
@@ -28,11 +37,22 @@ class CompileOptions:
     workspace_bytes: int | None = None
     optimization_level: int | None = None
     backend_options: Mapping[str, Any] = field(default_factory=dict)
+    on_build_failure: str = "torch"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise PartitionError(
                 f"precision {self.precision!r} is not supported; expected one of {PRECISIONS}"
+            )
+        if self.on_build_failure not in ON_BUILD_FAILURE:
+            raise PartitionError(
+                f"on_build_failure {self.on_build_failure!r} is not supported; expected one of "
+                f"{ON_BUILD_FAILURE}"
+            )
+        if self.on_build_failure == "onnxruntime" and self.backend == "onnxruntime":
+            raise PartitionError(
+                "on_build_failure 'onnxruntime' with backend 'onnxruntime': ONNX Runtime cannot fall back "
+                "to itself; use 'torch' or 'error'"
             )
         if not isinstance(self.min_block_size, int) or self.min_block_size < 1:
             raise PartitionError(f"min_block_size must be an integer >= 1, got {self.min_block_size!r}")
@@ -43,6 +63,7 @@ class CompileOptions:
             object.__setattr__(self, "split_modules", split)
 
     def build_settings(self) -> BuildSettings:
+        # on_build_failure is left out on purpose: it decides what happens after a build, not its bytes.
         return BuildSettings(
             precision=self.precision,
             strip_weights=self.strip_weights,

@@ -3,7 +3,8 @@
     manifest.json            format version, specs, versions, plan, report, validation, file checksums
     program.pt2              the exported program (torch.export format), weights left hollow
     weights.safetensors      every weight, once
-    engines/<fp>.engine      one engine per unique fingerprint (weight-stripped or full)
+    engines/<fp>.engine      one engine per unique fingerprint (weight-stripped or full); none for a
+                             fingerprint whose build fell back to PyTorch (the program runs it)
 
 Loading checks the format version and every checksum before anything is used, never unpickles
 (torch.export.load reads weights-only; safetensors is plain bytes), and needs no example inputs.
@@ -30,7 +31,7 @@ import torch
 from compiler.atomic import sha256_file, write_bytes_atomic
 from compiler.backends import get_backend
 from compiler.backends.base import EngineIO
-from compiler.build import EngineArtifact
+from compiler.build import TORCH, EngineArtifact
 from compiler.dedup import DedupPlan
 from compiler.errors import EngineCompatibilityError, PackageCorruptError, PackageError, PackageVersionError
 from compiler.export import load_program, save_program
@@ -72,14 +73,17 @@ def save(
         (tmp / "engines").mkdir()
         engines = {}
         for fp, artifact in sorted(compiled.engines.items()):
-            rel = f"engines/{fp}.engine"
-            write_bytes_atomic(tmp / rel, artifact.engine)
+            rel = f"engines/{fp}.engine" if artifact.is_engine else None
+            if rel is not None:
+                write_bytes_atomic(tmp / rel, artifact.engine)
             engines[fp] = {
                 "file": rel,
                 "io": artifact.io.to_dict(),
                 "cache_key": artifact.cache_key,
                 "bytes": artifact.bytes,
                 "stripped": artifact.stripped,
+                "backend": artifact.backend,
+                "build_failure": artifact.build_failure,
             }
         report = compiled.report
         files = {
@@ -162,15 +166,19 @@ def load(path: str | os.PathLike) -> CompiledModule:
     """Load a package: verify, re-create the split graph from the saved plan, refit engines, ready to call."""
     path = Path(path)
     manifest = read_manifest(path)
-    backend = get_backend(manifest["backend"])
-    if (
-        manifest["backend"].startswith("tensorrt")
-        and backend.library_version() != manifest["backend_version"]
-    ):
-        raise EngineCompatibilityError(
-            f"{path} holds {manifest['backend']} {manifest['backend_version']} engines; this machine has "
-            f"{backend.library_version()}: recompile for it"
-        )
+    # Each engine runs on the backend that built it (packages from before per-engine backends: the
+    # package's); only a backend some engine needs must be present here.
+    backends = {fp: entry.get("backend", manifest["backend"]) for fp, entry in manifest["engines"].items()}
+    if manifest["backend"] in backends.values():
+        backend = get_backend(manifest["backend"])
+        if (
+            manifest["backend"].startswith("tensorrt")
+            and backend.library_version() != manifest["backend_version"]
+        ):
+            raise EngineCompatibilityError(
+                f"{path} holds {manifest['backend']} {manifest['backend_version']} engines; this machine "
+                f"has {backend.library_version()}: recompile for it"
+            )
     program = load_program(path / PROGRAM)
     weights = safetensors.torch.load_file(path / WEIGHTS)
     own = set(program_weights(program))
@@ -184,11 +192,13 @@ def load(path: str | os.PathLike) -> CompiledModule:
         fp: EngineArtifact(
             fp,
             entry["cache_key"],
-            (path / entry["file"]).read_bytes(),
+            b"" if backends[fp] == TORCH else (path / entry["file"]).read_bytes(),
             EngineIO.from_dict(entry["io"]),
             entry["stripped"],
             True,
             0.0,
+            backend=backends[fp],
+            build_failure=entry.get("build_failure"),
         )
         for fp, entry in manifest["engines"].items()
     }
@@ -241,6 +251,11 @@ def content_hash(manifest: dict) -> str:
     core = {
         "weights": manifest["files"][WEIGHTS]["sha256"],
         "engines": {rel: f["sha256"] for rel, f in manifest["files"].items() if rel.startswith("engines/")},
+        # Which fingerprints run on another backend than the package's (build fallbacks). Only present
+        # when some do, so packages without fallbacks (every package saved before engines recorded their
+        # backend) hash as they always did and still verify. The failure text is diagnostic, like the
+        # report, and stays out.
+        **_fallback_backends(manifest),
         **{
             k: manifest[k]
             for k in (
@@ -256,6 +271,15 @@ def content_hash(manifest: dict) -> str:
         },
     }
     return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
+
+
+def _fallback_backends(manifest: dict) -> dict:
+    other = {
+        fp: entry["backend"]
+        for fp, entry in manifest["engines"].items()
+        if entry.get("backend", manifest["backend"]) != manifest["backend"]
+    }
+    return {"engine_backends": other} if other else {}
 
 
 def _swap_into_place(tmp: Path, path: Path) -> None:

@@ -20,6 +20,9 @@ class CompileReport:
     refits: int = 0
     engine_bytes: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    # One per fingerprint whose build failed: error, node, fingerprint, the backend that failed, the
+    # partitions it covers and what they fell back to ("torch" or "onnxruntime").
+    build_failures: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -34,8 +37,18 @@ class CompileReport:
 
     def summary(self) -> str:
         fallback = ", ".join(f"{op} x{n}" for op, n in sorted(self.fallback_ops.items())) or "none"
-        return (
+        text = (
             f"{len(self.partitions)} engine partitions, {self.unique_fingerprints} unique, "
             f"{self.engines_built} built, {self.cache_hits} cache hits, {self.refits} refits; "
             f"fallback to PyTorch: {fallback}"
         )
+        fell_back = [
+            f"{name} -> {failure.get('fell_back_to')}"
+            + (f" (node {failure['node']!r})" if failure.get("node") else "")
+            for failure in self.build_failures
+            for name in failure.get("partitions", [])
+        ]
+        if fell_back:
+            noun = "partition" if len(fell_back) == 1 else "partitions"
+            text += f"; {len(fell_back)} {noun} fell back after build failures: {', '.join(fell_back)}"
+        return text

@@ -2,8 +2,11 @@
 
 ``assemble`` loads every engine instance with its own weights (refit: a shared or stripped engine gets
 the instance's tensors put in) and swaps each partition submodule of the split graph for an
-:class:`EngineCall`. The compiled module takes the model's own call signature, checks inputs against
-the specs captured at export, and returns the model's own output structure.
+:class:`EngineCall`; each engine is loaded by the backend that built it (an ONNX Runtime fallback in a
+TensorRT compile runs on ONNX Runtime), and a partition whose build fell back to PyTorch keeps its
+submodule, which the graph feeds the current weights like any fallback op. The compiled module takes
+the model's own call signature, checks inputs against the specs captured at export, and returns the
+model's own output structure.
 """
 
 from __future__ import annotations
@@ -139,14 +142,14 @@ class CompiledModule(torch.nn.Module):
         plan.program = with_weights(
             self.plan.program, {k: v for k, v in state.items() if k in program_weights}
         )
-        # Full engines carry their representative's weights: put the new ones in (no rebuild).
-        backend = get_backend(plan.options.backend)
+        # Full engines carry their representative's weights: put the new ones in (no rebuild), with the
+        # backend that built each. PyTorch fallbacks need nothing: the graph feeds them the new weights.
         engines = {
             fp: a
-            if a.stripped
+            if a.stripped or not a.is_engine
             else dataclasses.replace(
                 a,
-                engine=backend.refit(
+                engine=get_backend(a.backend).refit(
                     a.engine, engine_weights(plan, self.dedup.instance(self.dedup.unique[fp]))
                 ),
             )
@@ -164,20 +167,21 @@ def assemble(
 ) -> CompiledModule:
     """Load every engine instance with its weights (refit) and wire them into the fallback graph."""
     start = time.perf_counter()
-    backend = get_backend(plan.options.backend)
     graph = copy.copy(plan.graph_module)
     refits = 0
     for part in plan.partitions:
         instance = dedup.instance(part.name)
         artifact = engines[instance.fingerprint]
+        if not artifact.is_engine:
+            continue  # the build fell back to PyTorch: the partition's own submodule stays in the graph
         shared = dedup.unique[instance.fingerprint] != part.name
         weights = engine_weights(plan, instance)
-        engine = backend.load(artifact.engine, artifact.io, weights)
+        engine = get_backend(artifact.backend).load(artifact.engine, artifact.io, weights)
         refits += int(shared or artifact.stripped)
         positions = tuple(i for i, src in enumerate(part.inputs) if src.kind == "activation")
         setattr(graph, part.name, EngineCall(engine, artifact.io, positions, instance.fingerprint))
     if report is None:
-        report = _report(plan, dedup, engines, backend, refits)
+        report = _report(plan, dedup, engines, get_backend(plan.options.backend), refits)
     report.stage_seconds["assemble"] = round(time.perf_counter() - start, 4)
     return CompiledModule(plan, dedup, engines, graph, report)
 
@@ -195,6 +199,13 @@ def _report(
     ]
     for row in partitions:
         row.pop("inputs", None)
+        row["backend"] = engines[row["fingerprint"]].backend
+    built = [a for a in engines.values() if a.is_engine]
+    failures = [
+        {**a.build_failure, "partitions": [i.partition for i in dedup.instances_of(fp)]}
+        for fp, a in engines.items()
+        if a.build_failure is not None
+    ]
     return CompileReport(
         backend=backend.name,
         backend_version=backend.library_version(),
@@ -204,10 +215,11 @@ def _report(
         partitions=partitions,
         fallback_ops=dict(plan.fallback_ops),
         unique_fingerprints=len(dedup.unique),
-        engines_built=sum(1 for a in engines.values() if not a.cache_hit),
-        cache_hits=sum(1 for a in engines.values() if a.cache_hit),
+        engines_built=sum(1 for a in built if not a.cache_hit),
+        cache_hits=sum(1 for a in built if a.cache_hit),
         refits=refits,
-        engine_bytes=sum(a.bytes for a in engines.values()),
+        engine_bytes=sum(a.bytes for a in built),
+        build_failures=failures,
         stage_seconds={
             "partition": round(plan.seconds, 4),
             "dedup": round(dedup.seconds, 4),

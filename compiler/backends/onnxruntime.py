@@ -65,9 +65,8 @@ class OnnxRuntimeBackend:
         try:
             self._session(model.SerializeToString())
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
-            node = re.search(r"[Nn]ode \(([^)]*)\)", str(exc))
             raise EngineBuildError(
-                f"ONNX Runtime rejected the lowered graph: {exc}", node=node.group(1) if node else None
+                f"ONNX Runtime rejected the lowered graph: {exc}", node=_error_node(str(exc), model)
             ) from exc
         if settings.strip_weights:
             for init in _weights(model):
@@ -92,6 +91,27 @@ class OnnxRuntimeBackend:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
         return ort.InferenceSession(model_bytes, options, providers=self.providers)
+
+
+def _error_node(text: str, model: onnx.ModelProto) -> str | None:
+    """The node an ONNX Runtime error names, with its op type: ``n1 (Gemm)``.
+
+    Errors say ``Node (n1) ...`` or ``... for Gemm(13) node with name 'n1'``; a node its optimizer made
+    carries a suffix (``n2/GemmTransposeFusion/``) or no name, and then the op type is what is known.
+    """
+    found = re.search(r"[Nn]ode \(([^)]*)\)", text)
+    if found:
+        name, op = found.group(1), None
+    else:
+        found = re.search(r"for (\w+)\(\d+\) node with name '([^']*)'", text)
+        if not found:
+            return None
+        op, name = found.group(1), found.group(2)
+    base = name.split("/")[0]
+    op = next((n.op_type for n in model.graph.node if base and n.name == base), op)
+    if not base:
+        return op
+    return f"{base} ({op})" if op else base
 
 
 def weight_signature(engine: bytes) -> dict[str, tuple[tuple[int, ...], str]]:
