@@ -336,6 +336,10 @@ def compile_cmd(
             "--torch-executed-op", help="keep this op in PyTorch, e.g. aten.gelu.default (repeatable)"
         ),
     ] = None,
+    on_build_failure: Annotated[
+        str | None,
+        typer.Option("--on-build-failure", help="a failed engine build: torch, onnxruntime or error"),
+    ] = None,
     name: Annotated[str | None, typer.Option("--name", help="package name (for a factory)")] = None,
     task_runner: TaskRunner = None,
     dask_address: DaskAddress = None,
@@ -373,6 +377,7 @@ def compile_cmd(
         "backend": backend,
         "precision": precision,
         "strip_weights": strip_weights,
+        "on_build_failure": on_build_failure,
         "name": name,
     }
     entry_data.update({k: v for k, v in updates.items() if v is not None})

@@ -107,7 +107,11 @@ def compile_model(
     if settings.tracking_enabled():
         tracking = _tracking_task()(package.path, entry, validation)
 
-    built = len(engines) - reused
+    # A build that fell back to PyTorch built nothing (the compile report lists it under build_failures).
+    fell_back = sum(
+        1 for b, e in zip(builds, engines, strict=True) if e.backend == "torch" and b.state.name != "Cached"
+    )
+    built = len(engines) - reused - fell_back
     if built == 0:
         logger.info("%s: nothing to build, %d engines reused", entry.name, reused)
     result = ModelResult(

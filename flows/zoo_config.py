@@ -126,6 +126,10 @@ class ZooEntry(_Strict):
     tolerances: Tolerances = Field(default_factory=Tolerances)
     partition: PartitionOptions = Field(default_factory=PartitionOptions)
     strip_weights: bool = False
+    on_build_failure: Literal["torch", "onnxruntime", "error"] = Field(
+        default="torch",
+        description="a partition whose engine build fails: runs in PyTorch, on ONNX Runtime, or fails",
+    )
 
     @field_validator("name")
     @classmethod
@@ -165,6 +169,15 @@ class ZooEntry(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _fallback_differs(self) -> ZooEntry:
+        if self.on_build_failure == "onnxruntime" and self.backend == "onnxruntime":
+            raise ValueError(
+                "on_build_failure 'onnxruntime' with backend 'onnxruntime': ONNX Runtime cannot fall back to "
+                "itself; use 'torch' or 'error'"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _shared_dims_agree(self) -> ZooEntry:
         seen: dict[str, tuple[str, int, int]] = {}
         for input_name, override in self.inputs.items():
@@ -193,6 +206,7 @@ class ZooEntry(_Strict):
             "min_block_size": self.partition.min_block_size,
             "torch_executed_ops": tuple(self.partition.torch_executed_ops),
             "split_modules": tuple(self.partition.split_modules) if self.partition.split_modules else None,
+            "on_build_failure": self.on_build_failure,
         }
 
 

@@ -25,6 +25,7 @@ from prefect.tasks import exponential_backoff
 
 import compiler
 from compiler.backends.base import EngineIO
+from compiler.build import TORCH
 from compiler.errors import (
     BackendUnavailableError,
     EngineCompatibilityError,
@@ -105,16 +106,23 @@ class PlanRef:
 class EngineRef:
     fingerprint: str
     cache_key: str
-    path: str
+    path: str  # the engine file; for a PyTorch fallback (no engine) its JSON record
     sha256: str
     bytes: int
     stripped: bool
     cache_hit: bool
     seconds: float
     worker: str = ""  # where it was built: "dask:<address>" or "process:<pid>"
+    backend: str = ""  # what runs it: the compile's backend, "onnxruntime" or "torch" after a failed build
+    build_failure: dict | None = None
 
     def cache_identity(self) -> dict:
-        return {"fingerprint": self.fingerprint, "cache_key": self.cache_key, "sha256": self.sha256}
+        return {
+            "fingerprint": self.fingerprint,
+            "cache_key": self.cache_key,
+            "sha256": self.sha256,
+            "backend": self.backend,
+        }
 
 
 @dataclass(frozen=True)
@@ -166,17 +174,44 @@ def _load_plan(ref: PlanRef) -> tuple[Any, Any]:
         return _plans[ref.sha256]
 
 
-def _artifact(ref: EngineRef) -> compiler.EngineArtifact:
+def store_artifact(artifact: compiler.EngineArtifact, workspace: str, worker: str = "") -> EngineRef:
+    """Put a built engine (or the record of a PyTorch fallback, which has no engine) into the workspace."""
+    ws = Workspace(workspace)
+    if artifact.is_engine:
+        path, sha = ws.put_engine(artifact.cache_key, artifact.engine, artifact.io.to_dict())
+    else:
+        path, sha = ws.put_fallback(artifact.cache_key, artifact.io.to_dict(), artifact.build_failure)
+    return EngineRef(
+        artifact.fingerprint,
+        artifact.cache_key,
+        str(path),
+        sha,
+        artifact.bytes,
+        artifact.stripped,
+        artifact.cache_hit,
+        artifact.seconds,
+        worker,
+        artifact.backend,
+        artifact.build_failure,
+    )
+
+
+def load_artifact(ref: EngineRef, default_backend: str) -> compiler.EngineArtifact:
+    """The EngineArtifact a ref points at; refs persisted before refs named their backend get the plan's."""
     path = Path(ref.path)
-    meta = read_json(path.with_suffix(".json"))
+    backend = ref.backend or default_backend
+    fallback = backend == TORCH
+    meta = read_json(path if fallback else path.with_suffix(".json"))
     return compiler.EngineArtifact(
         ref.fingerprint,
         ref.cache_key,
-        path.read_bytes(),
+        b"" if fallback else path.read_bytes(),
         EngineIO.from_dict(meta["io"]),
         ref.stripped,
         ref.cache_hit,
         ref.seconds,
+        backend=backend,
+        build_failure=ref.build_failure,
     )
 
 
@@ -282,33 +317,35 @@ def partition_program(program: ProgramRef, options: dict, workspace: str) -> Pla
 def build_engine(
     plan: PlanRef, fingerprint: str, target: str, workspace: str, engine_cache: str | None
 ) -> EngineRef:
-    """Build (or take from the persistent engine cache) the engine for one unique structure."""
+    """Build (or take from the persistent engine cache) the engine for one unique structure.
+
+    A failed build falls back inside ``compiler.build_engine`` as the options' ``on_build_failure``
+    says, so only with ``"error"`` does an EngineBuildError reach Prefect and its retries.
+    """
     with torch_lock():
         partition_plan, dedup = _load_plan(plan)
         cache = compiler.EngineCache(engine_cache) if engine_cache else None
         artifact = compiler.build_engine(partition_plan, dedup, fingerprint, cache=cache)
-        path, sha = Workspace(workspace).put_engine(
-            artifact.cache_key, artifact.engine, artifact.io.to_dict()
-        )
-        get_run_logger().info(
+        ref = store_artifact(artifact, workspace, _where())
+        logger = get_run_logger()
+        if artifact.build_failure is not None:
+            logger.warning(
+                "%s engine %s: build failed at node %s, falls back to %s: %s",
+                plan.program.model,
+                fingerprint[:12],
+                artifact.build_failure["node"],
+                artifact.backend,
+                artifact.build_failure["error"],
+            )
+        logger.info(
             "%s engine %s: %s (%d bytes, %.2fs)",
             plan.program.model,
             fingerprint[:12],
-            "engine-cache hit" if artifact.cache_hit else "built",
+            "engine-cache hit" if artifact.cache_hit else "built" if artifact.is_engine else "not built",
             artifact.bytes,
             artifact.seconds,
         )
-        return EngineRef(
-            fingerprint,
-            artifact.cache_key,
-            str(path),
-            sha,
-            artifact.bytes,
-            artifact.stripped,
-            artifact.cache_hit,
-            artifact.seconds,
-            _where(),
-        )
+        return ref
 
 
 @task(name="assemble", cache_key_fn=content_key, persist_result=True)
@@ -317,7 +354,10 @@ def assemble_engines(plan: PlanRef, engines: Sequence[EngineRef], workspace: str
     weights) and stage the result as an unvalidated package."""
     with torch_lock():
         partition_plan, dedup = _load_plan(plan)
-        compiled = compiler.assemble(partition_plan, dedup, {e.fingerprint: _artifact(e) for e in engines})
+        backend = partition_plan.options.backend
+        compiled = compiler.assemble(
+            partition_plan, dedup, {e.fingerprint: load_artifact(e, backend) for e in engines}
+        )
         key = content_hash(plan.cache_identity(), [e.cache_identity() for e in engines])
         info = compiler.save(compiled, Workspace(workspace).staged_path(key))
         return StagedRef(

@@ -8,6 +8,9 @@ read the files they need, and a crashed run resumes from what is already on disk
     <root>/plans/<sha256>.json       partition + dedup plans, named by their own content
     <root>/engines/<cache_key>.engine + .json   engine bytes and their EngineIO, named by the engine's
                                      cache key (fingerprint + backend + version + device + settings)
+    <root>/engines/<cache_key>.torch.json        a failed build that fell back to PyTorch: EngineIO and
+                                     the failure, no engine (named apart, so a later real build under the
+                                     same key is never shadowed)
     <root>/staged/<key>.kiln         assembled, not yet validated packages
     <root>/results/                  Prefect's persisted task results and cache records
 
@@ -122,6 +125,13 @@ class Workspace:
         meta = path.with_suffix(".json")
         write_bytes_atomic(meta, json.dumps({"io": io, "sha256": sha}, sort_keys=True).encode())
         return path, sha
+
+    def put_fallback(self, cache_key: str, io: dict, build_failure: dict | None) -> tuple[Path, str]:
+        """The record of a build that fell back to PyTorch (no engine bytes); returns (path, sha256)."""
+        blob = json.dumps({"io": io, "backend": "torch", "build_failure": build_failure}, sort_keys=True)
+        path = self.dir("engines") / f"{cache_key}.torch.json"
+        write_bytes_atomic(path, blob.encode())
+        return path, hashlib.sha256(blob.encode()).hexdigest()
 
 
 def read_json(path: str | os.PathLike) -> Any:
