@@ -199,7 +199,9 @@ def _report(summary: dict[str, Any], as_json: bool) -> int:
         if m["status"] != "ok":
             line = escape(_first_line(m["error"]))
             console.print(f"  [red]{escape(m['name'])}[/red] failed: {line}", soft_wrap=True)
-    if summary["engines_built"] == 0 and not summary["failed"]:
+    # Builds that fell back to PyTorch are neither built nor reused: then something did happen.
+    every_engine_reused = summary["engines_reused"] == sum(m["unique_engines"] for m in summary["models"])
+    if summary["engines_built"] == 0 and not summary["failed"] and every_engine_reused:
         console.print("nothing changed: 0 engines built, every engine came from the cache")
     console.print(f"packages: {summary['out_dir']}   summary: {Path(summary['out_dir']) / 'summary.json'}")
     return EXIT_FAILED if summary["failed"] else EXIT_OK

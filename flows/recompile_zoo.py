@@ -194,7 +194,8 @@ def recompile_zoo(
         key=SUMMARY_ARTIFACT, table=summary_rows(results), description=f"zoo recompile of {zoo_path}"
     )
     create_markdown_artifact(key=f"{SUMMARY_ARTIFACT}-report", markdown=summary_markdown(results, seconds))
-    if summary["engines_built"] == 0 and summary["failed"] == 0:
+    every_engine_reused = summary["engines_reused"] == sum(r.unique_engines for r in results)
+    if summary["engines_built"] == 0 and summary["failed"] == 0 and every_engine_reused:
         logger.info("nothing changed: every engine came from the cache, 0 built")
     if fail_on_error and summary["failed"]:
         names = ", ".join(f"{r.name} ({r.error})" for r in results if r.status != "ok")
