@@ -40,6 +40,12 @@ class EngineBuildError(BackendError):
         self.node = node
 
 
+class BuildSettingsError(BackendError, ValueError):
+    """Build settings a backend cannot use (an unknown ``backend_options`` value, a bad workspace,
+    level or target). A mistake in the request, not in the graph: it never falls back to another
+    backend (``on_build_failure``) and is never retried."""
+
+
 class EngineCompatibilityError(BackendError):
     """An engine was built for another device or library version."""
 

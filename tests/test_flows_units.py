@@ -8,7 +8,13 @@ import pytest
 import torch
 from prefect.states import Failed
 
-from compiler.errors import BackendError, EngineBuildError, LoweringError, PartitionError
+from compiler.errors import (
+    BackendError,
+    BuildSettingsError,
+    EngineBuildError,
+    LoweringError,
+    PartitionError,
+)
 from flows.compile_model import ModelResult, package_path
 from flows.recompile_zoo import summary_markdown, summary_rows
 from flows.zoo_config import ZooConfigError, ZooEntry, ZooSettings, check_backend_available
@@ -22,6 +28,7 @@ from tasks.stages import _transient, build_tag, configured
         (MemoryError(), True),
         (EngineBuildError("builder ran out of workspace"), True),
         (BackendError("device busy"), True),
+        (BuildSettingsError("unknown backend_options ['refti']"), False),
         (LoweringError("op has no ONNX translation"), False),
         (PartitionError("unknown op"), False),
         (ValueError("bad shape"), False),

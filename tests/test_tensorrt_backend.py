@@ -44,6 +44,7 @@ from compiler.backends.tensorrt import (
 from compiler.errors import (
     BackendError,
     BackendUnavailableError,
+    BuildSettingsError,
     EngineBuildError,
     EngineCompatibilityError,
     InputSpecError,
@@ -160,10 +161,14 @@ def test_builder_flags_follow_settings(strip, options, flags):
 
 
 def test_stripping_a_non_refittable_engine_fails_loudly():
-    with pytest.raises(EngineBuildError, match="strip_weights needs a refittable engine"):
+    # settings mistakes are BuildSettingsError, which on_build_failure never turns into a fallback
+    with pytest.raises(BuildSettingsError, match="strip_weights needs a refittable engine"):
         builder_flag_names(BuildSettings(strip_weights=True, options={"refit": "none"}))
-    with pytest.raises(EngineBuildError, match=r"options\['refit'\] is 'sometimes'; expected one of"):
+    with pytest.raises(BuildSettingsError, match=r"options\['refit'\] is 'sometimes'; expected one of"):
         builder_flag_names(BuildSettings(options={"refit": "sometimes"}))
+    with pytest.raises(BuildSettingsError, match=r"unknown backend_options \['refti'\] for TensorRT"):
+        builder_flag_names(BuildSettings(options={"refti": "none"}))
+    assert not issubclass(BuildSettingsError, EngineBuildError)
 
 
 # ---------------------------------------------------------------------------------------------

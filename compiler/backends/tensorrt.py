@@ -52,6 +52,7 @@ from compiler.backends.base import BuildSettings, EngineIO
 from compiler.errors import (
     BackendError,
     BackendUnavailableError,
+    BuildSettingsError,
     EngineBuildError,
     EngineCompatibilityError,
     InputSpecError,
@@ -103,6 +104,7 @@ _MAGIC = b"KILNTRT1"
 _HEADER_FORMAT = 1
 _CANONICAL_WEIGHT = re.compile(r"^w(\d+)$")
 REFIT_MODES = ("weights", "all", "identical", "none")
+BACKEND_OPTIONS = frozenset({"refit"})  # the keys of CompileOptions.backend_options TensorRT reads
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,11 +136,16 @@ def refit_mode(settings: BuildSettings) -> str:
     ``all`` (every weight, BuilderFlag.REFIT), ``identical`` (REFIT_IDENTICAL: only the build's own
     weights may be put back, so the engine must not be shared by instances with other weights) or
     ``none``."""
+    unknown = sorted(set(settings.options) - BACKEND_OPTIONS)
+    if unknown:
+        raise BuildSettingsError(
+            f"unknown backend_options {unknown} for TensorRT; it takes {sorted(BACKEND_OPTIONS)}"
+        )
     mode = settings.options.get("refit", "weights")
     if mode not in REFIT_MODES:
-        raise EngineBuildError(f"settings.options['refit'] is {mode!r}; expected one of {REFIT_MODES}")
+        raise BuildSettingsError(f"settings.options['refit'] is {mode!r}; expected one of {REFIT_MODES}")
     if settings.strip_weights and mode == "none":
-        raise EngineBuildError(
+        raise BuildSettingsError(
             "strip_weights needs a refittable engine (weights go back in by refit), but options['refit'] "
             "is 'none'; drop one of the two"
         )
@@ -678,11 +685,11 @@ class TensorRTBackend:
         config.add_optimization_profile(profile)
         if settings.workspace_bytes is not None:
             if settings.workspace_bytes <= 0:
-                raise EngineBuildError(f"workspace_bytes must be positive, got {settings.workspace_bytes}")
+                raise BuildSettingsError(f"workspace_bytes must be positive, got {settings.workspace_bytes}")
             config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(settings.workspace_bytes))
         if settings.optimization_level is not None:
             if not 0 <= settings.optimization_level <= 5:
-                raise EngineBuildError(
+                raise BuildSettingsError(
                     "optimization_level must be 0..5 (TensorRT builder levels), "
                     f"got {settings.optimization_level}"
                 )
@@ -704,7 +711,7 @@ class TensorRTBackend:
             for i, cc in enumerate(targets):
                 member = getattr(trt.ComputeCapability, "SM" + cc.removeprefix("sm_"), None)
                 if member is None:
-                    raise EngineBuildError(f"{self.name} {self.library_version()} cannot target {cc}")
+                    raise BuildSettingsError(f"{self.name} {self.library_version()} cannot target {cc}")
                 config.set_compute_capability(member, i)
         timing_path = self._load_timing_cache(config, targets[0])
 
