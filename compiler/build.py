@@ -92,9 +92,9 @@ def build_engine(
         nonlocal lowered
         lowered = lower(plan, dedup, fingerprint)
         try:
-            return backend.build(lowered.onnx, lowered.io, settings)
+            return backend.build(lowered.onnx, lowered.io, settings, partition=representative.name)
         except EngineBuildError as exc:
-            if exc.partition is None:  # the backend sees ONNX only; name the partition for the report
+            if exc.partition is None:  # a backend that did not name it: name it for the report
                 raise EngineBuildError(
                     f"{representative.name} ({fingerprint[:12]}): {exc}",
                     partition=representative.name,
@@ -162,7 +162,7 @@ def _fall_back(
         graph = lowered.onnx
 
         def build() -> bytes:
-            return ort.build(graph, io, settings)
+            return ort.build(graph, io, settings, partition=exc.partition)
 
         try:
             if cache is None:

@@ -95,8 +95,12 @@ class EngineBackend(Protocol):
         """Whether an ATen op overload (an fx node target) can go into an engine."""
         ...
 
-    def build(self, onnx_model: bytes, io: EngineIO, settings: BuildSettings) -> bytes:
-        """Engine bytes for a lowered partition; stripped of weights when settings.strip_weights."""
+    def build(
+        self, onnx_model: bytes, io: EngineIO, settings: BuildSettings, *, partition: str | None = None
+    ) -> bytes:
+        """Engine bytes for a lowered partition; stripped of weights when settings.strip_weights.
+        An EngineBuildError names ``partition`` (the ONNX graph cannot: one lowered graph serves
+        every partition of its fingerprint) and the failing node where the library says it."""
         ...
 
     def load(self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None) -> Engine:

@@ -60,13 +60,17 @@ class OnnxRuntimeBackend:
         # exporter has a translation for it.
         return onnx_exportable(target)
 
-    def build(self, onnx_model: bytes, io: EngineIO, settings: BuildSettings) -> bytes:
+    def build(
+        self, onnx_model: bytes, io: EngineIO, settings: BuildSettings, *, partition: str | None = None
+    ) -> bytes:
         model = onnx.load_from_string(onnx_model)
         try:
             self._session(model.SerializeToString())
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
             raise EngineBuildError(
-                f"ONNX Runtime rejected the lowered graph: {exc}", node=_error_node(str(exc), model)
+                f"ONNX Runtime rejected partition {partition or model.graph.name}: {exc}",
+                partition=partition,
+                node=_error_node(str(exc), model),
             ) from exc
         if settings.strip_weights:
             for init in _weights(model):
