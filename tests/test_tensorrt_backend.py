@@ -517,6 +517,73 @@ def test_engine_io_that_does_not_match_the_graph_is_refused():
 
 
 # ---------------------------------------------------------------------------------------------
+# Build failures on real TensorRT: a GPU to build on (running its engines is not needed)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def buildable():
+    reasons = []
+    for name in ("tensorrt", "tensorrt-rtx"):
+        try:
+            return TensorRTBackend(name)
+        except BackendUnavailableError as exc:
+            reasons.append(f"{name}: {exc}")
+    pytest.skip("needs a CUDA GPU and TensorRT or TensorRT-RTX to build on; " + " | ".join(reasons))
+
+
+@pytest.mark.gpu
+def test_stripped_builds_lose_their_weights_and_are_stored_compressed(buildable):
+    onnx_bytes, weights = _mlp_onnx(width=1024, out=1024)
+    io = _io(1024, 1024)
+    full = buildable.build(onnx_bytes, io, BuildSettings())
+    stripped = buildable.build(onnx_bytes, io, BuildSettings(strip_weights=True))
+    (full_header, full_plan), (header, plan) = decode_engine(full), decode_engine(stripped)
+    assert full_header["plan_encoding"] == "raw" and header["plan_encoding"] == "xz" and header["stripped"]
+    weight_bytes = sum(w.nbytes for w in weights.values())
+    assert len(full_plan) - len(plan) >= 0.99 * weight_bytes  # stripping removed the weights
+    assert len(stripped) <= 0.02 * len(full)  # the 2% target, on the bytes kiln stores
+
+
+class _IntegerMask(torch.nn.Module):
+    """The op table takes bitwise_and (And on the bool masks of every transformer); on int64 it lowers
+    to BitwiseAnd, which TensorRT's ONNX parser rejects: a real build failure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * torch.bitwise_and(ids, 1).unsqueeze(-1).to(x.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fallback", ["onnxruntime", "torch"])
+def test_a_partition_the_parser_rejects_falls_back_and_the_report_names_the_node(
+    buildable, fallback, tmp_path
+):
+    import compiler
+
+    torch.manual_seed(0)
+    model = _IntegerMask().eval()
+    batch = torch.export.Dim("batch", min=1, max=16)
+    x, ids = torch.randn(3, 8), torch.arange(3)
+    program = compiler.export(model, (x, ids), dynamic_shapes=({0: batch}, {0: batch}))
+    compiled = compiler.compile(program, backend=buildable.name, on_build_failure=fallback, cache=tmp_path)
+    (failure,) = compiled.report.build_failures
+    assert failure["backend"] == buildable.name and failure["fell_back_to"] == fallback
+    assert "BitwiseAnd" in failure["error"] and failure["node"]
+    assert [a.backend for a in compiled.engines.values()] == [fallback]
+    assert compiled.report.engines_built == (1 if fallback == "onnxruntime" else 0)
+    for n in (1, 5, 16):
+        x, ids = torch.randn(n, 8), torch.arange(n)
+        torch.testing.assert_close(compiled(x, ids), model(x, ids), rtol=1e-5, atol=1e-5)
+    with pytest.raises(EngineBuildError, match="BitwiseAnd") as err:
+        compiler.compile(program, backend=buildable.name, on_build_failure="error", cache=tmp_path)
+    assert err.value.partition == "engine_0" and err.value.node
+
+
+# ---------------------------------------------------------------------------------------------
 # Runtime and refit: a CUDA GPU and a TensorRT that runs on it
 # ---------------------------------------------------------------------------------------------
 
