@@ -69,6 +69,17 @@ def content_key(context: TaskRunContext, parameters: Mapping[str, Any]) -> str:
     return f"{context.task.name}-{content_hash(context.task.name, code_version(), content)}"
 
 
+def build_key(context: TaskRunContext, parameters: Mapping[str, Any]) -> str:
+    """content_key plus the engine library that builds here (name, version, target device), as the
+    engine cache key has them: after a library upgrade the content alone would hand back the old
+    engine (or the PyTorch fallback of a build the new library may manage)."""
+    from compiler.backends import get_backend
+
+    backend = get_backend(parameters["plan"].options.get("backend", "onnxruntime"))
+    library = [backend.name, backend.library_version(), backend.target_device()]
+    return content_key(context, {**parameters, "engine_library": library})
+
+
 # ---------------------------------------------------------------- references passed between tasks
 
 
@@ -306,7 +317,7 @@ def partition_program(program: ProgramRef, options: dict, workspace: str) -> Pla
 @task(
     name="build-engine",
     tags=["engine-build"],
-    cache_key_fn=content_key,
+    cache_key_fn=build_key,
     persist_result=True,
     retries=2,
     retry_delay_seconds=exponential_backoff(backoff_factor=2),

@@ -84,3 +84,20 @@ def test_summary_lists_failures_with_their_message() -> None:
     text = summary_markdown(results, 3.0)
     assert "1 of 2 ok, 0 engines built, 2 reused" in text
     assert "**gpt2** (cpu): ExportError: could not trace" in text
+
+
+def test_engine_build_results_are_cached_per_engine_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    import onnxruntime
+
+    from tasks.stages import PlanRef, ProgramRef, build_key, content_key
+
+    program = ProgramRef("m", "k", "/p.pt2", "sha", ())
+    plan = PlanRef(program, {"backend": "onnxruntime"}, "/plan.json", "/dedup.json", "sha", (), 1)
+    context = SimpleNamespace(task=SimpleNamespace(name="build-engine"))  # what Prefect hands a key function
+    params = {"plan": plan, "fingerprint": "f", "target": "cpu", "workspace": "/w", "engine_cache": None}
+    key = build_key(context, params)
+    assert key == build_key(context, params) and key != content_key(context, params)
+    monkeypatch.setattr(onnxruntime, "__version__", "99.0.0")  # an upgraded library: build again
+    assert build_key(context, params) != key
