@@ -92,7 +92,13 @@ def build_engine(
         nonlocal lowered
         lowered = lower(plan, dedup, fingerprint)
         try:
-            return backend.build(lowered.onnx, lowered.io, settings, partition=representative.name)
+            return backend.build(
+                lowered.onnx,
+                lowered.io,
+                settings,
+                partition=representative.name,
+                cache_dir=cache.directory if cache is not None else None,
+            )
         except EngineBuildError as exc:
             if exc.partition is None:  # a backend that did not name it: name it for the report
                 raise EngineBuildError(

@@ -545,6 +545,20 @@ def test_stripped_builds_lose_their_weights_and_are_stored_compressed(buildable)
     assert len(stripped) <= 0.02 * len(full)  # the 2% target, on the bytes kiln stores
 
 
+@pytest.mark.gpu
+def test_timing_cache_persists_beside_the_engine_cache_where_the_library_has_one(buildable, tmp_path):
+    onnx_bytes, _ = _mlp_onnx()
+    buildable.build(onnx_bytes, _io(), BuildSettings(), cache_dir=tmp_path)
+    files = sorted(p.name for p in (tmp_path / "timing").glob("*.timing"))
+    if buildable.rtx:  # TensorRT-RTX's timing cache changes no engine and would force a GPU query
+        assert files == []
+        return
+    assert files == [f"{buildable.name}-{buildable.library_version()}-{buildable.target_device()[5:]}.timing"]
+    first = (tmp_path / "timing" / files[0]).stat().st_size
+    buildable.build(_mlp_onnx(width=16, out=8)[0], _io(16, 8), BuildSettings(), cache_dir=tmp_path)
+    assert (tmp_path / "timing" / files[0]).stat().st_size >= first > 0  # read, extended, written back
+
+
 class _IntegerMask(torch.nn.Module):
     """The op table takes bitwise_and (And on the bool masks of every transformer); on int64 it lowers
     to BitwiseAnd, which TensorRT's ONNX parser rejects: a real build failure."""

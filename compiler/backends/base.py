@@ -8,6 +8,7 @@ backends are one module that implements :class:`EngineBackend` and registers in
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -96,11 +97,19 @@ class EngineBackend(Protocol):
         ...
 
     def build(
-        self, onnx_model: bytes, io: EngineIO, settings: BuildSettings, *, partition: str | None = None
+        self,
+        onnx_model: bytes,
+        io: EngineIO,
+        settings: BuildSettings,
+        *,
+        partition: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
     ) -> bytes:
         """Engine bytes for a lowered partition; stripped of weights when settings.strip_weights.
         An EngineBuildError names ``partition`` (the ONNX graph cannot: one lowered graph serves
-        every partition of its fingerprint) and the failing node where the library says it."""
+        every partition of its fingerprint) and the failing node where the library says it.
+        ``cache_dir`` is the engine cache's directory, beside which a backend may keep build-time
+        caches (TensorRT's timing cache)."""
         ...
 
     def load(self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None) -> Engine:

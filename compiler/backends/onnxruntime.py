@@ -8,6 +8,7 @@ very same graph and give bit-identical outputs.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from functools import cached_property
@@ -61,7 +62,13 @@ class OnnxRuntimeBackend:
         return onnx_exportable(target)
 
     def build(
-        self, onnx_model: bytes, io: EngineIO, settings: BuildSettings, *, partition: str | None = None
+        self,
+        onnx_model: bytes,
+        io: EngineIO,
+        settings: BuildSettings,
+        *,
+        partition: str | None = None,
+        cache_dir: str | os.PathLike | None = None,  # ONNX Runtime keeps no build-time cache
     ) -> bytes:
         model = onnx.load_from_string(onnx_model)
         try:

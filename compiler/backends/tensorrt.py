@@ -38,7 +38,6 @@ import lzma
 import os
 import re
 import struct
-import tempfile
 import threading
 import types
 from collections.abc import Mapping, Sequence
@@ -48,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from compiler.atomic import write_bytes_atomic
 from compiler.backends.base import BuildSettings, EngineIO
 from compiler.errors import (
     BackendError,
@@ -366,18 +366,6 @@ def _error_node(text: str, node_names: Sequence[str]) -> str | None:
     return None
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 # ----------------------------------------------------------------------------------------------
 # Supported ops: torch.onnx translations minus ONNX ops TensorRT's parser rejects
 # ----------------------------------------------------------------------------------------------
@@ -655,11 +643,19 @@ class TensorRTBackend:
     # -- build ---------------------------------------------------------------------------------
 
     def build(
-        self, onnx_model: bytes, io: EngineIO, settings: BuildSettings, *, partition: str | None = None
+        self,
+        onnx_model: bytes,
+        io: EngineIO,
+        settings: BuildSettings,
+        *,
+        partition: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
     ) -> bytes:
         """Engine bytes for a lowered partition (kiln header + TensorRT plan).
 
-        ``partition`` names the partition in errors; by default the ONNX graph's name.
+        ``partition`` names the partition in errors; by default the ONNX graph's name. ``cache_dir``
+        (the engine cache's directory) keeps the timing cache in ``<cache_dir>/timing`` unless the
+        backend was given a ``timing_cache_dir``.
         """
         import onnx
 
@@ -713,7 +709,8 @@ class TensorRTBackend:
                 if member is None:
                     raise BuildSettingsError(f"{self.name} {self.library_version()} cannot target {cc}")
                 config.set_compute_capability(member, i)
-        timing_path = self._load_timing_cache(config, targets[0])
+        timing_dir = self.timing_cache_dir or (Path(cache_dir) / "timing" if cache_dir else None)
+        timing_path = self._load_timing_cache(config, targets[0], timing_dir)
 
         plan = builder.build_serialized_network(network, config)
         if plan is None:
@@ -726,7 +723,7 @@ class TensorRTBackend:
                 node=node,
             )
         if timing_path is not None:
-            _atomic_write(timing_path, bytes(memoryview(config.get_timing_cache().serialize())))
+            write_bytes_atomic(timing_path, bytes(memoryview(config.get_timing_cache().serialize())))
         header = {
             "format": _HEADER_FORMAT,
             "backend": self.name,
@@ -797,10 +794,10 @@ class TensorRTBackend:
                     f"which the spec range min {lo} max {hi} does not fit"
                 )
 
-    def _load_timing_cache(self, config: Any, target: str) -> Path | None:
-        if self.rtx or self.timing_cache_dir is None:
+    def _load_timing_cache(self, config: Any, target: str, directory: Path | None) -> Path | None:
+        if self.rtx or directory is None:
             return None
-        path = self.timing_cache_dir / f"{self.name}-{self.library_version()}-{target}.timing"
+        path = directory / f"{self.name}-{self.library_version()}-{target}.timing"
         blob = path.read_bytes() if path.is_file() else b""
         cache = config.create_timing_cache(blob)
         if cache is None and blob:  # an unreadable cache file only costs tuning time: start afresh
