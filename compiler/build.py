@@ -14,11 +14,12 @@ failed build is never written to the engine cache: a later library may build it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from compiler.backends import get_backend
 from compiler.backends.base import BuildSettings, EngineBackend, EngineIO
-from compiler.cache import EngineCache
+from compiler.cache import CacheKey, EngineCache
 from compiler.dedup import DedupPlan
 from compiler.errors import EngineBuildError
 from compiler.lower import LoweredPartition, engine_io, lower
@@ -79,13 +80,7 @@ def build_engine(
     settings = plan.options.build_settings()
     representative = next(p for p in plan.partitions if p.name == dedup.unique[fingerprint])
     io = engine_io(plan, representative)
-    key = EngineCache.key(
-        fingerprint=fingerprint,
-        backend=backend.name,
-        library_version=backend.library_version(),
-        target_device=backend.target_device(),
-        settings=settings.to_dict(),
-    )
+    key = _engine_key(backend, fingerprint, settings)
     lowered: LoweredPartition | None = None
 
     def build() -> bytes:
@@ -109,13 +104,7 @@ def build_engine(
             raise
 
     try:
-        if cache is None:
-            engine, hit = build(), False
-        else:
-            # get_or_build stores only what build() returned: a failed build leaves no entry.
-            engine, hit = cache.get_or_build(
-                key, build, meta={"partition": representative.name, "io": io.to_dict()}
-            )
+        engine, hit = _through_cache(cache, key, build, representative.name, io)
     except EngineBuildError as exc:
         if plan.options.on_build_failure == "error":
             raise
@@ -131,6 +120,26 @@ def build_engine(
         lowered.seconds if lowered is not None else 0.0,
         backend=backend.name,
     )
+
+
+def _engine_key(backend: EngineBackend, fingerprint: str, settings: BuildSettings) -> CacheKey:
+    return EngineCache.key(
+        fingerprint=fingerprint,
+        backend=backend.name,
+        library_version=backend.library_version(),
+        target_device=backend.target_device(),
+        settings=settings.to_dict(),
+    )
+
+
+def _through_cache(
+    cache: EngineCache | None, key: CacheKey, build: Callable[[], bytes], partition: str | None, io: EngineIO
+) -> tuple[bytes, bool]:
+    """(engine, cache hit); get_or_build stores only what build() returned, so a failed build leaves
+    no entry."""
+    if cache is None:
+        return build(), False
+    return cache.get_or_build(key, build, meta={"partition": partition, "io": io.to_dict()})
 
 
 def _fall_back(
@@ -158,25 +167,14 @@ def _fall_back(
     lower_seconds = lowered.seconds if lowered is not None else 0.0
     if plan.options.on_build_failure == "onnxruntime" and failed.name != "onnxruntime" and lowered:
         ort = get_backend("onnxruntime")
-        ort_key = EngineCache.key(
-            fingerprint=fingerprint,
-            backend=ort.name,
-            library_version=ort.library_version(),
-            target_device=ort.target_device(),
-            settings=settings.to_dict(),
-        )
+        ort_key = _engine_key(ort, fingerprint, settings)
         graph = lowered.onnx
 
         def build() -> bytes:
             return ort.build(graph, io, settings, partition=exc.partition)
 
         try:
-            if cache is None:
-                engine, hit = build(), False
-            else:
-                engine, hit = cache.get_or_build(
-                    ort_key, build, meta={"partition": exc.partition, "io": io.to_dict()}
-                )
+            engine, hit = _through_cache(cache, ort_key, build, exc.partition, io)
         except EngineBuildError as ort_exc:  # ONNX Runtime cannot run it either: PyTorch it is
             failure["fallback_error"] = str(ort_exc)
         else:
