@@ -11,6 +11,7 @@ model's own output structure.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
@@ -25,6 +26,7 @@ from compiler.backends.base import Engine, EngineBackend, EngineIO
 from compiler.build import EngineArtifact
 from compiler.dedup import DedupPlan
 from compiler.errors import InputSpecError, RefitError
+from compiler.export import TRACING
 from compiler.lower import engine_weights
 from compiler.partition import PartitionPlan
 from compiler.report import CompileReport
@@ -78,6 +80,10 @@ class CompiledModule(torch.nn.Module):
             for i, spec in enumerate(program.graph_signature.output_specs)
             if spec.kind == OutputKind.USER_OUTPUT
         ]
+        # torch runs a custom op through torch._dynamo.disable, which, while any thread exports,
+        # edits a process-wide fx annotation dict (KeyError 'custom' under torch 2.13): graphs that
+        # call one run under the tracing lock, so they never overlap a trace.
+        self._lock = TRACING if _calls_custom_ops(graph) else contextlib.nullcontext()
 
     @property
     def input_specs(self) -> tuple[InputSpec, ...]:
@@ -96,7 +102,7 @@ class CompiledModule(torch.nn.Module):
         check_inputs(self.plan.specs, flat)
         user = iter(flat)
         feed = [next(user) if value is None else value for value in self._feed_template]
-        with torch.no_grad():
+        with self._lock, torch.no_grad():
             outputs = self.graph(*feed)
         return [outputs[i] for i in self._user_outputs]
 
@@ -226,6 +232,17 @@ def _report(
             "lower": round(sum(a.lower_seconds for a in engines.values()), 4),
             "build": round(sum(a.seconds - a.lower_seconds for a in engines.values()), 4),
         },
+    )
+
+
+def _calls_custom_ops(graph: torch.fx.GraphModule) -> bool:
+    """Whether the graph (or a partition kept in PyTorch) calls an op outside aten and prims."""
+    return any(
+        isinstance(node.target, torch._ops.OpOverload) and node.target.namespace not in ("aten", "prims")
+        for module in graph.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.op == "call_function"
     )
 
 
