@@ -521,15 +521,25 @@ def test_engine_io_that_does_not_match_the_graph_is_refused():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def buildable():
+def _first_backend(runnable: bool) -> TensorRTBackend:
+    """TensorRT, else TensorRT-RTX, that can build here (and, if ``runnable``, run what it builds);
+    skips the test with each library's reason otherwise."""
     reasons = []
     for name in ("tensorrt", "tensorrt-rtx"):
         try:
-            return TensorRTBackend(name)
+            backend = TensorRTBackend(name)
+            if runnable:
+                backend.check_runnable()
+            return backend
         except BackendUnavailableError as exc:
             reasons.append(f"{name}: {exc}")
-    pytest.skip("needs a CUDA GPU and TensorRT or TensorRT-RTX to build on; " + " | ".join(reasons))
+    need = "a TensorRT that supports it" if runnable else "TensorRT or TensorRT-RTX to build on"
+    pytest.skip(f"needs a CUDA GPU and {need}; " + " | ".join(reasons))
+
+
+@pytest.fixture(scope="module")
+def buildable():
+    return _first_backend(runnable=False)
 
 
 @pytest.mark.gpu
@@ -602,24 +612,9 @@ def test_a_partition_the_parser_rejects_falls_back_and_the_report_names_the_node
 # ---------------------------------------------------------------------------------------------
 
 
-def _runnable_backend() -> tuple[TensorRTBackend | None, str]:
-    reasons = []
-    for name in ("tensorrt", "tensorrt-rtx"):
-        try:
-            backend = TensorRTBackend(name)
-            backend.check_runnable()
-            return backend, ""
-        except BackendUnavailableError as exc:
-            reasons.append(f"{name}: {exc}")
-    return None, "needs a CUDA GPU and a TensorRT that supports it; " + " | ".join(reasons)
-
-
 @pytest.fixture(scope="module")
 def runnable():
-    backend, reason = _runnable_backend()
-    if backend is None:
-        pytest.skip(reason)
-    return backend
+    return _first_backend(runnable=True)
 
 
 def _reference(x: torch.Tensor, w: dict) -> torch.Tensor:
