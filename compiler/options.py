@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -11,6 +12,7 @@ from compiler.errors import PartitionError
 
 # What a partition whose engine build fails becomes (see CompileOptions.on_build_failure).
 ON_BUILD_FAILURE = ("torch", "onnxruntime", "error")
+DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,12 @@ class CompileOptions:
     optimization_level: int | None = None
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     on_build_failure: str = "torch"
+    # Where the model runs: its export inputs, engine builds, engine runtime and validation.
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not DEVICE_RE.match(self.device):
+            raise PartitionError(f"device {self.device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
         if self.precision not in PRECISIONS:
             raise PartitionError(
                 f"precision {self.precision!r} is not supported; expected one of {PRECISIONS}"
