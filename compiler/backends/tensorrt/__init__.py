@@ -1,0 +1,43 @@
+"""TensorRT and TensorRT-RTX engines (a package; the split into one module per job follows)."""
+
+from compiler.backends.tensorrt.builder import (
+    _BOOL_BITWISE,
+    EXPORTER_FOLDED_SEQUENCE_OPS,
+    PARSER_REJECTED_ONNX_OPS,
+    RTX_DEFAULT_TARGETS,
+    TensorRTBackend,
+    TensorRTEngine,
+    _error_node,
+    builder_flag_names,
+    canonical_weights,
+    check_engine_compatible,
+    check_refit_weights,
+    decode_engine,
+    encode_engine,
+    onnx_ops_for,
+    profile_shapes,
+    tensorrt_supports,
+    unfold_batch_norm,
+    unsupported_reason,
+)
+
+__all__ = [
+    "EXPORTER_FOLDED_SEQUENCE_OPS",
+    "PARSER_REJECTED_ONNX_OPS",
+    "RTX_DEFAULT_TARGETS",
+    "_BOOL_BITWISE",
+    "TensorRTBackend",
+    "TensorRTEngine",
+    "_error_node",
+    "builder_flag_names",
+    "canonical_weights",
+    "check_engine_compatible",
+    "check_refit_weights",
+    "decode_engine",
+    "encode_engine",
+    "onnx_ops_for",
+    "profile_shapes",
+    "tensorrt_supports",
+    "unfold_batch_norm",
+    "unsupported_reason",
+]
