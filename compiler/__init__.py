@@ -17,7 +17,7 @@ from compiler.pipeline import compile
 from compiler.report import CompileReport
 from compiler.runtime import CompiledModule, assemble
 from compiler.specs import InputSpec
-from compiler.validate import ValidationReport, validate
+from compiler.validate import Latency, Tolerances, ValidationReport, measure_latency, validate
 
 __all__ = [
     "CompileOptions",
@@ -27,8 +27,10 @@ __all__ = [
     "EngineArtifact",
     "EngineCache",
     "InputSpec",
+    "Latency",
     "PackageInfo",
     "PartitionPlan",
+    "Tolerances",
     "ValidationReport",
     "assemble",
     "build_engine",
@@ -39,6 +41,7 @@ __all__ = [
     "input_specs",
     "load",
     "load_program",
+    "measure_latency",
     "partition",
     "read_manifest",
     "refit_package",

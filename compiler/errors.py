@@ -68,3 +68,11 @@ class PackageCorruptError(PackageError):
 
 class PackageVersionError(PackageError):
     """A package was written by a newer (or unknown) format version."""
+
+
+class ToleranceError(KilnError, ValueError):
+    """Tolerances name a metric that does not exist, or give a limit it cannot take."""
+
+
+class ValidationDataError(KilnError, ValueError):
+    """Recorded validation inputs cannot be used: the message names the file and the field."""

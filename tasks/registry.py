@@ -16,6 +16,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from compiler.validate import DEFAULT_REL_L2  # the precision defaults, when the zoo entry sets none
 from registry import config
 from registry.errors import ReleaseError
 from registry.lookup import fetch_version, load_package
@@ -23,10 +24,6 @@ from registry.models import CHAMPION, TAG_REJECTED, all_versions, get_aliases
 from registry.release import GateReport, ReleaseOutcome, apply_decision
 from registry.tracking import current_zoo_run, end_run, zoo_run_for
 from registry.tracking import record_package as _record_package
-
-# Accuracy tolerance (relative L2 vs eager) per precision, when the zoo entry sets none. Mirrors
-# flows.zoo_config.DEFAULT_REL_L2; read from there when the entry parses.
-DEFAULT_REL_L2 = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}
 
 
 def _prefect_zoo_parent() -> str | None:
@@ -161,14 +158,17 @@ def accuracy_gate(original: Any, candidate: Any, tolerance: float, samples: int 
     """Candidate vs the original model on fresh inputs inside the spec ranges (min, max, random)."""
     import compiler
 
-    report = compiler.validate(original, candidate, samples=samples, warmup=1, runs=3, seed=seed).to_dict()
+    result = compiler.validate(original, candidate, samples=samples, warmup=1, runs=3, seed=seed)
+    failures = result.failures(compiler.Tolerances(rel_l2=tolerance))
+    report = result.to_dict()
     return {
         "max_rel_l2": report["max_rel_l2"],
         "min_cosine": report["min_cosine"],
         "tolerance_rel_l2": tolerance,
         "outputs": report["outputs"],
         "shapes": report["shapes"],
-        "passed": report["max_rel_l2"] <= tolerance,
+        "failures": failures,
+        "passed": not failures,
     }
 
 
@@ -180,7 +180,7 @@ def latency_gate(
     if champion is None:
         return {"passed": True, "note": "no champion yet: nothing to compare against", "max_ratio": max_ratio}
     from compiler.specs import check_inputs
-    from compiler.validate import _latency, measure, sample_inputs
+    from compiler.validate import measure_latency, sample_inputs
 
     generator = torch.Generator().manual_seed(seed)
     flat = sample_inputs(candidate.input_specs, "opt", generator)
@@ -190,14 +190,13 @@ def latency_gate(
         # The candidate's opt shape is outside the champion's ranges: time at the champion's opt.
         flat = sample_inputs(champion.input_specs, "opt", generator)
         check_inputs(candidate.input_specs, flat)
-    cand_times, champ_times = [], []
     with torch.no_grad():
-        for _ in range(warmup):
-            candidate.run_flat(flat), champion.run_flat(flat)
-        for _ in range(runs):  # interleaved so machine noise hits both alike
-            cand_times += measure(lambda: candidate.run_flat(flat), 0, 1)
-            champ_times += measure(lambda: champion.run_flat(flat), 0, 1)
-    cand, champ = _latency(cand_times), _latency(champ_times)
+        timed = measure_latency(
+            {"candidate": lambda: candidate.run_flat(flat), "champion": lambda: champion.run_flat(flat)},
+            warmup=warmup,
+            runs=runs,
+        )
+    cand, champ = timed["candidate"], timed["champion"]
     ratio = cand.median_ms / champ.median_ms if champ.median_ms else float("inf")
     return {
         "candidate_median_ms": cand.median_ms,
