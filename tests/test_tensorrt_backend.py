@@ -23,12 +23,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler.backends.base import BuildSettings, EngineIO
 from compiler.backends.tensorrt import (
-    _BOOL_BITWISE,
     EXPORTER_FOLDED_SEQUENCE_OPS,
     PARSER_REJECTED_ONNX_OPS,
-    RTX_DEFAULT_TARGETS,
+    RTX_DEFAULT_COMPUTE_CAPABILITIES,
+    EngineTarget,
     TensorRTBackend,
-    _error_node,
     builder_flag_names,
     canonical_weights,
     check_engine_compatible,
@@ -41,6 +40,8 @@ from compiler.backends.tensorrt import (
     unfold_batch_norm,
     unsupported_reason,
 )
+from compiler.backends.tensorrt.builder import _error_node
+from compiler.backends.tensorrt.support import _BOOL_BITWISE
 from compiler.errors import (
     BackendError,
     BackendUnavailableError,
@@ -106,7 +107,7 @@ def _header(**over) -> dict:
         "format": 1,
         "backend": "tensorrt-rtx",
         "library_version": "1.7.1.116",
-        "targets": list(RTX_DEFAULT_TARGETS),
+        "targets": list(RTX_DEFAULT_COMPUTE_CAPABILITIES),
         "targets_and_later": True,
         "stripped": True,
         "refit": "weights",
@@ -334,6 +335,38 @@ def test_engines_run_only_with_their_library_version_and_device():
         check_engine_compatible(exact, "tensorrt", "10.13.0", "sm_100")
 
 
+def test_engine_target_is_stored_under_the_format_1_header_keys():
+    # Engines on disk carry "targets"/"targets_and_later": the bytes below are spelled out by hand,
+    # as kiln has written them since header format 1, so a renamed key cannot pass unnoticed.
+    text = (
+        b'{"backend":"tensorrt-rtx","format":1,"inputs":["x0"],"library_version":"1.7.1.116",'
+        b'"outputs":["y0"],"plan_encoding":"raw","refit":"weights","stripped":false,'
+        b'"targets":["sm_86"],"targets_and_later":true,"weights":{}}'
+    )
+    header, plan = decode_engine(b"KILNTRT1" + struct.pack("<I", len(text)) + text + b"plan")
+    assert EngineTarget.from_header(header) == EngineTarget(("sm_86",), and_later=True)
+    check_engine_compatible(header, "tensorrt-rtx", "1.7.1.116", "sm_89")
+    with pytest.raises(EngineCompatibilityError, match="built for sm_86 and later; this GPU is sm_80"):
+        check_engine_compatible(header, "tensorrt-rtx", "1.7.1.116", "sm_80")
+    # and what is written now is byte for byte what format 1 wrote
+    written = encode_engine({k: v for k, v in header.items() if k != "plan_encoding"}, bytes(plan))
+    assert written == b"KILNTRT1" + struct.pack("<I", len(text)) + text + b"plan"
+    assert EngineTarget(("sm_86",), and_later=True).header_fields() == {
+        "targets": ["sm_86"],
+        "targets_and_later": True,
+    }
+
+
+def test_engine_target_spells_cache_keys_as_before():
+    # target_device() (a cache-key and manifest field) is str(EngineTarget): its spelling must not move
+    portable = EngineTarget(RTX_DEFAULT_COMPUTE_CAPABILITIES, and_later=True)
+    assert str(portable) == "cuda:sm_80+sm_86+sm_89+sm_120+"
+    assert str(EngineTarget(("sm_90",))) == "cuda:sm_90"
+    assert portable.runs_on("sm_121") and portable.runs_on("sm_86") and not portable.runs_on("sm_90")
+    assert not EngineTarget(("sm_90",)).runs_on("sm_100")
+    assert EngineTarget.from_header(_header()) == portable
+
+
 def test_build_errors_name_the_longest_matching_onnx_node():
     names = ["node_linear", "node_linear_1", "node_relu"]
     assert _error_node("Error in layer node_linear_1 [MatMul]: bad shape", names) == "node_linear_1"
@@ -432,7 +465,7 @@ def test_missing_library_names_the_extra_to_install(name, extra):
         TensorRTBackend(name)
 
 
-def test_unknown_backend_and_bad_targets_are_backend_errors():
+def test_unknown_backend_and_bad_compute_capabilities_are_backend_errors():
     with pytest.raises(BackendError, match=r"unknown TensorRT backend 'tensorrt-llm'; expected one of"):
         TensorRTBackend("tensorrt-llm")
     with pytest.raises(BackendError, match="compute_capabilities is a TensorRT-RTX setting"):
@@ -459,7 +492,7 @@ def test_no_gpu_is_backend_unavailable_but_parsing_and_cpu_builds_work():
     engine = backend.build(onnx_bytes, _io(), BuildSettings(options={"refit": "none"}))
     header, plan = decode_engine(engine)
     assert header["backend"] == "tensorrt-rtx" and header["library_version"] == backend.library_version()
-    assert header["targets"] == list(RTX_DEFAULT_TARGETS) and header["targets_and_later"]
+    assert header["targets"] == list(RTX_DEFAULT_COMPUTE_CAPABILITIES) and header["targets_and_later"]
     assert header["weights"] == {
         "w0": {"shape": [8, 8], "dtype": "float32"},
         "w1": {"shape": [8], "dtype": "float32"},
