@@ -2,7 +2,7 @@
 the runtime says about this GPU, which names the Refitter sees. Run from the project root with
 TensorRT-RTX importable; writes JSON to the path given (default probe.json).
 
-Findings feed compiler/backends/tensorrt.py (flag choice, error handling) and the final report.
+Findings feed compiler/backends/tensorrt/ (builder.py: flag choice, error handling) and the final report.
 """
 
 from __future__ import annotations
