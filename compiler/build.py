@@ -77,10 +77,15 @@ def build_engine(
     """Lower and build the engine for ``fingerprint`` unless the cache already holds it."""
     start = time.perf_counter()
     backend = get_backend(plan.options.backend)
-    settings = plan.options.build_settings()
     representative = next(p for p in plan.partitions if p.name == dedup.unique[fingerprint])
+    # Per partition: CompileOptions.partition_precision may raise one above the compile's precision.
+    settings = plan.options.build_settings(representative.name)
     io = engine_io(plan, representative)
     key = _engine_key(backend, fingerprint, settings)
+    if settings.precision == TORCH:  # kept in PyTorch on purpose (partition_precision): nothing to build
+        return EngineArtifact(
+            fingerprint, str(key), b"", io, False, False, time.perf_counter() - start, backend=TORCH
+        )
     lowered: LoweredPartition | None = None
 
     def build() -> bytes:

@@ -62,7 +62,7 @@ def canonical_weights(partition: Partition) -> dict[str, str]:
 
 def partition_fingerprint(plan: PartitionPlan, partition: Partition) -> str:
     kinds = tuple(i.kind for i in partition.inputs)
-    settings = plan.options.build_settings().to_dict()
+    settings = plan.options.build_settings(partition.name).to_dict()
     return fingerprint(plan.submodule(partition.name).graph, kinds, plan.symbols, settings)
 
 

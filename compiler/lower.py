@@ -65,7 +65,7 @@ def engine_io(plan: PartitionPlan, partition: Partition) -> EngineIO:
 def engine_weights(plan: PartitionPlan, instance: EngineInstance) -> dict[str, torch.Tensor]:
     """Canonical name -> tensor for one instance, in the engine's precision."""
     weights = plan.weights()
-    target = PRECISION_DTYPES[plan.options.precision]
+    target = PRECISION_DTYPES[plan.options.precision_of(instance.partition)]
     # Canonical order (w0, w1, ..., w10), whatever order the mapping arrived in (JSON may sort keys):
     # the engine graph takes its weight inputs by position.
     ordered = sorted(instance.weights.items(), key=lambda item: int(item[0][1:]))
@@ -84,7 +84,10 @@ def lower(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
     io_spec = engine_io(plan, partition)
     weights = engine_weights(plan, dedup.instance(partition.name))
     module = _EngineGraph(
-        plan.submodule(partition.name), partition, plan.options.precision, io_spec.output_dtypes
+        plan.submodule(partition.name),
+        partition,
+        plan.options.precision_of(partition.name),
+        io_spec.output_dtypes,
     )
     sub = plan.submodule(partition.name)
     act_nodes = [

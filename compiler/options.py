@@ -12,6 +12,10 @@ from compiler.errors import PartitionError
 
 # What a partition whose engine build fails becomes (see CompileOptions.on_build_failure).
 ON_BUILD_FAILURE = ("torch", "onnxruntime", "error")
+# What a compile that misses its accuracy tolerances does (see CompileOptions.on_accuracy_failure).
+ON_ACCURACY_FAILURE = ("repair", "error")
+# What one partition may be set to (CompileOptions.partition_precision): a precision, or "torch".
+PARTITION_LEVELS = (*PRECISIONS, "torch")
 DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -28,6 +32,16 @@ class CompileOptions:
     ``"onnxruntime"`` (the same lowered ONNX is built with ONNX Runtime; if that fails too, PyTorch) or
     ``"error"`` (the compile fails: strict release pipelines). The report lists every failure. It does
     not change an engine's bytes, so it is not a build setting and stays out of engine cache keys.
+
+    ``on_accuracy_failure``: what a reduced-precision compile that misses its accuracy tolerances does:
+    ``"error"`` (it fails; what a release must do) or ``"repair"`` (``compiler.repair`` raises the
+    worst partitions one step, fp16/bf16 -> fp32 -> PyTorch, until the tolerances hold). Not a build
+    setting.
+
+    ``partition_precision``: per-partition exceptions to ``precision`` (partition name -> ``"fp32"``,
+    ``"fp16"``, ``"bf16"`` or ``"torch"``: the partition runs as its PyTorch submodule). Repair writes
+    it; a compile given the same options builds the same engines without repairing again. Only the
+    named partitions' build settings change, so every other engine keeps its fingerprint and cache entry.
     """
 
     backend: str = "onnxruntime"
@@ -42,8 +56,25 @@ class CompileOptions:
     on_build_failure: str = "torch"
     # Where the model runs: its export inputs, engine builds, engine runtime and validation.
     device: str = "cpu"
+    on_accuracy_failure: str = "error"
+    partition_precision: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.on_accuracy_failure not in ON_ACCURACY_FAILURE:
+            raise PartitionError(
+                f"on_accuracy_failure {self.on_accuracy_failure!r} is not supported; expected one of "
+                f"{ON_ACCURACY_FAILURE}"
+            )
+        wrong = {k: v for k, v in dict(self.partition_precision).items() if v not in PARTITION_LEVELS}
+        if wrong:
+            raise PartitionError(
+                f"partition_precision {wrong} is not supported; each value is one of {PARTITION_LEVELS}"
+            )
+        object.__setattr__(
+            self,
+            "partition_precision",
+            {str(k): str(v) for k, v in sorted(dict(self.partition_precision).items())},
+        )
         if not isinstance(self.device, str) or not DEVICE_RE.match(self.device):
             raise PartitionError(f"device {self.device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
         if self.precision not in PRECISIONS:
@@ -68,18 +99,27 @@ class CompileOptions:
             split = (split,) if isinstance(split, str) else tuple(split)
             object.__setattr__(self, "split_modules", split)
 
-    def build_settings(self) -> BuildSettings:
-        # on_build_failure is left out on purpose: it decides what happens after a build, not its bytes.
+    def build_settings(self, partition: str | None = None) -> BuildSettings:
+        """The build settings of ``partition`` (its ``partition_precision``, else ``precision``); with
+        no partition, the compile's. The map itself is left out: one partition's exception must not
+        change every other engine's fingerprint and cache key."""
+        # on_build_failure / on_accuracy_failure are left out on purpose: they decide what happens
+        # after a build, not its bytes.
         return BuildSettings(
-            precision=self.precision,
+            precision=self.precision_of(partition) if partition is not None else self.precision,
             strip_weights=self.strip_weights,
             workspace_bytes=self.workspace_bytes,
             optimization_level=self.optimization_level,
             options=dict(self.backend_options),
         )
 
+    def precision_of(self, partition: str) -> str:
+        """``"fp32"``, ``"fp16"``, ``"bf16"`` or ``"torch"`` (no engine) for one partition."""
+        return self.partition_precision.get(partition, self.precision)
+
     def to_dict(self) -> dict:
         data = asdict(self)
+        data["partition_precision"] = dict(self.partition_precision)
         data["torch_executed_ops"] = list(self.torch_executed_ops)
         data["split_modules"] = (
             self.split_modules if isinstance(self.split_modules, str | None) else list(self.split_modules)

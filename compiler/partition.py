@@ -410,6 +410,12 @@ def _fuse(
                 blocks.get(node_names[0]),
             )
         )
+    unknown = sorted(set(options.partition_precision) - {p.name for p in partitions})
+    if unknown:
+        raise PartitionError(
+            f"partition_precision names {unknown}, which this plan does not have; its partitions are "
+            f"{[p.name for p in partitions]}"
+        )
     fallback = Counter(
         op_name(n.target)
         for n in split.graph.nodes

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,7 +27,22 @@ import torch
 from torch.utils import _pytree as pytree
 
 from compiler.errors import ToleranceError
-from compiler.specs import InputSpec
+from compiler.validation_data import ValidationData, sample_inputs, validation_data
+
+__all__ = [
+    "DEFAULT_REL_L2",
+    "Latency",
+    "OutputAccuracy",
+    "Tolerances",
+    "ValidationReport",
+    "compare",
+    "compare_tensors",
+    "measure_accuracy",
+    "measure_latency",
+    "sample_inputs",  # re-exported: callers drew inputs from here before validation_data existed
+    "top1_agreement",
+    "validate",
+]
 
 # Accuracy tolerance (relative L2 vs eager) per precision, when a caller sets none. The one copy.
 DEFAULT_REL_L2 = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}
@@ -255,38 +271,6 @@ def _worst(values: Any, pick: Callable, default: float) -> float:
     return pick(values, default=default)
 
 
-def sample_inputs(specs: Sequence[InputSpec], point: str, generator: torch.Generator) -> list[torch.Tensor]:
-    """Inputs at ``min``, ``max``, ``opt`` or a ``random`` point inside the spec ranges."""
-    sizes: dict[str, int] = {}
-    tensors = []
-    for spec in specs:
-        shape = []
-        for axis in range(spec.rank):
-            lo, hi = spec.dim_range(axis)
-            name = spec.dynamic_dims.get(axis)
-            if name is None:
-                shape.append(lo)
-                continue
-            if name not in sizes:
-                pick = {"min": lo, "max": hi, "opt": spec.opt_shape[axis]}.get(point)
-                sizes[name] = (
-                    pick if pick is not None else int(torch.randint(lo, hi + 1, (1,), generator=generator))
-                )
-            shape.append(sizes[name])
-        tensors.append(_random_tensor(spec, shape, generator))
-    return tensors
-
-
-def _random_tensor(spec: InputSpec, shape: list[int], generator: torch.Generator) -> torch.Tensor:
-    dtype = spec.torch_dtype
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=generator).to(dtype)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=generator).bool()
-    lo, hi = spec.value_range or (0, 1)
-    return torch.randint(int(lo), int(hi) + 1, shape, generator=generator, dtype=dtype)
-
-
 def compare_tensors(name: str, ref: torch.Tensor, act: torch.Tensor) -> OutputAccuracy:
     """Max abs, relative L2, cosine and (where it applies) top-1 agreement of one output pair."""
     ref64, act64 = ref.detach().double().flatten(), act.detach().double().flatten()
@@ -312,12 +296,17 @@ def compare_tensors(name: str, ref: torch.Tensor, act: torch.Tensor) -> OutputAc
 def top1_agreement(ref: torch.Tensor, act: torch.Tensor) -> float | None:
     """Share of positions whose argmax over the last axis agrees: classification logits ``[batch,
     classes]`` or per-token logits ``[batch, seq, vocab]``. None for outputs without a class axis."""
+    counts = _top1_counts(ref, act)
+    return counts[0] / counts[1] if counts else None
+
+
+def _top1_counts(ref: torch.Tensor, act: torch.Tensor) -> tuple[int, int] | None:
     if not ref.is_floating_point() or ref.dim() < 2 or ref.shape[-1] < 2 or ref.numel() == 0:
         return None
     act = act.detach().float()
     # A position with nan in the compiled logits never agrees (argmax would pick the nan).
     agree = (ref.detach().float().argmax(-1) == act.argmax(-1)) & ~act.isnan().any(-1)
-    return float(agree.double().mean())
+    return int(agree.sum()), agree.numel()
 
 
 def compare(reference: object, actual: object) -> list[OutputAccuracy]:
@@ -332,17 +321,65 @@ def compare(reference: object, actual: object) -> list[OutputAccuracy]:
     ]
 
 
-def merge_worst(worst: dict[str, OutputAccuracy], rows: Sequence[OutputAccuracy]) -> None:
-    """Keep, per output, the row of the sample with the largest relative L2 error (nan is worst); the
-    top-1 agreement is the lowest seen (agreement is a share per sample)."""
-    for row in rows:
-        prior = worst.get(row.output)
-        if prior is None:
-            worst[row.output] = row
-            continue
-        agreements = [a for a in (prior.top1_agreement, row.top1_agreement) if a is not None]
-        keep = row if _order(row.rel_l2) > _order(prior.rel_l2) else prior
-        worst[row.output] = dataclasses.replace(keep, top1_agreement=min(agreements) if agreements else None)
+class _Worst:
+    """Per output, over samples: the largest abs and relative errors, the smallest cosine, and top-1
+    agreement pooled over every position of every sample (a share of all positions, not a per-sample
+    minimum: one flipped sample of batch 1 is not zero agreement)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, OutputAccuracy] = {}
+        self.agree: dict[str, list[int]] = {}
+
+    def add(self, reference: object, actual: object) -> None:
+        ref_leaves, _ = pytree.tree_flatten(reference)
+        act_leaves, _ = pytree.tree_flatten(actual)
+        if len(ref_leaves) != len(act_leaves):
+            raise ValueError(f"compiled module returned {len(act_leaves)} outputs, eager {len(ref_leaves)}")
+        for index, (ref, act) in enumerate(zip(ref_leaves, act_leaves, strict=True)):
+            if not isinstance(ref, torch.Tensor):
+                continue
+            row = compare_tensors(f"output_{index}", ref, act)
+            counts = _top1_counts(ref, act)
+            if counts is not None:
+                pooled = self.agree.setdefault(row.output, [0, 0])
+                pooled[0], pooled[1] = pooled[0] + counts[0], pooled[1] + counts[1]
+            prior = self.rows.get(row.output)
+            if prior is not None:
+                row = OutputAccuracy(
+                    row.output,
+                    max(prior.max_abs, row.max_abs, key=_order),
+                    max(prior.rel_l2, row.rel_l2, key=_order),
+                    _lowest(prior.cosine, row.cosine),
+                )
+            self.rows[row.output] = row
+
+    def result(self) -> list[OutputAccuracy]:
+        return [
+            dataclasses.replace(row, top1_agreement=_share(self.agree.get(name)))
+            for name, row in self.rows.items()
+        ]
+
+
+def _lowest(a: float, b: float) -> float:
+    return math.nan if math.isnan(a) or math.isnan(b) else min(a, b)
+
+
+def _share(counts: list[int] | None) -> float | None:
+    return counts[0] / counts[1] if counts and counts[1] else None
+
+
+def measure_accuracy(
+    original: torch.nn.Module, compiled: torch.nn.Module, samples: Sequence[Sequence[torch.Tensor]]
+) -> list[OutputAccuracy]:
+    """Per output, the worst error of ``compiled`` vs ``original`` over the samples (flat user inputs,
+    in spec order) and the pooled top-1 agreement."""
+    worst = _Worst()
+    device = _device(compiled)
+    with torch.no_grad():
+        for flat in samples:
+            args, kwargs = _unflatten(compiled, [t.to(device) for t in flat])
+            worst.add(original(*args, **kwargs), compiled(*args, **kwargs))
+    return worst.result()
 
 
 def _synchronize() -> None:
@@ -379,24 +416,23 @@ def validate(
     original: torch.nn.Module,
     compiled: torch.nn.Module,
     *,
+    data: str | os.PathLike | Mapping[str, object] | ValidationData | None = None,
     samples: int = 3,
     warmup: int = 3,
     runs: int = 20,
     seed: int = 0,
 ) -> ValidationReport:
-    """Accuracy on ``samples`` input sets (min, max, random...) and latency at the opt shapes."""
+    """Accuracy on ``data`` (recorded inputs: a ``.safetensors``/``.npz`` file or a mapping, see
+    :mod:`compiler.validation_data`), else on ``samples`` random input sets (min, max, random...);
+    latency of both at the opt shapes. The report says which data was used and which recorded samples
+    were skipped (outside the compiled ranges)."""
     specs = compiled.input_specs
+    dataset = validation_data(specs, data, samples=samples, seed=seed)
+    outputs = measure_accuracy(original, compiled, dataset.samples)
     generator = torch.Generator().manual_seed(seed)
-    points = (["min", "max"] + ["random"] * max(0, samples - 2))[: max(1, samples)]
-    worst: dict[str, OutputAccuracy] = {}
-    shapes = []
+    device = _device(compiled)
+    args, kwargs = _unflatten(compiled, [t.to(device) for t in sample_inputs(specs, "opt", generator)])
     with torch.no_grad():
-        for point in points:
-            flat = sample_inputs(specs, point, generator)
-            args, kwargs = _unflatten(compiled, flat)
-            merge_worst(worst, compare(original(*args, **kwargs), compiled(*args, **kwargs)))
-            shapes.append([list(t.shape) for t in flat])
-        args, kwargs = _unflatten(compiled, sample_inputs(specs, "opt", generator))
         latency = measure_latency(
             {"eager": lambda: original(*args, **kwargs), "compiled": lambda: compiled(*args, **kwargs)},
             warmup=warmup,
@@ -404,14 +440,20 @@ def validate(
         )
     precision = getattr(getattr(compiled, "report", None), "precision", "fp32")
     return ValidationReport(
-        list(worst.values()),
-        shapes,
+        outputs,
+        [[list(t.shape) for t in flat] for flat in dataset.samples],
         latency["eager"],
         latency["compiled"],
         precision,
-        data_source="random",
-        samples=len(points),
+        data_source=dataset.source,
+        samples=len(dataset),
+        skipped=list(dataset.skipped),
     )
+
+
+def _device(compiled: torch.nn.Module) -> str:
+    options = getattr(getattr(compiled, "plan", None), "options", None)
+    return getattr(options, "device", "cpu")
 
 
 def _unflatten(compiled: torch.nn.Module, flat: list[torch.Tensor]) -> tuple[tuple, dict]:
