@@ -110,7 +110,7 @@ class EngineCache:
         lock_timeout: float | None = None,
     ) -> None:
         self.directory = _resolve_directory(directory)
-        self.max_bytes = _resolve_max_bytes(max_bytes)
+        self.max_bytes = resolve_max_bytes(max_bytes)
         if compression not in _CODECS:
             raise CacheError(
                 f"unknown cache compression {compression!r}; expected one of None, 'zlib', 'lzma'"
@@ -501,7 +501,7 @@ def _resolve_directory(directory: str | os.PathLike[str] | None) -> Path:
     return path
 
 
-def _resolve_max_bytes(max_bytes: int | None) -> int:
+def resolve_max_bytes(max_bytes: int | None) -> int:
     if max_bytes is None:
         text = os.environ.get("KILN_CACHE_MAX_BYTES", "").strip()
         if not text:

@@ -6,7 +6,6 @@ summary names each failure); 2 the input was unusable (a broken zoo file, a bad 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -15,12 +14,21 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+import yaml
+from pydantic import ValidationError
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+from flows.render import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    ProgressView,
+    console,
+    progress_bar,
+    report,
+)
+from zoo.config import ZooSettings
+from zoo.config import format_errors as _format_errors
 
 app = typer.Typer(
     name="kiln",
@@ -35,8 +43,6 @@ app = typer.Typer(
         "Exit codes: 0 all models ok, 1 a model failed, 2 unusable input."
     ),
 )
-console = Console(stderr=True)
-out_console = Console()
 
 ZooFile = Annotated[
     Path,
@@ -48,9 +54,9 @@ OutDir = Annotated[
     Path | None,
     typer.Option("--out", "-o", help="where packages go (default: the zoo's settings.out_dir, 'out')"),
 ]
-Targets = Annotated[
+Devices = Annotated[
     list[str] | None,
-    typer.Option("--target", "-t", help="only these target devices (repeatable): cpu, cuda:0, ..."),
+    typer.Option("--device", "--target", "-t", help="only these devices (repeatable): cpu, cuda:0, ..."),
 ]
 TaskRunner = Annotated[
     str | None,
@@ -100,6 +106,22 @@ def _bad_input(message: str) -> typer.Exit:
     return typer.Exit(EXIT_BAD_INPUT)
 
 
+def _check_environment() -> None:
+    """Settings read from the environment, checked before anything runs (a typo is exit code 2)."""
+    from compiler.cache import resolve_max_bytes
+    from compiler.errors import CacheError
+    from zoo.config import ZooConfigError
+
+    try:
+        resolve_max_bytes(None)
+    except CacheError as exc:
+        raise ZooConfigError(str(exc)) from None
+
+
+def _merged(settings: ZooSettings, overrides: dict[str, Any]) -> ZooSettings:
+    return ZooSettings.model_validate({**settings.model_dump(exclude_unset=True), **overrides})
+
+
 def _overrides(
     task_runner: str | None,
     dask_address: str | None,
@@ -124,89 +146,6 @@ def _overrides(
     return overrides
 
 
-class _ProgressView:
-    """One line per (model, target) with its current stage, and an overall bar."""
-
-    def __init__(self, progress: Progress, total: int):
-        self.progress = progress
-        self.overall = progress.add_task("models", total=total)
-        self.rows: dict[tuple[str, str], Any] = {}
-
-    def __call__(self, event: str, model: str, target: str, detail: str) -> None:
-        key = (model, target)
-        if key not in self.rows:
-            self.rows[key] = self.progress.add_task(f"{model} [dim]{target}[/dim]", total=None)
-        row = self.rows[key]
-        if event == "model":
-            self.progress.update(row, description=f"{model} [dim]{target}[/dim]: {detail}")
-        else:
-            mark = "[green]ok[/green]" if event == "done" else "[red]failed[/red]"
-            self.progress.update(
-                row, description=f"{model} [dim]{target}[/dim]: {mark}", total=1, completed=1
-            )
-            self.progress.advance(self.overall)
-
-
-def _progress() -> Progress:
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    )
-
-
-def _summary_table(summary: dict[str, Any]) -> Table:
-    table = Table(title=f"kiln: {summary['ok']} ok, {summary['failed']} failed, {summary['seconds']}s")
-    # Short headers: the table must fit 80 columns (CI logs, pipes).
-    table.add_column("model", overflow="fold", min_width=6)
-    table.add_column("target")
-    table.add_column("status")
-    for column in ("parts", "built", "reused", "rel L2", "lat x", "s"):
-        table.add_column(column, justify="right")
-    for m in summary["models"]:
-        table.add_row(
-            escape(m["name"]),
-            escape(m["target"]),
-            "[green]ok[/green]" if m["status"] == "ok" else "[red]failed[/red]",
-            str(m["partitions"]),
-            str(m["engines_built"]),
-            str(m["engines_reused"]),
-            f"{m['max_rel_l2']:.1e}" if m.get("max_rel_l2") is not None else "-",
-            f"{m['latency_ratio']:.2f}" if m.get("latency_ratio") is not None else "-",
-            f"{m['seconds']:.1f}",
-        )
-    return table
-
-
-def _first_line(text: str | None, limit: int = 400) -> str:
-    line = (text or "").strip().splitlines()[0] if text else ""
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _report(summary: dict[str, Any], as_json: bool) -> int:
-    if as_json:
-        out_console.print_json(json.dumps(summary))
-    else:
-        console.print(_summary_table(summary))
-    # Packages and failures go to stderr either way: with --json, stdout stays machine-readable.
-    for m in summary["models"]:
-        if m["status"] == "ok":
-            console.print(f"  [green]{escape(m['name'])}[/green] -> {escape(m['package'])}", soft_wrap=True)
-    for m in summary["models"]:
-        if m["status"] != "ok":
-            line = escape(_first_line(m["error"]))
-            console.print(f"  [red]{escape(m['name'])}[/red] failed: {line}", soft_wrap=True)
-    # Builds that fell back to PyTorch are neither built nor reused: then something did happen.
-    every_engine_reused = summary["engines_reused"] == sum(m["unique_engines"] for m in summary["models"])
-    if summary["engines_built"] == 0 and not summary["failed"] and every_engine_reused:
-        console.print("nothing changed: 0 engines built, every engine came from the cache")
-    console.print(f"packages: {summary['out_dir']}   summary: {Path(summary['out_dir']) / 'summary.json'}")
-    return EXIT_FAILED if summary["failed"] else EXIT_OK
-
-
 ZOO_HELP = (
     "Recompile every model of a zoo file, in parallel, then print a summary table.\n\n"
     "Runs the [bold]recompile-zoo[/bold] Prefect flow in this process; Prefect starts a temporary API "
@@ -216,11 +155,39 @@ ZOO_HELP = (
     "Example:  [bold]kiln zoo deploy/zoo.yaml --out out/ --model bert --model gpt2[/bold]"
 )
 COMPILE_HELP = (
-    "Compile one model for one target into <out>/<name>.kiln, validated against the eager model. "
+    "Compile one model for one device into <out>/<name>.kiln, validated against the eager model. "
     "Options override the zoo entry.\n\n"
     "Examples:  [bold]kiln compile bert --out out/[/bold]    "
     "[bold]kiln compile zoo.models:tiny_gpt2 --precision fp16 --name gpt2-fp16[/bold]"
 )
+
+
+def _selected_requests(zoo: Any, models: list[str] | None, devices: list[str] | None) -> list[Any]:
+    return [
+        request
+        for entry in zoo.entries
+        if not models or entry.name in models
+        for request in zoo.requests(entry)
+        if not devices or request.device in devices
+    ]
+
+
+def _run_with_progress(jobs: int, run: Any) -> tuple[dict[str, Any] | None, BaseException | None]:
+    from flows import progress as events
+    from flows.server import prefect_api
+
+    with prefect_api(), progress_bar() as bar, events.listening(ProgressView(bar, jobs)):
+        return run()
+
+
+def _finish(summary: dict[str, Any], as_json: bool, tracking: bool) -> None:
+    code = report(summary, as_json)
+    if tracking and not as_json:
+        # The main job ends where a user goes next: the MLflow UI and what is now registered.
+        from registry.summary import print_registry_summary
+
+        print_registry_summary(console=console)
+    raise typer.Exit(code)
 
 
 @app.command("zoo", help=ZOO_HELP)
@@ -230,7 +197,7 @@ def zoo_cmd(
     model: Annotated[
         list[str] | None, typer.Option("--model", "-m", help="only these models (repeatable), by name")
     ] = None,
-    target: Targets = None,
+    device: Devices = None,
     task_runner: TaskRunner = None,
     dask_address: DaskAddress = None,
     workspace: Workspace = None,
@@ -244,67 +211,108 @@ def zoo_cmd(
     verbose: Verbose = False,
 ) -> None:
     _quiet_prefect(verbose)
-    from flows.zoo_config import ZooConfigError, load_zoo
+    from zoo.config import ZooConfigError, load_zoo
 
     try:
+        _check_environment()
         zoo = load_zoo(zoo_file)
     except ZooConfigError as exc:
         raise _bad_input(str(exc)) from None
-    if check:
-        raise typer.Exit(_check(zoo, model, target))
-    overrides = _overrides(task_runner, dask_address, workspace, engine_cache, tracking)
-    selected = [n for n in zoo.names if not model or n in model]
     if model and (missing := sorted(set(model) - set(zoo.names))):
         raise _bad_input(f"--model {missing}: not in {zoo_file}; it has {zoo.names}")
-    jobs = sum(
-        len([t for t in e.targets if not target or t in target]) for e in zoo.entries if e.name in selected
-    ) + len([i for i in zoo.invalid if i.name in selected])
+    if check:
+        raise typer.Exit(_check(zoo, model, device))
+    overrides = _overrides(task_runner, dask_address, workspace, engine_cache, tracking)
+    try:
+        settings = _merged(zoo.settings, overrides)
+    except ValidationError as exc:
+        raise _bad_input(_format_errors(exc, "options")) from None
+    jobs = len(_selected_requests(zoo, model, device)) + len(
+        [i for i in zoo.invalid if not model or i.name in model]
+    )
 
-    from flows import progress as events
     from flows.recompile_zoo import run_zoo
 
-    with _progress() as bar, events.listening(_ProgressView(bar, jobs)):
-        summary, error = run_zoo(
+    summary, error = _run_with_progress(
+        jobs,
+        lambda: run_zoo(
             str(zoo_file),
             str(out) if out else None,
             models=model or None,
-            targets=target or None,
+            devices=device or None,
             settings_overrides=overrides or None,
-        )
+        ),
+    )
     if summary is None:
         raise _bad_input(f"the zoo run stopped before any model ran: {error}")
-    code = _report(summary, as_json)
-    settings = zoo.settings.model_copy(update={"tracking": overrides.get("tracking", zoo.settings.tracking)})
-    if settings.tracking_enabled() and not as_json:
-        # The main job ends where a user goes next: the MLflow UI and what is now registered.
-        from registry.summary import print_registry_summary
-
-        print_registry_summary(console=console)
-    raise typer.Exit(code)
+    _finish(summary, as_json, settings.tracking_enabled())
 
 
-def _check(zoo: Any, models: list[str] | None, targets: list[str] | None) -> int:
-    from flows.zoo_config import ZooConfigError, check_backend_available, check_target, resolve_factory
+def _check(zoo: Any, models: list[str] | None, devices: list[str] | None) -> int:
+    """The flows' own preflight for every selected request, plus sizing the largest inputs."""
+    from zoo.config import ZooConfigError
+    from zoo.preflight import preflight
 
     problems = [(bad.name, bad.error) for bad in zoo.invalid if not models or bad.name in models]
-    for entry in zoo.entries:
-        if models and entry.name not in models:
-            continue
+    requests = _selected_requests(zoo, models, devices)
+    for request in requests:
         try:
-            resolve_factory(entry.factory, f"models[{entry.name}].factory")
-            for t in entry.targets:
-                if not targets or t in targets:
-                    check_target(t)
-                    check_backend_available(entry.backend, t)
+            preflight(request, load=True)
         except ZooConfigError as exc:
-            problems.append((entry.name, str(exc)))
+            problems.append((request.package_name, str(exc)))
     for name, message in problems:
         console.print(f"[red]{escape(name)}[/red]: {escape(message)}", soft_wrap=True, highlight=False)
-    ok = len([e for e in zoo.entries if not models or e.name in models]) - len(
-        [p for p in problems if p[0] in {e.name for e in zoo.entries}]
-    )
+    bad = {name for name, _ in problems}
+    ok = len([r for r in requests if r.package_name not in bad])
     console.print(f"{zoo.source}: {ok} models ready, {len(problems)} with problems")
     return EXIT_FAILED if problems else EXIT_OK
+
+
+def _entry_from_flags(zoo_file: Path, model: str, flags: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
+    """(entry data, settings, zoo dir): the zoo file's entry named ``model`` (or a new one for a factory)
+    with the flags written over it, so flags and zoo fields go through one schema."""
+    from zoo.config import ZooConfigError, ZooSettings, load_zoo
+
+    settings, entry_data, zoo_dir = ZooSettings(), None, None
+    if zoo_file.exists() or ":" not in model:
+        try:
+            zoo = load_zoo(zoo_file)
+        except ZooConfigError as exc:
+            raise _bad_input(str(exc)) from None
+        settings, zoo_dir = zoo.settings, zoo.zoo_dir
+        invalid = [i for i in zoo.invalid if i.name == model]
+        if invalid:
+            raise _bad_input(invalid[0].error)
+        found = [e for e in zoo.entries if e.name == model]
+        if found:
+            entry_data = found[0].model_dump(exclude_unset=True)
+        elif ":" not in model:
+            raise _bad_input(
+                f"{model!r} is not a model of {zoo_file} (it has {zoo.names}) nor a 'module:function'"
+            )
+    if entry_data is None:
+        entry_data = {"name": model.rsplit(":", 1)[-1].replace("_", "-").lower(), "factory": model}
+    partition = {
+        k: flags.pop(k) for k in ("min_block_size", "torch_executed_ops", "split_modules") if k in flags
+    }
+    if partition:
+        entry_data["partition"] = {**(entry_data.get("partition") or {}), **partition}
+    if "devices" in flags:
+        entry_data.pop("targets", None)
+    entry_data.update(flags)
+    return entry_data, settings, zoo_dir
+
+
+def _backend_options(pairs: list[str] | None) -> dict[str, Any] | None:
+    if not pairs:
+        return None
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise _bad_input(f"--backend-option {pair!r}: use KEY=VALUE (VALUE as YAML: 3, true, [a, b])")
+        options[key] = yaml.safe_load(text)
+    return options
 
 
 @app.command("compile", help=COMPILE_HELP)
@@ -320,7 +328,9 @@ def compile_cmd(
         Path, typer.Option("--zoo", help="zoo file to take the model and settings from")
     ] = Path("deploy/zoo.yaml"),
     out: OutDir = None,
-    target: Annotated[str | None, typer.Option("--target", "-t", help="device: cpu, cuda, cuda:N")] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", "--target", "-t", help="where the model runs: cpu, cuda, cuda:N")
+    ] = None,
     backend: Annotated[
         str | None, typer.Option("--backend", "-b", help="onnxruntime, tensorrt, tensorrt-rtx, auto")
     ] = None,
@@ -338,6 +348,22 @@ def compile_cmd(
             "--torch-executed-op", help="keep this op in PyTorch, e.g. aten.gelu.default (repeatable)"
         ),
     ] = None,
+    split_module: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--split-module", help="each instance of this class its own engine, or 'auto' (repeatable)"
+        ),
+    ] = None,
+    workspace_bytes: Annotated[
+        int | None, typer.Option("--workspace-bytes", help="TensorRT builder workspace limit")
+    ] = None,
+    optimization_level: Annotated[
+        int | None, typer.Option("--optimization-level", help="TensorRT builder optimization level")
+    ] = None,
+    backend_option: Annotated[
+        list[str] | None,
+        typer.Option("--backend-option", help="backend setting KEY=VALUE (repeatable), as backend_options"),
+    ] = None,
     on_build_failure: Annotated[
         str | None,
         typer.Option("--on-build-failure", help="a failed engine build: torch, onnxruntime or error"),
@@ -352,89 +378,60 @@ def compile_cmd(
     verbose: Verbose = False,
 ) -> None:
     _quiet_prefect(verbose)
-    from pydantic import ValidationError
+    from zoo.config import ZooConfigError, ZooEntry
 
-    from flows.zoo_config import ZooConfigError, ZooEntry, ZooSettings, load_zoo
-
-    settings, entry_data = ZooSettings(), None
-    if zoo_file.exists() or ":" not in model:
-        try:
-            zoo = load_zoo(zoo_file)
-        except ZooConfigError as exc:
-            raise _bad_input(str(exc)) from None
-        settings = zoo.settings
-        found = [e for e in zoo.entries if e.name == model]
-        invalid = [i for i in zoo.invalid if i.name == model]
-        if invalid:
-            raise _bad_input(invalid[0].error)
-        if found:
-            entry_data = found[0].model_dump()
-        elif ":" not in model:
-            raise _bad_input(
-                f"{model!r} is not a model of {zoo_file} (it has {zoo.names}) nor a 'module:function'"
-            )
-    if entry_data is None:
-        entry_data = {"name": name or model.rsplit(":", 1)[-1].replace("_", "-").lower(), "factory": model}
-    updates = {
+    split = None
+    if split_module:
+        split = "auto" if split_module == ["auto"] else list(split_module)
+    flags = {
         "backend": backend,
         "precision": precision,
         "strip_weights": strip_weights,
         "on_build_failure": on_build_failure,
         "name": name,
+        "min_block_size": min_block_size,
+        "torch_executed_ops": list(torch_executed_op) if torch_executed_op else None,
+        "split_modules": split,
+        "workspace_bytes": workspace_bytes,
+        "optimization_level": optimization_level,
+        "backend_options": _backend_options(backend_option),
+        "devices": [device] if device else None,
     }
-    entry_data.update({k: v for k, v in updates.items() if v is not None})
-    if min_block_size is not None or torch_executed_op:
-        part = dict(entry_data.get("partition") or {})
-        if min_block_size is not None:
-            part["min_block_size"] = min_block_size
-        if torch_executed_op:
-            part["torch_executed_ops"] = list(torch_executed_op)
-        entry_data["partition"] = part
-    if target:
-        entry_data["targets"] = [target]
     try:
-        entry = ZooEntry.model_validate(entry_data)
-        settings = ZooSettings.model_validate(
-            {
-                **settings.model_dump(),
-                **_overrides(task_runner, dask_address, workspace, engine_cache, tracking),
-            }
+        _check_environment()
+        entry_data, settings, zoo_dir = _entry_from_flags(
+            zoo_file, model, {k: v for k, v in flags.items() if v is not None}
         )
+        entry = ZooEntry.model_validate(entry_data)
+        settings = _merged(settings, _overrides(task_runner, dask_address, workspace, engine_cache, tracking))
+        request = entry.requests(settings, zoo_dir)[0]
     except ValidationError as exc:
-        from flows.zoo_config import _format_errors
-
         raise _bad_input(_format_errors(exc, "options")) from None
+    except ZooConfigError as exc:
+        raise _bad_input(str(exc)) from None
     out_dir = str((out or Path(settings.out_dir)).resolve())
 
-    from flows import progress as events
     from flows.compile_model import ModelResult, compile_model
+    from flows.recompile_zoo import write_summary
     from flows.runners import task_runner_for
 
-    chosen = entry.targets[0]
-    start_summary: dict[str, Any]
-    with _progress() as bar, events.listening(_ProgressView(bar, 1)):
+    def run() -> tuple[dict[str, Any], None]:
+        from flows import progress as events
+
         state = compile_model.with_options(task_runner=task_runner_for(settings))(
-            entry=entry, target=chosen, out_dir=out_dir, settings=settings, return_state=True
+            request=request, out_dir=out_dir, settings=settings, return_state=True
         )
         if state.is_completed():
             result = state.result()
         else:
             exc = state.result(raise_on_failure=False)
             message = f"{type(exc).__name__}: {exc}" if isinstance(exc, BaseException) else str(state.message)
-            result = ModelResult(entry.name, chosen, "failed", error=message)
-            events.emit("failed", entry.name, chosen, message)
-    start_summary = {
-        "out_dir": out_dir,
-        "ok": int(result.status == "ok"),
-        "failed": int(result.status != "ok"),
-        "engines_built": result.engines_built,
-        "engines_reused": result.engines_reused,
-        "seconds": result.seconds,
-        "models": [result.to_dict()],
-    }
-    if result.status != "ok":
-        console.print(f"[red]{entry.name} failed:[/red] {escape(result.error or '')}", soft_wrap=True)
-    raise typer.Exit(_report(start_summary, as_json))
+            result = ModelResult(request.name, request.device, "failed", error=message)
+            events.emit("failed", request.name, request.device, message)
+        return write_summary([result], out_dir, settings, 0.0, zoo=str(zoo_file)), None
+
+    summary, _ = _run_with_progress(1, run)
+    _finish(summary, as_json, settings.tracking_enabled())
 
 
 DEPLOY_HELP = (
@@ -462,7 +459,7 @@ def deploy_cmd(
     from prefect.settings import PREFECT_API_URL
 
     from flows.deployments import register
-    from flows.zoo_config import ZooConfigError
+    from zoo.config import ZooConfigError
 
     if not PREFECT_API_URL.value():
         raise _bad_input(

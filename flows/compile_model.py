@@ -1,7 +1,7 @@
-"""``compile_model``: one model, one target device -> one validated package.
+"""``compile_model``: one compile request (one model, one device) -> one validated package.
 
-preflight -> fingerprint -> export -> partition + dedup -> build engines (one per unique structure,
-in parallel) -> assemble + refit -> validate -> package -> record in MLflow (when tracking is on)
+preflight -> resolve the source (identity, no load) -> export -> partition + dedup -> build engines
+(one per unique structure, in parallel) -> assemble + refit -> validate -> package -> record in MLflow
 """
 
 from __future__ import annotations
@@ -14,16 +14,19 @@ from prefect import flow, get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
 
 from flows import progress
-from flows.zoo_config import ZooEntry, ZooSettings, check_backend_available, check_target, resolve_factory
-from tasks.stages import EngineRef, configured
+from tasks.refs import EngineRef
+from tasks.stages import configured
+from zoo.config import ZooSettings
+from zoo.preflight import preflight as check_request
+from zoo.request import CompileRequest
 
 
 @dataclass
 class ModelResult:
-    """One row of a zoo summary: what happened to one model on one target."""
+    """One row of a zoo summary: what happened to one model on one device."""
 
     name: str
-    target: str
+    device: str
     status: str  # "ok" | "failed"
     error: str | None = None
     package: str | None = None
@@ -38,23 +41,22 @@ class ModelResult:
     seconds: float = 0.0
     tracking: dict | None = None
     build_workers: list[str] = field(default_factory=list)
+    engine_cache: str | None = None  # the engine cache this compile used (None: none)
+    warnings: list[str] = field(default_factory=list)  # the engine cache degraded (corrupt, read-only)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def package_path(out_dir: str, entry: ZooEntry, target: str) -> str:
-    """``<out>/<name>.kiln``; with several targets ``<out>/<name>-<device>.kiln`` (engines are per device)."""
-    suffix = "" if len(entry.targets) == 1 else "-" + target.replace(":", "")
-    return str(Path(out_dir) / f"{entry.name}{suffix}.kiln")
+def package_path(out_dir: str, request: CompileRequest) -> str:
+    """``<out>/<package name>.kiln`` (the name carries the device when an entry lists several)."""
+    return str(Path(out_dir) / f"{request.package_name}.kiln")
 
 
 @task(name="preflight", cache_policy=NO_CACHE, persist_result=False)
-def preflight(entry: ZooEntry, target: str) -> None:
-    """Everything that can be checked before any engine is built: factory, backend, device."""
-    resolve_factory(entry.factory, f"models[{entry.name}].factory")
-    check_target(target)
-    check_backend_available(entry.backend, target)
+def preflight(request: CompileRequest) -> None:
+    """Everything that can be checked before any engine is built: source, device, backend."""
+    check_request(request)
 
 
 def _tracking_task():
@@ -63,60 +65,59 @@ def _tracking_task():
     return record_package
 
 
-@flow(name="compile-model", flow_run_name="compile-{entry.name}-{target}", log_prints=True)
+@flow(
+    name="compile-model",
+    flow_run_name="compile-{request.package_name}",
+    log_prints=True,
+    validate_parameters=False,  # a CompileRequest is validated once, where it is made
+)
 def compile_model(
-    entry: ZooEntry,
-    target: str = "cpu",
-    out_dir: str = "out",
-    settings: ZooSettings | None = None,
+    request: CompileRequest, out_dir: str = "out", settings: ZooSettings | None = None
 ) -> ModelResult:
-    """Compile one zoo entry for one target into ``<out_dir>/<name>.kiln``, validated against eager."""
+    """Compile one request into ``<out_dir>/<package name>.kiln``, validated against eager."""
     settings = settings or ZooSettings()
     start = time.perf_counter()
     logger = get_run_logger()
+    name, device = request.name, request.device
     workspace = str(Path(settings.workspace).resolve())
-    engine_cache = str(Path(settings.engine_cache).resolve()) if settings.engine_cache else None
-    stages = configured(
-        workspace, target, retries=settings.build_retries, backoff=settings.build_retry_backoff
-    )
-    progress.emit("model", entry.name, target, "preflight")
-    preflight(entry, target)
+    engine_cache = settings.engine_cache_dir()
+    stages = configured(device, retries=settings.build_retries, backoff=settings.build_retry_backoff)
+    progress.emit("model", name, device, "preflight")
+    preflight(request)
 
-    progress.emit("model", entry.name, target, "export")
-    key = stages.fingerprint_model(entry)
-    program = stages.export_program(entry, key, workspace)
-    progress.emit("model", entry.name, target, "partition")
-    plan = stages.partition_program(program, entry.compile_options(), workspace)
+    progress.emit("model", name, device, "export")
+    key = stages.resolve_source(request)
+    program = stages.export_program(request, key, workspace)
+    progress.emit("model", name, device, "partition")
+    plan = stages.partition_program(program, request.options, workspace)
 
-    progress.emit("model", entry.name, target, f"build {len(plan.fingerprints)} engines")
+    progress.emit("model", name, device, f"build {len(plan.fingerprints)} engines")
     builds = stages.build_engine.map(
-        unmapped(plan), plan.fingerprints, unmapped(target), unmapped(workspace), unmapped(engine_cache)
+        unmapped(plan), plan.fingerprints, unmapped(workspace), unmapped(engine_cache)
     )
     engines: list[EngineRef] = [b.result() for b in builds]
-    # Reused: returned from Prefect's task cache (nothing ran) or from the persistent engine cache.
-    reused = sum(1 for b, e in zip(builds, engines, strict=True) if b.state.name == "Cached" or e.cache_hit)
 
-    progress.emit("model", entry.name, target, "assemble")
+    progress.emit("model", name, device, "assemble")
     staged = stages.assemble_engines(plan, engines, workspace)
-    progress.emit("model", entry.name, target, "validate")
-    validation = stages.validate_package(entry, staged, settings.validation.model_dump())
-    progress.emit("model", entry.name, target, "package")
-    package = stages.package_model(staged, validation, package_path(out_dir, entry, target))
+    progress.emit("model", name, device, "validate")
+    validation = stages.validate_package(request, staged, workspace)
+    progress.emit("model", name, device, "package")
+    package = stages.package_model(staged, validation, package_path(out_dir, request), workspace)
 
     tracking = None
     if settings.tracking_enabled():
-        tracking = _tracking_task()(package.path, entry, validation)
+        tracking = _tracking_task()(package.run_copy, request)
 
-    # A build that fell back to PyTorch built nothing (the compile report lists it under build_failures).
-    fell_back = sum(
-        1 for b, e in zip(builds, engines, strict=True) if e.backend == "torch" and b.state.name != "Cached"
-    )
+    # Reused: from the workspace or the persistent engine cache. A build that fell back to PyTorch built
+    # nothing (the compile report lists it under build_failures).
+    reused = sum(1 for e in engines if e.cache_hit)
+    fell_back = sum(1 for e in engines if e.backend == "torch" and not e.cache_hit)
     built = len(engines) - reused - fell_back
     if built == 0:
-        logger.info("%s: nothing to build, %d engines reused", entry.name, reused)
+        logger.info("%s: nothing to build, %d engines reused", name, reused)
     result = ModelResult(
-        name=entry.name,
-        target=target,
+        name=name,
+        device=device,
         status="ok",
         package=package.path,
         content_hash=package.content_hash,
@@ -125,11 +126,13 @@ def compile_model(
         engines_built=built,
         engines_reused=reused,
         fallback_ops=dict(plan.fallback_ops),
-        max_rel_l2=validation.get("max_rel_l2"),
-        latency_ratio=validation.get("latency_ratio"),
+        max_rel_l2=validation.max_rel_l2,
+        latency_ratio=validation.latency_ratio,
         seconds=round(time.perf_counter() - start, 2),
         tracking=tracking if isinstance(tracking, dict) else None,
         build_workers=sorted({e.worker for e in engines}),
+        engine_cache=engine_cache,
+        warnings=sorted({w for e in engines for w in e.warnings}),
     )
-    progress.emit("done", entry.name, target, "ok")
+    progress.emit("done", name, device, "ok")
     return result

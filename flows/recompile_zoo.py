@@ -1,7 +1,8 @@
 """``recompile_zoo``: every model of a zoo file, in parallel; one model's failure never stops the others.
 
-load + validate the zoo file -> preflight every (model, target) before any build -> set the build
-concurrency limits -> compile_model per (model, target), in parallel -> summary artifact + JSON
+load + validate the zoo file -> one compile request per (model, device) -> preflight every request
+before any build -> set the build concurrency limits -> compile_model per request, in parallel
+-> summary artifact + JSON
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from compiler.errors import KilnError
 from flows import progress
 from flows.compile_model import ModelResult, compile_model, preflight
 from flows.runners import ensure_build_limits, shared_dask_cluster, task_runner_for
-from flows.zoo_config import ZooEntry, ZooSettings, load_zoo
+from zoo.config import ZooSettings, load_zoo
+from zoo.request import CompileRequest
 
 SUMMARY_FILE = "summary.json"
 SUMMARY_ARTIFACT = "zoo-summary"
@@ -34,23 +36,27 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-@task(name="compile-one", cache_policy=NO_CACHE, persist_result=False, task_run_name="{entry.name}-{target}")
+@task(name="compile-one", cache_policy=NO_CACHE, persist_result=False, task_run_name="{request.package_name}")
 def compile_one(
-    entry: ZooEntry, target: str, out_dir: str, settings: ZooSettings, dask_address: str | None
+    request: CompileRequest,
+    out_dir: str,
+    settings: ZooSettings,
+    dask_address: str | None,
+    parent_run_id: str | None = None,
 ) -> ModelResult:
     """One model as its own flow run; its failure becomes a failed row, not a failed zoo run."""
     start = time.perf_counter()
     try:
         runner = task_runner_for(settings, dask_address)
         return compile_model.with_options(task_runner=runner)(
-            entry=entry, target=target, out_dir=out_dir, settings=settings
+            request=request, out_dir=out_dir, settings=settings, parent_run_id=parent_run_id
         )
     except Exception as exc:
-        get_run_logger().error("%s on %s failed: %s", entry.name, target, _error_text(exc))
-        progress.emit("failed", entry.name, target, _error_text(exc))
+        get_run_logger().error("%s on %s failed: %s", request.name, request.device, _error_text(exc))
+        progress.emit("failed", request.name, request.device, _error_text(exc))
         return ModelResult(
-            entry.name,
-            target,
+            request.name,
+            request.device,
             "failed",
             error=_error_text(exc),
             seconds=round(time.perf_counter() - start, 2),
@@ -65,7 +71,7 @@ def summary_rows(results: list[ModelResult]) -> list[dict[str, Any]]:
     return [
         {
             "model": r.name,
-            "target": r.target,
+            "device": r.device,
             "status": r.status,
             "partitions": r.partitions,
             "engines": r.unique_engines,
@@ -87,20 +93,51 @@ def summary_markdown(results: list[ModelResult], seconds: float) -> str:
         f"{sum(r.engines_built for r in results)} engines built, "
         f"{sum(r.engines_reused for r in results)} reused, {seconds:.1f}s",
         "",
-        "| model | target | status | partitions | engines built / reused | rel L2 | latency ratio | s |",
+        "| model | device | status | partitions | engines built / reused | rel L2 | latency ratio | s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         lines.append(
-            f"| {r.name} | {r.target} | {r.status} | {r.partitions} | {r.engines_built} / {r.engines_reused} "
+            f"| {r.name} | {r.device} | {r.status} | {r.partitions} | {r.engines_built} / {r.engines_reused} "
             f"| {_fmt(r.max_rel_l2, '.2e')} | {_fmt(r.latency_ratio, '.2f')} | {r.seconds} |"
         )
     failed = [r for r in results if r.status != "ok"]
     if failed:
-        lines += ["", "## Failures", ""] + [f"- **{r.name}** ({r.target}): {r.error}" for r in failed]
+        lines += ["", "## Failures", ""] + [f"- **{r.name}** ({r.device}): {r.error}" for r in failed]
     if ok:
         lines += ["", "## Packages", ""] + [f"- {r.name}: `{r.package}`" for r in ok]
     return "\n".join(lines)
+
+
+def _open_zoo_run(settings: ZooSettings, zoo_path: str) -> str | None:
+    if not settings.tracking_enabled():
+        return None
+    from prefect.runtime import flow_run
+
+    from registry.tracking import start_zoo_run
+
+    return start_zoo_run(f"zoo-{str(flow_run.id)[:8]}", {"zoo": str(zoo_path)})
+
+
+def write_summary(
+    results: list[ModelResult], out_dir: str, settings: ZooSettings, seconds: float, *, zoo: str
+) -> dict[str, Any]:
+    """The run's summary, written atomically to ``<out_dir>/summary.json`` (``kiln compile`` too)."""
+    summary = {
+        "zoo": zoo,
+        "out_dir": out_dir,
+        "ok": sum(r.status == "ok" for r in results),
+        "failed": sum(r.status != "ok" for r in results),
+        "engines_built": sum(r.engines_built for r in results),
+        "engines_reused": sum(r.engines_reused for r in results),
+        "seconds": round(seconds or sum(r.seconds for r in results), 2),
+        "engine_cache": dict(zip(("path", "chosen_by"), settings.engine_cache_choice(), strict=True)),
+        "models": [r.to_dict() for r in results],
+        "warnings": [f"{r.name}: {w}" for r in results for w in r.warnings],
+    }
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(Path(out_dir) / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
+    return summary
 
 
 def _merged_settings(settings: ZooSettings, overrides: dict[str, Any] | None) -> ZooSettings:
@@ -114,11 +151,11 @@ def recompile_zoo(
     zoo_path: str = "deploy/zoo.yaml",
     out_dir: str | None = None,
     models: list[str] | None = None,
-    targets: list[str] | None = None,
+    devices: list[str] | None = None,
     settings_overrides: dict[str, Any] | None = None,
     fail_on_error: bool = True,
 ) -> dict[str, Any]:
-    """Compile every model of ``zoo_path`` (or only ``models``, only on ``targets``) into ``out_dir``.
+    """Compile every model of ``zoo_path`` (or only ``models``, only on ``devices``) into ``out_dir``.
 
     Writes ``<out_dir>/summary.json`` and a ``zoo-summary`` table artifact. Fails (after writing both)
     when any model failed, unless ``fail_on_error`` is false.
@@ -142,54 +179,49 @@ def recompile_zoo(
         if selected(bad.name)
     ]
     jobs = [
-        (entry, target)
+        request
         for entry in zoo.entries
         if selected(entry.name)
-        for target in entry.targets
-        if not targets or target in targets
+        for request in entry.requests(settings, zoo.zoo_dir)
+        if not devices or request.device in devices
     ]
     # Every check that needs no build runs for every model first, so bad input fails in seconds.
-    checks = [preflight.submit(entry, target) for entry, target in jobs]
+    checks = [preflight.submit(request) for request in jobs]
     runnable = []
-    for (entry, target), check in zip(jobs, checks, strict=True):
+    for request, check in zip(jobs, checks, strict=True):
         state = check.wait() or check.state
         if state.is_completed():
-            runnable.append((entry, target))
+            runnable.append(request)
         else:
             exc = state.result(raise_on_failure=False)
-            results.append(ModelResult(entry.name, target, "failed", error=_error_text(exc)))
-            progress.emit("failed", entry.name, target, _error_text(exc))
+            results.append(ModelResult(request.name, request.device, "failed", error=_error_text(exc)))
+            progress.emit("failed", request.name, request.device, _error_text(exc))
 
     if runnable:
-        limits = ensure_build_limits(settings, {t for _, t in runnable})
+        limits = ensure_build_limits(settings, {r.device for r in runnable})
         logger.info("engine build limits: %s", limits)
+    # The MLflow parent run of this zoo run, opened once: every model's run nests under it.
+    zoo_run = _open_zoo_run(settings, zoo_path) if runnable else None
     with shared_dask_cluster(settings) as address:
         # At most parallel_models at once: model i starts when model i - parallel_models has ended.
         futures: list[Any] = []
-        for i, (entry, target) in enumerate(runnable):
+        for i, request in enumerate(runnable):
             after = (
                 [allow_failure(futures[i - settings.parallel_models])]
                 if i >= settings.parallel_models
                 else []
             )
-            futures.append(compile_one.submit(entry, target, out, settings, address, wait_for=after))
+            futures.append(compile_one.submit(request, out, settings, address, zoo_run, wait_for=after))
         results += [f.result() for f in futures]
+    if zoo_run is not None:
+        from registry.tracking import end_run
+
+        end_run(zoo_run, "FINISHED" if all(r.status == "ok" for r in results) else "FAILED")
 
     order = {name: i for i, name in enumerate(zoo.names)}
-    results.sort(key=lambda r: (order.get(r.name, len(order)), r.target))
+    results.sort(key=lambda r: (order.get(r.name, len(order)), r.device))
     seconds = time.perf_counter() - start
-    summary = {
-        "zoo": str(zoo_path),
-        "out_dir": out,
-        "ok": sum(r.status == "ok" for r in results),
-        "failed": sum(r.status != "ok" for r in results),
-        "engines_built": sum(r.engines_built for r in results),
-        "engines_reused": sum(r.engines_reused for r in results),
-        "seconds": round(seconds, 2),
-        "models": [r.to_dict() for r in results],
-    }
-    Path(out).mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(Path(out) / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
+    summary = write_summary(results, out, settings, seconds, zoo=str(zoo_path))
     create_table_artifact(
         key=SUMMARY_ARTIFACT, table=summary_rows(results), description=f"zoo recompile of {zoo_path}"
     )
@@ -208,7 +240,7 @@ def run_zoo(
     out_dir: str | None = None,
     *,
     models: list[str] | None = None,
-    targets: list[str] | None = None,
+    devices: list[str] | None = None,
     settings_overrides: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any] | None, BaseException | None]:
     """Run the flow in this process with the zoo's parallelism; returns (summary or None, error or None).
@@ -224,7 +256,7 @@ def run_zoo(
         zoo_path=zoo_path,
         out_dir=out,
         models=models,
-        targets=targets,
+        devices=devices,
         settings_overrides=settings_overrides,
         return_state=True,
     )

@@ -120,6 +120,9 @@ def release_cmd(
         float | None, typer.Option(help="accuracy tolerance vs the original (default: the zoo entry's)")
     ] = None,
     runs: Annotated[int, typer.Option(help="timed runs per module for the latency gate")] = 30,
+    zoo_file: Annotated[
+        str, typer.Option("--zoo", help="the zoo file whose entry builds the original model (trusted input)")
+    ] = "deploy/zoo.yaml",
     as_json: Annotated[bool, typer.Option("--json", help="print the outcome as JSON")] = False,
     tracking_uri: TrackingUri = None,
 ) -> None:
@@ -135,6 +138,7 @@ def release_cmd(
             max_latency_ratio=max_latency_ratio,
             rel_l2=rel_l2,
             runs=runs,
+            zoo_path=zoo_file,
             tracking_uri=tracking_uri,
         )
     except KilnError as exc:

@@ -1,6 +1,6 @@
 """The ``release`` flow: re-validate a candidate version, then promote it or reject it.
 
-    resolve candidate + champion -> fetch, verify, load both -> rebuild the original from the zoo entry
+    resolve candidate + champion -> fetch, verify, load both -> rebuild the original from the zoo file
     -> accuracy gate (candidate vs original) -> latency gate (candidate vs champion, side by side)
     -> promote (champion -> candidate, previous -> old champion) or tag it rejected with the reasons
 
@@ -10,10 +10,12 @@ ratio compares like with like. The registry changes all-or-nothing (``registry.r
 
 from __future__ import annotations
 
+import dataclasses
+
 from prefect import flow, get_run_logger
 
 from registry import config
-from registry.errors import ArtifactMissingError, ArtifactVerificationError
+from registry.errors import ArtifactMissingError, ArtifactVerificationError, ReleaseError
 from registry.models import registered_model_name
 from registry.release import GateReport
 from tasks.registry import (
@@ -23,10 +25,29 @@ from tasks.registry import (
     latency_gate,
     rebuild_original,
     resolve_candidate,
-    tolerance_for,
 )
+from zoo.config import ZooConfigError, load_zoo
+from zoo.request import CompileRequest
 
 DEFAULT_MAX_LATENCY_RATIO = 1.10
+
+
+def release_request(zoo_path: str, model: str, target: str) -> CompileRequest:
+    """The zoo file's request for ``model`` on the device family of ``target`` (trusted input)."""
+    zoo = load_zoo(zoo_path)
+    entries = [e for e in zoo.entries if e.name == model]
+    if not entries:
+        invalid = [i.error for i in zoo.invalid if i.name == model]
+        raise ZooConfigError(
+            invalid[0] if invalid else f"{zoo_path} has no model {model!r}; it has {zoo.names}"
+        )
+    family = target.split(":")[0].split("_")[0]
+    requests = [r for r in zoo.requests(entries[0]) if r.device.split(":")[0] == family]
+    if not requests:
+        raise ReleaseError(
+            f"{model} in {zoo_path} lists no {family} device; the registry target is {target!r}"
+        )
+    return requests[0]
 
 
 @flow(name="release", log_prints=True)
@@ -34,6 +55,7 @@ def release(
     model: str,
     version: str | None = None,
     target: str = "cpu",
+    zoo_path: str = "deploy/zoo.yaml",
     max_latency_ratio: float = DEFAULT_MAX_LATENCY_RATIO,
     rel_l2: float | None = None,
     samples: int = 3,
@@ -44,6 +66,7 @@ def release(
 
     ``max_latency_ratio``: the candidate's median latency may be at most this times the champion's.
     ``rel_l2``: accuracy tolerance vs the original model (default: the zoo entry's, by precision).
+    ``zoo_path``: the zoo file whose entry builds the original model (never a registry tag).
     Returns the outcome (``promoted``, ``champion``, ``previous``, ``reasons``, the measured report).
     """
     logger = get_run_logger()
@@ -62,7 +85,10 @@ def release(
             "reasons": ["already the champion"],
             "report": {},
         }
-    tolerance = tolerance_for(resolved["tags"], rel_l2)
+    request = release_request(zoo_path, model, target)
+    tolerances = (
+        request.tolerances if rel_l2 is None else dataclasses.replace(request.tolerances, rel_l2=rel_l2)
+    )
     try:
         candidate = fetch_and_load(name, candidate_version)
     except (ArtifactVerificationError, ArtifactMissingError) as exc:
@@ -70,15 +96,11 @@ def release(
         report = GateReport(name, candidate_version, champion_version, {}, {}, [f"artifact refused: {exc}"])
         return decide(report).to_dict()
     champion = fetch_and_load(name, champion_version) if champion_version else None
-    original = rebuild_original(resolved["tags"])
-    accuracy = accuracy_gate(original, candidate, tolerance, samples=samples)
+    original = rebuild_original(request)
+    accuracy = accuracy_gate(original, candidate, tolerances, samples=samples)
     latency = latency_gate(candidate, champion, max_latency_ratio, runs=runs)
     reasons = []
-    if not accuracy["passed"]:
-        reasons.append(
-            f"accuracy: max rel L2 {accuracy['max_rel_l2']:.3g} vs the original exceeds the tolerance "
-            f"{tolerance:.3g}"
-        )
+    reasons += [f"{reason} vs the original model" for reason in accuracy["failures"]]
     if not latency["passed"]:
         reasons.append(
             f"latency: median {latency['candidate_median_ms']:.3f} ms is {latency['ratio']:.2f}x the "

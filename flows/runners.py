@@ -3,8 +3,8 @@
 ``task_runner: thread`` builds engines in a thread pool of the flow run's process (a Prefect worker or
 the CLI). ``task_runner: dask`` fans builds out over a Dask cluster: an existing scheduler
 (``dask.address: tcp://host:8786``) or, without an address, a ``LocalCluster`` started for the run.
-Engine-build tags carry a Prefect concurrency limit per target device, so parallel builds never
-oversubscribe a GPU whichever runner is used.
+Engine builds hold a leased Prefect concurrency slot per device (``tasks.concurrency``), so parallel
+builds never oversubscribe a GPU whichever runner is used.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from flows.zoo_config import ZooConfigError, ZooSettings
-from tasks.stages import build_tag
+from tasks.concurrency import ensure_limits
+from zoo.config import ZooConfigError, ZooSettings
 
 
 def task_runner_for(settings: ZooSettings, dask_address: str | None = None) -> Any:
@@ -63,12 +63,6 @@ def shared_dask_cluster(settings: ZooSettings) -> Iterator[str | None]:
         yield cluster.scheduler_address
 
 
-def ensure_build_limits(settings: ZooSettings, targets: Iterable[str]) -> dict[str, int]:
-    """Create or update the tag concurrency limit of each target's engine builds; returns tag -> limit."""
-    from prefect import get_client
-
-    limits = {build_tag(t): settings.build_limit(t) for t in sorted(set(targets))}
-    with get_client(sync_client=True) as client:
-        for tag, limit in limits.items():
-            client.create_concurrency_limit(tag=tag, concurrency_limit=limit)
-    return limits
+def ensure_build_limits(settings: ZooSettings, devices: Iterable[str]) -> dict[str, int]:
+    """Create or update each device's engine-build concurrency limit (leased slots); returns name -> limit."""
+    return ensure_limits({d: settings.build_limit(d) for d in sorted(set(devices))})

@@ -113,6 +113,21 @@ def version_tags(
     return {k: v for k, v in tags.items() if v != ""}
 
 
+def dims_text(specs_json: str) -> str:
+    """``batch 1..8, seq 4..64``: the named dynamic dims of a version, short enough for an 80-column table."""
+    from compiler.specs import specs_from_json
+
+    try:
+        specs = specs_from_json(specs_json) if specs_json else ()
+    except Exception:  # an unreadable tag is shown as such, never fatal for a listing
+        return "?"
+    ranges: dict[str, tuple[int, int]] = {}
+    for spec in specs:
+        for axis, name in sorted(spec.dynamic_dims.items()):
+            ranges.setdefault(name, spec.dim_range(axis))
+    return ", ".join(f"{n} {lo}..{hi}" for n, (lo, hi) in ranges.items()) or "static"
+
+
 @dataclass(frozen=True)
 class Registered:
     """The outcome of a registration: the version, and whether this call created it."""
@@ -269,6 +284,7 @@ def registered_versions(
                     "target_device": tags.get("target_device", ""),
                     "precision": tags.get("precision", ""),
                     "input_ranges": tags.get("input_ranges", ""),
+                    "dims": dims_text(tags.get(TAG_INPUT_SPECS, "")),
                     "content_hash": tags.get(TAG_CONTENT_HASH, ""),
                     "rejected": TAG_REJECTED in tags,
                     "run_id": version.run_id,

@@ -23,30 +23,22 @@ def ui_command(tracking_uri: str | None = None) -> str:
 
 
 def versions_table(rows: list[dict]) -> Table:
+    """One line per version that fits 80 columns: the full input ranges are in the version's tags."""
     table = Table(title="registered kiln versions")
-    columns = (
-        "name",
-        "version",
-        "aliases",
-        "backend",
-        "precision",
-        "target_device",
-        "input_ranges",
-        "status",
-    )
-    for col in columns:
-        table.add_column(col, overflow="fold")
+    table.add_column("name", overflow="fold", min_width=8)
+    table.add_column("v", justify="right")
+    table.add_column("aliases", overflow="fold")
+    table.add_column("engine", overflow="fold")
+    table.add_column("dims", overflow="fold")
+    table.add_column("status")
     for r in rows:
-        status = "rejected" if r["rejected"] else ""
         table.add_row(
             r["name"],
             r["version"],
             ", ".join(r["aliases"]),
-            r["backend"],
-            r["precision"],
-            r["target_device"],
-            r["input_ranges"],
-            status,
+            f"{r['backend']} {r['precision']}",
+            r["dims"],
+            "rejected" if r["rejected"] else "",
         )
     return table
 

@@ -1,51 +1,61 @@
 """One thin Prefect task per compiler stage.
 
 Each task calls one function of ``compiler`` and moves its value into or out of the workspace
-(``tasks.workspace``), so what travels between tasks is a small reference, not a model or engine
-bytes. Cache keys are content hashes (the model's weights and source, kiln's code, the settings), so a
-re-run with nothing changed returns every stage from the cache and builds no engine. Engine builds
-also go through the compiler's persistent ``EngineCache``, which is shared by models, runs and workers.
+(``tasks.workspace``), so what travels between tasks is a small typed ref (``tasks.refs``), not a model
+or engine bytes. Every stage stores its result under a content key (the compile request and the
+source's identity, kiln's code, the engine library), so a re-run with nothing changed returns every
+stage from the workspace and builds no engine; a stored result whose files no longer verify is evicted
+and rebuilt. Engine builds also go through the compiler's persistent ``EngineCache``, which is shared
+by models, runs and workers, and hold a leased Prefect concurrency slot per device.
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from filelock import FileLock
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.context import TaskRunContext
 from prefect.tasks import exponential_backoff
 
 import compiler
+from compiler.backends import get_backend
 from compiler.backends.base import EngineIO
 from compiler.build import TORCH
-from compiler.errors import (
-    BackendUnavailableError,
-    EngineCompatibilityError,
-    ExportError,
-    InputSpecError,
-    KilnError,
-    LoweringError,
-    PartitionError,
-    RefitError,
-)
+from compiler.cache import CacheWarning
+from compiler.options import CompileOptions
 from compiler.partition import replay
-from flows.zoo_config import ZooEntry
-from tasks.model_case import load_case, model_key
+from compiler.validate import ValidationReport
+from tasks.concurrency import build_slot
+from tasks.refs import (
+    EngineRef,
+    PackageRef,
+    PlanRef,
+    ProgramRef,
+    StagedRef,
+    ValidationFailedError,
+    retry_condition,
+)
 from tasks.workspace import Workspace, code_version, content_hash, read_json
+from zoo.preflight import check_memory, spec_sizes
+from zoo.request import CompileRequest
 
 # compiler/ serialises its own traces (torch.export, the ONNX exporter: compiler.export.TRACING). This
 # coarser lock also covers running and timing torch code, so validation latencies of models compiled
 # side by side in one process are not measured against each other; the Dask runner with processes is
 # the way to build engines truly in parallel.
 TORCH_LOCK = threading.RLock()
+
+R = TypeVar("R")
 
 
 def torch_lock() -> threading.RLock:
@@ -54,105 +64,41 @@ def torch_lock() -> threading.RLock:
     return TORCH_LOCK
 
 
-# Parameters that say where things live, not what is computed: left out of cache keys so a moved
-# workspace or engine cache still hits.
-_LOCATION_PARAMS = frozenset({"workspace", "engine_cache"})
+def engine_library(options: CompileOptions) -> list[str]:
+    """The engine library that builds here (name, version, engine target), as the engine cache keys it:
+    after a library upgrade the content alone would hand back the old engine."""
+    backend = get_backend(options.backend)
+    return [backend.name, backend.library_version(), backend.target_device()]
 
 
-class ValidationFailedError(KilnError):
-    """The compiled model is less accurate (or slower) than the zoo entry's tolerances allow."""
+def compile_key(request: CompileRequest) -> str:
+    """The root of every stage key: the request, its source's identity and kiln's code. No model loads."""
+    return content_hash("compile", code_version(), request.cache_identity())
 
 
-def content_key(context: TaskRunContext, parameters: Mapping[str, Any]) -> str:
-    """Task name + kiln code version + the content of every parameter (refs hash by their files' hashes)."""
-    content = {k: v for k, v in parameters.items() if k not in _LOCATION_PARAMS}
-    return f"{context.task.name}-{content_hash(context.task.name, code_version(), content)}"
-
-
-def build_key(context: TaskRunContext, parameters: Mapping[str, Any]) -> str:
-    """content_key plus the engine library that builds here (name, version, target device), as the
-    engine cache key has them: after a library upgrade the content alone would hand back the old
-    engine (or the PyTorch fallback of a build the new library may manage)."""
-    from compiler.backends import get_backend
-
-    backend = get_backend(parameters["plan"].options.get("backend", "onnxruntime"))
-    library = [backend.name, backend.library_version(), backend.target_device()]
-    return content_key(context, {**parameters, "engine_library": library})
-
-
-# ---------------------------------------------------------------- references passed between tasks
-
-
-@dataclass(frozen=True)
-class ProgramRef:
-    model: str
-    key: str
-    path: str
-    sha256: str
-    input_specs: tuple[dict, ...]
-    # Modules to import before loading the program: they register its custom ops (a Dask worker
-    # process has not imported the model's module).
-    op_modules: tuple[str, ...] = ()
-
-    def cache_identity(self) -> dict:
-        return {"key": self.key, "sha256": self.sha256}
-
-
-@dataclass(frozen=True)
-class PlanRef:
-    program: ProgramRef
-    options: dict
-    plan_path: str
-    dedup_path: str
-    sha256: str
-    fingerprints: tuple[str, ...]
-    partitions: int
-    fallback_ops: dict[str, int] = field(default_factory=dict)
-
-    def cache_identity(self) -> dict:
-        return {"program": self.program.cache_identity(), "sha256": self.sha256}
-
-
-@dataclass(frozen=True)
-class EngineRef:
-    fingerprint: str
-    cache_key: str
-    path: str  # the engine file; for a PyTorch fallback (no engine) its JSON record
-    sha256: str
-    bytes: int
-    stripped: bool
-    cache_hit: bool
-    seconds: float
-    worker: str = ""  # where it was built: "dask:<address>" or "process:<pid>"
-    backend: str = ""  # what runs it: the compile's backend, "onnxruntime" or "torch" after a failed build
-    build_failure: dict | None = None
-
-    def cache_identity(self) -> dict:
-        return {
-            "fingerprint": self.fingerprint,
-            "cache_key": self.cache_key,
-            "sha256": self.sha256,
-            "backend": self.backend,
-        }
-
-
-@dataclass(frozen=True)
-class StagedRef:
-    key: str
-    path: str
-    content_hash: str
-    report: dict
-    op_modules: tuple[str, ...] = ()
-
-    def cache_identity(self) -> dict:
-        return {"key": self.key, "content_hash": self.content_hash}
-
-
-@dataclass(frozen=True)
-class PackageRef:
-    path: str
-    content_hash: str
-    bytes: int
+def _stored(
+    workspace: str,
+    stage: str,
+    key: str,
+    decode: Callable[[dict], R],
+    verify: Callable[[R], bool],
+) -> R | None:
+    """The stage's stored result if its files still verify; a damaged one is evicted (and rebuilt)."""
+    ws = Workspace(workspace)
+    data = ws.get_result(stage, key)
+    if data is None:
+        return None
+    try:
+        value = decode(data)
+    except (KeyError, TypeError, ValueError):
+        value = None
+    if value is not None and verify(value):
+        return value
+    ws.evict_result(stage, key)
+    get_run_logger().warning(
+        "%s result %s was damaged in the workspace: evicted, running again", stage, key[:12]
+    )
+    return None
 
 
 # ---------------------------------------------------------------- plan replay, once per process
@@ -162,19 +108,12 @@ _plans_lock = threading.Lock()
 _plan_locks: dict[str, threading.Lock] = {}
 
 
-def import_op_modules(modules: Sequence[str]) -> None:
-    """Import the modules that register a program's custom ops (no-op when already imported)."""
-    for module in modules:
-        importlib.import_module(module)
-
-
 def _load_plan(ref: PlanRef) -> tuple[Any, Any]:
     """(PartitionPlan, DedupPlan) replayed from the workspace; parallel builds of one model share it."""
     with _plans_lock:
         lock = _plan_locks.setdefault(ref.sha256, threading.Lock())
     with lock, torch_lock():
         if ref.sha256 not in _plans:
-            import_op_modules(ref.program.op_modules)
             program = compiler.load_program(ref.program.path)
             plan = replay(program, read_json(ref.plan_path))
             dedup = compiler.DedupPlan.from_dict(read_json(ref.dedup_path))
@@ -207,11 +146,10 @@ def store_artifact(artifact: compiler.EngineArtifact, workspace: str, worker: st
     )
 
 
-def load_artifact(ref: EngineRef, default_backend: str) -> compiler.EngineArtifact:
-    """The EngineArtifact a ref points at; refs persisted before refs named their backend get the plan's."""
+def load_artifact(ref: EngineRef) -> compiler.EngineArtifact:
+    """The EngineArtifact a ref points at."""
     path = Path(ref.path)
-    backend = ref.backend or default_backend
-    fallback = backend == TORCH
+    fallback = ref.backend == TORCH
     meta = read_json(path if fallback else path.with_suffix(".json"))
     return compiler.EngineArtifact(
         ref.fingerprint,
@@ -221,7 +159,7 @@ def load_artifact(ref: EngineRef, default_backend: str) -> compiler.EngineArtifa
         ref.stripped,
         ref.cache_hit,
         ref.seconds,
-        backend=backend,
+        backend=ref.backend,
         build_failure=ref.build_failure,
     )
 
@@ -236,193 +174,205 @@ def _where() -> str:
         return f"process:{os.getpid()}"
 
 
-def _transient(task_: Any, task_run: Any, state: Any) -> bool:
-    """Retry what may pass on a second try (I/O, memory, a busy device), never a deterministic error."""
-    exc = state.data if isinstance(state.data, BaseException) else None
-    if exc is None:
-        try:
-            state.result(raise_on_failure=True)
-        except BaseException as raised:
-            exc = raised
-    deterministic = (
-        InputSpecError,
-        ExportError,
-        PartitionError,
-        LoweringError,
-        RefitError,
-        BackendUnavailableError,
-        EngineCompatibilityError,
-        ValueError,
-        TypeError,
-        KeyError,
-    )
-    return not isinstance(exc, deterministic)
-
-
 # ---------------------------------------------------------------- the stages
 
 
-@task(name="fingerprint-model", cache_policy=NO_CACHE, persist_result=False)
-def fingerprint_model(entry: ZooEntry) -> str:
-    """The model's content key: its weights, factory source and settings (the root of every cache key)."""
-    with torch_lock():
-        return model_key(entry, load_case(entry))
+@task(name="resolve-source", cache_policy=NO_CACHE, persist_result=False)
+def resolve_source(request: CompileRequest) -> str:
+    """The compile's content key from the source's identity: a hash, no model is loaded."""
+    return compile_key(request)
 
 
-@task(name="export", cache_key_fn=content_key, persist_result=True)
-def export_program(entry: ZooEntry, model_key: str, workspace: str) -> ProgramRef:
+@task(name="export", cache_policy=NO_CACHE, persist_result=False)
+def export_program(request: CompileRequest, key: str, workspace: str) -> ProgramRef:
     """torch.export the model with its input specs captured once; the program lands in the workspace."""
+    found = _stored(workspace, "export", key, ProgramRef.from_json, ProgramRef.verify)
+    if found is not None:
+        return found
     with torch_lock():
-        case = load_case(entry)
+        case = request.load_case()
         program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
-        path = compiler.save_program(program, Workspace(workspace).program_path(model_key))
+        specs = compiler.input_specs(program)
+        check_memory(request.name, spec_sizes(specs))  # before anything is built for absurd ranges
+        path = compiler.save_program(program, Workspace(workspace).program_path(key))
         from compiler.atomic import sha256_file
 
-        specs = tuple(s.to_dict() for s in compiler.input_specs(program))
-        modules = (entry.factory.partition(":")[0],)
-        return ProgramRef(entry.name, model_key, str(path), sha256_file(path), specs, modules)
+        ref = ProgramRef(request.name, key, str(path), sha256_file(path), tuple(specs))
+    Workspace(workspace).put_result("export", key, ref.to_json())
+    return ref
 
 
-@task(name="partition", cache_key_fn=content_key, persist_result=True)
-def partition_program(program: ProgramRef, options: dict, workspace: str) -> PlanRef:
+@task(name="partition", cache_policy=NO_CACHE, persist_result=False)
+def partition_program(program: ProgramRef, options: CompileOptions, workspace: str) -> PlanRef:
     """Partition (engine subgraphs vs PyTorch fallback) and dedup (structurally equal subgraphs share one
     engine); both plans are JSON in the workspace."""
+    key = content_hash("partition", code_version(), program.cache_identity(), options.to_dict())
+    found = _stored(workspace, "partition", key, PlanRef.from_json, PlanRef.verify)
+    if found is not None:
+        return found
     with torch_lock():
-        loaded = compiler.load_program(program.path)
-        plan = compiler.partition(loaded, compiler.CompileOptions(**options))
+        plan = compiler.partition(compiler.load_program(program.path), options)
         unique = compiler.dedup(plan)
         ws = Workspace(workspace)
         plan_path, plan_sha = ws.put_json("plans", plan.to_dict())
         dedup_path, dedup_sha = ws.put_json("plans", unique.to_dict())
-        logger = get_run_logger()
-        logger.info(
-            "%s: %d engine partitions, %d unique structures, fallback %s",
-            program.model,
-            len(plan.partitions),
-            len(unique.fingerprints),
-            dict(plan.fallback_ops) or "none",
-        )
-        return PlanRef(
-            program=program,
-            options=dict(options),
-            plan_path=str(plan_path),
-            dedup_path=str(dedup_path),
-            sha256=content_hash(plan_sha, dedup_sha),
-            fingerprints=tuple(unique.fingerprints),
-            partitions=len(plan.partitions),
-            fallback_ops=dict(plan.fallback_ops),
-        )
+    get_run_logger().info(
+        "%s: %d engine partitions, %d unique structures, fallback %s",
+        program.model,
+        len(plan.partitions),
+        len(unique.fingerprints),
+        dict(plan.fallback_ops) or "none",
+    )
+    ref = PlanRef(
+        program=program,
+        options=options,
+        plan_path=str(plan_path),
+        plan_sha256=plan_sha,
+        dedup_path=str(dedup_path),
+        dedup_sha256=dedup_sha,
+        fingerprints=tuple(unique.fingerprints),
+        partitions=len(plan.partitions),
+        fallback_ops=dict(plan.fallback_ops),
+    )
+    ws.put_result("partition", key, ref.to_json())
+    return ref
+
+
+def build_key(plan: PlanRef, fingerprint: str) -> str:
+    """The plan, the fingerprint and the engine library that builds here (see :func:`engine_library`)."""
+    return content_hash(
+        "build", code_version(), plan.cache_identity(), fingerprint, engine_library(plan.options)
+    )
 
 
 @task(
     name="build-engine",
     tags=["engine-build"],
-    cache_key_fn=build_key,
-    persist_result=True,
+    cache_policy=NO_CACHE,
+    persist_result=False,
     retries=2,
     retry_delay_seconds=exponential_backoff(backoff_factor=2),
     retry_jitter_factor=0.5,
-    retry_condition_fn=_transient,
-    task_run_name="build-engine-{fingerprint:.12}-{target}",
+    retry_condition_fn=retry_condition,
+    task_run_name="build-engine-{fingerprint:.12}",
 )
 def build_engine(
-    plan: PlanRef, fingerprint: str, target: str, workspace: str, engine_cache: str | None
+    plan: PlanRef,
+    fingerprint: str,
+    workspace: str,
+    engine_cache: str | None,
+    slot_timeout: float | None = None,
 ) -> EngineRef:
-    """Build (or take from the persistent engine cache) the engine for one unique structure.
+    """Build (or take from the workspace or the persistent engine cache) the engine of one unique structure.
 
     A failed build falls back inside ``compiler.build_engine`` as the options' ``on_build_failure``
     says, so only with ``"error"`` does an EngineBuildError reach Prefect and its retries.
     """
-    with torch_lock():
+    key = build_key(plan, fingerprint)
+    found = _stored(workspace, "build", key, EngineRef.from_json, EngineRef.verify)
+    if found is not None:
+        return dataclasses.replace(found, cache_hit=True)
+    model, logger = plan.program.model, get_run_logger()
+    with (
+        build_slot(plan.options.device, slot_timeout),
+        torch_lock(),
+        warnings.catch_warnings(record=True) as seen,
+    ):
+        warnings.simplefilter("always", CacheWarning)  # shown in the summary, not only with -v
         partition_plan, dedup = _load_plan(plan)
         cache = compiler.EngineCache(engine_cache) if engine_cache else None
         artifact = compiler.build_engine(partition_plan, dedup, fingerprint, cache=cache)
         ref = store_artifact(artifact, workspace, _where())
-        logger = get_run_logger()
-        if artifact.build_failure is not None:
-            logger.warning(
-                "%s engine %s: build failed at node %s, falls back to %s: %s",
-                plan.program.model,
-                fingerprint[:12],
-                artifact.build_failure["node"],
-                artifact.backend,
-                artifact.build_failure["error"],
-            )
-        logger.info(
-            "%s engine %s: %s (%d bytes, %.2fs)",
-            plan.program.model,
+    cache_warnings = tuple(
+        dict.fromkeys(str(w.message) for w in seen if issubclass(w.category, CacheWarning))
+    )
+    ref = dataclasses.replace(ref, warnings=cache_warnings)
+    if artifact.build_failure is not None:
+        logger.warning(
+            "%s engine %s: build failed at node %s, falls back to %s: %s",
+            model,
             fingerprint[:12],
-            "engine-cache hit" if artifact.cache_hit else "built" if artifact.is_engine else "not built",
-            artifact.bytes,
-            artifact.seconds,
+            artifact.build_failure["node"],
+            artifact.backend,
+            artifact.build_failure["error"],
         )
-        return ref
+    else:
+        Workspace(workspace).put_result("build", key, ref.to_json())  # a failed build is never kept
+    logger.info(
+        "%s engine %s: %s (%d bytes, %.2fs)",
+        model,
+        fingerprint[:12],
+        "engine-cache hit" if artifact.cache_hit else "built" if artifact.is_engine else "not built",
+        artifact.bytes,
+        artifact.seconds,
+    )
+    return ref
 
 
-@task(name="assemble", cache_key_fn=content_key, persist_result=True)
+@task(name="assemble", cache_policy=NO_CACHE, persist_result=False)
 def assemble_engines(plan: PlanRef, engines: Sequence[EngineRef], workspace: str) -> StagedRef:
     """Wire every engine instance into the fallback graph (refitting shared engines with each instance's
     weights) and stage the result as an unvalidated package."""
+    key = content_hash(
+        "assemble", code_version(), plan.cache_identity(), [e.cache_identity() for e in engines]
+    )
+    found = _stored(workspace, "assemble", key, StagedRef.from_json, StagedRef.verify)
+    if found is not None:
+        return found
     with torch_lock():
         partition_plan, dedup = _load_plan(plan)
-        backend = partition_plan.options.backend
         compiled = compiler.assemble(
-            partition_plan, dedup, {e.fingerprint: load_artifact(e, backend) for e in engines}
+            partition_plan, dedup, {e.fingerprint: load_artifact(e) for e in engines}
         )
-        key = content_hash(plan.cache_identity(), [e.cache_identity() for e in engines])
         info = compiler.save(compiled, Workspace(workspace).staged_path(key))
-        return StagedRef(
-            key, str(info.path), info.content_hash, compiled.report.to_dict(), plan.program.op_modules
-        )
+    ref = StagedRef(key, str(info.path), info.content_hash, compiled.report)
+    Workspace(workspace).put_result("assemble", key, ref.to_json())
+    return ref
 
 
-@task(name="validate", cache_key_fn=content_key, persist_result=True)
-def validate_package(entry: ZooEntry, staged: StagedRef, settings: dict) -> dict:
+@task(name="validate", cache_policy=NO_CACHE, persist_result=False)
+def validate_package(request: CompileRequest, staged: StagedRef, workspace: str) -> ValidationReport:
     """Accuracy against the eager model on fresh inputs inside the spec ranges, and latency of both.
 
-    Raises ValidationFailedError when the entry's tolerances are not met, so no package is published.
+    Raises ValidationFailedError naming every tolerance the report misses, so no package is published.
     """
-    with torch_lock():
-        import_op_modules(staged.op_modules)
-        compiled = compiler.load(staged.path)
-        case = load_case(entry)
-        report = compiler.validate(
-            case.model,
-            compiled,
-            samples=settings.get("samples", 3),
-            warmup=settings.get("warmup", 3),
-            runs=settings.get("runs", 20),
-            seed=settings.get("seed", 0),
-        )
-        data = report.to_dict()
-        data["tolerance_rel_l2"] = entry.rel_l2()
-        problems = []
-        if not report.passed(rel_l2=entry.rel_l2()):
-            problems.append(
-                f"accuracy: max relative L2 {report.max_rel_l2:.3g} > tolerance {entry.rel_l2():.3g} "
-                f"(tolerances.rel_l2); check the precision or loosen the tolerance"
+    key = content_hash("validate", code_version(), request.cache_identity(), staged.cache_identity())
+    report = _stored(workspace, "validate", key, ValidationReport.from_dict, lambda _: True)
+    if report is None:
+        with torch_lock():
+            compiled = compiler.load(staged.path)
+            case = request.load_case()
+            plan = request.validation
+            report = compiler.validate(
+                case.model, compiled, samples=plan.samples, warmup=plan.warmup, runs=plan.runs, seed=plan.seed
             )
-        limit = entry.tolerances.max_latency_ratio
-        if limit is not None and report.latency_ratio > limit:
-            problems.append(
-                f"latency: compiled/eager {report.latency_ratio:.2f} > tolerances.max_latency_ratio {limit}"
-            )
-        if problems:
-            raise ValidationFailedError(f"{entry.name}: " + "; ".join(problems))
-        return data
+        Workspace(workspace).put_result("validate", key, report.to_dict())
+    problems = report.failures(request.tolerances)
+    if problems:
+        raise ValidationFailedError(f"{request.name}: " + "; ".join(problems))
+    return report
 
 
 @task(name="package", cache_policy=NO_CACHE, persist_result=False)
-def package_model(staged: StagedRef, validation: dict, out_path: str) -> PackageRef:
-    """The validated package: one self-describing directory with its measured accuracy and latency."""
+def package_model(
+    staged: StagedRef, validation: ValidationReport, out_path: str, workspace: str
+) -> PackageRef:
+    """The validated package: one self-describing directory with its measured accuracy and latency.
+
+    Written first into this run's own staging directory, then moved into place under a lock on the
+    output path, so two runs writing one path never mix; the record is made from this run's copy.
+    """
+    start = time.perf_counter()
+    mine = Workspace(workspace).dir(f"runs/{uuid.uuid4().hex}") / Path(out_path).name
+    target = Path(out_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
     with torch_lock():
-        start = time.perf_counter()
-        import_op_modules(staged.op_modules)
-        info = compiler.save(compiler.load(staged.path), out_path, validation=validation)
-        get_run_logger().info(
-            "package %s (%d bytes, %.2fs)", info.path, info.bytes, time.perf_counter() - start
-        )
-        return PackageRef(str(info.path), info.content_hash, info.bytes)
+        compiled = compiler.load(staged.path)
+        info = compiler.save(compiled, mine, validation=validation)
+        with FileLock(str(target.parent / f".{target.name}.lock")):
+            compiler.save(compiled, target, validation=validation)
+    get_run_logger().info("package %s (%d bytes, %.2fs)", target, info.bytes, time.perf_counter() - start)
+    return PackageRef(str(target), info.content_hash, info.bytes, str(mine))
 
 
 # ---------------------------------------------------------------- binding to a run's settings
@@ -430,9 +380,9 @@ def package_model(staged: StagedRef, validation: dict, out_path: str) -> Package
 
 @dataclass(frozen=True)
 class Stages:
-    """The stage tasks with one run's result storage, build tag, retries and back-off applied."""
+    """The stage tasks with one run's build tag, retries and back-off applied."""
 
-    fingerprint_model: Any
+    resolve_source: Any
     export_program: Any
     partition_program: Any
     build_engine: Any
@@ -441,26 +391,23 @@ class Stages:
     package_model: Any
 
 
-def build_tag(target: str) -> str:
-    """The tag whose concurrency limit keeps engine builds from oversubscribing one device."""
-    return f"engine-build:{target}"
+def build_tag(device: str) -> str:
+    """The tag (and concurrency limit name) that keeps engine builds from oversubscribing one device."""
+    return f"engine-build:{device}"
 
 
-def configured(workspace: str, target: str, *, retries: int = 2, backoff: float = 2.0) -> Stages:
-    """Stage tasks that persist results (and cache records) under ``<workspace>/results``."""
-    # A Path is a local result store that needs no block saved on the server (works with the ephemeral API).
-    cached = {"result_storage": Workspace(workspace).results}
+def configured(device: str, *, retries: int = 2, backoff: float = 2.0) -> Stages:
+    """Stage tasks for one device: its build tag, the run's retries and back-off."""
     return Stages(
-        fingerprint_model=fingerprint_model,
-        export_program=export_program.with_options(**cached),
-        partition_program=partition_program.with_options(**cached),
+        resolve_source=resolve_source,
+        export_program=export_program,
+        partition_program=partition_program,
         build_engine=build_engine.with_options(
-            **cached,
-            tags={"engine-build", build_tag(target)},
+            tags={"engine-build", build_tag(device)},
             retries=retries,
             retry_delay_seconds=exponential_backoff(backoff_factor=backoff) if backoff else 0,
         ),
-        assemble_engines=assemble_engines.with_options(**cached),
-        validate_package=validate_package.with_options(**cached),
+        assemble_engines=assemble_engines,
+        validate_package=validate_package,
         package_model=package_model,
     )

@@ -12,10 +12,12 @@ read the files they need, and a crashed run resumes from what is already on disk
                                      the failure, no engine (named apart, so a later real build under the
                                      same key is never shadowed)
     <root>/staged/<key>.kiln         assembled, not yet validated packages
-    <root>/results/                  Prefect's persisted task results and cache records
+    <root>/results/<stage>/<key>.json  each stage's result (a ref, as plain JSON) under its content key
 
-Delete the whole workspace to start over; deleting parts of it leaves cache records pointing at
-missing files.
+A stage whose result is here, and whose files still verify, does not run again. Results are our own
+JSON, never Prefect's pickled result records: a workspace is data, and reading it must not run code
+(docs/security.md). A damaged result or file is evicted and rebuilt; deleting any part of the
+workspace is safe.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from compiler.version import kiln_version
 
 ROOT = Path(__file__).resolve().parents[1]
 # Code whose change must invalidate cached task results: the compiler and these tasks.
-_CODE_PACKAGES = ("compiler", "tasks")
+_CODE_PACKAGES = ("compiler", "zoo", "tasks")
 
 
 @cache
@@ -45,8 +47,9 @@ def code_version() -> str:
     digest = hashlib.sha256(kiln_version().encode())
     for package in _CODE_PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
-            if path.name == "registry.py" and package == "tasks":
-                continue  # MLflow recording does not change what is compiled
+            if (package, path.name) in (("tasks", "registry.py"), ("zoo", "models.py")):
+                # MLflow recording does not change what is compiled; factory sources are in the key.
+                continue
             digest.update(str(path.relative_to(ROOT)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
@@ -93,9 +96,25 @@ class Workspace:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    @property
-    def results(self) -> Path:
-        return self.dir("results")
+    def result_path(self, stage: str, key: str) -> Path:
+        return self.dir(f"results/{stage}") / f"{key}.json"
+
+    def get_result(self, stage: str, key: str) -> dict | None:
+        """A stage's stored result (plain JSON), or None; unreadable results are evicted."""
+        path = self.result_path(stage, key)
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            path.unlink(missing_ok=True)
+            return None
+
+    def put_result(self, stage: str, key: str, data: dict) -> None:
+        write_bytes_atomic(self.result_path(stage, key), json.dumps(data, sort_keys=True).encode())
+
+    def evict_result(self, stage: str, key: str) -> None:
+        self.result_path(stage, key).unlink(missing_ok=True)
 
     def program_path(self, key: str) -> Path:
         return self.dir("programs") / f"{key}.pt2"

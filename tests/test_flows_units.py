@@ -17,8 +17,10 @@ from compiler.errors import (
 )
 from flows.compile_model import ModelResult, package_path
 from flows.recompile_zoo import summary_markdown, summary_rows
-from flows.zoo_config import ZooConfigError, ZooEntry, ZooSettings, check_backend_available
-from tasks.stages import _transient, build_tag, configured
+from tasks.refs import EngineRef, PlanRef, ProgramRef, StagedRef, retry_condition
+from tasks.stages import build_key, build_tag, configured
+from zoo.config import ZooConfigError, ZooEntry, ZooSettings
+from zoo.preflight import check_backend_available
 
 
 @pytest.mark.parametrize(
@@ -35,18 +37,18 @@ from tasks.stages import _transient, build_tag, configured
     ],
 )
 def test_only_transient_build_failures_are_retried(exc: BaseException, retry: bool) -> None:
-    assert _transient(None, None, Failed(data=exc)) is retry
+    assert retry_condition(None, None, Failed(data=exc)) is retry
 
 
-def test_build_tasks_carry_device_tags_retries_and_backoff(tmp_path: Path) -> None:
-    stages = configured(str(tmp_path), "cuda:0", retries=3, backoff=1.5)
+def test_build_tasks_carry_device_tags_retries_and_backoff() -> None:
+    stages = configured("cuda:0", retries=3, backoff=1.5)
     build = stages.build_engine
     assert {"engine-build", build_tag("cuda:0")} <= set(build.tags)
     assert build.retries == 3
     assert build.retry_delay_seconds == [1.5, 3.0, 6.0]  # exponential back-off
-    # Results (and cache records) persist under the workspace, not in ~/.prefect.
-    assert Path(stages.export_program.result_storage) == tmp_path.resolve() / "results"
-    assert stages.export_program.persist_result is True
+    # No Prefect result is persisted: Prefect's records name their own deserializer (pickle), so stage
+    # results live in the workspace as plain JSON (tasks.workspace).
+    assert all(t.persist_result is False for t in vars(stages).values())
 
 
 def test_build_limits_per_device() -> None:
@@ -58,17 +60,17 @@ def test_build_limits_per_device() -> None:
         ZooSettings(build_concurrency={"tpu": 1})
 
 
-def test_package_paths_are_per_device_when_an_entry_has_several_targets() -> None:
+def test_package_paths_are_per_device_when_an_entry_has_several_devices() -> None:
     one = ZooEntry(name="bert", factory="zoo.models:tiny_bert")
-    two = ZooEntry(name="bert", factory="zoo.models:tiny_bert", targets=["cpu", "cuda:0"])
-    assert package_path("out", one, "cpu") == str(Path("out") / "bert.kiln")
-    assert package_path("out", two, "cuda:0") == str(Path("out") / "bert-cuda0.kiln")
+    two = ZooEntry(name="bert", factory="zoo.models:tiny_bert", devices=["cpu", "cuda:0"])
+    assert package_path("out", one.requests()[0]) == str(Path("out") / "bert.kiln")
+    assert package_path("out", two.requests()[1]) == str(Path("out") / "bert-cuda0.kiln")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="ONNX Runtime may build CUDA engines on a GPU machine")
 def test_a_cuda_target_needs_a_backend_that_builds_for_cuda() -> None:
     check_backend_available("onnxruntime", "cpu")
-    with pytest.raises(ZooConfigError, match=r"targets: 'cuda:0' needs GPU engines.*backend: tensorrt"):
+    with pytest.raises(ZooConfigError, match=r"devices: 'cuda:0' needs GPU engines.*backend: tensorrt"):
         check_backend_available("onnxruntime", "cuda:0")
 
 
@@ -86,18 +88,33 @@ def test_summary_lists_failures_with_their_message() -> None:
     assert "**gpt2** (cpu): ExportError: could not trace" in text
 
 
-def test_engine_build_results_are_cached_per_engine_library(monkeypatch: pytest.MonkeyPatch) -> None:
-    from types import SimpleNamespace
-
+def test_engine_build_results_are_keyed_by_engine_library(monkeypatch: pytest.MonkeyPatch) -> None:
     import onnxruntime
 
-    from tasks.stages import PlanRef, ProgramRef, build_key, content_key
+    from compiler.options import CompileOptions
 
     program = ProgramRef("m", "k", "/p.pt2", "sha", ())
-    plan = PlanRef(program, {"backend": "onnxruntime"}, "/plan.json", "/dedup.json", "sha", (), 1)
-    context = SimpleNamespace(task=SimpleNamespace(name="build-engine"))  # what Prefect hands a key function
-    params = {"plan": plan, "fingerprint": "f", "target": "cpu", "workspace": "/w", "engine_cache": None}
-    key = build_key(context, params)
-    assert key == build_key(context, params) and key != content_key(context, params)
+    plan = PlanRef(program, CompileOptions(), "/plan.json", "a", "/dedup.json", "b", ("f",), 1)
+    key = build_key(plan, "f")
+    assert key == build_key(plan, "f") and key != build_key(plan, "g")
     monkeypatch.setattr(onnxruntime, "__version__", "99.0.0")  # an upgraded library: build again
-    assert build_key(context, params) != key
+    assert build_key(plan, "f") != key
+
+
+def test_refs_are_plain_json_and_round_trip() -> None:
+    import json
+
+    from compiler.options import CompileOptions
+    from compiler.report import CompileReport
+    from compiler.specs import InputSpec
+
+    spec = InputSpec("x", "float32", (1, 4), (2, 4), (8, 4), {0: "batch"})
+    program = ProgramRef("m", "k", "/p.pt2", "sha", (spec,))
+    plan = PlanRef(
+        program, CompileOptions(precision="fp16", device="cuda:1"), "/p", "a", "/d", "b", ("f",), 1
+    )
+    engine = EngineRef("f", "c", "/e", "s", 10, True, False, 0.5, "process:1", "onnxruntime", None, ("w",))
+    staged = StagedRef("k", "/s.kiln", "h", CompileReport("onnxruntime", "1", "cpu", "fp32", False))
+    for ref in (program, plan, engine, staged):
+        text = json.dumps(ref.to_json())  # nothing but JSON: no class names to import when read back
+        assert type(ref).from_json(json.loads(text)) == ref

@@ -1,4 +1,4 @@
-"""The zoo file schema and the model-building seam: bad input is named with its field and its fix."""
+"""The zoo file schema, compile requests and the factory source: bad input is named with its field and fix."""
 
 from __future__ import annotations
 
@@ -7,16 +7,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.zoo_config import (
-    ZooConfigError,
-    ZooEntry,
-    check_target,
-    load_zoo,
-    parse_zoo,
-    resolve_factory,
-)
-from tasks.model_case import load_case, model_key, weights_digest
+from compiler.options import CompileOptions
+from compiler.validate import Tolerances
+from tasks.stages import compile_key
 from tasks.workspace import Workspace, content_hash
+from zoo.config import ZooConfigError, ZooEntry, ZooSettings, load_zoo, parse_zoo
+from zoo.errors import UntrustedCodeError
+from zoo.preflight import check_device, check_memory, preflight
+from zoo.sources.factory import FactoryPolicy, resolve_factory
+
+TRUSTED = FactoryPolicy()
+
+
+def load_case(entry: ZooEntry):
+    return entry.requests()[0].load_case()
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    return content_hash({k: v.detach().numpy().tobytes().hex() for k, v in model.state_dict().items()})
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,9 +45,9 @@ def test_example_zoo_is_valid_and_uses_every_zoo_architecture() -> None:
         "zoo.models:tiny_gpt2",
         "zoo.models:mlp_with_fallback",
     }
-    assert all(e.backend == "onnxruntime" and e.targets == ["cpu"] for e in zoo.entries)
+    assert all(e.backend == "onnxruntime" and e.devices == ["cpu"] for e in zoo.entries)
     for entry in zoo.entries:
-        resolve_factory(entry.factory)  # importable from the repository root
+        resolve_factory(entry.factory, TRUSTED)  # importable from the repository root
 
 
 @pytest.mark.parametrize(
@@ -49,6 +58,13 @@ def test_example_zoo_is_valid_and_uses_every_zoo_architecture() -> None:
         ({"name": "a", "factory": "zoo.models:tiny_vit", "precision": "fp64"}, "precision", "fp32"),
         ({"name": "a", "factory": "zoo.models.tiny_vit"}, "factory", "module:function"),
         ({"name": "a", "factory": "zoo.models:tiny_vit", "targets": ["gpu0"]}, "targets", "cuda:N"),
+        ({"name": "a", "factory": "zoo.models:tiny_vit", "tolerances": {"rel_l3": 1}}, "rel_l3", "unknown"),
+        ({"name": "a", "factory": "zoo.models:tiny_vit", "workspace_bytes": 0}, "workspace_bytes", "greater"),
+        (
+            {"name": "a", "factory": "zoo.models:tiny_vit", "on_build_failure": "onnxruntime"},
+            "on_build_failure",
+            "cannot fall back",
+        ),
         ({"name": "A b", "factory": "zoo.models:tiny_vit"}, "name", "lowercase"),
         (
             {
@@ -103,16 +119,138 @@ def test_unimportable_factories_are_named() -> None:
     with pytest.raises(
         ZooConfigError, match=r"models\[x\]\.factory: cannot import module 'no_such_pkg\.models'"
     ):
-        resolve_factory("no_such_pkg.models:f", "models[x].factory")
+        resolve_factory("no_such_pkg.models:f", FactoryPolicy(("no_such_pkg",)), "models[x].factory")
     with pytest.raises(ZooConfigError, match=r"has no 'tiny_bret'; functions there: .*tiny_bert"):
-        resolve_factory("zoo.models:tiny_bret")
+        resolve_factory("zoo.models:tiny_bret", TRUSTED)
+
+
+@pytest.mark.parametrize(
+    ("factory", "why"),
+    [
+        ("os:system", "standard library"),
+        ("subprocess:run", "standard library"),
+        ("builtins:eval", "standard library"),
+        ("numpy:zeros", "not trusted for factories"),
+        ("zoo.models:Dim", "not a function defined in 'zoo.models'"),
+    ],
+)
+def test_a_factory_outside_the_trusted_packages_never_runs(factory: str, why: str, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    zoo = parse_zoo(
+        _zoo({"name": "evil", "factory": factory, "factory_kwargs": {"command": f"touch {marker}"}})
+    )
+    request = zoo.requests(zoo.entries[0])[0]
+    with pytest.raises(UntrustedCodeError, match=why):
+        preflight(request)  # what --check and the flows run before anything else
+    with pytest.raises(UntrustedCodeError, match=why):
+        request.load_case()
+    assert not marker.exists()
+
+
+def test_factories_in_the_zoo_files_own_directory_or_listed_packages_are_trusted(tmp_path: Path) -> None:
+    (tmp_path / "my_models.py").write_text(
+        "from zoo.models import mlp_with_fallback\n\ndef small(width=16, seed=0):\n"
+        "    return mlp_with_fallback(width=width, seed=seed)\n"
+    )
+    zoo_file = tmp_path / "zoo.yaml"
+    zoo_file.write_text("models:\n  - {name: mine, factory: 'my_models:small'}\n")
+    zoo = load_zoo(zoo_file)
+    case = zoo.requests(zoo.entries[0])[0].load_case()
+    assert case.model(torch.randn(2, 16)).shape == (2, 16)
+    # Elsewhere the same module is not trusted unless its package is listed.
+    elsewhere = parse_zoo(_zoo({"name": "mine", "factory": "my_models:small"}))
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(UntrustedCodeError, match="factory_packages"):
+            elsewhere.requests(elsewhere.entries[0])[0].identity()
+        listed = parse_zoo(
+            _zoo({"name": "mine", "factory": "my_models:small"}, settings={"factory_packages": ["my_models"]})
+        )
+        assert listed.requests(listed.entries[0])[0].identity().kind == "factory"
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_yaml_aliases_are_refused_at_parse_time(tmp_path: Path) -> None:
+    bomb = tmp_path / "bomb.yaml"
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    lines += [
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]" for i in range(8)
+    ]
+    bomb.write_text("\n".join(lines) + "\nmodels: [*i]\n")
+    with pytest.raises(ZooConfigError, match="anchors and aliases"):
+        load_zoo(bomb)
+
+
+def test_a_zoo_file_that_is_not_utf8_is_a_zoo_error(tmp_path: Path) -> None:
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("models:\n  - {name: caf\xe9, factory: 'zoo.models:tiny_vit'}\n".encode("latin-1"))
+    with pytest.raises(ZooConfigError, match="not UTF-8"):
+        load_zoo(latin)
+
+
+def test_an_entry_is_one_typed_request_per_device_with_every_option() -> None:
+    entry = ZooEntry.model_validate(
+        {
+            "name": "bert",
+            "factory": "zoo.models:tiny_bert",
+            "precision": "fp16",
+            "devices": ["cpu", "cuda:1"],
+            "workspace_bytes": 1 << 30,
+            "optimization_level": 3,
+            "backend_options": {"refit": "identical"},
+            "partition": {"min_block_size": 2, "split_modules": ["BertLayer"]},
+            "tolerances": {"max_abs": 0.5},
+        }
+    )
+    cpu, cuda = entry.requests()
+    assert isinstance(cpu.options, CompileOptions) and cpu.device == "cpu" and cuda.device == "cuda:1"
+    assert cuda.options.device == "cuda:1" and cuda.package_name == "bert-cuda1"
+    assert cpu.options.workspace_bytes == 1 << 30 and cpu.options.optimization_level == 3
+    assert cpu.options.backend_options == {"refit": "identical"} and cpu.options.split_modules == (
+        "BertLayer",
+    )
+    # Tolerances: the entry's, with rel_l2 from the precision's default.
+    assert cpu.tolerances == Tolerances(rel_l2=2e-2, max_abs=0.5)
+    assert cpu.to_dict()["source"] == "factory:zoo.models:tiny_bert"
+    # 'targets' is the older spelling of devices.
+    assert ZooEntry.model_validate(
+        {"name": "a", "factory": "zoo.models:tiny_vit", "targets": ["cpu"]}
+    ).devices == ["cpu"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_a_missing_device_is_named_with_the_fix() -> None:
-    check_target("cpu")
-    with pytest.raises(ZooConfigError, match=r"targets: 'cuda:3' needs a CUDA device.*targets: \[cpu\]"):
-        check_target("cuda:3")
+    check_device("cpu")
+    with pytest.raises(ZooConfigError, match=r"devices: 'cuda:3' needs a CUDA device.*devices: \[cpu\]"):
+        check_device("cuda:3")
+
+
+def test_absurd_input_ranges_are_refused_before_anything_is_built() -> None:
+    entry = ZooEntry.model_validate(
+        {
+            "name": "mlp",
+            "factory": "zoo.models:mlp_with_fallback",
+            "inputs": {"x": {"dims": [{"axis": 0, "name": "batch", "min": 1, "max": 10**12}]}},
+        }
+    )
+    with pytest.raises(ZooConfigError, match=r"input 'x' alone takes .* GiB.*lower the dims' max"):
+        preflight(entry.requests()[0], load=True)
+    check_memory("small", {"x": 1 << 20}, available=1 << 30)
+
+
+def test_the_engine_cache_is_the_zoo_files_else_the_environments_else_the_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("KILN_CACHE_DIR", raising=False)
+    assert ZooSettings().engine_cache_choice()[1] == "default"
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "env"))
+    assert ZooSettings().engine_cache_choice() == (str(tmp_path / "env"), "$KILN_CACHE_DIR")
+    chosen = ZooSettings(engine_cache=str(tmp_path / "zoo")).engine_cache_choice()
+    assert chosen == (str(tmp_path / "zoo"), "settings.engine_cache")
+    assert ZooSettings(engine_cache=False).engine_cache_dir() is None
 
 
 def test_input_overrides_replace_the_factory_ranges_everywhere_the_name_is_used() -> None:
@@ -147,14 +285,16 @@ def test_bad_overrides_name_the_input() -> None:
         load_case(bad_kwargs)
 
 
-def test_model_key_is_the_content_of_the_model() -> None:
+def test_the_compile_key_is_the_identity_of_the_source_without_loading_it() -> None:
     entry = ZooEntry(name="mlp", factory="zoo.models:mlp_with_fallback")
     first, second = load_case(entry), load_case(entry)
     assert weights_digest(first.model) == weights_digest(second.model)  # seeded: same weights each build
-    assert model_key(entry, first) == model_key(entry, second)
+    assert compile_key(entry.requests()[0]) == compile_key(entry.requests()[0])
     reseeded = entry.model_copy(update={"seed": 1})
     assert weights_digest(load_case(reseeded).model) != weights_digest(first.model)
-    assert model_key(reseeded, load_case(reseeded)) != model_key(entry, first)
+    assert compile_key(reseeded.requests()[0]) != compile_key(entry.requests()[0])
+    fp16 = entry.model_copy(update={"precision": "fp16"})
+    assert compile_key(fp16.requests()[0]) != compile_key(entry.requests()[0])
     # Building the model does not disturb the caller's random stream.
     torch.manual_seed(123)
     expected = torch.rand(1)

@@ -1,57 +1,48 @@
 """The zoo file: which models to compile, how, and where the run happens (pydantic v2 schema).
 
 A zoo file has run-wide ``settings`` and a list of ``models``. The file as a whole must parse (valid
-YAML, a mapping, known top-level keys, unique model names, valid settings): otherwise the whole run
-stops with a :class:`ZooConfigError`. Each model entry is then validated on its own, so one bad entry
-(a typo in a field, min > max, an unknown backend) fails that model with a message naming the field
-and the fix, while the others still compile.
+YAML without aliases, a mapping, known top-level keys, unique model names, valid settings): otherwise
+the whole run stops with a :class:`ZooConfigError`. Each model entry is then validated on its own, so
+one bad entry (a typo in a field, min > max, an unknown backend) fails that model with a message naming
+the field and the fix, while the others still compile.
+
+An entry becomes one typed :class:`zoo.request.CompileRequest` per device (:meth:`ZooEntry.requests`);
+nothing above this layer reads an entry's fields. ``kiln compile`` flags build an entry through this
+same schema, so a flag and a zoo field cannot mean different things.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
+import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from compiler.backends import BACKENDS
 from compiler.errors import KilnError
+from compiler.options import DEVICE_RE, ON_BUILD_FAILURE, CompileOptions
+from compiler.validate import Tolerances
+from zoo.errors import ZooConfigError
+from zoo.request import CompileRequest, ValidationPlan
+from zoo.sources.factory import DEFAULT_FACTORY_PACKAGES, FACTORY_RE, FactoryPolicy, FactorySource
 
+__all__ = ["Zoo", "ZooConfigError", "ZooEntry", "ZooSettings", "load_zoo", "parse_zoo"]
+
+CACHE_ENV = "KILN_CACHE_DIR"
+DEFAULT_ENGINE_CACHE = ".kiln/engine-cache"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
-_TARGET_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
-_FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-
-# Backends a zoo may name. The compiler's registry is the authority when it exists; the fallback
-# keeps the schema usable (and its error messages helpful) before that registry lands.
-_FALLBACK_BACKENDS = ("onnxruntime", "tensorrt", "tensorrt_rtx")
-
-# Accuracy tolerance (relative L2 vs eager) per precision, used when a model sets none.
-DEFAULT_REL_L2 = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}
-
-
-class ZooConfigError(KilnError, ValueError):
-    """A zoo file or one of its entries is invalid; the message names the field and the fix."""
-
-
-def known_backends() -> tuple[str, ...]:
-    """Backend names the compiler knows (installed or not)."""
-    try:
-        import compiler.backends as backends
-    except ImportError:  # pragma: no cover - compiler is part of this repo
-        return _FALLBACK_BACKENDS
-    for attr in ("BACKENDS", "BACKEND_NAMES", "KNOWN_BACKENDS"):
-        names = getattr(backends, attr, None)
-        if names:
-            return tuple(names)
-    fn = getattr(backends, "backend_names", None) or getattr(backends, "known_backends", None)
-    if callable(fn):
-        return tuple(fn())
-    return _FALLBACK_BACKENDS
 
 
 class _Strict(BaseModel):
@@ -97,15 +88,6 @@ class InputOverride(_Strict):
         return self
 
 
-class Tolerances(_Strict):
-    rel_l2: float | None = Field(
-        default=None, gt=0, description="max relative L2 error vs eager; default by precision"
-    )
-    max_latency_ratio: float | None = Field(
-        default=None, gt=0, description="max compiled/eager latency ratio; unset = not gated"
-    )
-
-
 class PartitionOptions(_Strict):
     min_block_size: int = Field(default=1, ge=1)
     torch_executed_ops: list[str] = Field(default_factory=list)
@@ -113,7 +95,7 @@ class PartitionOptions(_Strict):
 
 
 class ZooEntry(_Strict):
-    """One model of the zoo: where it comes from and how to compile it."""
+    """One model of the zoo: where it comes from and how to compile it (every CompileOptions field)."""
 
     name: str = Field(description="package name: lowercase letters, digits, '_', '-', '.'")
     factory: str = Field(description="'module:function' returning zoo.models.ModelCase")
@@ -122,11 +104,19 @@ class ZooEntry(_Strict):
     inputs: dict[str, InputOverride] = Field(default_factory=dict)
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
     backend: str = "onnxruntime"
-    targets: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
-    tolerances: Tolerances = Field(default_factory=Tolerances)
+    # Where the model runs. ``targets`` is the older spelling of the same field.
+    devices: list[str] = Field(
+        default_factory=lambda: ["cpu"], min_length=1, validation_alias=AliasChoices("devices", "targets")
+    )
+    tolerances: dict[str, float | None] = Field(
+        default_factory=dict, description="compiler.validate.Tolerances fields; rel_l2 defaults by precision"
+    )
     partition: PartitionOptions = Field(default_factory=PartitionOptions)
     strip_weights: bool = False
-    on_build_failure: Literal["torch", "onnxruntime", "error"] = Field(
+    workspace_bytes: int | None = Field(default=None, gt=0, description="TensorRT builder workspace")
+    optimization_level: int | None = Field(default=None, ge=0, description="TensorRT builder level")
+    backend_options: dict[str, Any] = Field(default_factory=dict, description="backend-specific settings")
+    on_build_failure: Literal[ON_BUILD_FAILURE] = Field(  # type: ignore[valid-type]
         default="torch",
         description="a partition whose engine build fails: runs in PyTorch, on ONNX Runtime, or fails",
     )
@@ -144,7 +134,7 @@ class ZooEntry(_Strict):
     @field_validator("factory")
     @classmethod
     def _factory(cls, v: str) -> str:
-        if not _FACTORY_RE.match(v):
+        if not FACTORY_RE.match(v):
             raise ValueError(
                 f"factory {v!r} must look like 'package.module:function', e.g. zoo.models:tiny_bert"
             )
@@ -153,28 +143,33 @@ class ZooEntry(_Strict):
     @field_validator("backend")
     @classmethod
     def _backend(cls, v: str) -> str:
-        names = known_backends()
-        if v not in names:
-            raise ValueError(f"unknown backend {v!r}; use one of {', '.join(names)}")
+        if v not in BACKENDS:
+            raise ValueError(f"unknown backend {v!r}; use one of {', '.join(BACKENDS)}")
         return v
 
-    @field_validator("targets")
+    @field_validator("devices")
     @classmethod
-    def _targets(cls, v: list[str]) -> list[str]:
-        for t in v:
-            if not _TARGET_RE.match(t):
-                raise ValueError(f"target {t!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
+    def _devices(cls, v: list[str]) -> list[str]:
+        for device in v:
+            if not DEVICE_RE.match(device):
+                raise ValueError(f"device {device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
         if len(v) != len(set(v)):
-            raise ValueError(f"targets {v} repeat a device; list each once")
+            raise ValueError(f"devices {v} repeat a device; list each once")
+        return v
+
+    @field_validator("tolerances")
+    @classmethod
+    def _tolerances(cls, v: dict[str, float | None]) -> dict[str, float | None]:
+        Tolerances.from_dict(v)  # the compiler's own check: unknown names and ranges are refused here
         return v
 
     @model_validator(mode="after")
-    def _fallback_differs(self) -> ZooEntry:
-        if self.on_build_failure == "onnxruntime" and self.backend == "onnxruntime":
-            raise ValueError(
-                "on_build_failure 'onnxruntime' with backend 'onnxruntime': ONNX Runtime cannot fall back to "
-                "itself; use 'torch' or 'error'"
-            )
+    def _options_valid(self) -> ZooEntry:
+        # CompileOptions checks itself (fallback vs backend, block size, ...): one set of rules.
+        try:
+            self.compile_options("cpu")
+        except KilnError as exc:
+            raise ValueError(str(exc)) from None
         return self
 
     @model_validator(mode="after")
@@ -191,23 +186,45 @@ class ZooEntry(_Strict):
                 seen[d.name] = (input_name, d.min, d.max)
         return self
 
-    def rel_l2(self) -> float:
-        """The accuracy tolerance this entry is held to."""
-        return (
-            self.tolerances.rel_l2 if self.tolerances.rel_l2 is not None else DEFAULT_REL_L2[self.precision]
+    def compile_options(self, device: str) -> CompileOptions:
+        return CompileOptions(
+            backend=self.backend,
+            precision=self.precision,
+            strip_weights=self.strip_weights,
+            min_block_size=self.partition.min_block_size,
+            torch_executed_ops=tuple(self.partition.torch_executed_ops),
+            split_modules=tuple(self.partition.split_modules) if self.partition.split_modules else None,
+            workspace_bytes=self.workspace_bytes,
+            optimization_level=self.optimization_level,
+            backend_options=dict(self.backend_options),
+            on_build_failure=self.on_build_failure,
+            device=device,
         )
 
-    def compile_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``compiler.CompileOptions``."""
-        return {
-            "backend": self.backend,
-            "precision": self.precision,
-            "strip_weights": self.strip_weights,
-            "min_block_size": self.partition.min_block_size,
-            "torch_executed_ops": tuple(self.partition.torch_executed_ops),
-            "split_modules": tuple(self.partition.split_modules) if self.partition.split_modules else None,
-            "on_build_failure": self.on_build_failure,
-        }
+    def package_name(self, device: str) -> str:
+        """``<name>``; with several devices ``<name>-<device>`` (engines are per device)."""
+        return self.name if len(self.devices) == 1 else f"{self.name}-{device.replace(':', '')}"
+
+    def requests(
+        self, settings: ZooSettings | None = None, zoo_dir: str | None = None
+    ) -> list[CompileRequest]:
+        """One typed compile request per device of this entry."""
+        settings = settings or ZooSettings()
+        policy = FactoryPolicy(tuple(settings.factory_packages), zoo_dir)
+        source = FactorySource(self.factory, dict(self.factory_kwargs), self.seed, policy)
+        validation = ValidationPlan(**settings.validation.model_dump())
+        return [
+            CompileRequest(
+                name=self.name,
+                source=source,
+                options=self.compile_options(device),
+                tolerances=Tolerances.from_dict(self.tolerances).resolved(self.precision),
+                inputs=dict(self.inputs),
+                validation=validation,
+                package_name=self.package_name(device),
+            )
+            for device in self.devices
+        ]
 
 
 class DaskSettings(_Strict):
@@ -229,7 +246,10 @@ class ZooSettings(_Strict):
 
     out_dir: str = "out"
     workspace: str = ".kiln/workspace"
-    engine_cache: str | None = Field(default=".kiln/engine-cache", description="unset = no persistent cache")
+    engine_cache: str | bool | None = Field(
+        default=None,
+        description="a directory; false: none; unset: $KILN_CACHE_DIR, else .kiln/engine-cache",
+    )
     task_runner: Literal["thread", "dask"] = "thread"
     max_workers: int = Field(default=2, ge=1, description="threads for engine builds per model")
     parallel_models: int = Field(default=2, ge=1)
@@ -242,18 +262,36 @@ class ZooSettings(_Strict):
     build_retry_backoff: float = Field(default=2.0, ge=0, description="seconds; doubles per retry")
     tracking: bool | None = Field(default=None, description="record packages in MLflow; unset = if installed")
     validation: ValidationSettings = Field(default_factory=ValidationSettings)
+    factory_packages: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_FACTORY_PACKAGES),
+        description="packages whose functions may build models (besides the zoo file's own directory)",
+    )
 
     @field_validator("build_concurrency")
     @classmethod
     def _limits(cls, v: dict[str, int]) -> dict[str, int]:
         for target, n in v.items():
-            if not _TARGET_RE.match(target) or n < 1:
+            if not DEVICE_RE.match(target) or n < 1:
                 raise ValueError(f"build_concurrency {target!r}: {n} needs a device key and a limit >= 1")
         return v
 
     def build_limit(self, target: str) -> int:
         family = target.split(":")[0]
         return self.build_concurrency.get(target, self.build_concurrency.get(family, 1))
+
+    def engine_cache_dir(self) -> str | None:
+        """The engine cache of this run: the zoo file's (or CLI's), else $KILN_CACHE_DIR, else the default."""
+        return self.engine_cache_choice()[0]
+
+    def engine_cache_choice(self) -> tuple[str | None, str]:
+        """(directory or None, where the choice came from) for the summary."""
+        if self.engine_cache is False:
+            return None, "disabled by settings.engine_cache: false"
+        if isinstance(self.engine_cache, str):
+            return str(Path(self.engine_cache).resolve()), "settings.engine_cache"
+        if os.environ.get(CACHE_ENV):
+            return str(Path(os.environ[CACHE_ENV]).resolve()), f"${CACHE_ENV}"
+        return str(Path(DEFAULT_ENGINE_CACHE).resolve()), "default"
 
     def tracking_enabled(self) -> bool:
         if self.tracking is not None:
@@ -293,13 +331,17 @@ class Zoo:
     entries: list[ZooEntry] = field(default_factory=list)
     invalid: list[InvalidEntry] = field(default_factory=list)
     source: str | None = None
+    zoo_dir: str | None = None  # the zoo file's directory: its own modules may hold factories
+
+    def requests(self, entry: ZooEntry) -> list[CompileRequest]:
+        return entry.requests(self.settings, self.zoo_dir)
 
     @property
     def names(self) -> list[str]:
         return [e.name for e in self.entries] + [i.name for i in self.invalid]
 
 
-def _format_errors(exc: ValidationError, prefix: str) -> str:
+def format_errors(exc: ValidationError, prefix: str) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
@@ -317,7 +359,7 @@ def _format_errors(exc: ValidationError, prefix: str) -> str:
     return "; ".join(lines)
 
 
-def parse_zoo(data: Any, source: str = "<zoo>") -> Zoo:
+def parse_zoo(data: Any, source: str = "<zoo>", zoo_dir: str | None = None) -> Zoo:
     """Validate an already-loaded zoo mapping. Whole-file problems raise; entry problems are collected."""
     if not isinstance(data, dict):
         raise ZooConfigError(
@@ -326,8 +368,8 @@ def parse_zoo(data: Any, source: str = "<zoo>") -> Zoo:
     try:
         zoo_file = _ZooFile.model_validate(data)
     except ValidationError as exc:
-        raise ZooConfigError(f"{source}: {_format_errors(exc, 'zoo')}") from None
-    zoo = Zoo(settings=zoo_file.settings, source=source)
+        raise ZooConfigError(f"{source}: {format_errors(exc, 'zoo')}") from None
+    zoo = Zoo(settings=zoo_file.settings, source=source, zoo_dir=zoo_dir)
     seen: set[str] = set()
     for i, raw in enumerate(zoo_file.models):
         raw_name = raw.get("name") if isinstance(raw, dict) else None
@@ -338,89 +380,36 @@ def parse_zoo(data: Any, source: str = "<zoo>") -> Zoo:
         try:
             zoo.entries.append(ZooEntry.model_validate(raw))
         except ValidationError as exc:
-            zoo.invalid.append(InvalidEntry(label, _format_errors(exc, f"models[{i}] ({label})")))
+            zoo.invalid.append(InvalidEntry(label, format_errors(exc, f"models[{i}] ({label})")))
     return zoo
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load without anchors and aliases: an 800-byte file cannot expand to gigabytes (alias bomb)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise ZooConfigError(
+                f"YAML alias *{event.anchor} at {event.start_mark}: zoo files may not use anchors and "
+                "aliases (they can expand without bound); write the values out"
+            )
+        return super().compose_node(parent, index)
 
 
 def load_zoo(path: str | Path) -> Zoo:
     """Read and validate a zoo file (see deploy/zoo.yaml for an annotated example)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise ZooConfigError(f"cannot read zoo file {str(path)!r}: {exc.strerror}; check the path") from None
+    except UnicodeDecodeError as exc:
+        raise ZooConfigError(
+            f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save the zoo file as UTF-8"
+        ) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_NoAliasLoader)
     except yaml.YAMLError as exc:
         raise ZooConfigError(f"{path}: not valid YAML: {exc}; fix the syntax at the position shown") from None
-    return parse_zoo(data, source=str(path))
-
-
-def resolve_factory(spec: str, field_name: str = "factory") -> Callable[..., Any]:
-    """Import ``module:function``; a failure names the field, the cause and the fix."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ZooConfigError(
-            f"{field_name}: cannot import module {module_name!r} ({exc}); "
-            "make sure it is installed or on PYTHONPATH (run from the repository root)"
-        ) from None
-    except Exception as exc:  # a module that raises on import is still the user's module to fix
-        raise ZooConfigError(
-            f"{field_name}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
-        ) from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        # Suggest the functions the module itself defines (not what it imports).
-        defined = sorted(
-            n
-            for n, v in vars(module).items()
-            if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")
-        )
-        raise ZooConfigError(
-            f"{field_name}: module {module_name!r} has no {attr!r}; "
-            f"functions there: {', '.join(defined[:15])}"
-        )
-    if not callable(fn):
-        raise ZooConfigError(f"{field_name}: {spec!r} is a {type(fn).__name__}, not a callable factory")
-    return fn
-
-
-def check_target(target: str) -> None:
-    """Raise ZooConfigError unless ``target`` is a device present on this machine."""
-    if target == "cpu":
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ZooConfigError(
-            f"targets: {target!r} needs a CUDA device, but none is visible here; run this model on a GPU "
-            "worker (see deploy/prefect.yaml) or set targets: [cpu]"
-        )
-    index = int(target.split(":")[1]) if ":" in target else 0
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise ZooConfigError(f"targets: {target!r} does not exist; this machine has cuda:0..cuda:{count - 1}")
-
-
-def check_backend_available(backend: str, target: str | None = None) -> None:
-    """Raise ZooConfigError when the backend is not installed here or cannot build for ``target``."""
-    try:
-        import compiler.backends as backends
-    except ImportError:  # pragma: no cover
-        return
-    get_backend = getattr(backends, "get_backend", None)
-    if get_backend is None:
-        return
-    try:
-        instance = get_backend(backend)
-    except KilnError as exc:
-        raise ZooConfigError(f"backend: {backend!r} cannot be used here: {exc}") from None
-    if target is not None and target.startswith("cuda"):
-        builds_for = instance.target_device()
-        if not builds_for.startswith("cuda"):
-            raise ZooConfigError(
-                f"targets: {target!r} needs GPU engines, but backend {backend!r} builds for {builds_for!r} "
-                "here; use backend: tensorrt (or auto) for cuda targets, or targets: [cpu]"
-            )
+    return parse_zoo(data, source=str(path), zoo_dir=str(path.resolve().parent))

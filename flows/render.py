@@ -1,0 +1,112 @@
+"""What the ``kiln`` CLI shows: live progress per model, the summary table, packages and failures.
+
+Kept apart from the commands (``flows.cli``) so the commands read as input -> flow -> report.
+Tables fit 80 columns (CI logs, pipes); with ``--json`` stdout carries only the summary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+console = Console(stderr=True)
+out_console = Console()
+
+
+class ProgressView:
+    """One line per (model, device) with its current stage, and an overall bar."""
+
+    def __init__(self, progress: Progress, total: int):
+        self.progress = progress
+        self.overall = progress.add_task("models", total=total)
+        self.rows: dict[tuple[str, str], Any] = {}
+
+    def __call__(self, event: str, model: str, device: str, detail: str) -> None:
+        key = (model, device)
+        if key not in self.rows:
+            self.rows[key] = self.progress.add_task(f"{model} [dim]{device}[/dim]", total=None)
+        row = self.rows[key]
+        if event == "model":
+            self.progress.update(row, description=f"{model} [dim]{device}[/dim]: {detail}")
+        else:
+            mark = "[green]ok[/green]" if event == "done" else "[red]failed[/red]"
+            self.progress.update(
+                row, description=f"{model} [dim]{device}[/dim]: {mark}", total=1, completed=1
+            )
+            self.progress.advance(self.overall)
+
+
+def progress_bar() -> Progress:
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _summary_table(summary: dict[str, Any]) -> Table:
+    table = Table(title=f"kiln: {summary['ok']} ok, {summary['failed']} failed, {summary['seconds']}s")
+    # Short headers: the table must fit 80 columns (CI logs, pipes).
+    table.add_column("model", overflow="fold", min_width=12)
+    table.add_column("device")
+    table.add_column("status")
+    for column in ("parts", "built", "reused", "rel L2", "lat x", "s"):
+        table.add_column(column, justify="right")
+    for m in summary["models"]:
+        table.add_row(
+            escape(m["name"]),
+            escape(m["device"]),
+            "[green]ok[/green]" if m["status"] == "ok" else "[red]failed[/red]",
+            str(m["partitions"]),
+            str(m["engines_built"]),
+            str(m["engines_reused"]),
+            f"{m['max_rel_l2']:.1e}" if m.get("max_rel_l2") is not None else "-",
+            f"{m['latency_ratio']:.2f}" if m.get("latency_ratio") is not None else "-",
+            f"{m['seconds']:.1f}",
+        )
+    return table
+
+
+def _first_line(text: str | None, limit: int = 400) -> str:
+    line = (text or "").strip().splitlines()[0] if text else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def report(summary: dict[str, Any], as_json: bool) -> int:
+    """Print the summary (table, or JSON on stdout), packages, failures and warnings; the exit code."""
+    if as_json:
+        out_console.print_json(json.dumps(summary))
+    else:
+        console.print(_summary_table(summary))
+    # Packages and failures go to stderr either way: with --json, stdout stays machine-readable.
+    for m in summary["models"]:
+        if m["status"] == "ok":
+            console.print(f"  [green]{escape(m['name'])}[/green] -> {escape(m['package'])}", soft_wrap=True)
+    for m in summary["models"]:
+        if m["status"] != "ok":
+            line = escape(_first_line(m["error"]))
+            console.print(f"  [red]{escape(m['name'])}[/red] failed: {line}", soft_wrap=True)
+    for warning in summary.get("warnings", []):
+        console.print(f"  [yellow]warning:[/yellow] {escape(warning)}", soft_wrap=True)
+    # Builds that fell back to PyTorch are neither built nor reused: then something did happen.
+    every_engine_reused = summary["engines_reused"] == sum(m["unique_engines"] for m in summary["models"])
+    if summary["engines_built"] == 0 and not summary["failed"] and every_engine_reused:
+        console.print("nothing changed: 0 engines built, every engine came from the cache")
+    cache = summary.get("engine_cache") or {}
+    if cache:
+        console.print(
+            f"engine cache: {cache.get('path') or 'none'} ({cache.get('chosen_by')})", soft_wrap=True
+        )
+    console.print(f"packages: {summary['out_dir']}   summary: {Path(summary['out_dir']) / 'summary.json'}")
+    return EXIT_FAILED if summary["failed"] else EXIT_OK

@@ -1,0 +1,101 @@
+"""Input-range overrides: a zoo entry's ``inputs:`` replace a source's dynamic dims, per input.
+
+A dimension name given there applies to every input that uses it, so ``seq`` stays one dimension
+across ``input_ids`` and ``attention_mask``. ``dims: []`` makes an input static.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch.export import Dim
+
+from zoo.errors import ZooConfigError
+from zoo.sources.base import LoadedCase
+
+
+@runtime_checkable
+class DimOverride(Protocol):
+    axis: int
+    name: str
+    min: int
+    max: int
+
+
+@runtime_checkable
+class InputOverrideLike(Protocol):
+    dims: list[DimOverride]
+
+
+def bound_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The example inputs by the names of ``model.forward``'s parameters."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ZooConfigError(
+            f"the source's example inputs do not fit {type(model).__name__}.forward: {exc}"
+        ) from None
+    return dict(bound.arguments)
+
+
+def apply_overrides(case: LoadedCase, overrides: Mapping[str, InputOverrideLike], where: str) -> LoadedCase:
+    """``case`` with its dynamic shapes replaced where ``overrides`` say (see the module docstring)."""
+    if not overrides:
+        return case
+    inputs = bound_inputs(case.model, case.args, case.kwargs)
+    names = list(inputs)
+    given = case.dynamic_shapes
+    if given is None:
+        shapes: dict[str, Any] = dict.fromkeys(names)
+    elif isinstance(given, dict):
+        shapes = {name: given.get(name) for name in names}
+    else:
+        shapes = dict(zip(names, list(given) + [None] * len(names), strict=False))
+    dims = {d.name: Dim(d.name, min=d.min, max=d.max) for o in overrides.values() for d in o.dims}
+
+    def rename(spec: Any) -> Any:
+        # A source Dim with an overridden name takes the new range everywhere it appears.
+        if isinstance(spec, dict):
+            return {axis: dims.get(getattr(d, "__name__", None), d) for axis, d in spec.items()}
+        return spec
+
+    shapes = {name: rename(spec) for name, spec in shapes.items()}
+    for input_name, override in overrides.items():
+        at = f"{where}.inputs.{input_name}"
+        if input_name not in inputs:
+            raise ZooConfigError(f"{at}: the model has no input {input_name!r}; its inputs are {names}")
+        value = inputs[input_name]
+        if not isinstance(value, torch.Tensor):
+            raise ZooConfigError(f"{at}: input is a {type(value).__name__}, ranges apply to tensors only")
+        for d in override.dims:
+            if d.axis >= value.dim():
+                raise ZooConfigError(f"{at}.dims: axis {d.axis} is outside the input's rank {value.dim()}")
+            size = int(value.shape[d.axis])
+            if not d.min <= size <= d.max:
+                raise ZooConfigError(
+                    f"{at}.dims (axis {d.axis}, {d.name!r}): the example has size {size}, "
+                    f"outside [{d.min}, {d.max}]; widen the range to include {size}"
+                )
+        shapes[input_name] = {d.axis: dims[d.name] for d in override.dims} or None
+    return LoadedCase(case.model, case.args, case.kwargs, shapes)
+
+
+def largest_input_bytes(case: LoadedCase, overrides: Mapping[str, InputOverrideLike]) -> dict[str, int]:
+    """Bytes of each tensor input at the top of its ranges (overrides, else the example's own size)."""
+    inputs = bound_inputs(case.model, case.args, case.kwargs)
+    top = {d.name: d.max for o in overrides.values() for d in o.dims}
+    sizes: dict[str, int] = {}
+    for name, value in inputs.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        shape = list(value.shape)
+        for d in getattr(overrides.get(name), "dims", []):
+            shape[d.axis] = top[d.name]
+        count = 1
+        for n in shape:
+            count *= int(n)
+        sizes[name] = count * value.element_size()
+    return sizes

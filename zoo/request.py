@@ -1,0 +1,82 @@
+"""CompileRequest: one model, one device, everything a compile needs, typed and validated once.
+
+A zoo entry (``zoo.config.ZooEntry.requests``) and the ``kiln compile`` flags (which build an entry
+through the same schema) produce it; tasks, flows and the registry read it by attribute. It holds the
+model source (resolved to an identity without loading), the ``CompileOptions`` (which validate
+themselves, device included), the input-range overrides, the tolerances the result is held to and the
+validation settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from compiler.options import CompileOptions
+from compiler.validate import Tolerances
+from zoo.inputs import InputOverrideLike, apply_overrides
+from zoo.sources.base import LoadedCase, ModelSource, SourceIdentity
+
+
+@dataclass(frozen=True)
+class ValidationPlan:
+    """How validation samples and times a compiled model (run-wide settings, or the CLI's)."""
+
+    samples: int = 3
+    warmup: int = 3
+    runs: int = 20
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    name: str  # the model's name (registered model, summary rows)
+    source: ModelSource
+    options: CompileOptions
+    tolerances: Tolerances  # resolved: rel_l2 is set (by the entry or the precision's default)
+    inputs: Mapping[str, InputOverrideLike] = field(default_factory=dict)
+    validation: ValidationPlan = field(default_factory=ValidationPlan)
+    package_name: str = ""  # "<name>" or, for an entry with several devices, "<name>-<device>"
+
+    @property
+    def device(self) -> str:
+        return self.options.device
+
+    def identity(self) -> SourceIdentity:
+        """Which model this is, without loading it."""
+        return self.source.identity()
+
+    def load_case(self) -> LoadedCase:
+        """The source's model with this request's input ranges, on this request's device."""
+        case = apply_overrides(self.source.load(), self.inputs, f"models[{self.name}]")
+        if self.device == "cpu":
+            return case
+        import torch
+
+        move = lambda v: v.to(self.device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return LoadedCase(
+            case.model.to(self.device),
+            tuple(move(a) for a in case.args),
+            {k: move(v) for k, v in case.kwargs.items()},
+            case.dynamic_shapes,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for MLflow tags, cache keys and logs): never code to import."""
+        return {
+            "name": self.name,
+            "source": self.source.uri,
+            "options": self.options.to_dict(),
+            "tolerances": self.tolerances.to_dict(),
+            "inputs": {
+                name: [{"axis": d.axis, "name": d.name, "min": d.min, "max": d.max} for d in o.dims]
+                for name, o in sorted(self.inputs.items())
+            },
+            "validation": vars(self.validation).copy(),
+            "package_name": self.package_name,
+        }
+
+    def cache_identity(self) -> dict[str, Any]:
+        """What decides the compile's result: the request's data and the source's identity."""
+        return {**self.to_dict(), "identity": self.identity().to_dict()}

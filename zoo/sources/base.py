@@ -1,0 +1,63 @@
+"""The model-source protocol: where a zoo entry's model comes from.
+
+A source answers two questions, in this order:
+
+* ``identity()``: an immutable description of exactly which model this is (a module's source hash and
+  the call that builds it, a file's sha256, a registry version), computed WITHOUT loading the model, so
+  an unchanged model costs a hash, not an export;
+* ``load()``: the model itself (eval mode), example inputs and the dynamic shapes torch.export should use.
+
+One module per kind of source (``factory``, ...) implements it; ``zoo.sources.source_for`` picks the kind
+from the entry's ``source:`` string.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SourceIdentity:
+    """Which model a source names. Equal identity (with equal settings and libraries): equal compile."""
+
+    kind: str  # "factory", "hf", "mlflow", "pt2", ...
+    uri: str  # as the user wrote it, e.g. "factory:zoo.models:tiny_bert"
+    version: str  # the resolved version or revision ("" where the kind has none)
+    digest: str  # sha256 over everything that decides the model's graph and weights
+    run_id: str | None = None  # the source's MLflow run, where there is one
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LoadedCase:
+    """A loaded model with example inputs: what torch.export needs."""
+
+    model: torch.nn.Module
+    args: tuple
+    kwargs: dict[str, Any]
+    dynamic_shapes: Any
+
+
+@runtime_checkable
+class ModelSource(Protocol):
+    """One kind of model source (see the module docstring)."""
+
+    @property
+    def uri(self) -> str: ...
+
+    def identity(self) -> SourceIdentity: ...
+
+    def load(self) -> LoadedCase: ...
+
+
+def digest_of(*parts: Any) -> str:
+    """sha256 of the canonical JSON of ``parts`` (str() for what JSON cannot say)."""
+    text = json.dumps(list(parts), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
