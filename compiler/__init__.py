@@ -8,16 +8,19 @@ This package never imports Prefect or MLflow.
 from compiler.backends import get_backend
 from compiler.build import EngineArtifact, build_engine
 from compiler.cache import EngineCache
+from compiler.compare import PartitionComparison, compare_partitions
 from compiler.dedup import DedupPlan, dedup
 from compiler.export import export, input_specs, load_program, save_program
 from compiler.options import CompileOptions
 from compiler.package import PackageInfo, load, read_manifest, refit_package, save
 from compiler.partition import PartitionPlan, partition
 from compiler.pipeline import compile
+from compiler.repair import RepairRecord, RepairResult, ensure_accuracy, rebuild, repair
 from compiler.report import CompileReport
 from compiler.runtime import CompiledModule, assemble
 from compiler.specs import InputSpec
 from compiler.validate import Latency, Tolerances, ValidationReport, measure_latency, validate
+from compiler.validation_data import ValidationData, validation_data
 
 __all__ = [
     "CompileOptions",
@@ -29,13 +32,19 @@ __all__ = [
     "InputSpec",
     "Latency",
     "PackageInfo",
+    "PartitionComparison",
     "PartitionPlan",
+    "RepairRecord",
+    "RepairResult",
     "Tolerances",
+    "ValidationData",
     "ValidationReport",
     "assemble",
     "build_engine",
+    "compare_partitions",
     "compile",
     "dedup",
+    "ensure_accuracy",
     "export",
     "get_backend",
     "input_specs",
@@ -44,10 +53,13 @@ __all__ = [
     "measure_latency",
     "partition",
     "read_manifest",
+    "rebuild",
     "refit_package",
+    "repair",
     "save",
     "save_program",
     "validate",
+    "validation_data",
 ]
 
 from compiler.dynamo import KilnBackend, kiln_backend

@@ -73,8 +73,10 @@ class PartitionComparison:
                 f"{r.partition:<12} {r.fingerprint[:12]:<12} {r.precision:<5} {r.rel_l2:>9.2e} "
                 f"{r.max_abs:>9.2e} {r.cosine:>8.5f} {r.latency_ms:>8.3f} {r.latency_share:>6.1%}"
             )
-        outside = 1.0 - sum(r.latency_share for r in self.rows)
-        rest = max(outside, 0.0)
+        if not self.total_ms:
+            lines.append("latency not measured (runs=0)")
+            return "\n".join(lines)
+        rest = max(1.0 - sum(r.latency_share for r in self.rows), 0.0)
         lines.append(f"rest of the graph (PyTorch fallback ops, glue): {rest:.1%} of {self.total_ms:.3f} ms")
         return "\n".join(lines)
 

@@ -76,3 +76,12 @@ class ToleranceError(KilnError, ValueError):
 
 class ValidationDataError(KilnError, ValueError):
     """Recorded validation inputs cannot be used: the message names the file and the field."""
+
+
+class AccuracyError(KilnError):
+    """The compiled model misses its tolerances (after repair, when ``on_accuracy_failure`` is
+    ``"repair"``). ``failures``: one reason per missed tolerance, naming the field to change."""
+
+    def __init__(self, message: str, *, failures: list[str]):
+        super().__init__(message)
+        self.failures = list(failures)

@@ -23,6 +23,9 @@ class CompileReport:
     # One per fingerprint whose build failed: error, node, fingerprint, the backend that failed, the
     # partitions it covers and what they fell back to ("torch" or "onnxruntime").
     build_failures: list[dict] = field(default_factory=list)
+    # Set when compiler.repair raised partitions to meet the tolerances: RepairRecord.to_dict() (every
+    # decision with the partition's error before and after, the model's accuracy before and after).
+    accuracy_repair: dict | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -48,6 +51,12 @@ class CompileReport:
             for failure in self.build_failures
             for name in failure.get("partitions", [])
         ]
+        if self.accuracy_repair and self.accuracy_repair.get("steps"):
+            raised = ", ".join(
+                f"{step['partition']} {step['precision_before']} -> {step['precision_after']}"
+                for step in self.accuracy_repair["steps"]
+            )
+            text += f"; accuracy repair: {raised}"
         if fell_back:
             noun = "partition" if len(fell_back) == 1 else "partitions"
             text += f"; {len(fell_back)} {noun} fell back after build failures: {', '.join(fell_back)}"
