@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 from compiler.errors import KilnError
 
-LEASE_SECONDS = 60.0
+# How long a dead holder's slot stays taken; short leases cost renewals, long ones a wait after a kill.
+LEASE_SECONDS = 60.0  # the shortest lease Prefect's server accepts
 DEFAULT_SLOT_TIMEOUT = 3600.0
 
 

@@ -80,3 +80,31 @@ def test_unusable_input_exits_2_with_the_reason(tmp_path: Path, args: tuple[str,
     proc = _kiln(*(a.format(**paths) for a in args))
     assert proc.returncode == 2, proc.stderr
     assert message in " ".join(proc.stderr.split()), proc.stderr
+
+
+def test_unusable_environment_or_file_encoding_is_exit_code_2(tmp_path: Path) -> None:
+    bad_size = _kiln("zoo", "deploy/zoo.yaml", "--check", env={"KILN_CACHE_MAX_BYTES": "ten gigs"})
+    assert bad_size.returncode == 2, bad_size.stderr
+    assert "KILN_CACHE_MAX_BYTES='ten gigs' is not a positive size" in bad_size.stderr
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("models:\n  - {name: caf\xe9, factory: 'zoo.models:tiny_vit'}\n".encode("latin-1"))
+    proc = _kiln("zoo", str(latin), "--check")
+    assert proc.returncode == 2 and "not UTF-8" in proc.stderr, proc.stderr
+
+
+def test_check_refuses_untrusted_factories_and_absurd_ranges(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    zoo = tmp_path / "zoo.yaml"
+    zoo.write_text(
+        "models:\n"
+        f"  - {{name: evil, factory: 'os:system', factory_kwargs: {{command: 'touch {marker}'}}}}\n"
+        "  - name: huge\n"
+        "    factory: zoo.models:mlp_with_fallback\n"
+        "    inputs: {x: {dims: [{axis: 0, name: batch, min: 1, max: 1000000000000}]}}\n"
+    )
+    proc = _kiln("zoo", str(zoo), "--check")
+    assert proc.returncode == 1, proc.stderr
+    assert "'os:system' is in the standard library" in proc.stderr
+    assert "lower the dims' max" in proc.stderr
+    assert "0 models ready, 2 with problems" in proc.stderr
+    assert not marker.exists()

@@ -1,0 +1,119 @@
+"""What a kill, a tampered workspace or a second run must not break, against a real Prefect server."""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.fixtures.prefect_server import prefect_api, prefect_server  # noqa: F401 - fixtures
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HOLD_SLOT = """
+import sys, time
+from tasks.concurrency import build_slot
+with build_slot("cpu:slot-test"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_build_frees_its_slot_and_a_waiting_build_names_the_limit(prefect_api) -> None:  # noqa: F811
+    from tasks.concurrency import BuildSlotTimeoutError, build_slot, ensure_limits
+
+    ensure_limits({"cpu:slot-test": 1})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_SLOT], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with (
+            pytest.raises(BuildSlotTimeoutError, match=r"engine-build:cpu:slot-test.*prefect gcl"),
+            build_slot("cpu:slot-test", timeout=2),
+        ):
+            pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    start = time.monotonic()
+    # The dead holder's lease (60 s, Prefect's minimum) expires; nobody resets anything by hand.
+    with build_slot("cpu:slot-test", timeout=150):
+        waited = time.monotonic() - start
+    assert waited < 150
+
+
+def _server_children(pid: int) -> list[psutil.Process]:
+    try:
+        return [p for p in psutil.Process(pid).children(recursive=True) if "server" in " ".join(p.cmdline())]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_the_temporary_api_server_dies_with_a_killed_cli(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update({"PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "home")})
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "compile", "zoo.models:mlp_with_fallback", "--no-tracking",
+         "--out", str(tmp_path / "out"), "--workspace", str(tmp_path / "ws")],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        servers: list[psutil.Process] = []
+        while not servers and time.monotonic() < deadline and cli.poll() is None:
+            servers = _server_children(cli.pid)
+            time.sleep(0.2)
+        assert servers, "the CLI started no API server"
+    finally:
+        cli.send_signal(signal.SIGKILL)
+        cli.wait()
+    _, alive = psutil.wait_procs(servers, timeout=30)
+    assert not alive, f"still running after the CLI was killed: {[p.cmdline() for p in alive]}"
+
+
+def test_two_runs_writing_one_path_each_record_their_own_package(prefect_api, tmp_path: Path) -> None:  # noqa: F811
+    import torch
+
+    import compiler
+    from compiler.validate import validate
+    from tasks.refs import StagedRef
+    from tasks.stages import package_model
+    from zoo.models import mlp_with_fallback
+
+    staged = []
+    for width in (16, 32):
+        case = mlp_with_fallback(width=width)
+        program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+        compiled = compiler.compile(program, cache=False)
+        info = compiler.save(compiled, tmp_path / f"staged-{width}.kiln")
+        report = validate(case.model, compiled, samples=1, warmup=0, runs=1)
+        staged.append((StagedRef(str(width), str(info.path), info.content_hash, compiled.report), report))
+    out = tmp_path / "out" / "mlp.kiln"
+    refs = [None, None]
+
+    def run(i: int) -> None:
+        refs[i] = package_model(staged[i][0], staged[i][1], str(out), str(tmp_path / "ws"))
+
+    # Each thread carries this context: Prefect's settings (the test server's URL) live in contextvars.
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(run, i)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Each run's record comes from its own copy, with its own content; the published path holds one
+    # whole package, never a mix.
+    hashes = {compiler.read_manifest(ref.run_copy).content_hash for ref in refs}
+    assert hashes == {ref.content_hash for ref in refs} and len(hashes) == 2
+    assert compiler.read_manifest(out).content_hash in hashes
+    x = torch.randn(3, compiler.load(out).input_specs[0].max_shape[1])
+    assert compiler.load(out)(x).shape == x.shape
