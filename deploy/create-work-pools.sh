@@ -14,8 +14,10 @@ for gpu in $GPU_POOLS; do
   prefect work-pool create "kiln-gpu-${gpu}" --type process --overwrite
 done
 
-# Engine builds are tagged engine-build:<target>; these limits stop parallel builds from
-# oversubscribing a device (kiln also sets them from the zoo's build_concurrency at run start).
-prefect concurrency-limit create engine-build:cpu 2
-prefect concurrency-limit create engine-build:cuda 1
-prefect concurrency-limit create engine-build:cuda:0 1
+# Engine builds hold leased slots of global concurrency limits engine-build:<device> (a killed run's
+# slot frees itself when its lease ends); these stop parallel builds from oversubscribing a device.
+# kiln also sets them from the zoo's build_concurrency at run start.
+for limit in "engine-build:cpu 2" "engine-build:cuda 1" "engine-build:cuda:0 1"; do
+  set -- $limit
+  prefect gcl create "$1" --limit "$2" 2>/dev/null || prefect gcl update "$1" --limit "$2"
+done
