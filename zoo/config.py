@@ -36,7 +36,8 @@ from compiler.options import DEVICE_RE, ON_BUILD_FAILURE, CompileOptions
 from compiler.validate import Tolerances
 from zoo.errors import ZooConfigError
 from zoo.request import CompileRequest, ValidationPlan
-from zoo.sources.factory import DEFAULT_FACTORY_PACKAGES, FACTORY_RE, FactoryPolicy, FactorySource
+from zoo.sources import HF_TASKS, source_for, source_kind
+from zoo.sources.factory import DEFAULT_FACTORY_PACKAGES, FACTORY_RE, FactoryPolicy
 
 __all__ = ["Zoo", "ZooConfigError", "ZooEntry", "ZooSettings", "load_zoo", "parse_zoo"]
 
@@ -95,12 +96,26 @@ class PartitionOptions(_Strict):
 
 
 class ZooEntry(_Strict):
-    """One model of the zoo: where it comes from and how to compile it (every CompileOptions field)."""
+    """One model of the zoo: where it comes from and how to compile it (every CompileOptions field).
+
+    The model comes from exactly one of ``source`` (any kind: docs/sources.md) and ``factory`` (the
+    older spelling of ``source: factory:module:function``).
+    """
 
     name: str = Field(description="package name: lowercase letters, digits, '_', '-', '.'")
-    factory: str = Field(description="'module:function' returning zoo.models.ModelCase")
+    source: str | None = Field(
+        default=None,
+        description="hf:<folder or hub id>, pt2:<file>, models:/NAME/VERSION, models:/NAME@ALIAS, "
+        "or factory:module:function",
+    )
+    factory: str | None = Field(default=None, description="'module:function' returning zoo.models.ModelCase")
     factory_kwargs: dict[str, Any] = Field(default_factory=dict)
     seed: int = Field(default=0, description="torch seed for the factory's random weights")
+    task: str | None = Field(default=None, description="hf: sources: what the model is loaded for")
+    revision: str | None = Field(default=None, description="hf: hub ids: a branch, tag or commit")
+    trust_remote_code: bool = Field(
+        default=False, description="hf: sources: run the Python code shipped with the model"
+    )
     inputs: dict[str, InputOverride] = Field(default_factory=dict)
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
     backend: str = "onnxruntime"
@@ -133,12 +148,49 @@ class ZooEntry(_Strict):
 
     @field_validator("factory")
     @classmethod
-    def _factory(cls, v: str) -> str:
-        if not FACTORY_RE.match(v):
+    def _factory(cls, v: str | None) -> str | None:
+        if v is not None and not FACTORY_RE.match(v):
             raise ValueError(
                 f"factory {v!r} must look like 'package.module:function', e.g. zoo.models:tiny_bert"
             )
         return v
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str | None) -> str | None:
+        if v is not None:
+            source_kind(v)  # ValueError names what is wrong with the string
+        return v
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, v: str | None) -> str | None:
+        if v is not None and v not in HF_TASKS:
+            raise ValueError(f"unknown task {v!r}; use one of {', '.join(HF_TASKS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ZooEntry:
+        if (self.source is None) == (self.factory is None):
+            raise ValueError(
+                "source: give exactly one of source (e.g. hf:./my-model, pt2:model.pt2, "
+                "models:/name@alias) and factory (module:function)"
+            )
+        kind = source_kind(self.source_uri)[0]
+        if kind == "hf" and self.task is None:
+            raise ValueError(f"task: required for hf: sources; use one of {', '.join(HF_TASKS)}")
+        hf_only = [f for f in ("task", "revision", "trust_remote_code") if f in self.model_fields_set]
+        if kind != "hf" and hf_only:
+            raise ValueError(f"{hf_only[0]}: applies to hf: sources only; remove it for {kind}:")
+        factory_only = [f for f in ("factory_kwargs", "seed") if f in self.model_fields_set]
+        if kind != "factory" and factory_only:
+            raise ValueError(f"{factory_only[0]}: applies to factory: sources only; remove it for {kind}:")
+        return self
+
+    @property
+    def source_uri(self) -> str:
+        """The model's source as one string (``factory: x:y`` reads as ``factory:x:y``)."""
+        return self.source if self.source is not None else f"factory:{self.factory}"
 
     @field_validator("backend")
     @classmethod
@@ -210,8 +262,17 @@ class ZooEntry(_Strict):
     ) -> list[CompileRequest]:
         """One typed compile request per device of this entry."""
         settings = settings or ZooSettings()
-        policy = FactoryPolicy(tuple(settings.factory_packages), zoo_dir)
-        source = FactorySource(self.factory, dict(self.factory_kwargs), self.seed, policy)
+        source = source_for(
+            self.source_uri,
+            task=self.task,
+            revision=self.revision,
+            trust_remote_code=self.trust_remote_code,
+            inputs=dict(self.inputs),
+            factory_kwargs=dict(self.factory_kwargs),
+            seed=self.seed,
+            policy=FactoryPolicy(tuple(settings.factory_packages), zoo_dir),
+            base_dir=zoo_dir,
+        )
         validation = ValidationPlan(**settings.validation.model_dump())
         return [
             CompileRequest(

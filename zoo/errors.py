@@ -11,3 +11,8 @@ class ZooConfigError(KilnError, ValueError):
 
 class UntrustedCodeError(ZooConfigError):
     """A zoo file names code outside what docs/security.md trusts (a stdlib callable, a foreign module)."""
+
+
+class SourceUnavailableError(KilnError):
+    """A model source's hub or registry cannot be reached now (network, server down); retrying later
+    may succeed, unlike a :class:`ZooConfigError`."""

@@ -1,0 +1,283 @@
+"""Model sources: Hugging Face folders and hub ids, torch.export programs and MLflow-registered models.
+
+Real parts only: models written with save_pretrained from tiny configs (random weights, no downloads),
+a real Hugging Face cache layout for the offline hub case, real .pt2 files and a real `mlflow server`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import compiler
+from zoo.config import ZooEntry, parse_zoo
+from zoo.errors import UntrustedCodeError, ZooConfigError
+from zoo.preflight import preflight
+from zoo.sources import default_name, source_for
+from zoo.sources.hf import HfSource
+
+
+def _tiny_hf(task: str, folder: Path, seed: int = 0) -> Path:
+    """A save_pretrained folder of a tiny model for ``task`` (random weights)."""
+    import transformers as t
+
+    torch.manual_seed(seed)
+    bert = dict(vocab_size=96, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    bert.update(intermediate_size=32, max_position_embeddings=40)
+    if task == "feature-extraction":
+        model = t.BertModel(t.BertConfig(**bert))
+    elif task == "sequence-classification":
+        model = t.BertForSequenceClassification(t.BertConfig(**bert, num_labels=3))
+    elif task == "token-classification":
+        config = t.DistilBertConfig(vocab_size=96, dim=16, n_layers=1, n_heads=2, hidden_dim=32, num_labels=5)
+        model = t.DistilBertForTokenClassification(config)
+    elif task == "image-classification":
+        config = t.ViTConfig(
+            image_size=16,
+            patch_size=8,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            num_labels=4,
+        )
+        model = t.ViTForImageClassification(config)
+    elif task == "causal-lm":
+        config = t.GPT2Config(
+            vocab_size=96, n_positions=48, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+        )
+        model = t.GPT2LMHeadModel(config)
+    else:
+        raise AssertionError(task)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hf")
+
+
+def _entry(source: str, **fields) -> ZooEntry:
+    return ZooEntry.model_validate({"name": "m", "source": source, **fields})
+
+
+def _error(exc: pytest.ExceptionInfo) -> str:
+    return str(exc.value)
+
+
+# ---------------------------------------------------------------- hf: identity
+
+
+def test_hf_identity_hashes_files_without_loading_and_follows_the_weights(hf_dir: Path) -> None:
+    folder = _tiny_hf("sequence-classification", hf_dir / "cls")
+    source = source_for(f"hf:{folder}", task="sequence-classification")
+    first = source.identity()
+    assert (first.kind, first.uri, first.version) == ("hf", f"hf:{folder}", "")  # a folder has no revision
+    assert source.identity() == first
+
+    # Another task is another graph: another identity.
+    assert source_for(f"hf:{folder}", task="feature-extraction").identity().digest != first.digest
+
+    # New weights (same config): a new identity.
+    copy = _tiny_hf("sequence-classification", hf_dir / "cls-retrained", seed=1)
+    assert source_for(f"hf:{copy}", task="sequence-classification").identity().digest != first.digest
+    shutil.copy(copy / "model.safetensors", folder / "model.safetensors")
+    assert source.identity().digest != first.digest
+
+    # Identity never loads: weights that no loader could read still hash; load() then fails, typed.
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert source.identity().digest not in (first.digest,)
+    with pytest.raises(ZooConfigError, match="could not load it as task 'sequence-classification'"):
+        source.load()
+
+
+# ---------------------------------------------------------------- hf: load + export, per task
+
+
+@pytest.mark.parametrize(
+    ("task", "inputs", "output_shape"),
+    [
+        ("feature-extraction", {"input_ids", "attention_mask"}, None),
+        ("sequence-classification", {"input_ids", "attention_mask"}, (3,)),
+        ("token-classification", {"input_ids", "attention_mask"}, (5,)),
+        ("image-classification", {"pixel_values"}, (4,)),
+        ("causal-lm", {"input_ids", "attention_mask"}, (96,)),
+    ],
+)
+def test_hf_folder_loads_and_exports_with_ranges_from_config_and_task(
+    hf_dir: Path, task: str, inputs: set[str], output_shape: tuple | None
+) -> None:
+    folder = _tiny_hf(task, hf_dir / task)
+    request = _entry(f"hf:{folder}", task=task).requests()[0]
+    case = request.load_case()
+    program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+    specs = {s.name: s for s in compiler.input_specs(program)}
+    assert set(specs) == inputs
+    if "input_ids" in specs:
+        ids = specs["input_ids"]
+        # batch 1..8, sequence 1..min(512, max positions); int64; token ids over the whole vocabulary.
+        assert ids.dtype == "int64" and ids.dynamic_dims == {0: "batch", 1: "seq"}
+        max_seq = 48 if task == "causal-lm" else 40 if task != "token-classification" else 512
+        assert (ids.min_shape, ids.max_shape) == ((1, 1), (8, max_seq))
+        assert ids.value_range == (0.0, 95.0)
+        x = {"input_ids": torch.randint(0, 96, (3, 7)), "attention_mask": torch.ones(3, 7, dtype=torch.int64)}
+    else:
+        pixels = specs["pixel_values"]
+        assert pixels.dtype == "float32" and (pixels.min_shape, pixels.max_shape) == (
+            (1, 3, 16, 16),
+            (8, 3, 16, 16),
+        )
+        x = {"pixel_values": torch.randn(3, 3, 16, 16)}
+    eager, exported = case.model(**x), program.module()(**x)
+    if task == "causal-lm":  # logits only, no cache objects
+        assert isinstance(eager, torch.Tensor) and eager.shape == (3, 7, 96)
+    eager_t = eager if isinstance(eager, torch.Tensor) else eager[0]
+    exported_t = exported if isinstance(exported, torch.Tensor) else exported[0]
+    if output_shape is not None:
+        assert eager_t.shape[-1:] == output_shape
+    torch.testing.assert_close(exported_t, eager_t, rtol=1e-4, atol=1e-5)
+
+
+def test_inputs_override_the_hf_ranges_and_the_example_moves_inside_them(hf_dir: Path) -> None:
+    folder = _tiny_hf("feature-extraction", hf_dir / "ranged")
+    seq = {"axis": 1, "name": "seq", "min": 24, "max": 32}
+    inputs = {"input_ids": {"dims": [seq]}, "attention_mask": {"dims": [seq]}}
+    case = _entry(f"hf:{folder}", task="feature-extraction", inputs=inputs).requests()[0].load_case()
+    program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+    ids = next(s for s in compiler.input_specs(program) if s.name == "input_ids")
+    assert (ids.min_shape, ids.opt_shape, ids.max_shape) == ((2, 24), (2, 24), (2, 32))
+
+
+def test_an_offline_hub_id_resolves_from_the_local_cache(hf_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    # The cache layout huggingface_hub writes: refs/<branch> -> commit, snapshots/<commit>/<files>.
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--kiln-test--tiny-gpt2"
+    _tiny_hf("causal-lm", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    source = source_for("hf:kiln-test/tiny-gpt2", task="causal-lm")
+    identity = source.identity()
+    assert identity.version == commit
+    folder_identity = source_for(f"hf:{repo / 'snapshots' / commit}", task="causal-lm").identity()
+    assert identity.digest == folder_identity.digest  # the same files are the same model
+    assert source.load().model(torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.int64)).shape == (
+        1,
+        3,
+        96,
+    )
+    with pytest.raises(ZooConfigError, match=r"at revision 'v2' is not in the local Hugging Face cache"):
+        source_for("hf:kiln-test/tiny-gpt2", task="causal-lm", revision="v2").identity()
+
+
+# ---------------------------------------------------------------- hf: bad input, named by entry and field
+
+
+def _preflight_error(entry: dict, zoo_dir: Path | None = None) -> str:
+    zoo = parse_zoo({"models": [entry]}, zoo_dir=str(zoo_dir) if zoo_dir else None)
+    assert not zoo.invalid, zoo.invalid
+    with pytest.raises(ZooConfigError) as exc:
+        preflight(zoo.requests(zoo.entries[0])[0])
+    return _error(exc)
+
+
+def test_missing_folder_and_folder_without_config_are_named(hf_dir: Path, tmp_path: Path) -> None:
+    missing = _preflight_error({"name": "gone", "source": f"hf:{tmp_path}/nope", "task": "causal-lm"})
+    assert missing.startswith("models[gone].source:") and "does not exist" in missing
+
+    relative = _preflight_error({"name": "rel", "source": "hf:./models/bert", "task": "causal-lm"}, tmp_path)
+    assert relative.startswith("models[rel].source:") and f"relative to {tmp_path}" in relative
+
+    (tmp_path / "empty").mkdir()
+    empty = _preflight_error({"name": "empty", "source": f"hf:{tmp_path}/empty", "task": "causal-lm"})
+    assert empty.startswith("models[empty].source:") and "has no config.json" in empty
+
+    folder = _tiny_hf("causal-lm", tmp_path / "pickled")
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    pickled = _preflight_error({"name": "pkl", "source": f"hf:{folder}", "task": "causal-lm"})
+    assert pickled.startswith("models[pkl].source:") and "which loading would unpickle" in pickled
+
+
+def test_unknown_or_unfit_task_is_named(hf_dir: Path) -> None:
+    folder = _tiny_hf("feature-extraction", hf_dir / "task-check")
+    zoo = parse_zoo({"models": [{"name": "t", "source": f"hf:{folder}", "task": "summarize"}]})
+    assert zoo.invalid[0].name == "t"
+    assert zoo.invalid[0].error.startswith("models[0] (t).task: unknown task 'summarize'; use one of")
+    with pytest.raises(ZooConfigError, match=r"^task: 'summarize' is not a task kiln loads"):
+        source_for(f"hf:{folder}", task="summarize")
+    # A BERT has no image-classification head: refused before anything loads.
+    unfit = _preflight_error({"name": "u", "source": f"hf:{folder}", "task": "image-classification"})
+    assert unfit.startswith("models[u].task: 'image-classification' does not fit")
+
+
+def test_remote_code_needs_trust_remote_code(tmp_path: Path) -> None:
+    folder = _tiny_hf("feature-extraction", tmp_path / "custom")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="kiln_custom", auto_map={"AutoModel": "modeling_custom.CustomModel"})
+    (folder / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "ran"
+    (folder / "modeling_custom.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+
+    entry = {"name": "custom", "source": f"hf:{folder}", "task": "feature-extraction"}
+    zoo = parse_zoo({"models": [entry]})
+    with pytest.raises(UntrustedCodeError) as exc:
+        preflight(zoo.requests(zoo.entries[0])[0])
+    assert _error(exc).startswith("models[custom].trust_remote_code:") and "runs that code" in _error(exc)
+    with pytest.raises(UntrustedCodeError):
+        source_for(f"hf:{folder}", task="feature-extraction").load()
+    assert not marker.exists()  # nothing from the folder ran
+
+    # Trusted, the model's own code is part of its identity.
+    trusted = source_for(f"hf:{folder}", task="feature-extraction", trust_remote_code=True)
+    before = trusted.identity().digest
+    (folder / "modeling_custom.py").write_text("# changed\n")
+    assert trusted.identity().digest != before
+    assert not marker.exists()
+
+
+def test_offline_hub_id_not_in_the_cache_is_named(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    message = _preflight_error({"name": "hub", "source": "hf:kiln-test/not-cached", "task": "causal-lm"})
+    assert message.startswith("models[hub].source: hf:kiln-test/not-cached: hub id 'kiln-test/not-cached'")
+    assert "not in the local Hugging Face cache" in message and "HF_HUB_OFFLINE" in message
+
+
+# ---------------------------------------------------------------- entry fields
+
+
+def test_entry_takes_exactly_one_source_and_factory_is_a_source_kind() -> None:
+    old = ZooEntry.model_validate({"name": "b", "factory": "zoo.models:tiny_bert", "seed": 3})
+    new = ZooEntry.model_validate({"name": "b", "source": "factory:zoo.models:tiny_bert", "seed": 3})
+    assert old.source_uri == new.source_uri == "factory:zoo.models:tiny_bert"
+    assert old.requests()[0].cache_identity() == new.requests()[0].cache_identity()
+
+    cases = [
+        ({"name": "x"}, "source: give exactly one of source"),
+        ({"name": "x", "source": "hf:a", "factory": "zoo.models:tiny_bert"}, "exactly one"),
+        ({"name": "x", "source": "hf:./a"}, "task: required for hf: sources"),
+        (
+            {"name": "x", "source": "factory:zoo.models:tiny_bert", "task": "causal-lm"},
+            "task: applies to hf:",
+        ),
+        ({"name": "x", "source": "hf:./a", "task": "causal-lm", "seed": 1}, "seed: applies to factory:"),
+        ({"name": "x", "source": "s3://bucket/model"}, "source: 's3://bucket/model' has no known kind"),
+        ({"name": "x", "source": "factory:os.system"}, "must look like 'factory:package.module:function'"),
+    ]
+    for raw, expected in cases:
+        zoo = parse_zoo({"models": [raw]})
+        assert expected in zoo.invalid[0].error, (raw, zoo.invalid[0].error)
+
+
+def test_default_names_for_sources_given_on_the_command_line() -> None:
+    assert default_name("hf:./models/bert-base/") == "bert-base"
+    assert default_name("hf:Org/Tiny_Model") == "tiny-model"
+    assert default_name("factory:zoo.models:tiny_bert") == "tiny-bert"
+    assert isinstance(source_for("hf:./x", task="causal-lm"), HfSource)

@@ -1,0 +1,350 @@
+"""``hf:`` sources: a Hugging Face ``save_pretrained`` folder or a hub id, loaded for one ``task``.
+
+``hf:<folder>`` (absolute, or relative to the zoo file's directory) or ``hf:<org>/<name>`` (a hub id,
+with an optional ``revision``). Loading uses the transformers Auto class of the task, safetensors
+weights only (a folder with only ``pytorch_model.bin`` is refused: loading it would unpickle), fp32
+weights (precision is the compiler's job) and ``trust_remote_code`` only when the entry sets it.
+
+Identity without loading: the resolved revision (a hub commit; a folder has none) and the sha256 of
+``config.json``, the safetensors weights and their index (with remote code, the folder's ``*.py``
+too), plus the task and the transformers and torch versions that turn them into a graph. A hub id is
+resolved to a snapshot in the local Hugging Face cache first (online: those files are downloaded, never
+tokenizers or ``*.bin``); with ``HF_HUB_OFFLINE=1`` only the cache is used, and a hub id not in it is a
+:class:`ZooConfigError` naming the source.
+
+Inputs from the config and the task: text models take ``input_ids`` (and ``attention_mask`` where the
+model does), int64, batch 1..8 and sequence 1..min(512, max_position_embeddings); vision models take
+float32 ``pixel_values`` at the config's ``image_size`` (224 where the config has none), batch 1..8.
+The entry's ``inputs:`` override these ranges as for every source.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import Dim
+
+from zoo.errors import UntrustedCodeError, ZooConfigError
+from zoo.sources.base import LoadedCase, SourceIdentity, digest_of
+from zoo.sources.common import example_size, fit_example_shape, override_dims, resolve_path, sha256_file
+
+# task -> (transformers Auto class, the modeling_auto table naming the model types that have it)
+HF_TASKS: dict[str, tuple[str, str]] = {
+    "feature-extraction": ("AutoModel", "MODEL_MAPPING_NAMES"),
+    "sequence-classification": (
+        "AutoModelForSequenceClassification",
+        "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    ),
+    "token-classification": (
+        "AutoModelForTokenClassification",
+        "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    ),
+    "image-classification": (
+        "AutoModelForImageClassification",
+        "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    ),
+    "causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+}
+MAX_BATCH = 8
+MAX_SEQ = 512
+DEFAULT_IMAGE_SIZE = 224
+EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 16
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_TRUE = ("1", "ON", "YES", "TRUE")
+
+
+def check_task(task: str | None) -> str:
+    """The task, or a ZooConfigError naming the field and the tasks there are."""
+    if task not in HF_TASKS:
+        got = "none given" if task is None else repr(task)
+        raise ZooConfigError(f"task: {got} is not a task kiln loads; use one of {', '.join(HF_TASKS)}")
+    return task
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as set now, not when huggingface_hub was imported."""
+    return any(os.environ.get(v, "").upper() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _hub_cache() -> str | None:
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    return os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
+
+
+def _transformers_version() -> str:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        raise ZooConfigError(
+            "source: hf: sources need transformers; install kiln[models] (pip install 'transformers>=4.45')"
+        ) from None
+
+
+@dataclass(frozen=True)
+class HfSource:
+    """A Hugging Face model (see the module docstring)."""
+
+    location: str  # what follows "hf:": a folder or a hub id
+    task: str
+    revision: str | None = None
+    trust_remote_code: bool = False
+    inputs: Mapping[str, Any] = field(default_factory=dict)  # the entry's ranges: examples sit inside
+    base_dir: str | None = None  # the zoo file's directory, for relative folders
+
+    @property
+    def uri(self) -> str:
+        return f"hf:{self.location}"
+
+    # ------------------------------------------------------------------ identity (no model is loaded)
+
+    def identity(self) -> SourceIdentity:
+        check_task(self.task)
+        folder, revision = self.snapshot()
+        config = self.read_config(folder)
+        files = {path.name: sha256_file(path) for path in self.model_files(folder, config)}
+        digest = digest_of(
+            "hf",
+            self.task,
+            self.trust_remote_code,
+            files,
+            _transformers_version(),
+            torch.__version__,
+        )
+        return SourceIdentity("hf", self.uri, revision, digest)
+
+    def snapshot(self) -> tuple[Path, str]:
+        """(local folder holding the model, resolved revision: the hub commit, "" for a folder)."""
+        path = resolve_path(self.location, self.base_dir)
+        if path.is_dir():
+            if self.revision:
+                raise ZooConfigError(
+                    f"revision: {self.revision!r} applies to hub ids; {self.uri} is a local folder "
+                    f"({path}), which has no revisions; remove revision"
+                )
+            return path, ""
+        looks_like_path = self.location.startswith(("/", ".", "~")) or path.exists()
+        if looks_like_path or not _HUB_ID.match(self.location):
+            relative = self.base_dir and not Path(self.location).is_absolute()
+            where = f" (relative to {self.base_dir})" if relative else ""
+            raise ZooConfigError(
+                f"source: {self.uri}: folder {str(path)!r}{where} does not exist"
+                + ("" if looks_like_path else ", and it is not a hub id ('org/name')")
+                + "; write the save_pretrained folder's path"
+            )
+        return self._hub_snapshot()
+
+    def _hub_snapshot(self) -> tuple[Path, str]:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            OfflineModeIsEnabled,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        from zoo.errors import SourceUnavailableError
+
+        offline = hub_offline()
+        patterns = ["config.json", "*.safetensors", "*.safetensors.index.json"]
+        if self.trust_remote_code:
+            patterns.append("*.py")
+        revision = f" at revision {self.revision!r}" if self.revision else ""
+        try:
+            folder = snapshot_download(
+                self.location,
+                revision=self.revision,
+                allow_patterns=patterns,
+                local_files_only=offline,
+                cache_dir=_hub_cache(),
+            )
+        except (LocalEntryNotFoundError, OfflineModeIsEnabled) as exc:
+            if offline:
+                raise ZooConfigError(
+                    f"source: {self.uri}: hub id {self.location!r}{revision} is not in the local Hugging "
+                    f"Face cache ({_hub_cache() or 'the default cache'}) and HF_HUB_OFFLINE is set; "
+                    "download it where the hub can be reached (huggingface-cli download "
+                    f"{self.location}), or unset HF_HUB_OFFLINE"
+                ) from None
+            raise SourceUnavailableError(
+                f"source: {self.uri}: the Hugging Face hub cannot be reached and the model is not cached: "
+                f"{exc}; retry, or download it first"
+            ) from None
+        except RevisionNotFoundError:
+            raise ZooConfigError(
+                f"revision: {self.revision!r} does not exist in hub repository {self.location!r}; "
+                "use a branch, tag or commit it has"
+            ) from None
+        except (RepositoryNotFoundError, GatedRepoError) as exc:
+            raise ZooConfigError(
+                f"source: {self.uri}: hub repository {self.location!r} does not exist or is not "
+                f"accessible with this machine's token ({type(exc).__name__})"
+            ) from None
+        except HfHubHTTPError as exc:
+            raise SourceUnavailableError(f"source: {self.uri}: the Hugging Face hub failed: {exc}") from None
+        # The snapshot folder is named by the commit it holds: an immutable revision.
+        return Path(folder), Path(folder).name
+
+    def read_config(self, folder: Path) -> dict[str, Any]:
+        """config.json as data (nothing is imported from it), checked for the task and remote code."""
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise ZooConfigError(
+                f"source: {self.uri}: {str(folder)!r} has no config.json; point at a folder written by "
+                "save_pretrained"
+            )
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ZooConfigError(f"source: {self.uri}: config.json is not readable JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise ZooConfigError(f"source: {self.uri}: config.json must hold a JSON object")
+        self._check_code(config)
+        return config
+
+    def _check_code(self, config: dict[str, Any]) -> None:
+        from transformers.models.auto import modeling_auto
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        auto_class, table = HF_TASKS[check_task(self.task)]
+        model_type = config.get("model_type")
+        auto_map = config.get("auto_map") or {}
+        if model_type in CONFIG_MAPPING_NAMES:
+            # transformers uses its own code for a known model type unless remote code is trusted.
+            if self.trust_remote_code and auto_class in auto_map:
+                self._check_local_code(auto_map)
+                return
+            if model_type not in getattr(modeling_auto, table):
+                raise ZooConfigError(
+                    f"task: {self.task!r} does not fit {self.uri}: transformers "
+                    f"{_transformers_version()} has no {auto_class} for model_type {model_type!r}"
+                )
+            return
+        if not auto_map:
+            raise ZooConfigError(
+                f"source: {self.uri}: config.json model_type {model_type!r} is not known to transformers "
+                f"{_transformers_version()}; upgrade transformers, or check the folder"
+            )
+        if not self.trust_remote_code:
+            raise UntrustedCodeError(
+                f"trust_remote_code: {self.uri} (model_type {model_type!r}) needs the Python code shipped "
+                "with the model (config.json auto_map); loading it runs that code. Set "
+                "trust_remote_code: true on this entry only if you trust its author (docs/sources.md)"
+            )
+        if auto_class not in auto_map:
+            raise ZooConfigError(
+                f"task: {self.task!r} does not fit {self.uri}: its auto_map has no {auto_class} "
+                f"(it has {', '.join(sorted(auto_map))})"
+            )
+        self._check_local_code(auto_map)
+
+    def _check_local_code(self, auto_map: Mapping[str, Any]) -> None:
+        refs = [r for v in auto_map.values() for r in (v if isinstance(v, list) else [v]) if r]
+        if any("--" in str(r) for r in refs):
+            raise UntrustedCodeError(
+                f"trust_remote_code: {self.uri}'s auto_map names code in another repository "
+                f"({[r for r in refs if '--' in str(r)]}); kiln runs code only from the source it names"
+            )
+
+    def model_files(self, folder: Path, config: Mapping[str, Any]) -> list[Path]:
+        """The files that decide the graph and weights: config.json, safetensors (+ index), code."""
+        weights = sorted(folder.glob("*.safetensors"))
+        if not weights:
+            pickled = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in folder.glob(pattern))
+            raise ZooConfigError(
+                f"source: {self.uri}: {str(folder)!r} has no *.safetensors weights"
+                + (f" (only {pickled}, which loading would unpickle)" if pickled else "")
+                + "; save the model with save_pretrained(..., safe_serialization=True)"
+            )
+        files = [folder / "config.json", *weights, *sorted(folder.glob("*.safetensors.index.json"))]
+        if self.trust_remote_code and config.get("auto_map"):
+            files += sorted(folder.glob("*.py"))
+        return files
+
+    # ------------------------------------------------------------------ load
+
+    def load(self) -> LoadedCase:
+        folder, _ = self.snapshot()
+        config = self.read_config(folder)
+        self.model_files(folder, config)  # safetensors present
+        import transformers
+
+        auto = getattr(transformers, HF_TASKS[self.task][0])
+        try:
+            model = auto.from_pretrained(
+                str(folder),
+                use_safetensors=True,
+                local_files_only=True,
+                trust_remote_code=self.trust_remote_code,
+                dtype=torch.float32,
+            )
+        except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ... for bad folders
+            raise ZooConfigError(
+                f"source: {self.uri}: transformers could not load it as task {self.task!r}: "
+                f"{type(exc).__name__}: {exc}"[:2000]
+            ) from exc
+        model.eval()
+        main_input = getattr(model, "main_input_name", "input_ids")
+        if main_input == "input_ids":
+            return self._text_case(model, config)
+        if main_input == "pixel_values":
+            return self._vision_case(model, config)
+        raise ZooConfigError(
+            f"source: {self.uri}: the model's main input is {main_input!r}; kiln derives inputs for text "
+            "(input_ids) and vision (pixel_values) models; export it yourself and use a pt2: source"
+        )
+
+    def _text_case(self, model: torch.nn.Module, config: Mapping[str, Any]) -> LoadedCase:
+        vocab = int(config.get("vocab_size") or getattr(model.config, "vocab_size", 0) or 2)
+        positions = getattr(model.config, "max_position_embeddings", None)
+        max_seq = min(MAX_SEQ, int(positions)) if positions else MAX_SEQ
+        if self.task == "causal-lm":
+            model = LogitsOnly(model).eval()
+        takes_mask = "attention_mask" in inspect.signature(model.forward).parameters
+        names = ["input_ids", "attention_mask"] if takes_mask else ["input_ids"]
+        # seq min 1: torch.export accepts it for these models (a one-token request is real traffic).
+        batch, seq = Dim("batch", min=1, max=MAX_BATCH), Dim("seq", min=1, max=max_seq)
+        default = [EXAMPLE_BATCH, example_size(EXAMPLE_SEQ, 1, max_seq)]
+        b, s = fit_example_shape(default, override_dims(self.inputs, "input_ids"))
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (b, s), generator=generator)
+        # The example's values set the range validation draws token ids from: the whole vocabulary.
+        ids.view(-1)[0], ids.view(-1)[-1] = 0, vocab - 1
+        kwargs: dict[str, Any] = {"input_ids": ids}
+        if takes_mask:
+            kwargs["attention_mask"] = torch.ones_like(ids)
+        shapes = {name: {0: batch, 1: seq} for name in names}
+        return LoadedCase(model, (), kwargs, shapes)
+
+    def _vision_case(self, model: torch.nn.Module, config: Mapping[str, Any]) -> LoadedCase:
+        size = config.get("image_size") or DEFAULT_IMAGE_SIZE
+        height, width = (size, size) if isinstance(size, int) else (int(size[0]), int(size[-1]))
+        channels = int(config.get("num_channels") or 3)
+        shape = [EXAMPLE_BATCH, channels, int(height), int(width)]
+        shape = fit_example_shape(shape, override_dims(self.inputs, "pixel_values"))
+        pixels = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        return LoadedCase(
+            model, (), {"pixel_values": pixels}, {"pixel_values": {0: Dim("batch", min=1, max=MAX_BATCH)}}
+        )
+
+
+class LogitsOnly(torch.nn.Module):
+    """A causal LM without its KV cache: logits only, so no cache object crosses the export boundary."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
