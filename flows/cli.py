@@ -180,6 +180,22 @@ def _run_with_progress(jobs: int, run: Any) -> tuple[dict[str, Any] | None, Base
         return run()
 
 
+def _unchanged_summary(requests: list[Any], out_dir: str, settings: ZooSettings, zoo: str) -> dict | None:
+    """The summary of a run in which every request is unchanged (see tasks.reuse), else None.
+
+    Checked before any Prefect server starts: an unchanged zoo costs a hash per model.
+    """
+    import time
+
+    from flows.recompile_zoo import reuse_unchanged, write_summary
+
+    start = time.perf_counter()
+    fresh, results = reuse_unchanged(requests, out_dir, settings, [])
+    if fresh or not results:
+        return None
+    return write_summary(results, out_dir, settings, time.perf_counter() - start, zoo=zoo)
+
+
 def _finish(summary: dict[str, Any], as_json: bool, tracking: bool) -> None:
     code = report(summary, as_json)
     if tracking and not as_json:
@@ -227,14 +243,18 @@ def zoo_cmd(
         settings = _merged(zoo.settings, overrides)
     except ValidationError as exc:
         raise _bad_input(_format_errors(exc, "options")) from None
-    jobs = len(_selected_requests(zoo, model, device)) + len(
-        [i for i in zoo.invalid if not model or i.name in model]
-    )
+    requests = _selected_requests(zoo, model, device)
+    invalid = [i for i in zoo.invalid if not model or i.name in model]
+    if not invalid:
+        out_dir = str(Path(out or settings.out_dir).resolve())
+        summary = _unchanged_summary(requests, out_dir, settings, str(zoo_file))
+        if summary is not None:
+            _finish(summary, as_json, settings.tracking_enabled())
 
     from flows.recompile_zoo import run_zoo
 
     summary, error = _run_with_progress(
-        jobs,
+        len(requests) + len(invalid),
         lambda: run_zoo(
             str(zoo_file),
             str(out) if out else None,
@@ -410,6 +430,9 @@ def compile_cmd(
     except ZooConfigError as exc:
         raise _bad_input(str(exc)) from None
     out_dir = str((out or Path(settings.out_dir)).resolve())
+    summary = _unchanged_summary([request], out_dir, settings, str(zoo_file))
+    if summary is not None:
+        _finish(summary, as_json, settings.tracking_enabled())
 
     from flows.compile_model import ModelResult, compile_model
     from flows.recompile_zoo import write_summary

@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import progress
 from tasks.refs import EngineRef
+from tasks.reuse import PublishedRecord, remember
 from tasks.stages import configured
 from zoo.config import ZooSettings
 from zoo.preflight import preflight as check_request
@@ -43,9 +44,29 @@ class ModelResult:
     build_workers: list[str] = field(default_factory=list)
     engine_cache: str | None = None  # the engine cache this compile used (None: none)
     warnings: list[str] = field(default_factory=list)  # the engine cache degraded (corrupt, read-only)
+    unchanged: bool = False  # nothing ran: the request's last package is in place (tasks.reuse)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_record(cls, request: CompileRequest, record: PublishedRecord) -> ModelResult:
+        """The row of a request whose package is unchanged: every engine reused, nothing run."""
+        return cls(
+            name=request.name,
+            device=request.device,
+            status="ok",
+            package=record.package,
+            content_hash=record.content_hash,
+            partitions=record.partitions,
+            unique_engines=record.unique_engines,
+            engines_reused=record.unique_engines,
+            fallback_ops=dict(record.fallback_ops),
+            max_rel_l2=record.max_rel_l2,
+            latency_ratio=record.latency_ratio,
+            tracking=record.tracking,
+            unchanged=True,
+        )
 
 
 def package_path(out_dir: str, request: CompileRequest) -> str:
@@ -133,6 +154,20 @@ def compile_model(
         build_workers=sorted({e.worker for e in engines}),
         engine_cache=engine_cache,
         warnings=sorted({w for e in engines for w in e.warnings}),
+    )
+    remember(
+        request,
+        workspace,
+        PublishedRecord(
+            package.path,
+            package.content_hash,
+            plan.partitions,
+            len(engines),
+            dict(plan.fallback_ops),
+            validation.max_rel_l2,
+            validation.latency_ratio,
+            result.tracking,
+        ),
     )
     progress.emit("done", name, device, "ok")
     return result

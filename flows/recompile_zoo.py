@@ -19,8 +19,9 @@ from prefect.cache_policies import NO_CACHE
 from compiler.atomic import write_bytes_atomic
 from compiler.errors import KilnError
 from flows import progress
-from flows.compile_model import ModelResult, compile_model, preflight
+from flows.compile_model import ModelResult, compile_model, package_path, preflight
 from flows.runners import ensure_build_limits, shared_dask_cluster, task_runner_for
+from tasks.reuse import unchanged
 from zoo.config import ZooSettings, load_zoo
 from zoo.request import CompileRequest
 
@@ -109,6 +110,23 @@ def summary_markdown(results: list[ModelResult], seconds: float) -> str:
     return "\n".join(lines)
 
 
+def reuse_unchanged(
+    requests: list[CompileRequest], out_dir: str, settings: ZooSettings, results: list[ModelResult]
+) -> tuple[list[CompileRequest], list[ModelResult]]:
+    """(requests to compile, results with a reused row per unchanged request): see ``tasks.reuse``."""
+    workspace = str(Path(settings.workspace).resolve())
+    tracking = settings.tracking_enabled()
+    fresh = []
+    for request in requests:
+        record = unchanged(request, package_path(out_dir, request), workspace, tracking=tracking)
+        if record is None:
+            fresh.append(request)
+            continue
+        results = [*results, ModelResult.from_record(request, record)]
+        progress.emit("done", request.name, request.device, "unchanged")
+    return fresh, results
+
+
 def _open_zoo_run(settings: ZooSettings, zoo_path: str) -> str | None:
     if not settings.tracking_enabled():
         return None
@@ -185,6 +203,8 @@ def recompile_zoo(
         for request in entry.requests(settings, zoo.zoo_dir)
         if not devices or request.device in devices
     ]
+    # Unchanged models (same source identity, request and kiln; package in place) cost a hash.
+    jobs, results = reuse_unchanged(jobs, out, settings, results)
     # Every check that needs no build runs for every model first, so bad input fails in seconds.
     checks = [preflight.submit(request) for request in jobs]
     runnable = []
