@@ -281,3 +281,90 @@ def test_default_names_for_sources_given_on_the_command_line() -> None:
     assert default_name("hf:Org/Tiny_Model") == "tiny-model"
     assert default_name("factory:zoo.models:tiny_bert") == "tiny-bert"
     assert isinstance(source_for("hf:./x", task="causal-lm"), HfSource)
+
+
+# ---------------------------------------------------------------- pt2:
+
+
+class _Tagger(torch.nn.Module):
+    """Two inputs sharing a dynamic dim, one of them token ids: what a re-export must keep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids) * mask.unsqueeze(-1))
+
+
+@pytest.fixture(scope="module")
+def pt2_files(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from torch.export import Dim
+
+    folder = tmp_path_factory.mktemp("pt2")
+    torch.manual_seed(0)
+    model = _Tagger().eval()
+    ids = torch.randint(0, 50, (2, 6))
+    ids.view(-1)[0], ids.view(-1)[-1] = 0, 49
+    batch, seq = Dim("batch", min=1, max=8), Dim("seq", min=2, max=32)
+    shapes = {"ids": {0: batch, 1: seq}, "mask": {0: batch, 1: seq}}
+    kiln = compiler.export(model, (), {"ids": ids, "mask": torch.ones(2, 6)}, dynamic_shapes=shapes)
+    compiler.save_program(kiln, folder / "kiln.pt2")
+    plain = torch.export.export(model, (ids, torch.ones(2, 6)), dynamic_shapes=shapes)
+    torch.export.save(plain, folder / "plain.pt2")  # no kiln specs: ranges from its constraints
+    return {"model": model, "dir": folder, "kiln": folder / "kiln.pt2", "plain": folder / "plain.pt2"}
+
+
+@pytest.mark.parametrize("which", ["kiln", "plain"])
+def test_pt2_round_trip_keeps_the_ranges(pt2_files: dict, which: str) -> None:
+    path = pt2_files[which]
+    entry = ZooEntry.model_validate({"name": "tagger", "source": f"pt2:{path.name}"})
+    request = entry.requests(zoo_dir=str(pt2_files["dir"]))[0]  # relative to the zoo file's folder
+    identity = request.identity()
+    import hashlib
+
+    assert identity.kind == "pt2" and identity.version == hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    assert request.identity() == identity
+
+    case = request.load_case()
+    program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+    specs = {s.name: s for s in compiler.input_specs(program)}
+    assert (specs["ids"].min_shape, specs["ids"].max_shape) == ((1, 2), (8, 32))
+    assert specs["ids"].dynamic_dims[0] == specs["mask"].dynamic_dims[0]  # one shared batch dim
+    assert specs["ids"].dynamic_dims[1] == specs["mask"].dynamic_dims[1]
+    if which == "kiln":  # kiln programs carry their dim names and the token-id range
+        assert specs["ids"].dynamic_dims == {0: "batch", 1: "seq"}
+        assert specs["ids"].value_range == (0.0, 49.0)
+    ids, mask = torch.randint(0, 50, (5, 9)), torch.ones(5, 9)
+    # The re-export takes its inputs as the original did: by keyword (kiln.pt2) or by position.
+    module = program.module()
+    out = module(ids=ids, mask=mask) if case.kwargs else module(ids, mask)
+    torch.testing.assert_close(out, pt2_files["model"](ids, mask))
+
+
+def test_truncated_corrupt_or_unsafe_pt2_is_refused(pt2_files: dict, tmp_path: Path) -> None:
+    import zipfile
+
+    data = pt2_files["kiln"].read_bytes()
+    (tmp_path / "truncated.pt2").write_bytes(data[: len(data) // 2])
+    message = _preflight_error({"name": "cut", "source": "pt2:truncated.pt2"}, tmp_path)
+    assert message.startswith("models[cut].source: pt2:truncated.pt2:") and "truncated" in message
+
+    missing = _preflight_error({"name": "nofile", "source": "pt2:absent.pt2"}, tmp_path)
+    assert missing.startswith("models[nofile].source:") and "does not exist" in missing
+
+    # A program whose graph is garbage, and a program with an entry torch would unpickle.
+    with zipfile.ZipFile(pt2_files["kiln"]) as good, zipfile.ZipFile(tmp_path / "junk.pt2", "w") as junk:
+        for item in good.infolist():
+            broken = item.filename.endswith("models/model.json")
+            junk.writestr(item, b'{"graph_module": ' if broken else good.read(item))
+    shutil.copy(pt2_files["kiln"], tmp_path / "evil.pt2")
+    with zipfile.ZipFile(tmp_path / "evil.pt2", "a") as archive:
+        archive.writestr(
+            zipfile.ZipInfo(f"{archive.namelist()[0].split('/')[0]}/data/evil.pkl"), b"\x80\x04."
+        )
+    for name, error in (("junk", ZooConfigError), ("evil", UntrustedCodeError)):
+        request = ZooEntry(name=name, source=f"pt2:{name}.pt2").requests(zoo_dir=str(tmp_path))[0]
+        preflight(request)  # a zip archive: its content is checked when it loads
+        with pytest.raises(error, match=rf"^models\[{name}\]\.source: pt2:{name}\.pt2: "):
+            request.load_case()

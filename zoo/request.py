@@ -15,6 +15,7 @@ from typing import Any
 
 from compiler.options import CompileOptions
 from compiler.validate import Tolerances
+from zoo.errors import ZooConfigError
 from zoo.inputs import InputOverrideLike, apply_overrides
 from zoo.sources.base import LoadedCase, ModelSource, SourceIdentity
 
@@ -49,7 +50,12 @@ class CompileRequest:
 
     def load_case(self) -> LoadedCase:
         """The source's model with this request's input ranges, on this request's device."""
-        case = apply_overrides(self.source.load(), self.inputs, f"models[{self.name}]")
+        where = f"models[{self.name}]"
+        try:
+            loaded = self.source.load()
+        except ZooConfigError as exc:  # sources name the field ("source: ..."); add the entry
+            raise type(exc)(f"{where}.{exc}") from exc
+        case = apply_overrides(loaded, self.inputs, where)
         if self.device == "cpu":
             return case
         import torch

@@ -5,6 +5,7 @@
 =====================  ===========================================  ====================
 ``factory:mod:fn``     a trusted Python function building the model  ``zoo.sources.factory``
 ``hf:<folder|id>``     a Hugging Face folder or hub id (+ ``task``)  ``zoo.sources.hf``
+``pt2:<file>``         a torch.export.save program                   ``zoo.sources.pt2``
 =====================  ===========================================  ====================
 
 :func:`source_for` turns a string (and the entry fields its kind reads) into a
@@ -23,6 +24,7 @@ from zoo.errors import ZooConfigError
 from zoo.sources.base import LoadedCase, ModelSource, SourceIdentity
 from zoo.sources.factory import FACTORY_RE, FactoryPolicy, FactorySource
 from zoo.sources.hf import HF_TASKS, HfSource
+from zoo.sources.pt2 import Pt2Source
 
 __all__ = [
     "HF_TASKS",
@@ -36,7 +38,7 @@ __all__ = [
 ]
 
 # kind -> how its string starts
-SOURCE_KINDS = {"factory": "factory:", "hf": "hf:"}
+SOURCE_KINDS = {"factory": "factory:", "hf": "hf:", "pt2": "pt2:"}
 
 
 def source_kind(uri: str) -> tuple[str, str]:
@@ -95,6 +97,8 @@ def source_for(
         from zoo.sources.hf import check_task
 
         return HfSource(rest, check_task(task), revision, trust_remote_code, dict(inputs or {}), base_dir)
+    if kind == "pt2":
+        return Pt2Source(rest, dict(inputs or {}), base_dir)
     raise AssertionError(kind)  # source_kind knows no other kind
 
 
