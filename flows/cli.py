@@ -499,6 +499,60 @@ def deploy_cmd(
     console.print(f"run one now:  prefect deployment run {next(iter(registered), 'recompile-zoo/<name>')}")
 
 
+webhook_app = typer.Typer(help="Recompile when a source model changes in the MLflow registry.")
+app.add_typer(webhook_app, name="webhook")
+
+
+@webhook_app.command("serve")
+def webhook_serve(
+    zoo_file: Annotated[
+        Path, typer.Option("--zoo", help="zoo file whose entries name models:/ sources")
+    ] = Path("deploy/zoo.yaml"),
+    deployment: Annotated[
+        str, typer.Option(help="the Prefect deployment to start for the affected entries")
+    ] = "recompile-zoo/zoo-nightly-cpu",
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 8765,
+    verbose: Verbose = False,
+) -> None:
+    """Receive MLflow registry webhooks (signed with $KILN_WEBHOOK_SECRET) and start recompiles."""
+    _quiet_prefect(verbose)
+    from compiler.errors import KilnError
+    from flows.webhook import Receiver, secret_from_env, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        receiver = Receiver(str(zoo_file.resolve()), deployment, secret_from_env())
+    except KilnError as exc:
+        raise _bad_input(str(exc)) from None
+    server = serve(receiver, host, port)
+    console.print(f"kiln webhook receiver on http://{host}:{server.server_port}/ for {zoo_file}")
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+@webhook_app.command("register")
+def webhook_register(
+    url: Annotated[str, typer.Argument(help="where kiln webhook serve listens, as MLflow reaches it")],
+    name: Annotated[str, typer.Option(help="the webhook's name in MLflow")] = "kiln-recompile",
+    tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking server")] = None,
+) -> None:
+    """Create the MLflow webhook (new versions, moved aliases) that calls the receiver at URL."""
+    from compiler.errors import KilnError
+    from flows.webhook import EVENTS, secret_from_env
+    from registry import config
+
+    try:
+        hook = config.client(tracking_uri).create_webhook(
+            name=name, url=url, events=list(EVENTS), secret=secret_from_env()
+        )
+    except KilnError as exc:
+        raise _bad_input(str(exc)) from None
+    console.print(f"registered MLflow webhook {hook.webhook_id} -> {url} ({', '.join(EVENTS)})")
+
+
 try:
     from flows.registry_cli import register_commands
 except ModuleNotFoundError as _exc:  # only while the registry half does not exist yet

@@ -93,9 +93,15 @@ def _tracking_task():
     validate_parameters=False,  # a CompileRequest is validated once, where it is made
 )
 def compile_model(
-    request: CompileRequest, out_dir: str = "out", settings: ZooSettings | None = None
+    request: CompileRequest,
+    out_dir: str = "out",
+    settings: ZooSettings | None = None,
+    parent_run_id: str | None = None,
 ) -> ModelResult:
-    """Compile one request into ``<out_dir>/<package name>.kiln``, validated against eager."""
+    """Compile one request into ``<out_dir>/<package name>.kiln``, validated against eager.
+
+    ``parent_run_id``: the MLflow run of the zoo run this compile belongs to (recorded runs nest there).
+    """
     settings = settings or ZooSettings()
     start = time.perf_counter()
     logger = get_run_logger()
@@ -127,7 +133,7 @@ def compile_model(
 
     tracking = None
     if settings.tracking_enabled():
-        tracking = _tracking_task()(package.run_copy, request)
+        tracking = _tracking_task()(package.run_copy, request, parent_run_id=parent_run_id)
 
     # Reused: from the workspace or the persistent engine cache. A build that fell back to PyTorch built
     # nothing (the compile report lists it under build_failures).
