@@ -63,7 +63,10 @@ class KilnBackend:
             for name, node, tensor in zip(user_inputs, placeholders, example_inputs, strict=True)
             if _is_weight(node, tensor)
         }
-        plan = partition(program, self.options, input_weights=weights)
+        # The graph runs where dynamo's inputs are: that is the engines' device.
+        device = next((t.device for t in example_inputs if t.device.type != "cpu"), torch.device("cpu"))
+        options = dataclasses.replace(self.options, device=str(device))
+        plan = partition(program, options, input_weights=weights)
         unique = dedup(plan)
         engines = {fp: build_engine(plan, unique, fp, cache=self.cache) for fp in unique.fingerprints}
         compiled = assemble(plan, unique, engines)

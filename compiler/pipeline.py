@@ -11,6 +11,7 @@ from torch.export import ExportedProgram
 from compiler.build import build_engine
 from compiler.cache import EngineCache
 from compiler.dedup import dedup
+from compiler.device import program_on, resolve
 from compiler.options import CompileOptions
 from compiler.partition import partition
 from compiler.runtime import CompiledModule, assemble
@@ -42,6 +43,9 @@ def compile(
     """
     options = dataclasses.replace(options or CompileOptions(), **settings)
     engine_cache = resolve_cache(cache)
+    # The program runs where the options say: a program exported elsewhere is moved (weights and the
+    # devices its ops name); better to export on the device (compiler.device.to_device).
+    program = program_on(program, resolve(options.device))
     plan = partition(program, options)
     unique = dedup(plan)
     engines = {fp: build_engine(plan, unique, fp, cache=engine_cache) for fp in unique.fingerprints}

@@ -25,6 +25,7 @@ from compiler.backends import get_backend
 from compiler.backends.base import Engine, EngineBackend, EngineIO
 from compiler.build import EngineArtifact
 from compiler.dedup import DedupPlan
+from compiler.device import resolve, same
 from compiler.errors import InputSpecError, RefitError
 from compiler.export import TRACING
 from compiler.lower import engine_weights
@@ -67,6 +68,8 @@ class CompiledModule(torch.nn.Module):
             report,
         )
         self.validation: dict | None = None  # set by package.load from the manifest
+        # Where inputs, engines, fallback ops and outputs live (CompileOptions.device).
+        self.device = resolve(plan.options.device)
         program = plan.program
         self._in_spec, self._out_spec = program.call_spec.in_spec, program.call_spec.out_spec
         # Weights are fixed for the module's life (refit builds a new module): resolve them once.
@@ -99,6 +102,7 @@ class CompiledModule(torch.nn.Module):
 
     def run_flat(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run on the flat user inputs (the program's order); returns the flat user outputs."""
+        self._check_placement(flat)
         check_inputs(self.plan.specs, flat)
         user = iter(flat)
         feed = [next(user) if value is None else value for value in self._feed_template]
@@ -106,9 +110,30 @@ class CompiledModule(torch.nn.Module):
             outputs = self.graph(*feed)
         return [outputs[i] for i in self._user_outputs]
 
+    def _check_placement(self, flat: list[object]) -> None:
+        """Inputs are dense tensors with data, on the module's device: anything else is a typed error
+        naming the input (engines would fail with raw errors, or, like ONNX Runtime's, copy a CUDA
+        tensor to the host and answer on the wrong device)."""
+        for spec, value in zip(self.plan.specs, flat, strict=False):
+            if not isinstance(value, torch.Tensor):
+                continue  # check_inputs names the type
+            if value.is_meta:
+                raise InputSpecError(f"input {spec.name!r} is a meta tensor (no data); pass a real tensor")
+            if value.layout != torch.strided:
+                raise InputSpecError(
+                    f"input {spec.name!r} has layout {value.layout}; the compiled model takes dense tensors "
+                    "(call .to_dense())"
+                )
+            if not same(value.device, self.device):
+                raise InputSpecError(
+                    f"input {spec.name!r} is on {value.device}, but the model was compiled for "
+                    f"{self.device}; move it there (.to({str(self.device)!r}))"
+                )
+
     def _flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         if self._in_spec is None:
             return list(args)
+        args, kwargs = self._positional_by_name(tuple(args), dict(kwargs))
         kwarg_spec = self._in_spec.child(1) if self._in_spec.num_children == 2 else None
         if kwarg_spec is not None and kwarg_spec.context is not None:
             expected = list(kwarg_spec.context)
@@ -127,9 +152,30 @@ class CompiledModule(torch.nn.Module):
             )
         return flat
 
+    def _positional_by_name(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``m(x=x)`` for a model exported as ``m(x)``: keywords naming positional inputs, as the eager
+        model accepts them, fill their positions."""
+        positional = self._in_spec.child(0) if self._in_spec.num_children == 2 else None
+        if positional is None or not kwargs or len(args) >= positional.num_children:
+            return args, kwargs
+        # Names of the positional inputs that are single tensors (the placeholder name is the parameter's).
+        names, leaf = [], 0
+        for index in range(positional.num_children):
+            child = positional.child(index)
+            names.append(self.plan.specs[leaf].name if child.is_leaf() else None)
+            leaf += child.num_leaves
+        args, kwargs = list(args), dict(kwargs)
+        for name in names[len(args) :]:
+            if name is None or name not in kwargs:
+                break
+            args.append(kwargs.pop(name))
+        return tuple(args), kwargs
+
     def refit(self, state: Mapping[str, torch.Tensor]) -> CompiledModule:
         """The same engines with new weights (a fine-tuned checkpoint): no lowering, no build."""
         current = self.plan.weights()
+        # New weights live where the model runs (fallback ops read them from the program).
+        state = {k: v.to(self.device) for k, v in state.items()}
         unknown = sorted(set(state) - set(current))
         if unknown:
             raise RefitError(f"refit weights name keys the model lacks: {unknown[:10]}")
@@ -155,7 +201,7 @@ class CompiledModule(torch.nn.Module):
             if a.stripped or not a.is_engine
             else dataclasses.replace(
                 a,
-                engine=get_backend(a.backend).refit(
+                engine=get_backend(a.backend, device=self.plan.options.device).refit(
                     a.engine, engine_weights(plan, self.dedup.instance(self.dedup.unique[fp]))
                 ),
             )
@@ -182,12 +228,15 @@ def assemble(
             continue  # the build fell back to PyTorch: the partition's own submodule stays in the graph
         shared = dedup.unique[instance.fingerprint] != part.name
         weights = engine_weights(plan, instance)
-        engine = get_backend(artifact.backend).load(artifact.engine, artifact.io, weights)
+        backend = get_backend(artifact.backend, device=plan.options.device)
+        engine = backend.load(artifact.engine, artifact.io, weights)
         refits += int(shared or artifact.stripped)
         positions = tuple(i for i, src in enumerate(part.inputs) if src.kind == "activation")
         setattr(graph, part.name, EngineCall(engine, artifact.io, positions, instance.fingerprint))
     if report is None:
-        report = _report(plan, dedup, engines, get_backend(plan.options.backend), refits)
+        report = _report(
+            plan, dedup, engines, get_backend(plan.options.backend, device=plan.options.device), refits
+        )
     report.stage_seconds["assemble"] = round(time.perf_counter() - start, 4)
     return CompiledModule(plan, dedup, engines, graph, report)
 

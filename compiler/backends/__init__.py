@@ -1,8 +1,10 @@
 """Engine backends behind one protocol (``compiler.backends.base.EngineBackend``).
 
-``get_backend(name)`` maps a name to a backend instance: ``onnxruntime`` (the embedded default, runs
-anywhere), ``tensorrt`` and ``tensorrt-rtx`` (one code path), and ``auto`` (TensorRT where a GPU and
-a TensorRT library are present, else ONNX Runtime).
+``get_backend(name, device="cpu")`` maps a name to a backend instance bound to the device its engines
+run on (``CompileOptions.device``): ``onnxruntime`` (the embedded default; CPU, or CUDA where the CUDA
+execution provider is installed), ``tensorrt`` and ``tensorrt-rtx`` (one code path, CUDA), ``inductor``
+(PyTorch's own compiler, CPU and CUDA) and ``auto`` (on a CUDA device: TensorRT where a library that
+runs there is installed, else Inductor; on the CPU: ONNX Runtime).
 """
 
 from __future__ import annotations
@@ -12,26 +14,45 @@ from functools import cache
 from compiler.backends.base import EngineBackend
 from compiler.errors import BackendError, BackendUnavailableError
 
-BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-rtx", "auto")
+BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-rtx", "inductor", "auto")
+
+
+def get_backend(name: str, device: str = "cpu") -> EngineBackend:
+    """The backend ``name`` for models on ``device``; BackendUnavailableError names what is missing."""
+    from compiler.device import resolve
+
+    return _backend(name, str(resolve(device)))
 
 
 @cache
-def get_backend(name: str) -> EngineBackend:
+def _backend(name: str, device: str) -> EngineBackend:
     if name == "onnxruntime":
         from compiler.backends.onnxruntime import OnnxRuntimeBackend
 
-        return OnnxRuntimeBackend()
+        backend = OnnxRuntimeBackend()
+        if device != "cpu" and not backend.target_device().startswith("cuda"):
+            raise BackendUnavailableError(
+                f"backend 'onnxruntime' runs on the CPU only here (providers {backend.providers}); device "
+                f"{device!r} needs onnxruntime-gpu, or backend 'inductor' or 'tensorrt'"
+            )
+        return backend
     if name in ("tensorrt", "tensorrt-rtx"):
         from compiler.backends.tensorrt import TensorRTBackend
 
         return TensorRTBackend(name)
+    if name == "inductor":
+        from compiler.backends.inductor import InductorBackend
+
+        return InductorBackend(device)
     if name == "auto":
+        if device == "cpu":
+            return _backend("onnxruntime", device)
         for candidate in ("tensorrt", "tensorrt-rtx"):
             try:
-                backend = get_backend(candidate)
+                backend = _backend(candidate, device)
                 backend.check_runnable()  # TensorRT-RTX builds on an H100 but cannot run there
                 return backend
             except (BackendUnavailableError, ImportError):
                 continue
-        return get_backend("onnxruntime")
+        return _backend("inductor", device)
     raise BackendError(f"unknown backend {name!r}; expected one of {BACKENDS}")

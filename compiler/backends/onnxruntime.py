@@ -21,7 +21,7 @@ import torch
 from onnx import numpy_helper
 
 from compiler.backends.base import BuildSettings, EngineIO, is_weight_name, to_numpy
-from compiler.errors import EngineBuildError, RefitError
+from compiler.errors import EngineBuildError, InputSpecError, RefitError
 from compiler.onnx_support import onnx_exportable
 
 
@@ -34,6 +34,11 @@ class OnnxRuntimeEngine:
         self._input_names = [spec.name for spec in io.inputs]
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        for name, t in zip(self._input_names, inputs, strict=False):
+            if t.device.type != "cpu":  # never copy to the host and answer on another device than asked
+                raise InputSpecError(
+                    f"ONNX Runtime engine input {name!r} is on {t.device}; this engine runs on the CPU"
+                )
         feed = {
             name: t.detach().contiguous().cpu().numpy()
             for name, t in zip(self._input_names, inputs, strict=True)
