@@ -18,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from compiler.backends import get_backend
-from compiler.backends.base import BuildSettings, EngineBackend, EngineIO
+from compiler.backends.base import BuildSettings, EngineBackend, EngineIO, graph_format
 from compiler.cache import CacheKey, EngineCache
 from compiler.dedup import DedupPlan
-from compiler.errors import EngineBuildError
-from compiler.lower import LoweredPartition, engine_io, lower
+from compiler.errors import EngineBuildError, LoweringError
+from compiler.lower import LoweredPartition, engine_io, lower, lower_program
 from compiler.partition import PartitionPlan
 
 TORCH = "torch"  # the backend of a partition that runs as its own PyTorch submodule (no engine)
@@ -90,10 +90,11 @@ def build_engine(
 
     def build() -> bytes:
         nonlocal lowered
-        lowered = lower(plan, dedup, fingerprint)
+        fmt = graph_format(backend)
+        lowered = (lower_program if fmt == "torch.export" else lower)(plan, dedup, fingerprint)
         try:
             return backend.build(
-                lowered.onnx,
+                lowered.graph(fmt),
                 lowered.io,
                 settings,
                 partition=representative.name,
@@ -113,7 +114,9 @@ def build_engine(
     except EngineBuildError as exc:
         if plan.options.on_build_failure == "error":
             raise
-        return _fall_back(plan, fingerprint, str(key), io, backend, settings, lowered, exc, cache, start)
+        return _fall_back(
+            plan, dedup, fingerprint, str(key), io, backend, settings, lowered, exc, cache, start
+        )
     return EngineArtifact(
         fingerprint,
         str(key),
@@ -149,6 +152,7 @@ def _through_cache(
 
 def _fall_back(
     plan: PartitionPlan,
+    dedup: DedupPlan,
     fingerprint: str,
     key: str,
     io: EngineIO,
@@ -170,10 +174,21 @@ def _fall_back(
         "fell_back_to": TORCH,
     }
     lower_seconds = lowered.seconds if lowered is not None else 0.0
-    if plan.options.on_build_failure == "onnxruntime" and failed.name != "onnxruntime" and lowered:
-        ort = get_backend("onnxruntime")
+    wanted = plan.options.on_build_failure == "onnxruntime" and failed.name != "onnxruntime" and lowered
+    ort = get_backend("onnxruntime")
+    if wanted and plan.options.device != "cpu" and not ort.target_device().startswith("cuda"):
+        # ONNX Runtime runs on the CPU here: its engines could not take the model's tensors.
+        failure["fallback_error"] = f"onnxruntime runs on the CPU here, the model on {plan.options.device}"
+        wanted = False
+    graph = lowered.onnx if wanted and lowered is not None else b""
+    if wanted and not graph:  # the failed backend compiled the torch graph: lower to ONNX now
+        try:
+            again = lower(plan, dedup, fingerprint)
+            graph, lower_seconds = again.onnx, lower_seconds + again.seconds
+        except LoweringError as lower_exc:
+            failure["fallback_error"] = str(lower_exc)
+    if graph:
         ort_key = _engine_key(ort, fingerprint, settings)
-        graph = lowered.onnx
 
         def build() -> bytes:
             return ort.build(graph, io, settings, partition=exc.partition)

@@ -22,7 +22,7 @@ import torch
 from onnx import numpy_helper
 from torch.export import Dim
 
-from compiler.backends.base import EngineIO, to_numpy
+from compiler.backends.base import EngineIO, pack_torch_graph, to_numpy
 from compiler.dedup import DedupPlan, EngineInstance
 from compiler.errors import LoweringError
 from compiler.export import TRACING
@@ -38,6 +38,13 @@ class LoweredPartition:
     onnx: bytes
     io: EngineIO
     seconds: float
+    # For backends that compile the torch graph themselves (graph_format "torch.export"): the
+    # partition's exported program and weights (compiler.backends.base.pack_torch_graph); onnx is empty.
+    program: bytes = b""
+
+    def graph(self, graph_format: str) -> bytes:
+        """What a backend of ``graph_format`` builds from."""
+        return self.program if graph_format == "torch.export" else self.onnx
 
 
 def engine_io(plan: PartitionPlan, partition: Partition) -> EngineIO:
@@ -123,6 +130,40 @@ def lower(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
     return LoweredPartition(fp, buffer.getvalue(), io_spec, time.perf_counter() - start)
 
 
+def lower_program(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
+    """The representative partition of ``fp`` as an exported program, for backends that compile torch
+    graphs (Inductor): the same module ONNX lowering exports (activations then canonical weights as
+    inputs, precision cast in the graph, dynamic dims with their ranges), on the model's device."""
+    start = time.perf_counter()
+    partition = next(p for p in plan.partitions if p.name == dedup.unique[fp])
+    io_spec = engine_io(plan, partition)
+    weights = engine_weights(plan, dedup.instance(partition.name))
+    sub = plan.submodule(partition.name)
+    module = _EngineGraph(sub, partition, plan.options.precision, io_spec.output_dtypes)
+    act_nodes = [
+        n for n, s in zip(_placeholders(sub), partition.inputs, strict=True) if s.kind == "activation"
+    ]
+    examples = tuple(_example(n.meta["val"], plan.symbols) for n in act_nodes)
+    dims: dict[str, Dim] = {}
+    act_shapes = tuple(_dynamic_axes(n.meta["val"].shape, plan.symbols, dims) for n in act_nodes)
+    try:
+        with TRACING, warnings.catch_warnings(), _quiet_exporter():
+            warnings.simplefilter("ignore")
+            program = torch.export.export(
+                module,
+                examples + tuple(weights.values()),
+                dynamic_shapes=(act_shapes + tuple(None for _ in weights),),
+                strict=False,
+            )
+    except Exception as exc:
+        raise LoweringError(f"{partition.name} ({fp[:12]}) could not be exported: {exc}") from exc
+    program._example_inputs = None  # torch.export.save would pickle them
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    graph = pack_torch_graph(buffer.getvalue(), weights)
+    return LoweredPartition(fp, b"", io_spec, time.perf_counter() - start, program=graph)
+
+
 class _EngineGraph(torch.nn.Module):
     """The partition as a module taking (activations..., weights...), precision cast in the graph."""
 
@@ -198,11 +239,13 @@ def _example(val: torch.Tensor, symbols: dict) -> torch.Tensor:
             shape.append(int(expr.subs({s: _example_value(*symbols[str(s)][1:]) for s in expr.free_symbols})))
         else:
             shape.append(int(size))
+    # On the trace's device: the partition may create tensors there (masks, positions) to combine with these.
+    device = val.device
     if val.dtype.is_floating_point:
-        return torch.randn(shape, dtype=val.dtype)
+        return torch.randn(shape, dtype=val.dtype, device=device)
     if val.dtype == torch.bool:
-        return torch.ones(shape, dtype=torch.bool)
-    return torch.zeros(shape, dtype=val.dtype)
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    return torch.zeros(shape, dtype=val.dtype, device=device)
 
 
 def _dynamic_axes(shape: torch.Size, symbols: dict, dims: dict[str, Dim]) -> dict[int, object] | None:

@@ -8,8 +8,10 @@ backends are one module that implements :class:`EngineBackend` and registers in
 
 from __future__ import annotations
 
+import io
 import os
 import re
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -106,8 +108,10 @@ class EngineBackend(Protocol):
         cache_dir: str | os.PathLike | None = None,
     ) -> bytes:
         """Engine bytes for a lowered partition; stripped of weights when settings.strip_weights.
-        An EngineBuildError names ``partition`` (the ONNX graph cannot: one lowered graph serves
-        every partition of its fingerprint) and the failing node where the library says it.
+        ``onnx_model`` is the lowered ONNX model, or a torch graph archive (:func:`pack_torch_graph`)
+        for a backend whose ``graph_format`` is ``"torch.export"``. An EngineBuildError names
+        ``partition`` (the ONNX graph cannot: one lowered graph serves every partition of its
+        fingerprint) and the failing node where the library says it.
         ``cache_dir`` is the engine cache's directory, beside which a backend may keep build-time
         caches (TensorRT's timing cache)."""
         ...
@@ -120,6 +124,36 @@ class EngineBackend(Protocol):
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
         """New engine bytes with new weights, without a rebuild (full engines)."""
         ...
+
+
+# What a backend's ``build`` takes (its ``graph_format`` attribute; "onnx" when it has none): the lowered
+# ONNX model, or a torch graph archive (:func:`pack_torch_graph`) for backends that compile the
+# partition's exported program themselves (Inductor).
+GRAPH_FORMATS = ("onnx", "torch.export")
+_GRAPH_PROGRAM, _GRAPH_WEIGHTS = "program.pt2", "weights.safetensors"
+
+
+def graph_format(backend: object) -> str:
+    return getattr(backend, "graph_format", "onnx")
+
+
+def pack_torch_graph(program: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
+    """A lowered partition as a torch graph: the partition's exported program (``torch.export.save``
+    bytes, activations then canonical weights ``w0..wN`` as inputs, precision cast in the graph) and the
+    representative instance's weights (safetensors), in one uncompressed zip."""
+    import safetensors.torch
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr(_GRAPH_PROGRAM, program)
+        archive.writestr(_GRAPH_WEIGHTS, safetensors.torch.save(dict(weights)))
+    return buffer.getvalue()
+
+
+def unpack_torch_graph(graph: bytes) -> tuple[bytes, bytes]:
+    """(exported program bytes, safetensors weight bytes) of :func:`pack_torch_graph`'s archive."""
+    with zipfile.ZipFile(io.BytesIO(graph)) as archive:
+        return archive.read(_GRAPH_PROGRAM), archive.read(_GRAPH_WEIGHTS)
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
