@@ -106,7 +106,8 @@ def compare_partitions(
 
     ``inputs``: the flat user inputs of one call (spec order), or a sequence of such samples.
     """
-    samples = _as_samples(inputs)
+    device = compiled.plan.options.device
+    samples = [tuple(t.to(device) for t in sample) for sample in _as_samples(inputs)]
     plan = compiled.plan
     parts = [p.name for p in plan.partitions]
     modules = {name: getattr(compiled.graph, name) for name in parts}

@@ -316,7 +316,7 @@ def ensure_accuracy(
             compiled = result.compiled
             report = validate(original, compiled, data=dataset, **settings)
             failures = report.failures(tolerances)
-        elif result.record.note:
+        if failures and result.record.note:
             failures = [*failures, f"repair: {result.record.note}"]
     if failures:
         raise AccuracyError(

@@ -220,12 +220,9 @@ class ValidationReport:
             )
         return reasons
 
-    def passed(self, tolerances: Tolerances | None = None, *, rel_l2: float | None = None) -> bool:
-        """``not failures(...)``; with neither argument, the defaults of the report's precision.
-        ``rel_l2`` is the shorthand of callers from before :class:`Tolerances`."""
-        if tolerances is None:
-            tolerances = Tolerances(rel_l2=rel_l2).resolved(self.precision)
-        return not self.failures(tolerances)
+    def passed(self, tolerances: Tolerances | None = None) -> bool:
+        """``not failures(tolerances)``; without tolerances, the defaults of the report's precision."""
+        return not self.failures(tolerances or Tolerances.for_precision(self.precision))
 
     def _worst_output(self, metric: str) -> str | None:
         rows = [o for o in self.outputs if getattr(o, metric) is not None]

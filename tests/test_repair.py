@@ -95,6 +95,11 @@ def test_an_fp32_compile_is_not_repaired_and_a_passing_one_is_left_alone(case, t
     assert "lowering bug" in result.record.note and fp32.report.accuracy_repair is None
     fine = compiler.repair(model, fp32, compiler.Tolerances.for_precision("fp32"), cache=tmp_path)
     assert fine.compiled is fp32 and fine.record.passed and not fine.record.steps
+    lenient = compiler.compile(
+        program, cache=tmp_path, split_modules=("Block",), on_accuracy_failure="repair"
+    )
+    with pytest.raises(AccuracyError, match=r"tolerances\.rel_l2\); repair: not repaired: .* is fp32"):
+        compiler.ensure_accuracy(model, lenient, compiler.Tolerances(rel_l2=1e-12), warmup=0, runs=1)
 
 
 def test_a_repaired_package_keeps_its_precisions_and_its_record(case, tmp_path):
