@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import compiler
+from tests.fixtures.mlflow_server import mlflow_server  # noqa: F401 - pytest fixture
 from zoo.config import ZooEntry, parse_zoo
 from zoo.errors import UntrustedCodeError, ZooConfigError
 from zoo.preflight import preflight
@@ -368,3 +369,144 @@ def test_truncated_corrupt_or_unsafe_pt2_is_refused(pt2_files: dict, tmp_path: P
         preflight(request)  # a zip archive: its content is checked when it loads
         with pytest.raises(error, match=rf"^models\[{name}\]\.source: pt2:{name}\.pt2: "):
             request.load_case()
+
+
+# ---------------------------------------------------------------- models:/ (a real mlflow server)
+
+_MLP_IN, _MLP_OUT = 8, 4
+
+
+def _mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(_MLP_IN, 16), torch.nn.ReLU(), torch.nn.Linear(16, _MLP_OUT)
+    ).eval()
+
+
+def _mlmodel_by_hand(client, run_id: str, path: str, flavors: dict, name: str) -> None:
+    """A registered version whose MLmodel says what a test needs (it is never loaded)."""
+    import mlflow
+
+    mlflow.log_text(yaml_dump({"artifact_path": path, "flavors": flavors}), f"{path}/MLmodel", run_id=run_id)
+    client.create_registered_model(name)
+    client.create_model_version(name, f"runs:/{run_id}/{path}", run_id)
+
+
+def yaml_dump(data: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(data)
+
+
+@pytest.fixture(scope="module")
+def registered(mlflow_server) -> dict:  # noqa: F811
+    """kiln-src-mlp (pt2 format, signature and input example from the logged example) @production;
+    kiln-src-pickled (pickle format, a signature, no example); two hand-written MLmodels that are
+    not loadable PyTorch models: no signature, and another flavor."""
+    import mlflow
+    import mlflow.pytorch
+    import numpy as np
+    from mlflow.models import infer_signature
+
+    client = mlflow.MlflowClient()
+    model, pickled = _mlp(0), _mlp(1)
+    example = np.random.default_rng(0).standard_normal((4, _MLP_IN)).astype(np.float32)
+    with mlflow.start_run() as run:
+        mlflow.pytorch.log_model(
+            model,
+            name="model",
+            input_example=example,
+            registered_model_name="kiln-src-mlp",
+            pip_requirements=["torch"],
+        )
+        signature = infer_signature(example, pickled(torch.from_numpy(example)).detach().numpy())
+        mlflow.pytorch.log_model(
+            pickled,
+            name="pickled",
+            signature=signature,
+            serialization_format="pickle",
+            registered_model_name="kiln-src-pickled",
+            pip_requirements=["torch"],
+        )
+        pytorch_flavor = {"pytorch": {"model_data": "data", "pytorch_version": str(torch.__version__)}}
+        _mlmodel_by_hand(client, run.info.run_id, "nosig", pytorch_flavor, "kiln-src-nosig")
+        _mlmodel_by_hand(
+            client, run.info.run_id, "sk", {"sklearn": {"pickled_model": "m.pkl"}}, "kiln-src-sk"
+        )
+    client.set_registered_model_alias("kiln-src-mlp", "production", "1")
+    return {"model": model, "pickled": pickled, "run_id": run.info.run_id, "client": client}
+
+
+def test_registered_model_resolves_without_loading_and_exports(registered: dict) -> None:
+    source = source_for("models:/kiln-src-mlp@production")
+    identity = source.identity()
+    assert (identity.kind, identity.version, identity.run_id) == ("mlflow", "1", registered["run_id"])
+    assert source_for("models:/kiln-src-mlp/1").identity().digest == identity.digest
+
+    case = _entry("models:/kiln-src-mlp@production").requests()[0].load_case()
+    program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+    (spec,) = compiler.input_specs(program)
+    # The signature's -1 batch axis becomes batch 1..8; the logged example (batch 4) is the example.
+    assert (spec.dtype, spec.min_shape, spec.opt_shape, spec.max_shape) == ("float32", (1, 8), (4, 8), (8, 8))
+    x = torch.randn(3, _MLP_IN)
+    torch.testing.assert_close(program.module()(x), registered["model"](x))
+
+    # The alias moves to a new version: a new source resolves it, and a new identity keys the compile;
+    # a source that already resolved keeps the version it keyed.
+    client = registered["client"]
+    first = client.get_model_version("kiln-src-mlp", "1")
+    logged_model = first.model_id or first.source.removeprefix("models:/")  # MLflow 3: a logged model
+    client.create_model_version("kiln-src-mlp", first.source, first.run_id, model_id=logged_model)
+    client.set_registered_model_alias("kiln-src-mlp", "production", "2")
+    try:
+        moved = source_for("models:/kiln-src-mlp@production").identity()
+        assert moved.version == "2" and moved.digest != identity.digest
+        assert source.identity() == identity
+    finally:
+        client.set_registered_model_alias("kiln-src-mlp", "production", "1")
+
+
+def test_inputs_give_the_registered_model_its_ranges(registered: dict) -> None:
+    batch = {"axis": 0, "name": "rows", "min": 2, "max": 64}
+    entry = _entry("models:/kiln-src-mlp/1", inputs={"input": {"dims": [batch]}})
+    case = entry.requests()[0].load_case()
+    program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+    (spec,) = compiler.input_specs(program)
+    assert (spec.min_shape, spec.max_shape, spec.dynamic_dims) == ((2, 8), (64, 8), {0: "rows"})
+
+
+def test_a_pickled_registered_model_loads_only_where_mlflow_allows_it(registered: dict, monkeypatch) -> None:
+    request = _entry("models:/kiln-src-pickled/1").requests()[0]
+    preflight(request)  # version, flavor and signature resolve: nothing is unpickled
+    monkeypatch.delenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", raising=False)
+    with pytest.raises(UntrustedCodeError, match=r"^models\[m\]\.source: .*runs code from the registry"):
+        request.load_case()
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "true")
+    case = request.load_case()
+    # No input example was logged: the example is drawn from the signature (batch 2 in 1..8).
+    assert case.args[0].shape == (2, _MLP_IN) and case.args[0].dtype == torch.float32
+    torch.testing.assert_close(case.model(case.args[0]), registered["pickled"](case.args[0]))
+
+
+@pytest.mark.parametrize(
+    ("uri", "field", "expected"),
+    [
+        ("models:/kiln-src-none/1", "source", "does not exist in the registry"),
+        ("models:/kiln-src-mlp/9", "source", "does not exist in the registry"),
+        ("models:/kiln-src-mlp@staging", "source", "does not exist in the registry"),
+        ("models:/kiln-src-sk/1", "source", "is not a PyTorch model (its flavors: sklearn)"),
+        ("models:/kiln-src-nosig/1", "source", "has no signature and the entry gives no inputs:"),
+    ],
+)
+def test_registry_bad_input_is_named(registered: dict, uri: str, field: str, expected: str) -> None:
+    message = _preflight_error({"name": "reg", "source": uri})
+    assert message.startswith(f"models[reg].{field}: {uri}") and expected in message, message
+
+
+def test_malformed_models_uri_fails_its_entry() -> None:
+    zoo = parse_zoo({"models": [{"name": "x", "source": "models:/fraud-bert/latest"}]})
+    assert (
+        "models[0] (x).source: 'models:/fraud-bert/latest' must be models:/NAME/VERSION"
+        in zoo.invalid[0].error
+    )
+    assert default_name("models:/Fraud_BERT@production") == "fraud-bert"

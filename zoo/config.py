@@ -36,7 +36,7 @@ from compiler.options import DEVICE_RE, ON_BUILD_FAILURE, CompileOptions
 from compiler.validate import Tolerances
 from zoo.errors import ZooConfigError
 from zoo.request import CompileRequest, ValidationPlan
-from zoo.sources import HF_TASKS, source_for, source_kind
+from zoo.sources import HF_TASKS, SOURCE_KINDS, source_for, source_kind
 from zoo.sources.factory import DEFAULT_FACTORY_PACKAGES, FACTORY_RE, FactoryPolicy
 
 __all__ = ["Zoo", "ZooConfigError", "ZooEntry", "ZooSettings", "load_zoo", "parse_zoo"]
@@ -181,10 +181,12 @@ class ZooEntry(_Strict):
             raise ValueError(f"task: required for hf: sources; use one of {', '.join(HF_TASKS)}")
         hf_only = [f for f in ("task", "revision", "trust_remote_code") if f in self.model_fields_set]
         if kind != "hf" and hf_only:
-            raise ValueError(f"{hf_only[0]}: applies to hf: sources only; remove it for {kind}:")
+            raise ValueError(f"{hf_only[0]}: applies to hf: sources only; remove it for {SOURCE_KINDS[kind]}")
         factory_only = [f for f in ("factory_kwargs", "seed") if f in self.model_fields_set]
         if kind != "factory" and factory_only:
-            raise ValueError(f"{factory_only[0]}: applies to factory: sources only; remove it for {kind}:")
+            raise ValueError(
+                f"{factory_only[0]}: applies to factory: sources only; remove it for {SOURCE_KINDS[kind]}"
+            )
         return self
 
     @property

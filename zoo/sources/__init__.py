@@ -6,6 +6,8 @@
 ``factory:mod:fn``     a trusted Python function building the model  ``zoo.sources.factory``
 ``hf:<folder|id>``     a Hugging Face folder or hub id (+ ``task``)  ``zoo.sources.hf``
 ``pt2:<file>``         a torch.export.save program                   ``zoo.sources.pt2``
+``models:/NAME/VER``   a PyTorch model in the MLflow registry        ``zoo.sources.mlflow_registry``
+``models:/NAME@ALIAS`` (the same, by alias)
 =====================  ===========================================  ====================
 
 :func:`source_for` turns a string (and the entry fields its kind reads) into a
@@ -24,6 +26,7 @@ from zoo.errors import ZooConfigError
 from zoo.sources.base import LoadedCase, ModelSource, SourceIdentity
 from zoo.sources.factory import FACTORY_RE, FactoryPolicy, FactorySource
 from zoo.sources.hf import HF_TASKS, HfSource
+from zoo.sources.mlflow_registry import MlflowSource, parse_models_uri
 from zoo.sources.pt2 import Pt2Source
 
 __all__ = [
@@ -38,7 +41,7 @@ __all__ = [
 ]
 
 # kind -> how its string starts
-SOURCE_KINDS = {"factory": "factory:", "hf": "hf:", "pt2": "pt2:"}
+SOURCE_KINDS = {"factory": "factory:", "hf": "hf:", "pt2": "pt2:", "mlflow": "models:/"}
 
 
 def source_kind(uri: str) -> tuple[str, str]:
@@ -55,6 +58,9 @@ def source_kind(uri: str) -> tuple[str, str]:
                     f"{uri!r}: a factory must look like 'factory:package.module:function', "
                     "e.g. factory:zoo.models:tiny_bert"
                 )
+            if kind == "mlflow":
+                parse_models_uri(uri)  # ValueError: neither a version nor an alias
+                return kind, uri
             return kind, rest
     raise ValueError(f"{uri!r} has no known kind; start it with one of {', '.join(SOURCE_KINDS.values())}")
 
@@ -87,9 +93,11 @@ def source_for(
     """
     kind, rest = parse_source(uri)
     if kind != "hf" and (task is not None or revision is not None or trust_remote_code):
-        raise ZooConfigError(f"task: task, revision and trust_remote_code apply to hf: sources, not {kind}:")
+        raise ZooConfigError(
+            f"task: task, revision and trust_remote_code apply to hf: sources, not {SOURCE_KINDS[kind]}"
+        )
     if kind != "factory" and factory_kwargs:
-        raise ZooConfigError(f"factory_kwargs: apply to factory: sources, not {kind}:")
+        raise ZooConfigError(f"factory_kwargs: apply to factory: sources, not {SOURCE_KINDS[kind]}")
     if kind == "factory":
         policy = policy or FactoryPolicy(zoo_dir=base_dir)
         return FactorySource(rest, dict(factory_kwargs or {}), seed, policy)
@@ -99,6 +107,8 @@ def source_for(
         return HfSource(rest, check_task(task), revision, trust_remote_code, dict(inputs or {}), base_dir)
     if kind == "pt2":
         return Pt2Source(rest, dict(inputs or {}), base_dir)
+    if kind == "mlflow":
+        return MlflowSource(uri, dict(inputs or {}))
     raise AssertionError(kind)  # source_kind knows no other kind
 
 
@@ -108,6 +118,8 @@ def default_name(uri: str) -> str:
     kind, rest = parse_source(uri)
     if kind == "factory":
         stem = rest.rsplit(":", 1)[-1]
+    elif kind == "mlflow":
+        stem = parse_models_uri(uri)[0]
     else:
         stem = PurePosixPath(rest.rstrip("/")).name or rest
         stem = stem.removesuffix(".pt2")
