@@ -85,3 +85,24 @@ class AccuracyError(KilnError):
     def __init__(self, message: str, *, failures: list[str]):
         super().__init__(message)
         self.failures = list(failures)
+
+
+class UnsafeProgramError(ExportError, PackageCorruptError):
+    """A program archive holds something loading it would unpickle or execute (a pickled weight or
+    constant, a custom object, sample inputs that are not plain tensors, an unknown entry): refused
+    before torch reads it."""
+
+
+class OpModuleNotAllowedError(KilnError):
+    """A package or program needs modules imported (its custom ops, its input/output types) that this
+    process does not allow. ``needed``: those modules; ``recorded``: every module the package names."""
+
+    def __init__(self, message: str, *, needed: list[str], recorded: list[str]):
+        super().__init__(message)
+        self.needed = list(needed)
+        self.recorded = list(recorded)
+
+
+class PackageSignatureError(PackageCorruptError):
+    """``KILN_SIGNING_KEY`` is set and a package is unsigned, or signed with another key, or changed
+    after signing."""

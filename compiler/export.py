@@ -8,10 +8,14 @@ constraints and example inputs, and refuses unbounded ranges.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
+import io
 import json
 import os
+import re
+import sys
 import threading
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -22,8 +26,8 @@ import sympy
 import torch
 from torch.export import ExportedProgram
 
-from compiler.atomic import atomic_write
-from compiler.errors import ExportError, InputSpecError
+from compiler.atomic import write_bytes_atomic
+from compiler.errors import ExportError, InputSpecError, OpModuleNotAllowedError, UnsafeProgramError
 from compiler.specs import InputSpec, dtype_name, specs_from_json, specs_to_json
 
 # torch.export and the ONNX exporter built on it are not thread-safe (two traces in one process corrupt
@@ -36,6 +40,9 @@ SPEC_EXTRA_FILE = "kiln_input_specs.json"
 # transformers' ModelOutput classes) and custom ops (torch.library). torch.export.load needs them
 # imported first, so a program or package loads in a process that never imported the model.
 MODULES_EXTRA_FILE = "kiln_import_modules.json"
+# Loading imports only modules the loading process allows: these prefixes, or ones already imported.
+ALLOWED_MODULES_ENV = "KILN_ALLOWED_OP_MODULES"
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 def export(
@@ -85,14 +92,32 @@ def input_specs(program: ExportedProgram) -> tuple[InputSpec, ...]:
     return _specs_from_program(program, {}, require_bounded=True)
 
 
-def save_program(program: ExportedProgram, path: str | os.PathLike) -> Path:
-    """``torch.export.save`` with the specs as an extra file; written atomically."""
-    specs = input_specs(program)
+def save_program(program: ExportedProgram, path: str | os.PathLike, *, record_modules: bool = True) -> Path:
+    """``torch.export.save`` with the specs as an extra file; written atomically, byte-for-byte
+    reproducible (equal programs, equal files) and without pickled sample inputs.
+
+    ``record_modules``: also list the modules that register the program's custom ops and pytree
+    types (:func:`import_modules`), for a standalone program; a package records them in its manifest.
+    """
     path = Path(path)
-    extra = {SPEC_EXTRA_FILE: specs_to_json(specs), MODULES_EXTRA_FILE: json.dumps(import_modules(program))}
-    with atomic_write(path) as tmp:
-        torch.export.save(program, tmp, extra_files=extra)
+    write_bytes_atomic(path, program_bytes(program, record_modules=record_modules))
     return path
+
+
+def program_bytes(program: ExportedProgram, *, record_modules: bool = True) -> bytes:
+    """The ``.pt2`` archive of ``program`` as bytes (see :func:`save_program`)."""
+    specs = input_specs(program)
+    extra = {SPEC_EXTRA_FILE: specs_to_json(specs)}
+    if record_modules:
+        extra[MODULES_EXTRA_FILE] = json.dumps(import_modules(program))
+    # No example inputs: torch pickles them (data/sample_inputs), and kiln carries its inputs as specs.
+    bare = copy.copy(program)
+    bare.example_inputs = None
+    # Saved into memory, the archive's root folder is always "archive" (a file's would be named after
+    # the temporary file), so equal programs give equal bytes and an equal package content hash.
+    buffer = io.BytesIO()
+    torch.export.save(bare, buffer, extra_files=extra)
+    return buffer.getvalue()
 
 
 def import_modules(program: ExportedProgram) -> list[str]:
@@ -124,35 +149,181 @@ def import_modules(program: ExportedProgram) -> list[str]:
     return sorted(modules)
 
 
-def _import_modules(path: str | os.PathLike) -> None:
+def load_program(path: str | os.PathLike, *, allowed_modules: Sequence[str] | None = None) -> ExportedProgram:
+    """Load a ``.pt2`` archive without unpickling anything; re-attaches specs saved by :func:`save_program`.
+
+    The modules the archive records (custom ops, pytree types) are imported only when this process
+    allows them: already imported, in ``allowed_modules`` or in ``$KILN_ALLOWED_OP_MODULES`` (module
+    prefixes, comma-separated); else :class:`OpModuleNotAllowedError`. An archive holding anything
+    torch would unpickle is refused with :class:`UnsafeProgramError`.
+    """
+    data = Path(path).read_bytes()  # once: what is checked is what torch reads
+    return load_program_bytes(data, str(path), allowed_modules=allowed_modules)
+
+
+def load_program_bytes(
+    data: bytes,
+    where: str,
+    *,
+    modules: Sequence[str] | None = None,
+    allowed_modules: Sequence[str] | None = None,
+) -> ExportedProgram:
+    """:func:`load_program` on the archive's bytes. ``modules``: the modules its owner recorded (a
+    package's manifest); None reads the list the archive itself carries."""
+    named = check_archive(data, where)
+    recorded = list(modules) if modules is not None else recorded_modules(data)
+    import_allowed_modules(
+        sorted(set(recorded) | set(named)), where, allowed=allowed_modules, recorded=recorded
+    )
+    extra = {SPEC_EXTRA_FILE: "", MODULES_EXTRA_FILE: ""}
     try:
-        with zipfile.ZipFile(path) as archive:
-            names = [n for n in archive.namelist() if n.endswith(MODULES_EXTRA_FILE)]
+        program = torch.export.load(io.BytesIO(data), extra_files=extra)
+    except Exception as exc:
+        raise ExportError(f"{where} is not a loadable torch.export archive: {exc}") from exc
+    if extra[SPEC_EXTRA_FILE]:
+        attach_specs(program, specs_from_json(extra[SPEC_EXTRA_FILE]))
+    return program
+
+
+# ---------------------------------------------------------------- what loading an archive may run
+
+# Every entry torch.export.save writes for one program, below the archive's root folder. Anything
+# else (legacy pickled weights, custom or opaque objects, AOTInductor code, a second model) is refused.
+_ARCHIVE_ENTRIES = re.compile(
+    r"^(archive_format|archive_version|byteorder|\.data/version|\.data/serialization_id"
+    r"|models/model\.json|data/sample_inputs/model\.pt"
+    r"|data/weights/model_weights_config\.json|data/weights/weight_\d+"
+    r"|data/constants/model_constants_config\.json|data/constants/tensor_\d+"
+    r"|extra/[A-Za-z0-9_.-]+)$"
+)
+# Modules torch's pytree decoder imports by name while reading the program (defaultdict factories,
+# enums in node contexts): the same allow rule as recorded modules applies to them.
+_NAMED_MODULES = re.compile(
+    r'default_factory_module\\*"\s*:\s*\\*"([A-Za-z_][\w.]*)'  # a defaultdict's factory module
+    r'|fqn\\*"\s*:\s*\\*"([A-Za-z_][\w.]*):'  # an enum, "module:Class"
+)
+
+
+def check_archive(data: bytes, where: str) -> list[str]:
+    """Refuse an archive that torch.export.load would unpickle anything from; return the modules its
+    program text names for import (see ``_NAMED_MODULES``).
+
+    torch.export.load unpickles weights and constants marked ``use_pickle``, custom and opaque
+    objects, and falls back to a full unpickle of the sample inputs when a weights-only read fails.
+    Here: no pickled entry, no entry outside ``_ARCHIVE_ENTRIES``, and sample inputs that are empty
+    (kiln writes none) or read weights-only, which makes torch's own first (weights-only) read succeed.
+    """
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        names = archive.namelist()
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise UnsafeProgramError(f"{where} is not a torch.export archive: {exc}") from exc
+    roots = {name.split("/", 1)[0] for name in names}
+    if len(roots) != 1 or any("/" not in name for name in names):
+        raise UnsafeProgramError(
+            f"{where}: a torch.export archive has one root folder; found {sorted(roots)[:5]}"
+        )
+    root = roots.pop() + "/"
+    entries = {name[len(root) :]: name for name in names}
+    unknown = sorted(rel for rel in entries if not _ARCHIVE_ENTRIES.match(rel))
+    if unknown:
+        raise UnsafeProgramError(
+            f"{where} holds entries a kiln program never has (they may be pickles torch would load): "
+            f"{unknown[:5]}; refused"
+        )
+    for required in ("archive_version", "models/model.json"):
+        if required not in entries:
+            raise UnsafeProgramError(f"{where} lacks {required}; not a torch.export archive")
+    for config, prefix in (
+        ("data/weights/model_weights_config.json", "weight_"),
+        ("data/constants/model_constants_config.json", "tensor_"),
+    ):
+        if config not in entries:
+            continue
+        try:
+            payloads = json.loads(archive.read(entries[config]))["config"]
+            items = list(payloads.items())
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise UnsafeProgramError(f"{where}: {config} is malformed: {exc}") from exc
+        for fqn, meta in items:
+            if not isinstance(meta, dict) or meta.get("use_pickle") is not False:
+                raise UnsafeProgramError(
+                    f"{where}: {fqn!r} is stored pickled (use_pickle), which loading would unpickle; refused"
+                )
+            if not re.fullmatch(rf"{prefix}\d+", str(meta.get("path_name", ""))):
+                raise UnsafeProgramError(f"{where}: {fqn!r} is not a plain tensor entry; refused")
+    samples = entries.get("data/sample_inputs/model.pt")
+    if samples is not None:
+        payload = archive.read(samples)
+        if payload:
+            try:
+                torch.load(io.BytesIO(payload), weights_only=True)
+            except Exception as exc:
+                raise UnsafeProgramError(
+                    f"{where}: its sample inputs are not plain tensors (torch would unpickle them with "
+                    f"weights_only=False): {type(exc).__name__}; refused"
+                ) from exc
+    text = archive.read(entries["models/model.json"]).decode("utf-8", errors="replace")
+    return sorted({m for pair in _NAMED_MODULES.findall(text) for m in pair if m})
+
+
+def recorded_modules(data: bytes) -> list[str]:
+    """The modules a standalone archive records in its extra file (data: never imported from here)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            names = [n for n in archive.namelist() if n.endswith("/extra/" + MODULES_EXTRA_FILE)]
             modules = json.loads(archive.read(names[0])) if names else []
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return  # not ours to judge here: torch.export.load reports unreadable archives
+    except (OSError, zipfile.BadZipFile, ValueError, KeyError):
+        return []
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise UnsafeProgramError(f"{MODULES_EXTRA_FILE} must be a list of module names")
+    return modules
+
+
+def allowed_module_prefixes(allowed: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The explicit allow list plus ``$KILN_ALLOWED_OP_MODULES`` (comma-separated module prefixes)."""
+    env = os.environ.get(ALLOWED_MODULES_ENV, "")
+    return tuple(p.strip() for p in [*(allowed or ()), *env.split(",")] if p and p.strip())
+
+
+def is_allowed_module(module: str, prefixes: Sequence[str]) -> bool:
+    return any(module == p or module.startswith(p.rstrip(".") + ".") for p in prefixes)
+
+
+def import_allowed_modules(
+    modules: Sequence[str],
+    where: str,
+    *,
+    allowed: Sequence[str] | None = None,
+    recorded: Sequence[str] | None = None,
+) -> None:
+    """Import ``modules`` where this process allows it (already imported, or allowed by prefix);
+    else raise :class:`OpModuleNotAllowedError` naming them and how to allow them."""
+    prefixes = allowed_module_prefixes(allowed)
+    bad_names = [m for m in modules if not _MODULE_NAME.match(m)]
+    needed = [
+        m for m in modules if m in bad_names or (m not in sys.modules and not is_allowed_module(m, prefixes))
+    ]
+    if needed:
+        listed = list(recorded if recorded is not None else modules)
+        raise OpModuleNotAllowedError(
+            f"{where} needs modules imported that this process does not allow: {needed} (the package "
+            f"records {listed} for its custom ops and input/output types). Importing runs their code: "
+            f"if you trust them, pass allowed_modules={needed!r} to compiler.load, or set "
+            f"{ALLOWED_MODULES_ENV}={','.join(needed)} (module prefixes, comma-separated), or import "
+            "them before loading",
+            needed=needed,
+            recorded=listed,
+        )
     for module in modules:
+        if module in sys.modules:
+            continue
         try:
             importlib.import_module(module)
         except ImportError as exc:
             raise ExportError(
-                f"{path} uses types or ops from {module!r}, which cannot be imported here: {exc}; install it"
+                f"{where} uses types or ops from {module!r}, which cannot be imported here: {exc}; install it"
             ) from exc
-
-
-def load_program(path: str | os.PathLike) -> ExportedProgram:
-    """``torch.export.load``; re-attaches specs saved by :func:`save_program` (plain archives derive them)."""
-    extra = {SPEC_EXTRA_FILE: "", MODULES_EXTRA_FILE: ""}
-    _import_modules(path)
-    try:
-        program = torch.export.load(os.fspath(path), extra_files=extra)
-    except FileNotFoundError:
-        raise
-    except Exception as exc:
-        raise ExportError(f"{path} is not a loadable torch.export archive: {exc}") from exc
-    if extra[SPEC_EXTRA_FILE]:
-        attach_specs(program, specs_from_json(extra[SPEC_EXTRA_FILE]))
-    return program
 
 
 def _user_input_nodes(program: ExportedProgram) -> list[torch.fx.Node]:

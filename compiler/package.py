@@ -1,263 +1,403 @@
 """Package: one self-describing directory per compiled model (seeds 003, 004).
 
-    manifest.json            format version, specs, versions, plan, report, validation, file checksums
+    manifest.json            the typed Manifest (compiler/manifest.py): format version, specs, versions,
+                             plan, report, validation, op modules, lineage, file checksums, content hash
     program.pt2              the exported program (torch.export format), weights left hollow
     weights.safetensors      every weight, once
     engines/<fp>.engine      one engine per unique fingerprint (weight-stripped or full); none for a
                              fingerprint whose build fell back to PyTorch (the program runs it)
 
-Loading checks the format version and every checksum before anything is used, never unpickles
-(torch.export.load reads weights-only; safetensors is plain bytes), and needs no example inputs.
+What loading guarantees (docs/security.md says why):
+
+* ``content_hash`` is the sha256 of the whole manifest but the hash (and signature) itself, and the
+  manifest lists the sha256 of every file a load reads, the program included: a changed byte anywhere
+  is refused. Each file is read once, checked, and those same bytes are used.
+* Every path is relative, inside the package and listed; an engine's file is ``engines/<fp>.engine``;
+  symlinks are refused.
+* Nothing is unpickled: the program archive is refused if torch would unpickle any part of it
+  (``compiler.export.check_archive``); safetensors and engines are plain bytes.
+* Modules the package needs imported (custom ops, pytree types) are imported only when the loading
+  process allows them (``allowed_modules``, ``$KILN_ALLOWED_OP_MODULES``, or already imported).
+* With ``$KILN_SIGNING_KEY`` set, saves sign the content hash (HMAC-SHA256) and loads refuse a package
+  whose signature is missing or wrong.
+
 Saving writes into a temporary directory beside the target and renames it into place, so a failed
-save leaves the previous package (or nothing) at the path, never half of one.
+save leaves the previous package (or nothing) at the path, never half of one. Equal compiles give
+equal bytes and an equal content hash (no timestamps; the program archive is reproducible).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
+import hmac
 import json
 import os
 import shutil
-import time
+import stat
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import safetensors.torch
 import torch
 
-from compiler.atomic import sha256_file, write_bytes_atomic
+from compiler.atomic import write_bytes_atomic
 from compiler.backends import get_backend
-from compiler.backends.base import EngineIO
-from compiler.build import TORCH, EngineArtifact
+from compiler.build import EngineArtifact
 from compiler.dedup import DedupPlan
-from compiler.errors import EngineCompatibilityError, PackageCorruptError, PackageError, PackageVersionError
-from compiler.export import load_program, save_program
+from compiler.device import program_on, resolve
+from compiler.errors import (
+    EngineCompatibilityError,
+    PackageCorruptError,
+    PackageError,
+    PackageSignatureError,
+    PackageVersionError,
+)
+from compiler.export import import_modules, load_program_bytes, program_bytes, recorded_modules
+from compiler.manifest import (
+    FORMAT_VERSION,
+    PROGRAM,
+    WEIGHTS,
+    EngineRecord,
+    FileRecord,
+    Manifest,
+    SourceRecord,
+    check_layout,
+    engine_file,
+)
 from compiler.partition import program_weights, replay
-from compiler.report import CompileReport
 from compiler.runtime import CompiledModule, assemble, with_weights
+from compiler.validate import ValidationReport
 from compiler.version import kiln_version
 
-FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-PROGRAM = "program.pt2"
-WEIGHTS = "weights.safetensors"
+SIGNING_KEY_ENV = "KILN_SIGNING_KEY"
+# Not covered by the content hash: the hash itself, and the signature computed from it.
+_UNHASHED = ("content_hash", "signature")
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "PROGRAM",
+    "WEIGHTS",
+    "PackageInfo",
+    "content_hash",
+    "load",
+    "read_manifest",
+    "refit_package",
+    "save",
+]
 
 
 @dataclass(frozen=True)
 class PackageInfo:
     path: Path
-    manifest: dict
+    manifest: Manifest
     bytes: int
 
     @property
     def content_hash(self) -> str:
-        return self.manifest["content_hash"]
+        return self.manifest.content_hash
 
 
 def save(
-    compiled: CompiledModule, path: str | os.PathLike, *, validation: object | None = None
+    compiled: CompiledModule,
+    path: str | os.PathLike,
+    *,
+    validation: ValidationReport | Mapping[str, Any] | None = None,
+    source: SourceRecord | None = None,
 ) -> PackageInfo:
-    """Write ``compiled`` as a package directory at ``path`` (replacing an old one atomically)."""
+    """Write ``compiled`` as a package directory at ``path`` (replacing an old one atomically).
+
+    ``validation``: the report of :func:`compiler.validate` (or its ``to_dict``); ``source``: where the
+    model came from (lineage, recorded and hashed with the rest).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         plan = compiled.plan
-        save_program(_hollow(plan.program), tmp / PROGRAM)
+        files: dict[str, bytes] = {PROGRAM: program_bytes(_hollow(plan.program), record_modules=False)}
         weights = {k: v.detach().cpu().contiguous().clone() for k, v in sorted(compiled.weights.items())}
-        write_bytes_atomic(tmp / WEIGHTS, safetensors.torch.save(weights))
-        (tmp / "engines").mkdir()
+        files[WEIGHTS] = safetensors.torch.save(weights)
         engines = {}
         for fp, artifact in sorted(compiled.engines.items()):
-            rel = f"engines/{fp}.engine" if artifact.is_engine else None
+            rel = engine_file(fp) if artifact.is_engine else None
             if rel is not None:
-                write_bytes_atomic(tmp / rel, artifact.engine)
-            engines[fp] = {
-                "file": rel,
-                "io": artifact.io.to_dict(),
-                "cache_key": artifact.cache_key,
-                "bytes": artifact.bytes,
-                "stripped": artifact.stripped,
-                "backend": artifact.backend,
-                "build_failure": artifact.build_failure,
-            }
+                files[rel] = artifact.engine
+            engines[fp] = EngineRecord(
+                file=rel,
+                io=artifact.io,
+                cache_key=artifact.cache_key,
+                bytes=artifact.bytes,
+                stripped=artifact.stripped,
+                backend=artifact.backend,
+                build_failure=artifact.build_failure,
+            )
+        (tmp / "engines").mkdir()
+        for rel, data in files.items():
+            write_bytes_atomic(tmp / rel, data)
         report = compiled.report
-        files = {
-            str(p.relative_to(tmp)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-            for p in sorted(tmp.rglob("*"))
-            if p.is_file()
-        }
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "kiln_version": kiln_version(),
-            "torch_version": torch.__version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "input_specs": [s.to_dict() for s in compiled.input_specs],
-            "backend": report.backend,
-            "backend_version": report.backend_version,
-            "target_device": report.target_device,
-            "precision": report.precision,
-            "strip_weights": report.strip_weights,
-            "input_weights": sorted(plan.input_weights),
-            "plan": plan.to_dict(),
-            "dedup": compiled.dedup.to_dict(),
-            "engines": engines,
-            "report": report.to_dict(),
-            "validation": _as_dict(validation),
-            "files": files,
-        }
-        manifest["content_hash"] = content_hash(manifest)
-        write_bytes_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            kiln_version=kiln_version(),
+            torch_version=torch.__version__,
+            input_specs=tuple(compiled.input_specs),
+            backend=report.backend,
+            backend_version=report.backend_version,
+            engine_target=report.target_device,
+            precision=report.precision,
+            strip_weights=report.strip_weights,
+            input_weights=tuple(sorted(plan.input_weights)),
+            plan=plan.to_dict(),
+            dedup=compiled.dedup.to_dict(),
+            engines=engines,
+            report=report,
+            validation=_validation(validation),
+            files={
+                rel: FileRecord(hashlib.sha256(data).hexdigest(), len(data))
+                for rel, data in sorted(files.items())
+            },
+            op_modules=tuple(import_modules(plan.program)),
+            source=source,
+        )
+        # Through JSON first, so the hash is of exactly what a reader will parse (int keys, tuples).
+        data = json.loads(json.dumps(manifest.to_json(), sort_keys=True))
+        digest = content_hash(data)
+        manifest = dataclasses.replace(manifest, content_hash=digest, signature=_sign(digest))
+        text = json.dumps(manifest.to_json(), indent=2, sort_keys=True)
+        write_bytes_atomic(tmp / MANIFEST, text.encode())
         _swap_into_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    total = sum(f["bytes"] for f in manifest["files"].values()) + (path / MANIFEST).stat().st_size
+    total = sum(f.bytes for f in manifest.files.values()) + (path / MANIFEST).stat().st_size
     return PackageInfo(path, manifest, total)
 
 
-def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> dict:
-    """The package's manifest, after checking its format version and (by default) every file's checksum."""
+def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> Manifest:
+    """The package's manifest, after checking its format version and (by default) its content hash,
+    signature (when ``$KILN_SIGNING_KEY`` is set), layout and every file's checksum."""
     path = Path(path)
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise PackageCorruptError(f"{path} is not a kiln package: {MANIFEST} is missing")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise PackageCorruptError(f"{manifest_path} is not valid JSON: {exc}") from exc
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if not isinstance(version, int):
-        raise PackageCorruptError(f"{manifest_path} has no integer format_version")
-    if version > FORMAT_VERSION:
-        raise PackageVersionError(
-            f"{path} was written by package format {version} (kiln {manifest.get('kiln_version')}); "
-            "this kiln "
-            f"({kiln_version()}) reads formats <= {FORMAT_VERSION}: upgrade kiln to load it"
-        )
+    manifest = _read_manifest(path, verify=verify)
     if verify:
-        # The file checksums cover every file but the manifest; its meaning is covered by the hash.
-        try:
-            expected = content_hash(manifest)
-        except (KeyError, TypeError) as exc:
-            raise PackageCorruptError(f"{manifest_path} lacks a field every package has: {exc}") from exc
-        if manifest.get("content_hash") != expected:
-            raise PackageCorruptError(
-                f"{manifest_path} does not match its content_hash: the manifest was edited after saving"
-            )
-        for rel, entry in manifest.get("files", {}).items():
-            file = path / rel
-            if not file.is_file():
-                raise PackageCorruptError(f"{path}: file {rel} listed in the manifest is missing")
-            if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
-                raise PackageCorruptError(
-                    f"{path}: file {rel} does not match its checksum "
-                    f"(expected sha256 {entry['sha256'][:16]}..., "
-                    f"{entry['bytes']} bytes); the package is corrupt or was modified"
-                )
+        for rel in manifest.files:
+            _read_verified(path, rel, manifest)
     return manifest
 
 
-def load(path: str | os.PathLike) -> CompiledModule:
-    """Load a package: verify, re-create the split graph from the saved plan, refit engines, ready to call."""
+def load(
+    path: str | os.PathLike, *, allowed_modules: Sequence[str] | None = None, device: str | None = None
+) -> CompiledModule:
+    """Load a package: verify, re-create the split graph from the saved plan, refit engines, ready to call.
+
+    ``device``: where the model runs; by default the device it was compiled for (``cpu`` for packages
+    that predate devices). A device that is not here is a BackendUnavailableError naming it, and an
+    engine built for another device an EngineCompatibilityError.
+
+    ``allowed_modules``: module prefixes this call may import for the package's custom ops and
+    input/output types (added to ``$KILN_ALLOWED_OP_MODULES``; modules already imported need neither).
+    """
     path = Path(path)
-    manifest = read_manifest(path)
-    # Each engine runs on the backend that built it (packages from before per-engine backends: the
-    # package's); only a backend some engine needs must be present here.
-    backends = {fp: entry.get("backend", manifest["backend"]) for fp, entry in manifest["engines"].items()}
-    if manifest["backend"] in backends.values():
-        backend = get_backend(manifest["backend"])
-        if (
-            manifest["backend"].startswith("tensorrt")
-            and backend.library_version() != manifest["backend_version"]
-        ):
+    manifest = _read_manifest(path, verify=True)
+    # Each engine runs on the backend that built it; only a backend some engine needs must be present.
+    backends = manifest.engine_backends()
+    if manifest.backend in backends.values():
+        backend = get_backend(manifest.backend)
+        if manifest.backend.startswith("tensorrt") and backend.library_version() != manifest.backend_version:
             raise EngineCompatibilityError(
-                f"{path} holds {manifest['backend']} {manifest['backend_version']} engines; this machine "
+                f"{path} holds {manifest.backend} {manifest.backend_version} engines; this machine "
                 f"has {backend.library_version()}: recompile for it"
             )
-    program = load_program(path / PROGRAM)
-    weights = safetensors.torch.load_file(path / WEIGHTS)
+    program = load_program_bytes(
+        _read_verified(path, PROGRAM, manifest),
+        str(path / PROGRAM),
+        # Format 1 recorded the modules inside the archive (checked bytes, read as data).
+        modules=manifest.op_modules if manifest.format_version >= 2 else None,
+        allowed_modules=allowed_modules,
+    )
+    target = resolve(device if device is not None else manifest.plan["options"].get("device", "cpu"))
+    program = program_on(program, target)
+    weights = {
+        k: v.to(target) for k, v in safetensors.torch.load(_read_verified(path, WEIGHTS, manifest)).items()
+    }
     own = set(program_weights(program))
-    missing = sorted((own | set(manifest["input_weights"])) - set(weights))
+    missing = sorted((own | set(manifest.input_weights)) - set(weights))
     if missing:
         raise PackageCorruptError(f"{path}: {WEIGHTS} lacks weights {missing[:10]}")
     program = with_weights(program, {k: v for k, v in weights.items() if k in own})
-    plan = replay(program, manifest["plan"])
-    plan.input_weights = {k: weights[k] for k in manifest["input_weights"]}
+    plan_data = {**manifest.plan, "options": {**manifest.plan["options"], "device": str(target)}}
+    plan = replay(program, plan_data)
+    plan.input_weights = {k: weights[k] for k in manifest.input_weights}
     engines = {
         fp: EngineArtifact(
             fp,
-            entry["cache_key"],
-            b"" if backends[fp] == TORCH else (path / entry["file"]).read_bytes(),
-            EngineIO.from_dict(entry["io"]),
-            entry["stripped"],
+            record.cache_key,
+            b"" if record.file is None else _read_verified(path, record.file, manifest),
+            record.io,
+            record.stripped,
             True,
             0.0,
-            backend=backends[fp],
-            build_failure=entry.get("build_failure"),
+            backend=record.backend,
+            build_failure=record.build_failure,
         )
-        for fp, entry in manifest["engines"].items()
+        for fp, record in manifest.engines.items()
     }
-    compiled = assemble(
-        plan,
-        DedupPlan.from_dict(manifest["dedup"]),
-        engines,
-        report=CompileReport.from_dict(manifest["report"]),
-    )
-    compiled.validation = manifest.get("validation")
+    report = copy.deepcopy(manifest.report)
+    compiled = assemble(plan, DedupPlan.from_dict(manifest.dedup), engines, report=report)
+    # The report describes the compile: this load's assemble time is not part of it (and would make a
+    # re-saved package differ from its source).
+    compiled.report.stage_seconds.clear()
+    compiled.report.stage_seconds.update(manifest.report.stage_seconds)
+    compiled.validation = manifest.validation
     return compiled
 
 
-def refit_package(path: str | os.PathLike, state: Mapping[str, torch.Tensor]) -> PackageInfo:
+def refit_package(
+    path: str | os.PathLike,
+    state: Mapping[str, torch.Tensor],
+    *,
+    allowed_modules: Sequence[str] | None = None,
+) -> PackageInfo:
     """Put new weights of the same structure (a fine-tuned checkpoint) into a saved package: no rebuild.
 
     The old validation no longer describes these weights, so it is dropped; validate again.
     """
-    compiled = load(path).refit(state)
-    return save(compiled, path, validation=None)
+    source = _read_manifest(Path(path), verify=True).source  # lineage stays: same model, new weights
+    compiled = load(path, allowed_modules=allowed_modules)
+    return save(compiled.refit(state), path, validation=None, source=source)
 
 
-def _hollow(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """The program with every weight replaced by a one-element tensor expanded to its shape.
+def content_hash(data: Mapping[str, Any]) -> str:
+    """The content hash of a manifest's JSON data (as written, or as parsed from disk).
 
-    The graph and shapes survive torch.export.save; the values live once, in weights.safetensors.
+    Format 2: sha256 of the canonical JSON of every field but ``content_hash`` and ``signature``: the
+    manifest's meaning and, through ``files``, every byte of every file a load reads. Equal content,
+    equal hash: the manifest holds no timestamp and the program archive is reproducible.
+    Format 1 (kept to verify packages written before): weights, engines and the compile's meaning.
     """
+    if int(data.get("format_version", 1)) < 2:
+        return _format1_hash(data)
+    core = {k: v for k, v in data.items() if k not in _UNHASHED}
+    return hashlib.sha256(json.dumps(core, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
-    def hollow(t: torch.Tensor) -> torch.Tensor:
-        empty = torch.zeros((), dtype=t.dtype).expand(t.shape)
-        return (
-            torch.nn.Parameter(empty, requires_grad=t.requires_grad)
-            if isinstance(t, torch.nn.Parameter)
-            else empty
+
+# ---------------------------------------------------------------- reading and checking
+
+
+def _read_manifest(path: Path, *, verify: bool) -> Manifest:
+    """The typed manifest: version checked; with ``verify``, hash, signature, layout and no symlinks.
+
+    File checksums are checked where each file is read (:func:`_read_verified`).
+    """
+    manifest_path = path / MANIFEST
+    if manifest_path.is_symlink():
+        raise PackageCorruptError(f"{manifest_path} is a symlink; a package holds plain files only")
+    if not manifest_path.is_file():
+        raise PackageCorruptError(f"{path} is not a kiln package: {MANIFEST} is missing")
+    try:
+        data = json.loads(manifest_path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise PackageCorruptError(f"{manifest_path} is not valid JSON: {exc}") from exc
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise PackageCorruptError(f"{manifest_path} has no integer format_version")
+    if version > FORMAT_VERSION:
+        raise PackageVersionError(
+            f"{path} was written by package format {version} (kiln {data.get('kiln_version')}); this kiln "
+            f"({kiln_version()}) reads formats <= {FORMAT_VERSION}: upgrade kiln to load it"
+        )
+    if verify:
+        try:
+            expected = content_hash(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PackageCorruptError(f"{manifest_path} lacks a field every package has: {exc}") from exc
+        if data.get("content_hash") != expected:
+            raise PackageCorruptError(
+                f"{manifest_path} does not match its content_hash: the manifest was edited after saving"
+            )
+        _check_signature(data, manifest_path)
+    manifest = Manifest.from_json(data)
+    if version < 2 and (path / PROGRAM).is_file() and not (path / PROGRAM).is_symlink():
+        # Format 1 recorded the op modules inside the program archive (data, never imported here).
+        manifest = dataclasses.replace(
+            manifest, op_modules=tuple(recorded_modules((path / PROGRAM).read_bytes()))
+        )
+    if verify:
+        check_layout(manifest, str(path))
+        _check_no_symlinks(path)
+    return manifest
+
+
+def _read_verified(path: Path, rel: str, manifest: Manifest) -> bytes:
+    """The bytes of a listed file, read once and checked against the manifest's checksum."""
+    record = manifest.files.get(rel)
+    if record is None:
+        raise PackageCorruptError(f"{path}: {rel} is not listed in the manifest; refused")
+    file = path / rel
+    try:
+        info = file.lstat()
+    except FileNotFoundError:
+        raise PackageCorruptError(f"{path}: file {rel} listed in the manifest is missing") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise PackageCorruptError(f"{path}: {rel} is not a plain file (a symlink?); refused")
+    data = file.read_bytes()
+    if len(data) != record.bytes or hashlib.sha256(data).hexdigest() != record.sha256:
+        raise PackageCorruptError(
+            f"{path}: file {rel} does not match its checksum (expected sha256 {record.sha256[:16]}..., "
+            f"{record.bytes} bytes); the package is corrupt or was modified"
+        )
+    return data
+
+
+def _check_no_symlinks(path: Path) -> None:
+    for root, dirs, names in os.walk(path, followlinks=False):
+        for name in dirs + names:
+            if os.path.islink(os.path.join(root, name)):
+                rel = os.path.relpath(os.path.join(root, name), path)
+                raise PackageCorruptError(f"{path}: {rel} is a symlink; a package holds plain files only")
+
+
+def _signing_key() -> bytes | None:
+    key = os.environ.get(SIGNING_KEY_ENV, "")
+    return key.encode() if key else None
+
+
+def _sign(digest: str, key: bytes | None = None) -> str | None:
+    key = key if key is not None else _signing_key()
+    return None if key is None else hmac.new(key, digest.encode(), hashlib.sha256).hexdigest()
+
+
+def _check_signature(data: Mapping[str, Any], where: Path) -> None:
+    """With a signing key set, only packages signed with it load (a rewritten file plus its checksum
+    and a recomputed hash is then refused too)."""
+    key = _signing_key()
+    if key is None:
+        return
+    signature = data.get("signature")
+    if not isinstance(signature, str):
+        raise PackageSignatureError(
+            f"{where} is not signed, and {SIGNING_KEY_ENV} is set: only signed packages load"
+        )
+    if not hmac.compare_digest(signature, _sign(str(data.get("content_hash", "")), key) or ""):
+        raise PackageSignatureError(
+            f"{where}: its signature does not match {SIGNING_KEY_ENV}: it was signed with another key "
+            "or changed after signing; refused"
         )
 
-    new = copy.copy(program)
-    new._state_dict = {k: hollow(v) for k, v in program.state_dict.items()}
-    new._constants = {
-        k: hollow(v) if isinstance(v, torch.Tensor) else v for k, v in program.constants.items()
-    }
-    return new
 
-
-def content_hash(manifest: dict) -> str:
-    """Equal content, equal hash: weights, engines and the compile's meaning.
-
-    Not timestamps, and not the pt2 zip, whose bytes vary between saves of one program.
-    """
+def _format1_hash(data: Mapping[str, Any]) -> str:
     core = {
-        "weights": manifest["files"][WEIGHTS]["sha256"],
-        "engines": {rel: f["sha256"] for rel, f in manifest["files"].items() if rel.startswith("engines/")},
-        # Which fingerprints run on another backend than the package's (build fallbacks). Only present
-        # when some do, so packages without fallbacks (every package saved before engines recorded their
-        # backend) hash as they always did and still verify. The failure text is diagnostic, like the
-        # report, and stays out.
-        **_fallback_backends(manifest),
+        "weights": data["files"][WEIGHTS]["sha256"],
+        "engines": {rel: f["sha256"] for rel, f in data["files"].items() if rel.startswith("engines/")},
+        **_fallback_backends(data),
         **{
-            k: manifest[k]
+            k: data[k]
             for k in (
                 "input_specs",
                 "backend",
@@ -273,13 +413,36 @@ def content_hash(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
 
 
-def _fallback_backends(manifest: dict) -> dict:
+def _fallback_backends(data: Mapping[str, Any]) -> dict:
     other = {
         fp: entry["backend"]
-        for fp, entry in manifest["engines"].items()
-        if entry.get("backend", manifest["backend"]) != manifest["backend"]
+        for fp, entry in data["engines"].items()
+        if entry.get("backend", data["backend"]) != data["backend"]
     }
     return {"engine_backends": other} if other else {}
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _hollow(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """The program with every weight replaced by a one-element tensor expanded to its shape.
+
+    The graph and shapes survive torch.export.save; the values live once, in weights.safetensors.
+    Parameters never require grad here (a package is for inference), so a freshly compiled program
+    and the same program loaded from a package save to equal bytes.
+    """
+
+    def hollow(t: torch.Tensor) -> torch.Tensor:
+        empty = torch.zeros((), dtype=t.dtype).expand(t.shape)
+        return torch.nn.Parameter(empty, requires_grad=False) if isinstance(t, torch.nn.Parameter) else empty
+
+    new = copy.copy(program)
+    new._state_dict = {k: hollow(v) for k, v in program.state_dict.items()}
+    new._constants = {
+        k: hollow(v) if isinstance(v, torch.Tensor) else v for k, v in program.constants.items()
+    }
+    return new
 
 
 def _swap_into_place(tmp: Path, path: Path) -> None:
@@ -294,7 +457,9 @@ def _swap_into_place(tmp: Path, path: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _as_dict(value: object | None) -> dict | None:
-    if value is None:
-        return None
-    return value.to_dict() if hasattr(value, "to_dict") else dict(value)  # type: ignore[call-overload]
+def _validation(value: ValidationReport | Mapping[str, Any] | None) -> ValidationReport | None:
+    if value is None or isinstance(value, ValidationReport):
+        return value
+    if isinstance(value, Mapping):
+        return ValidationReport.from_dict(value)
+    raise TypeError(f"validation must be a ValidationReport or its to_dict(), got {type(value).__name__}")

@@ -89,19 +89,19 @@ def test_fallback_package_round_trips_without_engine_files(bf16_compiled, tmp_pa
     info = compiler.save(compiled, tmp_path / "mlp.kiln")
     assert list((info.path / "engines").iterdir()) == []
     manifest = compiler.read_manifest(info.path)
-    for fp, entry in manifest["engines"].items():
-        assert entry["backend"] == "torch" and entry["file"] is None and entry["bytes"] == 0
-        assert entry["build_failure"] == compiled.engines[fp].build_failure
-    assert manifest["plan"]["options"]["on_build_failure"] == "torch"
+    for fp, record in manifest.engines.items():
+        assert record.backend == "torch" and record.file is None and record.bytes == 0
+        assert record.build_failure == compiled.engines[fp].build_failure
+    assert manifest.options.on_build_failure == "torch"
     loaded = compiler.load(info.path)
     x = torch.randn(5, 64)
     torch.testing.assert_close(loaded(x), case.model(x))
     assert loaded.report.build_failures == compiled.report.build_failures
     assert "fell back after build failures" in loaded.report.summary()
     # Which backend runs a fingerprint is part of the content hash: an edit is refused.
-    fp = next(iter(manifest["engines"]))
-    manifest["engines"][fp]["backend"] = "onnxruntime"
-    (info.path / "manifest.json").write_text(json.dumps(manifest))
+    data = json.loads((info.path / "manifest.json").read_text())
+    data["engines"][next(iter(data["engines"]))]["backend"] = "onnxruntime"
+    (info.path / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(PackageCorruptError, match="edited after saving"):
         compiler.load(info.path)
 
@@ -204,9 +204,11 @@ def test_the_option_travels_in_dicts_but_not_in_engine_cache_keys(mlp):
 def test_packages_saved_before_per_engine_backends_still_load(tmp_path):
     """The fixture was saved by kiln before this feature: no per-engine backend, no build_failures."""
     path = shutil.copytree(OLD_PACKAGE, tmp_path / "old.kiln")
+    data = json.loads((path / "manifest.json").read_text())
+    assert all("backend" not in e for e in data["engines"].values())
+    assert "on_build_failure" not in data["plan"]["options"]
     manifest = compiler.read_manifest(path)
-    assert all("backend" not in e for e in manifest["engines"].values())
-    assert "on_build_failure" not in manifest["plan"]["options"]
+    assert manifest.format_version == 1 and {r.backend for r in manifest.engines.values()} == {"onnxruntime"}
     loaded = compiler.load(path)
     assert {a.backend for a in loaded.engines.values()} == {"onnxruntime"}
     assert loaded.report.build_failures == [] and loaded.plan.options.on_build_failure == "torch"
