@@ -174,6 +174,12 @@ def test_an_offline_hub_id_resolves_from_the_local_cache(hf_dir: Path, tmp_path:
         3,
         96,
     )
+    # The branch moves: this source keeps the commit it keyed and loads; a new source sees the move.
+    moved = "fedcba9876543210fedcba9876543210fedcba98"
+    shutil.copytree(repo / "snapshots" / commit, repo / "snapshots" / moved)
+    (repo / "refs" / "main").write_text(moved)
+    assert source.identity().version == commit
+    assert source_for("hf:kiln-test/tiny-gpt2", task="causal-lm").identity().version == moved
     with pytest.raises(ZooConfigError, match=r"at revision 'v2' is not in the local Hugging Face cache"):
         source_for("hf:kiln-test/tiny-gpt2", task="causal-lm", revision="v2").identity()
 

@@ -10,7 +10,8 @@ Identity without loading: the resolved revision (a hub commit; a folder has none
 too), plus the task and the transformers and torch versions that turn them into a graph. A hub id is
 resolved to a snapshot in the local Hugging Face cache first (online: those files are downloaded, never
 tokenizers or ``*.bin``); with ``HF_HUB_OFFLINE=1`` only the cache is used, and a hub id not in it is a
-:class:`ZooConfigError` naming the source.
+:class:`ZooConfigError` naming the source. A source object resolves its hub id once and loads that
+commit, so a branch that moves mid-compile cannot swap the model under its key.
 
 Inputs from the config and the task: text models take ``input_ids`` (and ``attention_mask`` where the
 model does), int64, batch 1..8 and sequence 1..min(512, max_position_embeddings); vision models take
@@ -100,6 +101,9 @@ class HfSource:
     trust_remote_code: bool = False
     inputs: Mapping[str, Any] = field(default_factory=dict)  # the entry's ranges: examples sit inside
     base_dir: str | None = None  # the zoo file's directory, for relative folders
+    # A hub id's snapshot, resolved once: load() reads the commit identity() keyed, even if the branch
+    # moved since (and a compile asks the hub once, not at every identity()).
+    pinned: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def uri(self) -> str:
@@ -141,7 +145,10 @@ class HfSource:
                 + ("" if looks_like_path else ", and it is not a hub id ('org/name')")
                 + "; write the save_pretrained folder's path"
             )
-        return self._hub_snapshot()
+        if not self.pinned:
+            folder, commit = self._hub_snapshot()
+            self.pinned.update(folder=str(folder), commit=commit)
+        return Path(self.pinned["folder"]), self.pinned["commit"]
 
     def _hub_snapshot(self) -> tuple[Path, str]:
         from huggingface_hub import snapshot_download
