@@ -91,7 +91,7 @@ def test_zoo_with_a_broken_model_gives_two_packages_one_failure_and_exit_1(first
     x = torch.randn(7, 64)
     torch.testing.assert_close(loaded(x), case.model(x), rtol=1e-4, atol=1e-5)
     manifest = compiler.read_manifest(rows["mlp"]["package"])
-    assert manifest["validation"]["max_rel_l2"] == pytest.approx(rows["mlp"]["max_rel_l2"])
+    assert manifest.validation.max_rel_l2 == pytest.approx(rows["mlp"]["max_rel_l2"])
     assert json.loads((Path(summary["out_dir"]) / "summary.json").read_text()) == summary
 
 
@@ -160,6 +160,19 @@ def test_a_damaged_staged_package_heals_on_the_next_run(first_run, zoo3: Path) -
     import compiler
 
     compiler.read_manifest(out / "mlp.kiln")  # verifies every checksum
+
+
+def test_a_corrupt_engine_cache_entry_is_named_in_the_summary(first_run, zoo3: Path, tmp_path: Path) -> None:
+    for entry in (zoo3.parent / "engine-cache").glob("*.bin"):
+        entry.write_bytes(b"not an engine")
+    out = tmp_path / "out"
+    # A fresh workspace, so the builds consult the engine cache; no -v: the summary alone must say it.
+    proc = _kiln("compile", "mlp", "--zoo", str(zoo3), "--out", str(out), "--workspace", str(tmp_path / "ws"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "warning:" in proc.stderr and "is corrupt" in proc.stderr, proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert any("is corrupt" in w for w in summary["warnings"])
+    assert summary["engines_built"] == summary["models"][0]["unique_engines"] > 0  # rebuilt, not used
 
 
 def test_bad_entries_fail_before_any_engine_is_built(prefect_api, tmp_path: Path) -> None:  # noqa: F811
