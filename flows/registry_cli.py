@@ -71,10 +71,20 @@ def lookup_cmd(
     dst: Annotated[
         str | None, typer.Option(help="download the package here (default: the kiln cache)")
     ] = None,
+    allow_op_module: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-op-module",
+            help="module (prefix) the package may import for its custom ops, e.g. zoo.models; repeatable "
+            "(adds to $KILN_ALLOWED_OP_MODULES)",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
     tracking_uri: TrackingUri = None,
 ) -> None:
-    """Find the champion (else newest) version whose input ranges cover SHAPE; download, verify, load it."""
+    """Find the champion (else newest) version whose input ranges cover SHAPE; download, verify, load it.
+
+    A version that fails verification is skipped for the next that fits, and the output says so."""
     from registry.errors import KilnError, NoMatchingVersionError
     from registry.lookup import describe_result, lookup
 
@@ -87,6 +97,7 @@ def lookup_cmd(
             precision=precision,
             version=version,
             dst=dst,
+            allowed_modules=allow_op_module or None,
             tracking_uri=tracking_uri,
         )
     except NoMatchingVersionError as exc:
@@ -101,7 +112,12 @@ def lookup_cmd(
         return
     aliases = f" ({', '.join(result.aliases)})" if result.aliases else ""
     console.print(f"[green]{result.name}[/green] version {result.version}{aliases}: verified and loaded")
-    for key in ("backend", "precision", "target_device", "input_ranges", "package_dir"):
+    if result.fell_back:
+        broken = ", ".join(result.fell_back_from)
+        console.print(
+            f"[yellow]warning:[/yellow] served instead of broken version(s) {broken}", soft_wrap=True
+        )
+    for key in ("backend", "precision", "engine_target", "input_ranges", "package_dir"):
         console.print(f"  {key}: {summary[key]}", soft_wrap=True)
     for row in result.skipped:
         console.print(f"  skipped v{row['version']}: {row['reason']}", soft_wrap=True)
@@ -163,14 +179,18 @@ def release_cmd(
 def rollback_cmd(
     model: Annotated[str, typer.Argument(help="model name as in the zoo file")],
     target: Target = "cpu",
+    to: Annotated[
+        str | None,
+        typer.Option("--to", help="version to make the champion (default: the 'previous' alias)"),
+    ] = None,
     tracking_uri: TrackingUri = None,
 ) -> None:
-    """Move the champion alias back to the previous champion."""
+    """Move the champion alias back to the previous champion, or to the version given with --to."""
     from registry.errors import KilnError
     from registry.release import rollback
 
     try:
-        outcome = rollback(model, target, tracking_uri=tracking_uri)
+        outcome = rollback(model, target, to_version=to, tracking_uri=tracking_uri)
     except KilnError as exc:
         raise _fail(f"{type(exc).__name__}: {exc}") from None
     console.print(

@@ -4,12 +4,15 @@ Order of preference inside ``kiln.<model>.<target>``: the ``champion`` alias, th
 newest first. A version is skipped (with the reason recorded) when it was rejected by a release, has
 another backend or precision, or its input spec ranges do not cover the requested shapes. The first
 that fits is downloaded, every checksum in its manifest is verified and its content hash compared
-with the registry's tag; only then is it loaded. No fit -> :class:`NoMatchingVersionError` listing
-every candidate and why it did not fit.
+with the registry's tag; only then is it loaded. A version that fails there (a corrupt champion) is
+skipped for the next that fits, and the result says so (``fell_back_from``). No fit ->
+:class:`NoMatchingVersionError` listing every candidate and why it did not fit. Nothing named in a
+tag is ever imported: registry tags are data.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
@@ -23,21 +26,25 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from compiler.errors import PackageError
+from compiler.manifest import Manifest
 from compiler.specs import InputSpec, specs_from_json
 from registry import config
 from registry.config import RetryPolicy, call_with_retry, is_transient
 from registry.errors import ArtifactMissingError, ArtifactVerificationError, NoMatchingVersionError
 from registry.models import (
     CHAMPION,
-    TAG_CONTENT_HASH,
     TAG_INPUT_SPECS,
     TAG_REJECTED,
     TAG_ROLLED_BACK,
     all_versions,
+    content_hash_of,
+    engine_target_of,
     get_aliases,
     registered_model_name,
 )
-from registry.pyfunc import PACKAGE_ARTIFACT, import_op_modules
+from registry.pyfunc import PACKAGE_ARTIFACT
+
+log = logging.getLogger("kiln.registry")
 
 Shapes = Sequence[int] | Sequence[Sequence[int]] | Mapping[str, Sequence[int]]
 
@@ -50,10 +57,16 @@ class LookupResult:
     version: str
     aliases: list[str]
     package_dir: Path
-    manifest: dict
+    manifest: Manifest
     tags: dict[str, str]
     module: Any = None
     skipped: list[dict] = field(default_factory=list)
+    # Versions preferred over this one that failed verification or loading (the champion, first).
+    fell_back_from: list[str] = field(default_factory=list)
+
+    @property
+    def fell_back(self) -> bool:
+        return bool(self.fell_back_from)
 
 
 def normalize_shapes(shapes: Shapes, specs: Sequence[InputSpec]) -> list[tuple[int, ...]]:
@@ -135,7 +148,7 @@ def candidates(
         tags = dict(v.tags)
         row = {"version": str(v.version), "aliases": sorted(by_version.get(str(v.version), [])), "tags": tags}
         reason = None
-        content_hash = tags.get(TAG_CONTENT_HASH, "")
+        content_hash = content_hash_of(tags)
         if content_hash and content_hash in seen_hash:
             reason = f"same content as version {seen_hash[content_hash]}"
         elif TAG_REJECTED in tags:
@@ -200,7 +213,7 @@ def fetch_version(
     *,
     dst: str | os.PathLike | None = None,
     policy: RetryPolicy | None = None,
-) -> tuple[Path, dict, dict[str, str]]:
+) -> tuple[Path, Manifest, dict[str, str]]:
     """Download version ``version`` of ``name`` and verify it: (package dir, manifest, version tags).
 
     The download always goes to a fresh directory (then replaces ``dst``), so a tampered or stale
@@ -249,20 +262,14 @@ def fetch_version(
     return root / package_dir.relative_to(staging), manifest, tags
 
 
-def _check_content_hash(manifest: dict, tags: Mapping[str, str], name: str, version: str) -> None:
-    from compiler import package
-
-    expected = tags.get(TAG_CONTENT_HASH)
-    recomputed = package.content_hash(manifest)
-    if manifest.get("content_hash") != recomputed:
+def _check_content_hash(manifest: Manifest, tags: Mapping[str, str], name: str, version: str) -> None:
+    """The verified package must be the content the registry recorded (read_manifest has already
+    checked the manifest against its own hash and every file against the manifest)."""
+    expected = content_hash_of(tags)
+    if expected and expected != manifest.content_hash:
         raise ArtifactVerificationError(
-            f"version {version} of {name}: the manifest's content_hash does not match its contents "
-            "(the manifest was edited); refused"
-        )
-    if expected and expected != recomputed:
-        raise ArtifactVerificationError(
-            f"version {version} of {name}: the artifact holds content {recomputed[:16]}..., but the registry "
-            f"recorded {expected[:16]}...; the artifact was replaced, refused"
+            f"version {version} of {name}: the artifact holds content {manifest.content_hash[:16]}..., "
+            f"but the registry recorded {expected[:16]}...; the artifact was replaced, refused"
         )
 
 
@@ -276,6 +283,7 @@ def lookup(
     version: str | None = None,
     load: bool = True,
     dst: str | os.PathLike | None = None,
+    allowed_modules: Sequence[str] | None = None,
     tracking_uri: str | None = None,
     policy: RetryPolicy | None = None,
 ) -> LookupResult:
@@ -283,6 +291,9 @@ def lookup(
 
     ``shapes``: one shape for a single-input model (``(4, 64)``), a list in input order, or
     ``{"input_ids": (2, 16), ...}``. ``version`` pins a version (still checked against the filters).
+    A version that fails verification or loading is skipped for the next one that fits (logged, and
+    listed in ``result.skipped`` and ``result.fell_back_from``); only when every fitting version is
+    broken does the error reach the caller. ``allowed_modules``: see :func:`load_package`.
     """
     mlclient = config.client(tracking_uri)
     name = registered_model_name(model, target)
@@ -319,25 +330,54 @@ def lookup(
             f"candidates:\n{_describe(skipped)}",
             candidates=[{k: r[k] for k in ("version", "aliases", "reason")} for r in skipped],
         )
-    chosen = fitting[0]
-    package_dir, manifest, tags = fetch_version(mlclient, name, chosen["version"], dst=dst, policy=policy)
-    result = LookupResult(
-        name, chosen["version"], chosen["aliases"], package_dir, manifest, tags, None, skipped
-    )
-    if load:
-        result.module = load_package(package_dir, tags)
-    return result
+    failed: list[dict] = []
+    for chosen in fitting:
+        try:
+            package_dir, manifest, tags = fetch_version(
+                mlclient, name, chosen["version"], dst=dst, policy=policy
+            )
+            module = load_package(package_dir, allowed_modules=allowed_modules) if load else None
+        except (ArtifactVerificationError, ArtifactMissingError) as exc:
+            # A broken version (the champion, say) must not strand the caller: try the next that fits.
+            failed.append({**chosen, "reason": f"failed verification: {exc}", "error": exc})
+            log.warning(
+                "%s version %s is broken, trying the next version that fits: %s", name, chosen["version"], exc
+            )
+            continue
+        if failed:
+            log.warning(
+                "%s: serving version %s instead of broken version(s) %s",
+                name,
+                chosen["version"],
+                ", ".join(r["version"] for r in failed),
+            )
+        skipped += [{k: v for k, v in r.items() if k != "error"} for r in failed]
+        return LookupResult(
+            name,
+            chosen["version"],
+            chosen["aliases"],
+            package_dir,
+            manifest,
+            tags,
+            module,
+            skipped,
+            fell_back_from=[r["version"] for r in failed],
+        )
+    first = failed[0]["error"]
+    if len(failed) == 1:
+        raise first
+    listing = "\n".join(f"  version {r['version']}: {r['reason']}" for r in failed)
+    raise type(first)(f"every version of {name} that fits is broken:\n{listing}") from first
 
 
-def load_package(package_dir: str | os.PathLike, tags: Mapping[str, str] | None = None) -> Any:
-    """``compiler.load`` after importing the factory module (it registers custom fallback ops)."""
+def load_package(package_dir: str | os.PathLike, *, allowed_modules: Sequence[str] | None = None) -> Any:
+    """``compiler.load`` of a verified package. The modules it may import are the package's recorded
+    ``op_modules`` that this process allows (``allowed_modules``, ``$KILN_ALLOWED_OP_MODULES``, or
+    already imported): never a module named in a registry tag."""
     import compiler
 
-    factory = (tags or {}).get("factory", "")
-    if ":" in factory:
-        import_op_modules([factory.split(":")[0]])
     try:
-        return compiler.load(package_dir)
+        return compiler.load(package_dir, allowed_modules=allowed_modules)
     except PackageError as exc:
         raise ArtifactVerificationError(
             f"{package_dir} failed verification at load and is refused: {exc}"
@@ -353,8 +393,9 @@ def describe_result(result: LookupResult) -> dict:
         "package_dir": str(result.package_dir),
         "backend": result.tags.get("backend"),
         "precision": result.tags.get("precision"),
-        "target_device": result.tags.get("target_device"),
+        "engine_target": engine_target_of(result.tags),
         "input_ranges": result.tags.get("input_ranges"),
-        "content_hash": result.tags.get(TAG_CONTENT_HASH),
+        "content_hash": content_hash_of(result.tags),
+        "fell_back_from": result.fell_back_from,
         "skipped": [{k: r[k] for k in ("version", "reason")} for r in result.skipped],
     }

@@ -1,29 +1,34 @@
-"""The model registry: one registered model per (model, target), idempotent versions, aliases.
+"""The model registry: one registered model per (model, engine target), idempotent versions, aliases.
 
 Name scheme: ``kiln.<model>.<target>``, both parts lower-cased with every character outside
 ``[a-z0-9_-]`` replaced by ``_`` (``kiln.tiny_bert.cpu``, ``kiln.tiny_bert.cuda_sm_90``). The target
-is the package's ``target_device`` (engines are device-specific); backend and precision are version
+is the package's ``engine_target`` (engines are built for it); backend and precision are version
 tags, so one registered model can hold ONNX Runtime and TensorRT builds of the same model side by side.
 
-Every version carries these tags (strings):
+Every version carries these tags (strings; all of them data, none ever imported or executed):
 
-=================  =============================================================================
-``content_hash``   the package manifest's ``content_hash``: registering equal content returns the
-                   existing version, never a second one
-``model``          the zoo entry's name
-``backend``        ``onnxruntime``, ``tensorrt``, ...; ``backend_version`` its library version
-``target_device``  ``cpu``, ``cuda:sm_90``, ...
-``precision``      ``fp32`` / ``fp16`` / ``bf16``; ``strip_weights`` ``true`` / ``false``
-``input_ranges``   human-readable ranges, e.g. ``x: float32 [1..32, 64] (batch=axis 0)``
-``input_specs``    the InputSpec JSON (``compiler.specs.specs_to_json``) that look-ups match against
-``factory``        the zoo factory (``zoo.models:mlp_with_fallback``); ``zoo_entry`` the entry JSON
-``kiln_version``   the kiln that wrote the package
-=================  =============================================================================
+=====================  =========================================================================
+``kiln.content_hash``  the package manifest's ``content_hash``: registering equal content returns
+                       the existing version, never a second one (versions registered before this
+                       name carry ``content_hash``; look-ups read both)
+``model``              the model's name (the compile request's)
+``backend``            ``onnxruntime``, ``tensorrt``, ...; ``backend_version`` its library version
+``engine_target``      ``cpu``, ``cuda:sm_90``, ... (older versions: ``target_device``)
+``precision``          ``fp32`` / ``fp16`` / ``bf16``; ``strip_weights`` ``true`` / ``false``
+``input_ranges``       human-readable ranges, e.g. ``x: float32 [1..32, 64] (batch=axis 0)``
+``input_specs``        the InputSpec JSON (``compiler.specs.specs_to_json``) that look-ups match against
+``op_modules``         JSON list of the modules the package needs imported (its manifest's list)
+``source_*``           lineage: ``source_uri``, ``source_kind``, ``source_version``,
+                       ``source_identity``, ``source_run_id`` (when the package records a source)
+``request``            the compile request as JSON (``CompileRequest.to_dict()``), when it fits
+``kiln_version``       the kiln that wrote the package; ``format_version`` its package format
+=====================  =========================================================================
 
 Release adds ``release_report`` (JSON of the measured gates) and, for a failed candidate,
-``rejected`` (JSON list of reasons); ``kiln rollback`` tags the demoted champion ``rolled_back``.
-Look-ups skip rejected and rolled-back versions. Aliases: ``champion`` (what look-ups serve first) and
-``previous`` (where ``kiln rollback`` goes).
+``rejected`` (JSON list of reasons); a release forced past a broken champion tags the new champion
+``replaced_broken_champion`` and the old one ``broken``; ``kiln rollback`` tags the demoted champion
+``rolled_back``. Look-ups skip rejected and rolled-back versions. Aliases: ``champion`` (what look-ups
+serve first) and ``previous`` (where ``kiln rollback`` goes without ``--to``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
+from compiler.manifest import Manifest
 from compiler.specs import InputSpec
 from registry.config import RetryPolicy, call_with_retry
 
@@ -49,11 +55,15 @@ PREFIX = "kiln"
 CHAMPION = "champion"
 PREVIOUS = "previous"
 
-TAG_CONTENT_HASH = "content_hash"
+# One content-hash tag on runs, logged models and versions; versions registered before carry the old.
+TAG_CONTENT_HASH = "kiln.content_hash"
+LEGACY_TAG_CONTENT_HASH = "content_hash"
 TAG_REJECTED = "rejected"
 TAG_RELEASE_REPORT = "release_report"
 TAG_ROLLED_BACK = "rolled_back"
 TAG_INPUT_SPECS = "input_specs"
+TAG_BROKEN = "broken"
+TAG_REPLACED_BROKEN = "replaced_broken_champion"
 
 _UNSAFE = re.compile(r"[^a-z0-9_-]+")
 _TAG_LIMIT = 5000  # conservative: older servers cap registry tag values at 5000 characters
@@ -84,32 +94,48 @@ def ranges_text(specs: list[InputSpec] | tuple[InputSpec, ...]) -> str:
     return "; ".join(parts)
 
 
-def version_tags(
-    manifest: Mapping[str, Any], model: str, entry: Mapping[str, Any] | None = None
-) -> dict[str, str]:
-    """The tags a version of this package carries (all strings)."""
+def content_hash_of(tags: Mapping[str, str]) -> str:
+    """A version's content hash, under the current tag name or the one versions had before."""
+    return tags.get(TAG_CONTENT_HASH) or tags.get(LEGACY_TAG_CONTENT_HASH) or ""
+
+
+def engine_target_of(tags: Mapping[str, str]) -> str:
+    return tags.get("engine_target") or tags.get("target_device") or ""
+
+
+def version_tags(manifest: Manifest, model: str, request: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The tags a version of this package carries (all strings, all data). ``request``: the compile
+    request as plain data (``registry.payload.request_data``)."""
     from compiler.specs import specs_to_json
 
-    specs = [InputSpec.from_dict(d) for d in manifest.get("input_specs", [])]
+    specs = list(manifest.input_specs)
     tags = {
-        TAG_CONTENT_HASH: str(manifest["content_hash"]),
+        TAG_CONTENT_HASH: manifest.content_hash,
         "model": model,
-        "backend": str(manifest.get("backend", "")),
-        "backend_version": str(manifest.get("backend_version", "")),
-        "target_device": str(manifest.get("target_device", "")),
-        "precision": str(manifest.get("precision", "")),
-        "strip_weights": str(bool(manifest.get("strip_weights", False))).lower(),
+        "backend": manifest.backend,
+        "backend_version": manifest.backend_version,
+        "engine_target": manifest.engine_target,
+        "precision": manifest.precision,
+        "strip_weights": str(manifest.strip_weights).lower(),
         "input_ranges": ranges_text(specs),
         TAG_INPUT_SPECS: specs_to_json(specs),
-        "kiln_version": str(manifest.get("kiln_version", "")),
-        "format_version": str(manifest.get("format_version", "")),
+        "op_modules": json.dumps(list(manifest.op_modules)),
+        "kiln_version": manifest.kiln_version,
+        "format_version": str(manifest.format_version),
     }
-    if entry:
-        if entry.get("factory"):
-            tags["factory"] = str(entry["factory"])
-        entry_json = json.dumps(entry, sort_keys=True, default=str)
-        if len(entry_json) <= _TAG_LIMIT:
-            tags["zoo_entry"] = entry_json
+    source = manifest.source
+    if source is not None:
+        tags.update(
+            source_uri=source.uri,
+            source_kind=source.kind,
+            source_version=source.version,
+            source_identity=source.identity,
+            source_run_id=source.run_id or "",
+        )
+    if request:
+        text = json.dumps(request, sort_keys=True, default=str)
+        if len(text) <= _TAG_LIMIT:
+            tags["request"] = text
     return {k: v for k, v in tags.items() if v != ""}
 
 
@@ -181,7 +207,7 @@ def versions_with_hash(
     mlclient: MlflowClient, name: str, content_hash: str, policy: RetryPolicy | None = None
 ) -> list[ModelVersion]:
     """Versions of ``name`` tagged with ``content_hash``, lowest number first (the canonical one)."""
-    hits = [v for v in all_versions(mlclient, name, policy) if v.tags.get(TAG_CONTENT_HASH) == content_hash]
+    hits = [v for v in all_versions(mlclient, name, policy) if content_hash_of(v.tags) == content_hash]
     return sorted(hits, key=lambda v: int(v.version))
 
 
@@ -281,11 +307,11 @@ def registered_versions(
                     "aliases": sorted(by_version.get(str(version.version), [])),
                     "backend": tags.get("backend", ""),
                     "backend_version": tags.get("backend_version", ""),
-                    "target_device": tags.get("target_device", ""),
+                    "engine_target": engine_target_of(tags),
                     "precision": tags.get("precision", ""),
                     "input_ranges": tags.get("input_ranges", ""),
                     "dims": dims_text(tags.get(TAG_INPUT_SPECS, "")),
-                    "content_hash": tags.get(TAG_CONTENT_HASH, ""),
+                    "content_hash": content_hash_of(tags),
                     "rejected": TAG_REJECTED in tags,
                     "run_id": version.run_id,
                 }

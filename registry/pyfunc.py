@@ -1,9 +1,13 @@
 """The MLflow ``python_function`` face of a kiln package.
 
-``load_context`` calls ``compiler.load`` on the package artifact, which verifies the format version
-and every checksum before anything runs. The logged model carries ``compiler`` and ``registry`` as
-``code_paths``, so ``mlflow.pyfunc.load_model`` works in a fresh process without kiln installed
-(torch, onnxruntime and safetensors must be, as the model's requirements say).
+``load_context`` calls ``compiler.load`` on the package artifact, which verifies the format version,
+the content hash and every checksum before anything runs. The modules it may import (to register the
+package's custom ops) are the ones the verified manifest recorded when the model was logged, plus
+``$KILN_ALLOWED_OP_MODULES``: never a module named in a registry tag. The logged model carries
+``compiler``, ``registry`` and those modules' packages as ``code_paths``, so ``mlflow.pyfunc.load_model``
+works in a fresh process without kiln installed (torch, onnxruntime and safetensors must be, as the
+model's requirements say). MLflow itself unpickles this class from the logged model: whoever may write
+the artifact store may run code in a pyfunc loader; ``kiln lookup`` never uses this path.
 
 Calling it:
 
@@ -26,37 +30,23 @@ import numpy as np
 PACKAGE_ARTIFACT = "package"
 
 
-def import_op_modules(modules: Sequence[str]) -> None:
-    """Import the modules that register the model's custom ops (its fallback ops).
-
-    A torch.export program that calls a custom op (``kiln_zoo::soft_sign_clip``) only deserialises
-    once that op is registered, i.e. once the module defining it has been imported.
-    """
-    import importlib
-
-    for name in modules:
-        if name:
-            importlib.import_module(name)
-
-
 class KilnPackageModel(mlflow.pyfunc.PythonModel):
     """Wraps a kiln package directory; the compiled module is loaded once per process.
 
-    ``op_modules``: modules to import before loading (the zoo factory's module, which registers any
-    custom ops the fallback graph calls).
+    ``allowed_modules``: modules the load may import (the package's recorded ``op_modules`` at log
+    time: they register the custom ops its fallback graph calls).
     """
 
-    def __init__(self, op_modules: Sequence[str] = ()) -> None:
-        self.op_modules = tuple(op_modules)
+    def __init__(self, allowed_modules: Sequence[str] = ()) -> None:
+        self.allowed_modules = tuple(allowed_modules)
         self.module: Any = None
         self.package_dir: str | None = None
 
     def load_context(self, context: mlflow.pyfunc.PythonModelContext) -> None:
         import compiler
 
-        import_op_modules(self.op_modules)
         self.package_dir = context.artifacts[PACKAGE_ARTIFACT]
-        self.module = compiler.load(self.package_dir)
+        self.module = compiler.load(self.package_dir, allowed_modules=self.allowed_modules)
 
     @property
     def input_names(self) -> list[str]:

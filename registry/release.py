@@ -6,6 +6,12 @@ with an undo each: if any step fails, the steps already done are undone in rever
 either moves ``champion``/``previous`` and writes its report, or leaves the registry as it found it.
 A file lock per registered model serialises releases on one host, and the champion is re-read
 before the first write: if another release moved it since the gates were measured, this one aborts.
+
+A corrupt champion never strands the operator: :func:`champion_or_broken` refuses to release against
+a champion that fails verification unless ``force_replace_broken`` is given, and then the release
+records it (``replaced_broken_champion`` on the new champion, ``broken`` on the old one, and in the
+release report); ``rollback(..., to_version=...)`` moves the champion to any version that was not
+rejected, with or without a ``previous`` alias.
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ from mlflow.exceptions import MlflowException
 
 from registry import config
 from registry.config import RetryPolicy, call_with_retry
-from registry.errors import ReleaseError
+from registry.errors import ArtifactMissingError, ArtifactVerificationError, ReleaseError
 from registry.models import (
     CHAMPION,
     PREVIOUS,
+    TAG_BROKEN,
     TAG_REJECTED,
     TAG_RELEASE_REPORT,
+    TAG_REPLACED_BROKEN,
     TAG_ROLLED_BACK,
     get_aliases,
     registered_model_name,
@@ -48,6 +56,8 @@ class GateReport:
     latency: dict[str, Any]
     reasons: list[str] = field(default_factory=list)
     measured_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    # Why the champion could not be loaded, when the release was forced past it (force_replace_broken).
+    replaced_broken_champion: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -68,6 +78,7 @@ class ReleaseOutcome:
     previous: str | None  # previous after the release
     reasons: list[str]
     report: dict
+    replaced_broken_champion: str | None = None  # the old champion's failure, when forced past it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -170,13 +181,32 @@ def apply_decision(
                 policy,
             )
         ]
+        broken = report.replaced_broken_champion
         if report.passed:
             steps.append(
                 call_with_retry(
                     lambda: _tag_steps(mlclient, name, version, TAG_REJECTED, None), "read tags", policy
                 )
             )
-            if champion and champion != version:
+            if broken and champion and champion != version:
+                # Recorded on both: the new champion replaced a broken one; the old one is broken. A
+                # broken version is no rollback target, so `previous` stays where it was.
+                note = f"v{champion}: {broken}"[:1000]
+                steps.append(
+                    call_with_retry(
+                        lambda: _tag_steps(mlclient, name, version, TAG_REPLACED_BROKEN, note),
+                        "read tags",
+                        policy,
+                    )
+                )
+                steps.append(
+                    call_with_retry(
+                        lambda: _tag_steps(mlclient, name, champion, TAG_BROKEN, broken[:1000]),
+                        "read tags",
+                        policy,
+                    )
+                )
+            elif champion and champion != version:
                 steps.append(_alias_step(mlclient, name, PREVIOUS, champion, aliases.get(PREVIOUS)))
             steps.append(_alias_step(mlclient, name, CHAMPION, version, champion))
         else:
@@ -196,50 +226,111 @@ def apply_decision(
         after.get(PREVIOUS),
         report.reasons,
         report.to_dict(),
+        report.replaced_broken_champion,
     )
+
+
+def champion_or_broken(
+    load: Callable[[], Any], name: str, version: str, *, force_replace_broken: bool = False
+) -> tuple[Any | None, str | None]:
+    """``(module, None)`` when the champion loads; ``(None, reason)`` when it fails verification and
+    ``force_replace_broken`` is set (put the reason in ``GateReport.replaced_broken_champion``);
+    otherwise ReleaseError saying how to proceed. ``load``: fetches, verifies and loads the champion."""
+    try:
+        return load(), None
+    except (ArtifactVerificationError, ArtifactMissingError) as exc:
+        if not force_replace_broken:
+            raise ReleaseError(
+                f"{name}: the champion, version {version}, fails verification, so nothing can be measured "
+                f"against it: {exc}. Nothing was changed. To release a candidate in its place, run again "
+                "with --force-replace-broken (recorded on both versions and in the release report), or "
+                "move the champion with `kiln rollback --to VERSION`"
+            ) from exc
+        log.warning("%s: releasing past broken champion %s: %s", name, version, exc)
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def rollback(
     model: str,
     target: str = "cpu",
     *,
+    to_version: str | None = None,
     tracking_uri: str | None = None,
     policy: RetryPolicy | None = None,
 ) -> ReleaseOutcome:
-    """Move ``champion`` back to ``previous``; the demoted version is tagged ``rolled_back``.
+    """Move ``champion`` back: to ``previous`` (default) or to ``to_version``; the demoted champion is
+    tagged ``rolled_back``.
 
-    ``previous`` is removed (there is no older champion on record to point it at), so a second
-    rollback without a release in between is refused rather than bouncing back to the bad version.
+    Without ``to_version``, ``previous`` is removed (there is no older champion on record to point it
+    at), so a second rollback without a release in between is refused rather than bouncing back to the
+    bad version. With ``to_version`` (any version not rejected by a release), ``previous`` is removed
+    only if it named that version; this works with a broken champion and without a ``previous``.
     """
     mlclient = config.client(tracking_uri)
     name = registered_model_name(model, target)
     with registry_lock(mlclient, name):
         aliases = get_aliases(mlclient, name, policy)
         champion, previous = aliases.get(CHAMPION), aliases.get(PREVIOUS)
-        if previous is None:
+        target_version = previous if to_version is None else str(to_version)
+        if target_version is None:
             raise ReleaseError(
-                f"{name} has no 'previous' alias (champion: {champion or 'none'}); nothing to roll back to"
+                f"{name} has no 'previous' alias (champion: {champion or 'none'}); nothing to roll back to; "
+                "name a version with --to VERSION"
             )
+        if to_version is not None:
+            _check_rollback_target(mlclient, name, target_version, champion, policy)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         steps: list[Step] = []
         if champion:
             steps.append(
                 call_with_retry(
-                    lambda: _tag_steps(mlclient, name, champion, TAG_ROLLED_BACK, f"{stamp} to v{previous}"),
+                    lambda: _tag_steps(
+                        mlclient, name, champion, TAG_ROLLED_BACK, f"{stamp} to v{target_version}"
+                    ),
                     "read tags",
                     policy,
                 )
             )
-        steps.append(_alias_step(mlclient, name, CHAMPION, previous, champion))
-        steps.append(_alias_step(mlclient, name, PREVIOUS, None, previous))
+        # A version rolled back from earlier serves again: it is no longer "rolled back".
+        steps.append(
+            call_with_retry(
+                lambda: _tag_steps(mlclient, name, target_version, TAG_ROLLED_BACK, None), "read tags", policy
+            )
+        )
+        steps.append(_alias_step(mlclient, name, CHAMPION, target_version, champion))
+        if previous is not None and (to_version is None or previous == target_version):
+            steps.append(_alias_step(mlclient, name, PREVIOUS, None, previous))
         _run_steps(steps, policy)
         after = get_aliases(mlclient, name, policy)
     return ReleaseOutcome(
         name,
-        previous,
+        target_version,
         True,
         after.get(CHAMPION),
         after.get(PREVIOUS),
         [],
-        {"rolled_back_from": champion, "to": previous},
+        {"rolled_back_from": champion, "to": target_version, "explicit": to_version is not None},
     )
+
+
+def _check_rollback_target(
+    mlclient: MlflowClient, name: str, version: str, champion: str | None, policy: RetryPolicy | None
+) -> None:
+    def read() -> dict[str, str] | None:
+        try:
+            return dict(mlclient.get_model_version(name, version).tags)
+        except MlflowException as exc:
+            if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise
+
+    tags = call_with_retry(read, f"read {name}/{version}", policy)
+    if tags is None:
+        raise ReleaseError(f"{name} has no version {version}; nothing was changed")
+    if version == champion:
+        raise ReleaseError(f"{name} version {version} is already the champion; nothing was changed")
+    if TAG_REJECTED in tags:
+        raise ReleaseError(
+            f"{name} version {version} was rejected by a release ({tags[TAG_REJECTED][:300]}); "
+            "rolling back to it is refused; release it again to re-measure it"
+        )

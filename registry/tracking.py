@@ -1,17 +1,9 @@
 """Tracking: one MLflow run per compiled package, nested under the zoo run when there is one.
 
-A run holds:
-
-* params: model, factory, backend + library version, target device, precision, strip, the partitioning
-  settings (``min_block_size``, ``torch_executed_ops``, ``split_modules``), kiln/torch/format versions;
-* metrics: accuracy per output (``rel_l2.<output>``, ``max_abs.<output>``, ``cosine.<output>``),
-  eager/compiled latency median and p95 and their ratio, build seconds (total and per stage),
-  partitions, unique engines, engines built, cache hits, refits, engine and package bytes;
-* artifacts: ``input_specs.json``, ``manifest.json``, ``compile_report.json``, ``validation.json``, the
-  pipeline's report, ``latency.png``;
-* the package itself as the logged model (``python_function`` flavour, see :mod:`registry.pyfunc`),
-  with the input specs as its signature (``TensorSpec``, ``-1`` for dynamic dims; the ranges are in the
-  spec JSON), registered as a version of ``kiln.<model>.<target>`` (:mod:`registry.models`).
+What a run holds (params, metrics, artifacts, signature, requirements) is computed from the package's
+typed manifest by :mod:`registry.payload`; this module handles the runs: create or resume, log,
+register the package as a version of ``kiln.<model>.<engine target>`` (:mod:`registry.models`), finish.
+The package itself is the logged model (``python_function`` flavour, see :mod:`registry.pyfunc`).
 
 Failure handling: every call retries with back-off (:mod:`registry.config`). If the server stays away,
 the run is marked ``FAILED`` where the server can still be told, the package on disk is never touched,
@@ -24,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
@@ -37,18 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-import numpy as np
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
-from mlflow.models import ModelSignature
 from mlflow.models.model import Model
-from mlflow.types.schema import Schema, TensorSpec
 
-from compiler.specs import InputSpec
-from registry import config
+from compiler.manifest import Manifest
+from registry import config, payload
 from registry.config import RetryPolicy, call_with_retry
-from registry.errors import RegistryError, RegistryUnavailableError
+from registry.errors import RegistryUnavailableError
 from registry.models import (
+    TAG_CONTENT_HASH,
     Registered,
     register_version,
     registered_model_name,
@@ -60,7 +48,6 @@ from registry.pyfunc import PACKAGE_ARTIFACT, KilnPackageModel
 log = logging.getLogger("kiln.registry")
 
 MODEL_ARTIFACT = "model"
-TAG_CONTENT_HASH = "kiln.content_hash"
 TAG_MODEL = "kiln.model"
 TAG_COMPLETE = "kiln.complete"
 TAG_ERROR = "kiln.error"
@@ -92,177 +79,8 @@ class RecordResult:
         return asdict(self)
 
 
-def _entry_dict(entry: Any) -> dict:
-    if entry is None:
-        return {}
-    if hasattr(entry, "model_dump"):
-        return entry.model_dump(mode="json")
-    if isinstance(entry, Mapping):
-        return dict(entry)
-    raise RegistryError(f"zoo entry must be a ZooEntry or a mapping, got {type(entry).__name__}")
-
-
 def _package_bytes(package_dir: Path) -> int:
     return sum(p.stat().st_size for p in package_dir.rglob("*") if p.is_file())
-
-
-def signature_for(specs: list[InputSpec]) -> ModelSignature | None:
-    """The MLflow signature of the input specs: ``-1`` on dynamic axes (ranges live in the spec JSON)."""
-    inputs = []
-    for spec in specs:
-        try:
-            dtype = np.dtype(spec.dtype)
-        except TypeError:
-            return None  # bfloat16 has no numpy dtype: MLflow cannot express this signature
-        shape = tuple(-1 if axis in spec.dynamic_dims else size for axis, size in enumerate(spec.max_shape))
-        inputs.append(TensorSpec(dtype, shape, spec.name))
-    return ModelSignature(inputs=Schema(inputs))
-
-
-def _params(manifest: Mapping[str, Any], model: str, entry: Mapping[str, Any]) -> dict[str, str]:
-    options = (manifest.get("plan") or {}).get("options") or {}
-    params = {
-        "model": model,
-        "factory": entry.get("factory", ""),
-        "backend": manifest.get("backend", ""),
-        "backend_version": manifest.get("backend_version", ""),
-        "target_device": manifest.get("target_device", ""),
-        "precision": manifest.get("precision", ""),
-        "strip_weights": manifest.get("strip_weights", ""),
-        "min_block_size": options.get("min_block_size", ""),
-        "torch_executed_ops": json.dumps(list(options.get("torch_executed_ops") or [])),
-        "split_modules": json.dumps(options.get("split_modules")),
-        "kiln_version": manifest.get("kiln_version", ""),
-        "torch_version": manifest.get("torch_version", ""),
-        "format_version": manifest.get("format_version", ""),
-    }
-    return {k: str(v) for k, v in params.items() if str(v) != ""}
-
-
-def _validation(manifest: Mapping[str, Any], report: Mapping[str, Any] | None) -> dict | None:
-    if manifest.get("validation"):
-        return dict(manifest["validation"])
-    report = report or {}
-    if isinstance(report.get("validation"), Mapping):
-        return dict(report["validation"])
-    return dict(report) if "outputs" in report and "eager" in report else None
-
-
-def metrics_for(
-    manifest: Mapping[str, Any], report: Mapping[str, Any] | None, package_bytes: int
-) -> dict[str, float]:
-    """Flat metrics of a package: accuracy per output, latency, build and engine counts, sizes."""
-    metrics: dict[str, float] = {"package_bytes": float(package_bytes)}
-    compile_report = dict(manifest.get("report") or {})
-    for key, name in (
-        ("num_partitions", "partitions"),
-        ("unique_fingerprints", "unique_engines"),
-        ("engines_built", "engines_built"),
-        ("cache_hits", "cache_hits"),
-        ("refits", "refits"),
-        ("engine_bytes", "engine_bytes"),
-        ("fallback_op_count", "fallback_ops"),
-    ):
-        if isinstance(compile_report.get(key), (int, float)):
-            metrics[name] = float(compile_report[key])
-    stages = compile_report.get("stage_seconds") or {}
-    for stage, seconds in stages.items():
-        metrics[f"seconds.{stage}"] = float(seconds)
-    if stages:
-        metrics["build_seconds"] = float(sum(stages.values()))
-    validation = _validation(manifest, report)
-    if validation:
-        for row in validation.get("outputs", []):
-            out = row.get("output", "output")
-            for key in ("rel_l2", "max_abs", "cosine"):
-                if row.get(key) is not None:
-                    metrics[f"{key}.{out}"] = float(row[key])
-        for side in ("eager", "compiled"):
-            lat = validation.get(side) or {}
-            for key in ("median_ms", "p95_ms"):
-                if lat.get(key) is not None:
-                    metrics[f"{side}_{key}"] = float(lat[key])
-        for key in ("max_rel_l2", "min_cosine", "latency_ratio"):
-            if validation.get(key) is not None:
-                metrics[key] = float(validation[key])
-    return {k: v for k, v in metrics.items() if np.isfinite(v)}
-
-
-def latency_chart(validation: Mapping[str, Any] | None, title: str, path: Path) -> Path | None:
-    """Eager vs compiled latency (median bars, p95 markers) as a PNG; None without validation."""
-    if not validation or not validation.get("eager") or not validation.get("compiled"):
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sides = ["eager", "compiled"]
-    medians = [float(validation[s]["median_ms"]) for s in sides]
-    p95s = [float(validation[s]["p95_ms"]) for s in sides]
-    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
-    try:
-        bars = ax.bar(sides, medians, color=["#8c8c8c", "#d95f02"], label="median")
-        ax.scatter(sides, p95s, color="black", marker="_", s=600, zorder=3, label="p95")
-        for bar, value in zip(bars, medians, strict=True):
-            ax.annotate(
-                f"{value:.3f} ms", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom"
-            )
-        ratio = medians[1] / medians[0] if medians[0] else float("nan")
-        ax.set_title(f"{title}\ncompiled/eager = {ratio:.2f}x", fontsize=9)
-        ax.set_ylabel("latency (ms)")
-        ax.legend(loc="upper right", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
-    return path
-
-
-def _code_paths(op_modules: tuple[str, ...]) -> list[str]:
-    """compiler + registry (the loader), and the top-level package of each op module (its custom ops)."""
-    paths = []
-    for package in ("compiler", "registry"):
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise RegistryError(f"cannot find the {package!r} package to ship with the logged model")
-        paths.append(str(Path(next(iter(spec.submodule_search_locations)))))
-    for module in op_modules:
-        top = module.split(".")[0]
-        spec = importlib.util.find_spec(top)
-        if spec is None:
-            continue
-        if spec.submodule_search_locations:
-            where = str(Path(next(iter(spec.submodule_search_locations))))
-        elif spec.origin:
-            where = spec.origin
-        else:
-            continue
-        # Installed libraries come back through the requirements, not as copied code.
-        if "site-packages" not in where and where not in paths:
-            paths.append(where)
-    return paths
-
-
-def op_modules_for(entry: Mapping[str, Any]) -> tuple[str, ...]:
-    """The factory's module: importing it registers the custom ops its model's fallback graph calls."""
-    factory = str(entry.get("factory") or "")
-    return (factory.split(":")[0],) if ":" in factory else ()
-
-
-def _requirements(backend: str) -> list[str]:
-    names = ["torch", "numpy", "safetensors", "onnx", "onnxruntime"]
-    if backend.startswith("tensorrt"):
-        names.append("tensorrt_rtx" if backend == "tensorrt_rtx" else "tensorrt")
-    reqs = []
-    for name in names:
-        try:
-            version = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        # Local builds (torch 2.13.0+cpu) are not on the index: pin the public release.
-        reqs.append(f"{name}=={version.split('+')[0]}")
-    return reqs
 
 
 def _parent_run_id(explicit: str | None) -> str | None:
@@ -286,10 +104,10 @@ def _find_runs(
 
 def record_package(
     package_dir: str | os.PathLike,
-    entry: Any = None,
+    model: str,
+    request: Any = None,
     report: Mapping[str, Any] | None = None,
     *,
-    model: str | None = None,
     parent_run_id: str | None = None,
     experiment: str | None = None,
     tracking_uri: str | None = None,
@@ -297,22 +115,22 @@ def record_package(
 ) -> RecordResult:
     """Log a validated package as a run + logged model and register it; idempotent and resumable.
 
-    ``entry`` is the zoo entry (a ``ZooEntry`` or mapping; its ``name`` names the model and its
-    ``factory`` lets the release flow rebuild the original). ``report`` is the pipeline's report
-    (logged as JSON; its ``validation`` is used when the package carries none).
+    ``model`` names the registered model (``kiln.<model>.<engine target>``). ``request``: the compile
+    request (``zoo.request.CompileRequest``, or anything with ``to_dict()``, or a mapping), recorded as
+    data (a tag and ``request.json``), never imported or called. ``report``: the pipeline's report,
+    logged as ``pipeline_report.json``.
     """
     import compiler.package as package
 
     package_dir = Path(package_dir).resolve()
     # Verify before touching MLflow: a corrupt package must never be registered.
     manifest = package.read_manifest(package_dir)
-    entry_data = _entry_dict(entry)
-    model = model or entry_data.get("name") or package_dir.name.removesuffix(".kiln")
-    content_hash = manifest["content_hash"]
+    request_json = payload.request_data(request)
+    content_hash = manifest.content_hash
     policy = policy or RetryPolicy.from_env()
     mlclient = config.client(tracking_uri)
     experiment_id = config.ensure_experiment(mlclient, experiment, policy)
-    registered = registered_model_name(model, manifest.get("target_device", "cpu"))
+    registered = registered_model_name(model, manifest.engine_target)
 
     previous = _find_runs(mlclient, experiment_id, content_hash, model, policy)
     for run in previous:
@@ -330,7 +148,7 @@ def record_package(
                     source=model_uri,
                     run_id=run.info.run_id,
                     model_id=model_uri.removeprefix("models:/"),
-                    tags=version_tags(manifest, model, entry_data),
+                    tags=version_tags(manifest, model, request_json),
                     policy=policy,
                 )
                 version, created = again.version, again.created
@@ -356,7 +174,7 @@ def record_package(
             TAG_MODEL: model,
             TAG_KIND: "package",
             TAG_PACKAGE_DIR: str(package_dir),
-            "mlflow.runName": f"{model}-{manifest.get('backend', '')}-{manifest.get('target_device', '')}",
+            "mlflow.runName": f"{model}-{manifest.backend}-{manifest.engine_target}",
         }
         parent = _parent_run_id(parent_run_id)
         if parent:
@@ -367,14 +185,14 @@ def record_package(
             policy,
         )
     try:
-        result = _log_and_register(
+        model_uri, version = _log_and_register(
             mlclient,
             run_id,
             experiment_id,
             package_dir,
             manifest,
             model,
-            entry_data,
+            request_json,
             report,
             registered,
             policy,
@@ -390,7 +208,7 @@ def record_package(
             ) from exc
         raise
     return RecordResult(
-        run_id, result[0], registered, result[1].version, content_hash, result[1].created, resumed, False
+        run_id, model_uri, registered, version.version, content_hash, version.created, resumed, False
     )
 
 
@@ -399,45 +217,34 @@ def _log_and_register(
     run_id: str,
     experiment_id: str,
     package_dir: Path,
-    manifest: dict,
+    manifest: Manifest,
     model: str,
-    entry: dict,
+    request: dict[str, Any] | None,
     report: Mapping[str, Any] | None,
     registered: str,
     policy: RetryPolicy,
 ) -> tuple[str, Registered]:
-    specs = [InputSpec.from_dict(d) for d in manifest.get("input_specs", [])]
-    params = _params(manifest, model, entry)
-    metrics = metrics_for(manifest, report, _package_bytes(package_dir))
+    params = payload.params_for(manifest, model)
+    metrics = payload.metrics_for(manifest, _package_bytes(package_dir))
+    tags = version_tags(manifest, model, request)
     now = int(time.time() * 1000)
     call_with_retry(
         lambda: mlclient.log_batch(
             run_id,
             metrics=[Metric(k, v, now, 0) for k, v in sorted(metrics.items())],
             params=[Param(k, v) for k, v in sorted(params.items())],
-            tags=[RunTag("kiln.input_ranges", version_tags(manifest, model)["input_ranges"])],
+            tags=[RunTag("kiln.input_ranges", tags["input_ranges"])],
         ),
         f"log params and metrics of {model}",
         policy,
     )
     with tempfile.TemporaryDirectory(prefix="kiln-mlflow-") as tmp:
         tmp_path = Path(tmp)
-        files = {
-            "input_specs.json": {"inputs": [s.to_dict() for s in specs]},
-            "manifest.json": manifest,
-            "compile_report.json": manifest.get("report"),
-            "validation.json": _validation(manifest, report),
-        }
-        if report is not None:
-            files["pipeline_report.json"] = dict(report)
-        for name, data in files.items():
+        for name, data in payload.artifacts_for(manifest, request, report).items():
             (tmp_path / name).write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
-        where = ", ".join(str(manifest.get(k)) for k in ("backend", "precision", "target_device"))
-        title = f"{model} ({where})"
-        latency_chart(_validation(manifest, report), title, tmp_path / "latency.png")
+        title = f"{model} ({manifest.backend}, {manifest.precision}, {manifest.engine_target})"
+        payload.latency_chart(manifest.validation, title, tmp_path / "latency.png")
         call_with_retry(lambda: mlclient.log_artifacts(run_id, tmp), f"log artifacts of {model}", policy)
-
-    op_modules = op_modules_for(entry)
 
     def log_model() -> Any:
         logged = mlclient.create_logged_model(
@@ -445,7 +252,7 @@ def _log_and_register(
             name=MODEL_ARTIFACT,
             source_run_id=run_id,
             params=params,
-            tags={TAG_CONTENT_HASH: manifest["content_hash"]},
+            tags={TAG_CONTENT_HASH: manifest.content_hash},
         )
         try:
             return Model.log(
@@ -454,12 +261,13 @@ def _log_and_register(
                 flavor=mlflow.pyfunc,
                 run_id=run_id,
                 model_id=logged.model_id,
-                python_model=KilnPackageModel(op_modules),
+                # The loader may import the modules the verified manifest records, and only those.
+                python_model=KilnPackageModel(allowed_modules=manifest.op_modules),
                 artifacts={PACKAGE_ARTIFACT: str(package_dir)},
-                code_paths=_code_paths(op_modules),
-                signature=signature_for(specs),
-                pip_requirements=_requirements(str(manifest.get("backend", ""))),
-                metadata={"kiln_content_hash": manifest["content_hash"], "kiln_model": model},
+                code_paths=payload.code_paths(manifest.op_modules),
+                signature=payload.signature_for(manifest.input_specs),
+                pip_requirements=payload.requirements_for(manifest),
+                metadata={"kiln_content_hash": manifest.content_hash, "kiln_model": model},
             )
         except BaseException:
             with contextlib.suppress(Exception):
@@ -467,7 +275,6 @@ def _log_and_register(
             raise
 
     info = call_with_retry(log_model, f"log the package of {model} as an MLflow model", policy)
-    tags = version_tags(manifest, model, entry)
     registered_version = register_version(
         mlclient,
         registered,

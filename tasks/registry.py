@@ -90,8 +90,8 @@ def resolve_candidate(name: str, version: str | None) -> dict:
 @task(name="fetch-and-load", cache_policy=NO_CACHE, persist_result=False)
 def fetch_and_load(name: str, version: str) -> Any:
     """Download a version, verify every checksum and its content hash, load it."""
-    package_dir, _, tags = fetch_version(config.client(), name, version)
-    return load_package(package_dir, tags)
+    package_dir, _, _ = fetch_version(config.client(), name, version)
+    return load_package(package_dir)
 
 
 @task(name="rebuild-original", cache_policy=NO_CACHE, persist_result=False)

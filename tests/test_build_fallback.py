@@ -19,9 +19,9 @@ from torch.export import Dim
 import compiler
 from compiler.errors import EngineBuildError, PackageCorruptError, PartitionError
 from compiler.runtime import EngineCall
-from flows.zoo_config import ZooEntry
 from tasks.stages import load_artifact, store_artifact
 from tasks.workspace import Workspace
+from zoo.config import ZooEntry
 from zoo.models import mlp_with_fallback, soft_sign_clip
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,7 +164,7 @@ def test_fallback_artifacts_travel_through_the_prefect_workspace(mlp, tmp_path):
     assert {r.backend for r in refs} == {"torch"} and all(r.build_failure["node"] for r in refs)
     files = sorted(p.name for p in Workspace(tmp_path).dir("engines").iterdir())
     assert files == sorted(f"{r.cache_key}.torch.json" for r in refs)  # records, no engine files
-    artifacts = {r.fingerprint: load_artifact(r, plan.options.backend) for r in refs}
+    artifacts = {r.fingerprint: load_artifact(r) for r in refs}
     assert all(a.backend == "torch" and a.build_failure for a in artifacts.values())
     compiled = compiler.assemble(plan, unique, artifacts)
     assert len(compiled.report.build_failures) == 2
@@ -183,7 +183,7 @@ def test_bad_values_are_refused_naming_the_field(mlp):
     with pytest.raises(ValidationError, match="cannot fall back to itself"):
         ZooEntry(name="a", factory="zoo.models:tiny_vit", on_build_failure="onnxruntime")
     entry = ZooEntry(name="a", factory="zoo.models:tiny_vit", on_build_failure="error")
-    assert compiler.CompileOptions(**entry.compile_options()).on_build_failure == "error"
+    assert entry.compile_options("cpu").on_build_failure == "error"
 
 
 def test_the_option_travels_in_dicts_but_not_in_engine_cache_keys(mlp):

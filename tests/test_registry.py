@@ -46,10 +46,20 @@ ROOT = Path(__file__).resolve().parents[1]
 NAME = registered_model_name("mlp", "cpu")
 
 
-def _entry(name: str = "mlp"):
-    from flows.zoo_config import ZooEntry
+def _request(name: str = "mlp"):
+    """The compile request a zoo entry for the test MLP makes (what the zoo flow records)."""
+    from zoo.config import ZooEntry
 
-    return ZooEntry(name=name, factory="zoo.models:mlp_with_fallback")
+    return ZooEntry(name=name, factory="zoo.models:mlp_with_fallback").requests()[0]
+
+
+def _zoo_file(tmp_path: Path) -> str:
+    """The zoo file a release builds the original model from (trusted input, never a registry tag)."""
+    import yaml
+
+    path = tmp_path / "zoo.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"name": "mlp", "factory": "zoo.models:mlp_with_fallback"}]}))
+    return str(path)
 
 
 def _compile(out: Path, name: str, lo: int, hi: int, example: int) -> compiler.PackageInfo:
@@ -85,7 +95,7 @@ def recorded(mlflow_server, packages) -> dict:  # noqa: F811
     from registry.tracking import record_package, zoo_run
 
     with zoo_run("zoo-test", {"zoo": "test"}) as parent:
-        result = record_package(packages["a"], _entry(), {"status": "ok"})
+        result = record_package(packages["a"], "mlp", _request(), {"status": "ok"})
     return {"a": result, "parent": parent}
 
 
@@ -98,12 +108,14 @@ def test_record_registers_a_version_with_tags_params_metrics_and_artifacts(mlflo
     client = mlflow.MlflowClient(mlflow_server.uri)
     version = client.get_model_version(NAME, "1")
     tags = version.tags
-    assert tags[TAG_CONTENT_HASH] == manifest["content_hash"]
-    assert tags["backend"] == "onnxruntime" and tags["backend_version"] == manifest["backend_version"]
-    assert tags["target_device"] == "cpu" and tags["precision"] == "fp32"
+    assert tags[TAG_CONTENT_HASH] == manifest.content_hash and TAG_CONTENT_HASH == "kiln.content_hash"
+    assert tags["backend"] == "onnxruntime" and tags["backend_version"] == manifest.backend_version
+    assert tags["engine_target"] == "cpu" and tags["precision"] == "fp32"
     assert tags["input_ranges"] == "x: float32 [1..32, 64] (batch=axis 0)"
-    assert tags["factory"] == "zoo.models:mlp_with_fallback"
-    assert json.loads(tags["zoo_entry"])["name"] == "mlp"
+    assert json.loads(tags["op_modules"]) == ["zoo.models"]
+    request = json.loads(tags["request"])  # data, never imported
+    assert request["name"] == "mlp" and request["source"] == "factory:zoo.models:mlp_with_fallback"
+    assert "factory" not in tags and "zoo_entry" not in tags
 
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
@@ -112,18 +124,24 @@ def test_record_registers_a_version_with_tags_params_metrics_and_artifacts(mlflo
     params = run.data.params
     assert params["backend"] == "onnxruntime" and params["precision"] == "fp32"
     assert params["min_block_size"] == "1" and params["strip_weights"] == "False"
-    assert params["kiln_version"] == manifest["kiln_version"]
+    assert params["kiln_version"] == manifest.kiln_version and params["engine_target"] == "cpu"
     metrics = run.data.metrics
-    validation = manifest["validation"]
-    assert metrics["rel_l2.output_0"] == pytest.approx(validation["outputs"][0]["rel_l2"])
+    validation = manifest.validation
+    assert metrics["rel_l2.output_0"] == pytest.approx(validation.outputs[0].rel_l2)
     assert metrics["rel_l2.output_0"] < 1e-4
     assert metrics["eager_median_ms"] > 0 and metrics["compiled_p95_ms"] > 0
-    assert metrics["latency_ratio"] == pytest.approx(validation["latency_ratio"])
-    assert metrics["partitions"] == manifest["report"]["num_partitions"] >= 2
+    assert metrics["latency_ratio"] == pytest.approx(validation.latency_ratio)
+    assert metrics["partitions"] == len(manifest.report.partitions) >= 2
     assert metrics["unique_engines"] >= 1 and metrics["build_seconds"] > 0 and "cache_hits" in metrics
     assert metrics["package_bytes"] > 10_000
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
-    assert {"input_specs.json", "manifest.json", "validation.json", "latency.png"} <= artifacts
+    assert {
+        "input_specs.json",
+        "manifest.json",
+        "validation.json",
+        "request.json",
+        "latency.png",
+    } <= artifacts
     specs = json.loads(Path(client.download_artifacts(result.run_id, "input_specs.json")).read_text())
     assert specs["inputs"][0]["max_shape"] == [32, 64]
     png = Path(client.download_artifacts(result.run_id, "latency.png")).read_bytes()
@@ -137,11 +155,11 @@ def test_record_registers_a_version_with_tags_params_metrics_and_artifacts(mlflo
 def test_same_content_twice_returns_the_existing_version(mlflow_server, packages, recorded, tmp_path):  # noqa: F811
     from registry.tracking import record_package
 
-    again = record_package(packages["a"], _entry(), {"status": "ok"})
+    again = record_package(packages["a"], "mlp", _request(), {"status": "ok"})
     assert again.already_recorded and again.version == "1" and again.run_id == recorded["a"].run_id
     copy = tmp_path / "copy-of-a.kiln"  # same content at another path, as a second zoo run would make
     shutil.copytree(packages["a"], copy)
-    assert record_package(copy, _entry(), None).version == "1"
+    assert record_package(copy, "mlp", _request(), None).version == "1"
     import mlflow
 
     assert [v.version for v in all_versions(mlflow.MlflowClient(mlflow_server.uri), NAME)] == ["1"]
@@ -152,10 +170,11 @@ def test_two_zoo_runs_at_once_register_one_version(mlflow_server, packages, tmp_
     script = textwrap.dedent(
         """
         import json, sys
-        from flows.zoo_config import ZooEntry
         from registry.tracking import record_package, zoo_run
+        from zoo.config import ZooEntry
         with zoo_run(sys.argv[2]):
-            r = record_package(sys.argv[1], ZooEntry(name="mlp", factory="zoo.models:mlp_with_fallback"))
+            request = ZooEntry(name="mlp", factory="zoo.models:mlp_with_fallback").requests()[0]
+            r = record_package(sys.argv[1], "mlp", request)
         print("RESULT " + json.dumps(r.to_dict()))
         """
     )
@@ -181,7 +200,7 @@ def test_two_zoo_runs_at_once_register_one_version(mlflow_server, packages, tmp_
     import mlflow
 
     client = mlflow.MlflowClient(mlflow_server.uri)
-    content_hash = compiler.read_manifest(packages["b"])["content_hash"]
+    content_hash = compiler.read_manifest(packages["b"]).content_hash
     same = versions_with_hash(client, NAME, content_hash)
     assert [v.version for v in same] == ["2"]
     assert {r["version"] for r in results} == {"2"}
@@ -288,6 +307,7 @@ def test_release_promotes_good_candidates_and_rejects_degraded_weights(
     packages,
     recorded,
     prefect_api,
+    tmp_path,
 ):
     import mlflow
 
@@ -296,26 +316,28 @@ def test_release_promotes_good_candidates_and_rejects_degraded_weights(
     from registry.tracking import record_package
 
     client = mlflow.MlflowClient(mlflow_server.uri)
-    first = release("mlp", version="1", max_latency_ratio=3.0, runs=10)
+    zoo = _zoo_file(tmp_path)
+    first = release("mlp", version="1", zoo_path=zoo, max_latency_ratio=3.0, runs=10)
     assert first["promoted"] and first["champion"] == "1" and first["previous"] is None
     assert first["report"]["latency"]["note"].startswith("no champion")
 
-    second = release("mlp", version="2", max_latency_ratio=3.0, runs=10)
+    second = release("mlp", version="2", zoo_path=zoo, max_latency_ratio=3.0, runs=10)
     assert second["promoted"], second["reasons"]
     assert get_aliases(client, NAME) == {CHAMPION: "2", PREVIOUS: "1"}
     gates = json.loads(client.get_model_version(NAME, "2").tags["release_report"])
     assert gates["accuracy"]["max_rel_l2"] < 1e-4 and gates["latency"]["champion_median_ms"] > 0
 
-    degraded = record_package(packages["d"], _entry(), None)
+    degraded = record_package(packages["d"], "mlp", _request(), None)
     assert degraded.created and degraded.version not in ("1", "2")
     from typer.testing import CliRunner
 
-    result = CliRunner().invoke(build_app(), ["release", "mlp", "--max-latency-ratio", "3.0", "--runs", "10"])
+    args = ["release", "mlp", "--zoo", zoo, "--max-latency-ratio", "3.0", "--runs", "10"]
+    result = CliRunner().invoke(build_app(), args)
     assert result.exit_code == 1, result.output
     assert "accuracy" in result.output
     tags = client.get_model_version(NAME, degraded.version).tags
     reasons = json.loads(tags[TAG_REJECTED])
-    assert len(reasons) == 1 and reasons[0].startswith("accuracy: max rel L2")
+    assert len(reasons) == 1 and reasons[0].startswith("accuracy: max relative L2")
     assert get_aliases(client, NAME) == {CHAMPION: "2", PREVIOUS: "1"}  # nothing moved
 
     from registry.lookup import lookup
@@ -351,9 +373,9 @@ def test_zoo_flow_records_its_models_nested_under_one_zoo_run(mlflow_server, pre
     name = registered_model_name("mlp_zoo", "cpu")
     [version] = all_versions(client, name)
     manifest = compiler.read_manifest(tmp_path / "out" / "mlp_zoo.kiln")
-    assert version.tags[TAG_CONTENT_HASH] == manifest["content_hash"]
+    assert version.tags[TAG_CONTENT_HASH] == manifest.content_hash
     assert version.tags["input_ranges"] == "x: float32 [1..32, 32] (batch=axis 0)"
-    assert json.loads(version.tags["zoo_entry"])["factory_kwargs"] == {"width": 32}
+    assert json.loads(version.tags["request"])["name"] == "mlp_zoo"
     run = client.get_run(version.run_id)
     assert run.data.metrics["rel_l2.output_0"] < 1e-4 and run.data.metrics["compiled_median_ms"] > 0
     parent = client.get_run(run.data.tags["mlflow.parentRunId"])
@@ -410,7 +432,7 @@ def test_tampered_artifact_is_refused_at_lookup(mlflow_server, packages):  # noq
     from registry.tracking import record_package
 
     client = mlflow.MlflowClient(mlflow_server.uri)
-    engines = record_package(packages["a"], _entry("mlp_tamper_engine"))
+    engines = record_package(packages["a"], "mlp_tamper_engine", _request("mlp_tamper_engine"))
     stored = _artifact_dir(client, engines.registered_model, engines.version)
     engine = next(stored.rglob("engines/*.engine"))
     data = bytearray(engine.read_bytes())
@@ -420,7 +442,7 @@ def test_tampered_artifact_is_refused_at_lookup(mlflow_server, packages):  # noq
         lookup("mlp_tamper_engine", (4, 64))
 
     # Editing the manifest (widening the ranges) is not covered by file checksums, but by the content hash.
-    manifest_entry = record_package(packages["b"], _entry("mlp_tamper_manifest"))
+    manifest_entry = record_package(packages["b"], "mlp_tamper_manifest", _request("mlp_tamper_manifest"))
     stored = _artifact_dir(client, manifest_entry.registered_model, manifest_entry.version)
     manifest_path = next(stored.rglob("manifest.json"))
     manifest = json.loads(manifest_path.read_text())
@@ -437,7 +459,7 @@ def test_deleted_artifact_gives_a_clear_error(mlflow_server, packages):  # noqa:
     from registry.tracking import record_package
 
     client = mlflow.MlflowClient(mlflow_server.uri)
-    gone = record_package(packages["a"], _entry("mlp_gone"))
+    gone = record_package(packages["a"], "mlp_gone", _request("mlp_gone"))
     shutil.rmtree(_artifact_dir(client, gone.registered_model, gone.version))
     with pytest.raises(
         ArtifactMissingError, match=r"version 1 of kiln\.mlp_gone\.cpu is registered, but its artifact"
@@ -453,8 +475,8 @@ def test_embedded_default_store_and_summary(packages, tmp_path):
         sys.path.insert(0, {str(ROOT)!r})
         from registry.tracking import record_package
         from registry.summary import print_registry_summary
-        entry = {{"name": "mlp", "factory": "zoo.models:mlp_with_fallback"}}
-        r = record_package({str(packages["a"])!r}, entry)
+        request = {{"name": "mlp", "source": "factory:zoo.models:mlp_with_fallback"}}
+        r = record_package({str(packages["a"])!r}, "mlp", request)
         print_registry_summary()
         """
     )
@@ -481,7 +503,7 @@ def test_pool_of_threads_recording_the_same_package(mlflow_server, packages, tmp
         paths.append(tmp_path / f"t{i}.kiln")
         shutil.copytree(packages["b"], paths[-1])
     with ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(lambda p: record_package(p, _entry("mlp_threads")), paths))
+        results = list(pool.map(lambda p: record_package(p, "mlp_threads", _request("mlp_threads")), paths))
     assert {r.version for r in results} == {"1"}
     client = mlflow.MlflowClient(mlflow_server.uri)
     name = registered_model_name("mlp_threads", "cpu")
@@ -489,31 +511,34 @@ def test_pool_of_threads_recording_the_same_package(mlflow_server, packages, tmp
 
     # Someone deletes the version: recording the same package registers the logged model again.
     client.delete_model_version(name, "1")
-    again = record_package(paths[0], _entry("mlp_threads"))
+    again = record_package(paths[0], "mlp_threads", _request("mlp_threads"))
     assert again.already_recorded and again.created and again.version == "2"
     assert (
         client.get_model_version(name, "2").tags["input_ranges"] == "x: float32 [16..64, 64] (batch=axis 0)"
     )
 
 
-def test_a_failing_logging_step_marks_its_run_failed(mlflow_server, packages):  # noqa: F811
+def test_a_failing_logging_step_marks_its_run_failed(mlflow_server, packages, tmp_path):  # noqa: F811
     """The server is up but rejects the step: the run is marked FAILED with the error, the package kept."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    from compiler.manifest import SourceRecord
     from registry.tracking import TAG_CONTENT_HASH, record_package
 
-    before = compiler.read_manifest(packages["a"])
-    entry = {"name": "mlp_bad_entry", "factory": "zoo.models:" + "x" * 150_000}  # over the registry tag limit
+    # A source URI over the registry's tag limit (100,000 characters): the version cannot be created.
+    source = SourceRecord("hf:" + "x" * 150_000, "hf")
+    path = compiler.save(compiler.load(packages["a"]), tmp_path / "big.kiln", source=source).path
+    before = compiler.read_manifest(path)
     with pytest.raises(MlflowException):
-        record_package(packages["a"], entry)
+        record_package(path, "mlp_bad_source", {"name": "mlp_bad_source"})
     client = mlflow.MlflowClient(mlflow_server.uri)
     experiment = client.get_experiment_by_name("kiln")
-    query = f"tags.`{TAG_CONTENT_HASH}` = '{before['content_hash']}' and tags.`kiln.model` = 'mlp_bad_entry'"
+    query = f"tags.`{TAG_CONTENT_HASH}` = '{before.content_hash}' and tags.`kiln.model` = 'mlp_bad_source'"
     runs = client.search_runs([experiment.experiment_id], filter_string=query)
     assert [r.info.status for r in runs] == ["FAILED"]
     assert "kiln.error" in runs[0].data.tags
-    assert compiler.read_manifest(packages["a"]) == before
+    assert compiler.read_manifest(path) == before
 
 
 def test_a_corrupt_package_is_refused_before_anything_is_logged(packages, tmp_path):
@@ -525,5 +550,167 @@ def test_a_corrupt_package_is_refused_before_anything_is_logged(packages, tmp_pa
     (broken / "weights.safetensors").write_bytes(b"not the weights")
     store = tmp_path / "store"
     with pytest.raises(PackageCorruptError, match=r"weights\.safetensors"):
-        record_package(broken, _entry(), tracking_uri=f"sqlite:///{store / 'mlflow.db'}")
+        record_package(broken, "mlp", _request(), tracking_uri=f"sqlite:///{store / 'mlflow.db'}")
     assert not store.exists()  # the check ran before any MLflow call
+
+
+# ---------------------------------------------------------------- payload, tags, fallback, rollback
+
+
+def test_a_tensorrt_rtx_package_requires_tensorrt_rtx(packages):
+    """Issue 11 bug: the backend is named 'tensorrt-rtx'; the requirement was chosen by 'tensorrt_rtx'."""
+    import dataclasses
+
+    from registry.payload import requirement_names, requirements_for
+
+    manifest = compiler.read_manifest(packages["a"])
+    rtx = dataclasses.replace(manifest, backend="tensorrt-rtx", backend_version="1.7.1.116")
+    reqs = requirements_for(rtx)
+    assert "tensorrt-rtx==1.7.1.116" in reqs  # the library version that built the engines
+    assert not any(r.split("==")[0] == "tensorrt" for r in reqs), reqs
+    assert "tensorrt" in requirement_names(["tensorrt"]) and "tensorrt-rtx" not in requirement_names(
+        ["tensorrt"]
+    )
+    assert not any(r.startswith("tensorrt") for r in requirements_for(manifest))
+    assert any(r.startswith("onnxruntime==") for r in requirements_for(manifest))
+
+
+def test_lookup_never_imports_a_module_a_tag_names(mlflow_server, packages, tmp_path, monkeypatch):  # noqa: F811
+    """Issue 14.4: `kiln lookup` imported the module in a version's `factory` tag."""
+    import mlflow
+
+    from registry.lookup import lookup
+    from registry.tracking import record_package
+
+    marker = tmp_path / "imported"
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "kiln_tag_payload.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef build(): pass\n")
+    monkeypatch.syspath_prepend(str(modules))
+    recorded = record_package(packages["a"], "mlp_tags", _request("mlp_tags"))
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    for key, value in (("factory", "kiln_tag_payload:build"), ("op_modules", '["kiln_tag_payload"]')):
+        client.set_model_version_tag(recorded.registered_model, recorded.version, key, value)
+    found = lookup("mlp_tags", (4, 64))
+    assert tuple(found.module(torch.randn(4, 64)).shape) == (4, 16)
+    assert found.manifest.op_modules == ("zoo.models",)  # what decides: the verified package's list
+    assert not marker.exists() and "kiln_tag_payload" not in sys.modules
+
+
+def test_versions_with_the_old_content_hash_tag_still_match(mlflow_server, packages):  # noqa: F811
+    import mlflow
+
+    from registry.lookup import lookup
+    from registry.models import LEGACY_TAG_CONTENT_HASH
+    from registry.tracking import record_package
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    first = record_package(packages["a"], "mlp_legacy", _request("mlp_legacy"))
+    name, version = first.registered_model, first.version
+    # What a version registered before the rename looks like: the hash under `content_hash` only.
+    client.delete_model_version_tag(name, version, TAG_CONTENT_HASH)
+    client.set_model_version_tag(name, version, LEGACY_TAG_CONTENT_HASH, first.content_hash)
+    again = record_package(packages["a"], "mlp_legacy", _request("mlp_legacy"))
+    assert (again.version, again.created) == (version, False)
+    assert [v.version for v in all_versions(client, name)] == [version]
+    assert lookup("mlp_legacy", (4, 64)).version == version
+    client.set_model_version_tag(name, version, LEGACY_TAG_CONTENT_HASH, "0" * 64)
+    with pytest.raises(ArtifactVerificationError, match="the artifact was replaced"):
+        lookup("mlp_legacy", (4, 64))
+
+
+def _swap_program_for_a_payload(package: Path, marker: Path) -> None:
+    """Issue 14.1's attack on a stored artifact: a program that unpickles a payload, checksums resealed."""
+    from tests.test_package import _evil_program, _reseal
+
+    program = package / "program.pt2"
+    program.write_bytes(_evil_program(program.read_bytes(), "sample_inputs", marker))
+    _reseal(package)
+
+
+def test_lookup_falls_back_past_a_broken_champion_and_says_so(mlflow_server, packages, tmp_path, caplog):  # noqa: F811
+    """Issue 14.7: a corrupt champion stranded every look-up."""
+    import logging
+
+    import mlflow
+    from typer.testing import CliRunner
+
+    from flows.registry_cli import build_app
+    from registry.lookup import lookup
+    from registry.tracking import record_package
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    one = record_package(packages["a"], "mlp_fallback", _request("mlp_fallback"))  # batch 1..32
+    two = record_package(packages["b"], "mlp_fallback", _request("mlp_fallback"))  # batch 16..64
+    name = one.registered_model
+    client.set_registered_model_alias(name, CHAMPION, two.version)
+    stored = next(_artifact_dir(client, name, two.version).rglob("manifest.json")).parent
+    marker = tmp_path / "payload-ran"
+    _swap_program_for_a_payload(stored, marker)
+
+    caplog.set_level(logging.WARNING, logger="kiln.registry")
+    found = lookup("mlp_fallback", (20, 64))
+    assert found.version == one.version and found.fell_back_from == [two.version]
+    reasons = {r["version"]: r["reason"] for r in found.skipped}
+    assert reasons[two.version].startswith("failed verification") and "refused" in reasons[two.version]
+    assert any(f"serving version {one.version} instead of broken" in r.getMessage() for r in caplog.records)
+    assert tuple(found.module(torch.randn(20, 64)).shape) == (20, 16)
+    assert not marker.exists()
+    with pytest.raises(ArtifactVerificationError):
+        lookup("mlp_fallback", (20, 64), version=two.version)  # pinned: no fall-back
+    out = CliRunner().invoke(build_app(), ["lookup", "mlp_fallback", "--shape", "20,64"])
+    assert out.exit_code == 0, out.output
+    assert f"served instead of broken version(s) {two.version}" in out.output
+    assert not marker.exists()
+
+
+def test_release_past_a_broken_champion_needs_force_and_is_recorded(mlflow_server):  # noqa: F811
+    import mlflow
+
+    from registry.lookup import fetch_version, load_package
+    from registry.release import GateReport, apply_decision, champion_or_broken
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    name = registered_model_name("mlp_fallback", "cpu")
+    champion = get_aliases(client, name)[CHAMPION]  # broken by the test before
+    candidate = next(v.version for v in all_versions(client, name) if v.version != champion)
+
+    def load() -> object:
+        return load_package(fetch_version(client, name, champion)[0])
+
+    with pytest.raises(ReleaseError, match="--force-replace-broken"):
+        champion_or_broken(load, name, champion)
+    module, broken = champion_or_broken(load, name, champion, force_replace_broken=True)
+    assert module is None and broken.startswith("ArtifactVerificationError")
+    report = GateReport(
+        name, candidate, champion, {"passed": True}, {"passed": True}, replaced_broken_champion=broken
+    )
+    outcome = apply_decision(report)
+    assert outcome.promoted and outcome.champion == candidate and outcome.replaced_broken_champion == broken
+    assert outcome.previous is None  # a broken version is no rollback target
+    tags = client.get_model_version(name, candidate).tags
+    assert tags["replaced_broken_champion"].startswith(f"v{champion}: ArtifactVerificationError")
+    assert json.loads(tags["release_report"])["replaced_broken_champion"] == broken
+    assert client.get_model_version(name, champion).tags["broken"] == broken[:1000]
+
+
+def test_rollback_to_a_named_version(mlflow_server, recorded):  # noqa: F811
+    import mlflow
+    from typer.testing import CliRunner
+
+    from flows.registry_cli import build_app
+    from registry.release import rollback
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    assert get_aliases(client, NAME) == {CHAMPION: "1"}  # after the plain rollback: no 'previous'
+    outcome = rollback("mlp", to_version="2")
+    assert outcome.champion == "2" and get_aliases(client, NAME) == {CHAMPION: "2"}
+    assert "rolled_back" in client.get_model_version(NAME, "1").tags
+    assert "rolled_back" not in client.get_model_version(NAME, "2").tags  # it serves again
+    rejected = next(v.version for v in all_versions(client, NAME) if TAG_REJECTED in v.tags)
+    for version, why in ((rejected, "rejected by a release"), ("99", "has no version 99"), ("2", "already")):
+        with pytest.raises(ReleaseError, match=why):
+            rollback("mlp", to_version=version)
+    result = CliRunner().invoke(build_app(), ["rollback", "mlp", "--to", "1"])
+    assert result.exit_code == 0, result.output
+    assert get_aliases(client, NAME) == {CHAMPION: "1"}

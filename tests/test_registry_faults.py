@@ -20,12 +20,13 @@ from torch.export import Dim
 import compiler
 from registry.config import RetryPolicy
 from registry.errors import RegistryUnavailableError
-from registry.models import all_versions, registered_model_name
+from registry.models import all_versions, content_hash_of, registered_model_name
 from registry.tracking import TAG_CONTENT_HASH, record_package
 from tests.fixtures.mlflow_server import MlflowServer, mlflow_server  # noqa: F401 - pytest fixture
 from zoo.models import mlp_with_fallback
 
-ENTRY = {"name": "mlp_faults", "factory": "zoo.models:mlp_with_fallback"}
+MODEL = "mlp_faults"
+REQUEST = {"name": MODEL, "source": "factory:zoo.models:mlp_with_fallback"}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ class _Recorder(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.result = record_package(self.package, ENTRY, {"status": "ok"}, policy=self.policy)
+            self.result = record_package(self.package, MODEL, REQUEST, {"status": "ok"}, policy=self.policy)
         except BaseException as exc:
             self.error = exc
 
@@ -90,7 +91,7 @@ def test_server_lost_mid_run_fails_cleanly_and_a_rerun_completes_the_same_run(
     import mlflow
 
     package = _variant(base_package, tmp_path / "v1.kiln", seed=1)
-    content_hash = compiler.read_manifest(package)["content_hash"]
+    content_hash = compiler.read_manifest(package).content_hash
     before = _snapshot(package)
     recorder = _Recorder(package, RetryPolicy(attempts=2, base_delay=0.2, max_delay=0.2))
     try:
@@ -107,7 +108,9 @@ def test_server_lost_mid_run_fails_cleanly_and_a_rerun_completes_the_same_run(
         other = _variant(base_package, tmp_path / "v2.kiln", seed=2)
         started = time.monotonic()
         with pytest.raises(RegistryUnavailableError, match="did not answer after 2 attempts"):
-            record_package(other, ENTRY, policy=RetryPolicy(attempts=2, base_delay=0.2, max_delay=0.2))
+            record_package(
+                other, MODEL, REQUEST, policy=RetryPolicy(attempts=2, base_delay=0.2, max_delay=0.2)
+            )
         assert time.monotonic() - started < 30
     finally:
         mlflow_server.start()
@@ -115,14 +118,14 @@ def test_server_lost_mid_run_fails_cleanly_and_a_rerun_completes_the_same_run(
     client = mlflow.MlflowClient(mlflow_server.uri)
     assert client.get_run(run_id).info.status in ("RUNNING", "FAILED")  # not finished, not lost
     name = registered_model_name("mlp_faults", "cpu")
-    assert not [v for v in all_versions(client, name) if v.tags.get("content_hash") == content_hash]
+    assert not [v for v in all_versions(client, name) if content_hash_of(v.tags) == content_hash]
 
-    again = record_package(package, ENTRY, {"status": "ok"})
+    again = record_package(package, MODEL, REQUEST, {"status": "ok"})
     assert again.resumed and again.run_id == run_id
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["kiln.complete"] == "true"
     assert run.data.metrics["package_bytes"] > 0
-    matching = [v for v in all_versions(client, name) if v.tags.get("content_hash") == content_hash]
+    matching = [v for v in all_versions(client, name) if content_hash_of(v.tags) == content_hash]
     assert [v.version for v in matching] == [again.version]
 
 
@@ -135,7 +138,7 @@ def test_server_restart_mid_run_is_ridden_out_by_back_off(
     import mlflow
 
     package = _variant(base_package, tmp_path / "v3.kiln", seed=3)
-    content_hash = compiler.read_manifest(package)["content_hash"]
+    content_hash = compiler.read_manifest(package).content_hash
     # Enough patience to outlast a restart (~15 s here): 0.5 + 1 + 2 + 4 + 4 * 8 s.
     recorder = _Recorder(package, RetryPolicy(attempts=13, base_delay=0.5, max_delay=4.0))
     caplog.set_level(logging.WARNING, logger="kiln.registry")
@@ -153,4 +156,4 @@ def test_server_restart_mid_run_is_ridden_out_by_back_off(
     client = mlflow.MlflowClient(mlflow_server.uri)
     assert client.get_run(run_id).info.status == "FINISHED"
     version = client.get_model_version(result.registered_model, result.version)
-    assert version.tags["content_hash"] == content_hash
+    assert version.tags[TAG_CONTENT_HASH] == content_hash

@@ -1,0 +1,226 @@
+"""What MLflow records about a package, computed from its typed :class:`compiler.manifest.Manifest`.
+
+Pure: no MLflow server is contacted here (:mod:`registry.tracking` does that). A run holds:
+
+* params: model, backend + library version, engine target, precision, strip, the partitioning
+  settings (``min_block_size``, ``torch_executed_ops``, ``split_modules``), the source URI,
+  kiln/torch/format versions;
+* metrics: accuracy per output (``rel_l2.<output>``, ``max_abs.<output>``, ``cosine.<output>``),
+  eager/compiled latency median and p95 and their ratio, build seconds (total and per stage),
+  partitions, unique engines, engines built, cache hits, refits, engine and package bytes;
+* artifacts: ``input_specs.json``, ``manifest.json``, ``compile_report.json``, ``validation.json``,
+  ``request.json`` (the compile request, as data), ``latency.png``;
+* the logged model's signature (``TensorSpec``, ``-1`` for dynamic dims; the ranges are in the spec
+  JSON), its pip requirements (pinned; the engine library at the version that built the engines) and
+  its code paths (the loader, and the packages of the package's recorded op modules).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mlflow.models import ModelSignature
+from mlflow.types.schema import Schema, TensorSpec
+
+from compiler.manifest import Manifest
+from compiler.specs import InputSpec
+from compiler.validate import ValidationReport
+from registry.errors import RegistryError
+
+# The pip distribution each engine backend needs at serving time (none: runs on torch / onnxruntime,
+# which every package requires anyway). Backend names are the compiler's ("tensorrt-rtx").
+ENGINE_LIBRARIES: dict[str, str] = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt-rtx"}
+BASE_REQUIREMENTS = ("torch", "numpy", "safetensors", "onnx", "onnxruntime")
+
+
+def request_data(request: Any) -> dict[str, Any] | None:
+    """The compile request as plain data (``to_dict()`` or a mapping); tags and artifacts hold it as
+    data only: nothing in it is ever imported or called."""
+    if request is None:
+        return None
+    if hasattr(request, "to_dict"):
+        data = request.to_dict()
+    elif isinstance(request, Mapping):
+        data = dict(request)
+    else:
+        raise RegistryError(f"request must have to_dict() or be a mapping, got {type(request).__name__}")
+    return json.loads(json.dumps(data, sort_keys=True, default=str))
+
+
+def params_for(manifest: Manifest, model: str) -> dict[str, str]:
+    options = manifest.options
+    params = {
+        "model": model,
+        "backend": manifest.backend,
+        "backend_version": manifest.backend_version,
+        "engine_target": manifest.engine_target,
+        "precision": manifest.precision,
+        "strip_weights": manifest.strip_weights,
+        "min_block_size": options.min_block_size,
+        "torch_executed_ops": json.dumps(list(options.torch_executed_ops)),
+        "split_modules": json.dumps(
+            options.split_modules
+            if isinstance(options.split_modules, str | None)
+            else list(options.split_modules)
+        ),
+        "device": options.device,
+        "source": manifest.source.uri if manifest.source else "",
+        "kiln_version": manifest.kiln_version,
+        "torch_version": manifest.torch_version,
+        "format_version": manifest.format_version,
+    }
+    return {k: str(v) for k, v in params.items() if str(v) != ""}
+
+
+def metrics_for(manifest: Manifest, package_bytes: int) -> dict[str, float]:
+    """Flat metrics of a package: accuracy per output, latency, build and engine counts, sizes."""
+    report = manifest.report
+    metrics: dict[str, float] = {
+        "package_bytes": float(package_bytes),
+        "partitions": float(len(report.partitions)),
+        "unique_engines": float(report.unique_fingerprints),
+        "engines_built": float(report.engines_built),
+        "cache_hits": float(report.cache_hits),
+        "refits": float(report.refits),
+        "engine_bytes": float(report.engine_bytes),
+        "fallback_ops": float(sum(report.fallback_ops.values())),
+    }
+    for stage, seconds in report.stage_seconds.items():
+        metrics[f"seconds.{stage}"] = float(seconds)
+    if report.stage_seconds:
+        metrics["build_seconds"] = float(sum(report.stage_seconds.values()))
+    validation = manifest.validation
+    if validation is not None:
+        for row in validation.outputs:
+            for key in ("rel_l2", "max_abs", "cosine"):
+                metrics[f"{key}.{row.output}"] = float(getattr(row, key))
+        for side, latency in (("eager", validation.eager), ("compiled", validation.compiled)):
+            metrics[f"{side}_median_ms"] = float(latency.median_ms)
+            metrics[f"{side}_p95_ms"] = float(latency.p95_ms)
+        metrics["max_rel_l2"] = float(validation.max_rel_l2)
+        metrics["min_cosine"] = float(validation.min_cosine)
+        metrics["latency_ratio"] = float(validation.latency_ratio)
+    return {k: v for k, v in metrics.items() if np.isfinite(v)}
+
+
+def artifacts_for(
+    manifest: Manifest, request: dict[str, Any] | None, report: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """JSON artifacts of a run: file name -> data."""
+    files: dict[str, Any] = {
+        "input_specs.json": {"inputs": [s.to_dict() for s in manifest.input_specs]},
+        "manifest.json": manifest.to_json(),
+        "compile_report.json": manifest.report.to_dict(),
+        "validation.json": manifest.validation.to_dict() if manifest.validation else None,
+    }
+    if request is not None:
+        files["request.json"] = request
+    if report is not None:
+        files["pipeline_report.json"] = dict(report)
+    return files
+
+
+def latency_chart(validation: ValidationReport | None, title: str, path: Path) -> Path | None:
+    """Eager vs compiled latency (median bars, p95 markers) as a PNG; None without validation."""
+    if validation is None:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sides = ["eager", "compiled"]
+    medians = [float(validation.eager.median_ms), float(validation.compiled.median_ms)]
+    p95s = [float(validation.eager.p95_ms), float(validation.compiled.p95_ms)]
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    try:
+        bars = ax.bar(sides, medians, color=["#8c8c8c", "#d95f02"], label="median")
+        ax.scatter(sides, p95s, color="black", marker="_", s=600, zorder=3, label="p95")
+        for bar, value in zip(bars, medians, strict=True):
+            ax.annotate(
+                f"{value:.3f} ms", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom"
+            )
+        ratio = medians[1] / medians[0] if medians[0] else float("nan")
+        ax.set_title(f"{title}\ncompiled/eager = {ratio:.2f}x", fontsize=9)
+        ax.set_ylabel("latency (ms)")
+        ax.legend(loc="upper right", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def signature_for(specs: Iterable[InputSpec]) -> ModelSignature | None:
+    """The MLflow signature of the input specs: ``-1`` on dynamic axes (ranges live in the spec JSON)."""
+    inputs = []
+    for spec in specs:
+        try:
+            dtype = np.dtype(spec.dtype)
+        except TypeError:
+            return None  # bfloat16 has no numpy dtype: MLflow cannot express this signature
+        shape = tuple(-1 if axis in spec.dynamic_dims else size for axis, size in enumerate(spec.max_shape))
+        inputs.append(TensorSpec(dtype, shape, spec.name))
+    return ModelSignature(inputs=Schema(inputs))
+
+
+def requirement_names(backends: Iterable[str]) -> list[str]:
+    """The pip distributions a package whose engines run on ``backends`` needs (unpinned)."""
+    names = list(BASE_REQUIREMENTS)
+    for backend in sorted(set(backends)):
+        library = ENGINE_LIBRARIES.get(backend)
+        if library is not None and library not in names:
+            names.append(library)
+    return names
+
+
+def requirements_for(manifest: Manifest) -> list[str]:
+    """Pinned requirements: the engine library at the version that built the engines (they only load
+    there), the rest at this machine's versions (public releases: ``2.13.0+cpu`` -> ``2.13.0``)."""
+    backends = {manifest.backend, *manifest.engine_backends().values()}
+    engine_library = ENGINE_LIBRARIES.get(manifest.backend)
+    reqs = []
+    for name in requirement_names(backends):
+        if name == engine_library and manifest.backend_version:
+            reqs.append(f"{name}=={manifest.backend_version}")
+            continue
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            reqs.append(name)  # built elsewhere (a GPU host): still needed where the model is served
+            continue
+        reqs.append(f"{name}=={version.split('+')[0]}")
+    return reqs
+
+
+def code_paths(op_modules: Iterable[str]) -> list[str]:
+    """compiler + registry (the loader), and the top-level package of each op module (its custom ops).
+
+    The op modules are the package's own recorded list (its manifest), never a registry tag.
+    """
+    paths = []
+    for package in ("compiler", "registry"):
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise RegistryError(f"cannot find the {package!r} package to ship with the logged model")
+        paths.append(str(Path(next(iter(spec.submodule_search_locations)))))
+    for module in op_modules:
+        spec = importlib.util.find_spec(module.split(".")[0])
+        if spec is None:
+            continue
+        if spec.submodule_search_locations:
+            where = str(Path(next(iter(spec.submodule_search_locations))))
+        elif spec.origin:
+            where = spec.origin
+        else:
+            continue
+        # Installed libraries come back through the requirements, not as copied code.
+        if "site-packages" not in where and where not in paths:
+            paths.append(where)
+    return paths
