@@ -11,6 +11,7 @@ from compiler.cache import EngineCache
 from compiler.compare import PartitionComparison, compare_partitions
 from compiler.dedup import DedupPlan, dedup
 from compiler.export import export, input_specs, load_program, save_program
+from compiler.manifest import Manifest, SourceRecord
 from compiler.options import CompileOptions
 from compiler.package import PackageInfo, load, read_manifest, refit_package, save
 from compiler.partition import PartitionPlan, partition
@@ -31,11 +32,13 @@ __all__ = [
     "EngineCache",
     "InputSpec",
     "Latency",
+    "Manifest",
     "PackageInfo",
     "PartitionComparison",
     "PartitionPlan",
     "RepairRecord",
     "RepairResult",
+    "SourceRecord",
     "Tolerances",
     "ValidationData",
     "ValidationReport",
