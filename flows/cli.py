@@ -6,6 +6,7 @@ summary names each failure); 2 the input was unusable (a broken zoo file, a bad 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -288,6 +289,17 @@ def _check(zoo: Any, models: list[str] | None, devices: list[str] | None) -> int
     return EXIT_FAILED if problems else EXIT_OK
 
 
+def _entry_for_source(text: str) -> dict[str, Any]:
+    """A new entry for a source string (hf:..., pt2:..., models:/..., factory:...) or a bare factory."""
+    from zoo.sources import default_name, source_kind
+
+    try:
+        source_kind(text)
+    except ValueError:  # not a source string: the older 'module:function' factory form
+        return {"name": text.rsplit(":", 1)[-1].replace("_", "-").lower(), "factory": text}
+    return {"name": default_name(text), "source": text}
+
+
 def _entry_from_flags(zoo_file: Path, model: str, flags: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
     """(entry data, settings, zoo dir): the zoo file's entry named ``model`` (or a new one for a factory)
     with the flags written over it, so flags and zoo fields go through one schema."""
@@ -311,7 +323,7 @@ def _entry_from_flags(zoo_file: Path, model: str, flags: dict[str, Any]) -> tupl
                 f"{model!r} is not a model of {zoo_file} (it has {zoo.names}) nor a 'module:function'"
             )
     if entry_data is None:
-        entry_data = {"name": model.rsplit(":", 1)[-1].replace("_", "-").lower(), "factory": model}
+        entry_data = _entry_for_source(model)
     partition = {
         k: flags.pop(k) for k in ("min_block_size", "torch_executed_ops", "split_modules") if k in flags
     }
@@ -340,8 +352,8 @@ def compile_cmd(
     model: Annotated[
         str,
         typer.Argument(
-            help="a model name from the zoo file (e.g. bert) or a factory 'module:function' "
-            "returning zoo.models.ModelCase (e.g. zoo.models:tiny_gpt2)"
+            help="a model name from the zoo file (e.g. bert), a source (hf:./my-bert, pt2:model.pt2, "
+            "models:/fraud@champion, factory:zoo.models:tiny_gpt2) or a factory 'module:function'"
         ),
     ],
     zoo_file: Annotated[
@@ -388,7 +400,27 @@ def compile_cmd(
         str | None,
         typer.Option("--on-build-failure", help="a failed engine build: torch, onnxruntime or error"),
     ] = None,
-    name: Annotated[str | None, typer.Option("--name", help="package name (for a factory)")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="package name (for a source or factory)")] = None,
+    task: Annotated[
+        str | None, typer.Option("--task", help="hf: sources: sequence-classification, causal-lm, ...")
+    ] = None,
+    revision: Annotated[
+        str | None, typer.Option("--revision", help="hf: hub ids: branch, tag or commit")
+    ] = None,
+    trust_remote_code: Annotated[
+        bool | None,
+        typer.Option("--trust-remote-code", help="hf: run the model's own code (only if you trust it)"),
+    ] = None,
+    on_accuracy_failure: Annotated[
+        str | None,
+        typer.Option(
+            "--on-accuracy-failure", help="fp16/bf16 missing its tolerances: repair (default) or error"
+        ),
+    ] = None,
+    validation_data: Annotated[
+        Path | None,
+        typer.Option("--validation-data", help="recorded inputs (.safetensors/.npz, one array per input)"),
+    ] = None,
     task_runner: TaskRunner = None,
     dask_address: DaskAddress = None,
     workspace: Workspace = None,
@@ -416,6 +448,11 @@ def compile_cmd(
         "optimization_level": optimization_level,
         "backend_options": _backend_options(backend_option),
         "devices": [device] if device else None,
+        "task": task,
+        "revision": revision,
+        "trust_remote_code": trust_remote_code,
+        "on_accuracy_failure": on_accuracy_failure,
+        "validation": {"data": str(validation_data.resolve())} if validation_data else None,
     }
     try:
         _check_environment()
@@ -497,6 +534,43 @@ def deploy_cmd(
     for full_name, deployment_id in registered.items():
         console.print(f"registered [bold]{escape(full_name)}[/bold] ({deployment_id})")
     console.print(f"run one now:  prefect deployment run {next(iter(registered), 'recompile-zoo/<name>')}")
+
+
+debug_app = typer.Typer(help="Look inside a compiled package.")
+app.add_typer(debug_app, name="debug")
+
+
+@debug_app.command("compare")
+def debug_compare(
+    package: Annotated[Path, typer.Argument(help="a .kiln package directory")],
+    data: Annotated[
+        Path | None,
+        typer.Option("--data", help="recorded inputs (.safetensors/.npz); default: random in range"),
+    ] = None,
+    samples: Annotated[int, typer.Option(help="random input sets when no --data is given")] = 3,
+    runs: Annotated[int, typer.Option(help="timed passes for each partition's latency share")] = 3,
+    allow_module: Annotated[
+        list[str] | None,
+        typer.Option("--allow-module", help="a custom-op module the package may import (repeatable)"),
+    ] = None,
+    as_json: JsonOut = False,
+) -> None:
+    """Each engine against its own PyTorch submodule, on the activations at its inputs: partition,
+    fingerprint, precision, error, latency share. Where a reduced-precision compile loses accuracy."""
+    import compiler
+    from compiler.errors import KilnError
+
+    try:
+        compiled = compiler.load(package, allowed_modules=allow_module or None)
+        inputs = compiler.validation_data(compiled.input_specs, data, samples=samples)
+        table = compiler.compare_partitions(compiled, inputs.samples, runs=runs)
+    except KilnError as exc:
+        raise _bad_input(f"{type(exc).__name__}: {exc}") from None
+    if as_json:
+        print(json.dumps(table.to_dict(), indent=2))
+    else:
+        console.print(f"{package} on {inputs.source} ({len(inputs)} samples)", soft_wrap=True)
+        console.print(table.table(), highlight=False, soft_wrap=True)
 
 
 webhook_app = typer.Typer(help="Recompile when a source model changes in the MLflow registry.")

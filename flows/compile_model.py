@@ -127,9 +127,10 @@ def compile_model(
     progress.emit("model", name, device, "assemble")
     staged = stages.assemble_engines(plan, engines, workspace)
     progress.emit("model", name, device, "validate")
-    validation = stages.validate_package(request, staged, workspace)
+    validated = stages.validate_package(request, staged, workspace, engine_cache)
+    validation = validated.report
     progress.emit("model", name, device, "package")
-    package = stages.package_model(staged, validation, package_path(out_dir, request), workspace)
+    package = stages.package_model(validated, package_path(out_dir, request), workspace, request.identity())
 
     tracking = None
     if settings.tracking_enabled():

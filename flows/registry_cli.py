@@ -139,6 +139,13 @@ def release_cmd(
     zoo_file: Annotated[
         str, typer.Option("--zoo", help="the zoo file whose entry builds the original model (trusted input)")
     ] = "deploy/zoo.yaml",
+    force_replace_broken: Annotated[
+        bool,
+        typer.Option(
+            "--force-replace-broken",
+            help="release even if the champion fails verification (recorded on both versions)",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the outcome as JSON")] = False,
     tracking_uri: TrackingUri = None,
 ) -> None:
@@ -156,6 +163,7 @@ def release_cmd(
             runs=runs,
             zoo_path=zoo_file,
             tracking_uri=tracking_uri,
+            force_replace_broken=force_replace_broken,
         )
     except KilnError as exc:
         raise _fail(f"{type(exc).__name__}: {exc}") from None

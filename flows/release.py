@@ -17,7 +17,7 @@ from prefect import flow, get_run_logger
 from registry import config
 from registry.errors import ArtifactMissingError, ArtifactVerificationError, ReleaseError
 from registry.models import registered_model_name
-from registry.release import GateReport
+from registry.release import GateReport, champion_or_broken
 from tasks.registry import (
     accuracy_gate,
     decide,
@@ -61,12 +61,14 @@ def release(
     samples: int = 3,
     runs: int = 30,
     tracking_uri: str | None = None,
+    force_replace_broken: bool = False,
 ) -> dict:
     """Release ``version`` (default: the newest open candidate) of ``kiln.<model>.<target>``.
 
     ``max_latency_ratio``: the candidate's median latency may be at most this times the champion's.
     ``rel_l2``: accuracy tolerance vs the original model (default: the zoo entry's, by precision).
     ``zoo_path``: the zoo file whose entry builds the original model (never a registry tag).
+    ``force_replace_broken``: release even when the champion fails verification (recorded on both).
     Returns the outcome (``promoted``, ``champion``, ``previous``, ``reasons``, the measured report).
     """
     logger = get_run_logger()
@@ -89,15 +91,32 @@ def release(
     tolerances = (
         request.tolerances if rel_l2 is None else dataclasses.replace(request.tolerances, rel_l2=rel_l2)
     )
+    # The original first: building it imports the request's own (trusted) module, the only custom-op
+    # module the packages below may then use.
+    original = rebuild_original(request)
+    trusted = request.trusted_modules
     try:
-        candidate = fetch_and_load(name, candidate_version)
+        candidate = fetch_and_load(name, candidate_version, trusted)
     except (ArtifactVerificationError, ArtifactMissingError) as exc:
         # A candidate that cannot be trusted is rejected, with the reason; the champion stays.
         report = GateReport(name, candidate_version, champion_version, {}, {}, [f"artifact refused: {exc}"])
         return decide(report).to_dict()
-    champion = fetch_and_load(name, champion_version) if champion_version else None
-    original = rebuild_original(request)
-    accuracy = accuracy_gate(original, candidate, tolerances, samples=samples)
+    champion, broken = (
+        champion_or_broken(
+            lambda: fetch_and_load(name, champion_version, trusted),
+            name,
+            champion_version,
+            force_replace_broken=force_replace_broken,
+        )
+        if champion_version
+        else (None, None)
+    )
+    # Candidate and champion are measured against the original on the same data (the entry's
+    # recorded inputs, when it has them); only the candidate's numbers gate the release.
+    data = request.validation.data
+    accuracy = accuracy_gate(original, candidate, tolerances, samples=samples, data=data)
+    if champion is not None:
+        accuracy["champion"] = accuracy_gate(original, champion, tolerances, samples=samples, data=data)
     latency = latency_gate(candidate, champion, max_latency_ratio, runs=runs)
     reasons = []
     reasons += [f"{reason} vs the original model" for reason in accuracy["failures"]]
@@ -107,7 +126,9 @@ def release(
             f"champion's (v{champion_version}, {latency['champion_median_ms']:.3f} ms); "
             f"the limit is {max_latency_ratio:.2f}x"
         )
-    report = GateReport(name, candidate_version, champion_version, accuracy, latency, reasons)
+    report = GateReport(
+        name, candidate_version, champion_version, accuracy, latency, reasons, replaced_broken_champion=broken
+    )
     outcome = decide(report)
     verdict = "promoted to champion" if outcome.promoted else f"rejected: {'; '.join(reasons)}"
     logger.info("%s version %s %s", name, candidate_version, verdict)

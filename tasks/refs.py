@@ -30,6 +30,7 @@ from compiler.errors import (
 from compiler.options import CompileOptions
 from compiler.report import CompileReport
 from compiler.specs import InputSpec
+from compiler.validate import ValidationReport
 
 
 class ValidationFailedError(KilnError):
@@ -48,6 +49,9 @@ class ProgramRef:
     path: str
     sha256: str
     input_specs: tuple[InputSpec, ...]
+    # The modules its request trusts (the source's own code): the only custom-op modules a load of this
+    # program, or of a package made from it, may import (compiler.load's allowed_modules).
+    trusted_modules: tuple[str, ...] = ()
 
     def verify(self) -> bool:
         return _file_ok(self.path, self.sha256)
@@ -56,11 +60,21 @@ class ProgramRef:
         return {"key": self.key, "sha256": self.sha256}
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "input_specs": [s.to_dict() for s in self.input_specs]}
+        return {
+            **dataclasses.asdict(self),
+            "input_specs": [s.to_dict() for s in self.input_specs],
+            "trusted_modules": list(self.trusted_modules),
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> ProgramRef:
-        return cls(**{**data, "input_specs": tuple(InputSpec.from_dict(s) for s in data["input_specs"])})
+        return cls(
+            **{
+                **data,
+                "input_specs": tuple(InputSpec.from_dict(s) for s in data["input_specs"]),
+                "trusted_modules": tuple(data.get("trusted_modules", ())),
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -149,6 +163,13 @@ class StagedRef:
     path: str
     content_hash: str
     report: CompileReport
+    trusted_modules: tuple[str, ...] = ()  # as ProgramRef's: what loading this package may import
+
+    def load(self) -> Any:
+        """The staged CompiledModule (verified; imports only the trusted custom-op modules)."""
+        import compiler
+
+        return compiler.load(self.path, allowed_modules=self.trusted_modules)
 
     def verify(self) -> bool:
         import compiler
@@ -172,6 +193,21 @@ class StagedRef:
     @classmethod
     def from_json(cls, data: dict) -> StagedRef:
         return cls(data["key"], data["path"], data["content_hash"], CompileReport.from_dict(data["report"]))
+
+
+@dataclass(frozen=True)
+class ValidatedRef:
+    """A staged package that met its tolerances (after repair, if it needed one) and its report."""
+
+    staged: StagedRef
+    report: ValidationReport
+
+    def to_json(self) -> dict:
+        return {"staged": self.staged.to_json(), "report": self.report.to_dict()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> ValidatedRef:
+        return cls(StagedRef.from_json(data["staged"]), ValidationReport.from_dict(data["report"]))
 
 
 @dataclass(frozen=True)

@@ -88,10 +88,11 @@ def resolve_candidate(name: str, version: str | None) -> dict:
 
 
 @task(name="fetch-and-load", cache_policy=NO_CACHE, persist_result=False)
-def fetch_and_load(name: str, version: str) -> Any:
-    """Download a version, verify every checksum and its content hash, load it."""
+def fetch_and_load(name: str, version: str, allowed_modules: tuple[str, ...] = ()) -> Any:
+    """Download a version, verify every checksum and its content hash, load it (importing only the
+    custom-op modules the zoo file's request trusts)."""
     package_dir, _, _ = fetch_version(config.client(), name, version)
-    return load_package(package_dir)
+    return load_package(package_dir, allowed_modules=allowed_modules)
 
 
 @task(name="rebuild-original", cache_policy=NO_CACHE, persist_result=False)
@@ -102,10 +103,16 @@ def rebuild_original(request: CompileRequest) -> torch.nn.Module:
 
 @task(name="accuracy-gate", cache_policy=NO_CACHE, persist_result=False)
 def accuracy_gate(
-    original: Any, candidate: Any, tolerances: Tolerances, samples: int = 3, seed: int = 0
+    original: Any,
+    candidate: Any,
+    tolerances: Tolerances,
+    samples: int = 3,
+    seed: int = 0,
+    data: str | None = None,
 ) -> dict:
-    """Candidate vs the original model on fresh inputs inside the spec ranges (min, max, random)."""
-    result = compiler.validate(original, candidate, samples=samples, warmup=1, runs=3, seed=seed)
+    """A compiled version vs the original model: on ``data`` (the entry's recorded inputs) when given,
+    else on fresh inputs inside the spec ranges (min, max, random)."""
+    result = compiler.validate(original, candidate, samples=samples, warmup=1, runs=3, seed=seed, data=data)
     failures = [f for f in result.failures(tolerances) if not f.startswith("latency")]
     report = result.to_dict()
     return {
@@ -114,6 +121,7 @@ def accuracy_gate(
         "tolerances": tolerances.to_dict(),
         "outputs": report["outputs"],
         "shapes": report["shapes"],
+        "data_source": report["data_source"],
         "failures": failures,
         "passed": not failures,
     }

@@ -32,9 +32,10 @@ from compiler.backends import get_backend
 from compiler.backends.base import EngineIO
 from compiler.build import TORCH
 from compiler.cache import CacheWarning
+from compiler.errors import AccuracyError
+from compiler.manifest import SourceRecord
 from compiler.options import CompileOptions
 from compiler.partition import replay
-from compiler.validate import ValidationReport
 from tasks.concurrency import build_slot
 from tasks.refs import (
     EngineRef,
@@ -42,12 +43,14 @@ from tasks.refs import (
     PlanRef,
     ProgramRef,
     StagedRef,
+    ValidatedRef,
     ValidationFailedError,
     retry_condition,
 )
 from tasks.workspace import Workspace, code_version, content_hash, read_json
 from zoo.preflight import check_memory, spec_sizes
 from zoo.request import CompileRequest
+from zoo.sources.base import SourceIdentity
 
 # compiler/ serialises its own traces (torch.export, the ONNX exporter: compiler.export.TRACING). This
 # coarser lock also covers running and timing torch code, so validation latencies of models compiled
@@ -114,7 +117,7 @@ def _load_plan(ref: PlanRef) -> tuple[Any, Any]:
         lock = _plan_locks.setdefault(ref.sha256, threading.Lock())
     with lock, torch_lock():
         if ref.sha256 not in _plans:
-            program = compiler.load_program(ref.program.path)
+            program = compiler.load_program(ref.program.path, allowed_modules=ref.program.trusted_modules)
             plan = replay(program, read_json(ref.plan_path))
             dedup = compiler.DedupPlan.from_dict(read_json(ref.dedup_path))
             with _plans_lock:
@@ -197,7 +200,9 @@ def export_program(request: CompileRequest, key: str, workspace: str) -> Program
         path = compiler.save_program(program, Workspace(workspace).program_path(key))
         from compiler.atomic import sha256_file
 
-        ref = ProgramRef(request.name, key, str(path), sha256_file(path), tuple(specs))
+        ref = ProgramRef(
+            request.name, key, str(path), sha256_file(path), tuple(specs), request.trusted_modules
+        )
     Workspace(workspace).put_result("export", key, ref.to_json())
     return ref
 
@@ -211,7 +216,8 @@ def partition_program(program: ProgramRef, options: CompileOptions, workspace: s
     if found is not None:
         return found
     with torch_lock():
-        plan = compiler.partition(compiler.load_program(program.path), options)
+        loaded = compiler.load_program(program.path, allowed_modules=program.trusted_modules)
+        plan = compiler.partition(loaded, options)
         unique = compiler.dedup(plan)
         ws = Workspace(workspace)
         plan_path, plan_sha = ws.put_json("plans", plan.to_dict())
@@ -325,39 +331,65 @@ def assemble_engines(plan: PlanRef, engines: Sequence[EngineRef], workspace: str
             partition_plan, dedup, {e.fingerprint: load_artifact(e) for e in engines}
         )
         info = compiler.save(compiled, Workspace(workspace).staged_path(key))
-    ref = StagedRef(key, str(info.path), info.content_hash, compiled.report)
+    ref = StagedRef(key, str(info.path), info.content_hash, compiled.report, plan.program.trusted_modules)
     Workspace(workspace).put_result("assemble", key, ref.to_json())
     return ref
 
 
 @task(name="validate", cache_policy=NO_CACHE, persist_result=False)
-def validate_package(request: CompileRequest, staged: StagedRef, workspace: str) -> ValidationReport:
-    """Accuracy against the eager model on fresh inputs inside the spec ranges, and latency of both.
+def validate_package(
+    request: CompileRequest, staged: StagedRef, workspace: str, engine_cache: str | None
+) -> ValidatedRef:
+    """Accuracy against the eager model (on the entry's recorded data, else fresh inputs inside the spec
+    ranges) and latency of both; a reduced-precision compile that misses its accuracy tolerances is
+    repaired when the request says so (its worst partitions rebuilt one precision up, then staged anew).
 
-    Raises ValidationFailedError naming every tolerance the report misses, so no package is published.
+    Raises ValidationFailedError naming every tolerance still missed, so no package is published.
     """
     key = content_hash("validate", code_version(), request.cache_identity(), staged.cache_identity())
-    report = _stored(workspace, "validate", key, ValidationReport.from_dict, lambda _: True)
-    if report is None:
-        with torch_lock():
-            compiled = compiler.load(staged.path)
-            case = request.load_case()
-            plan = request.validation
-            report = compiler.validate(
-                case.model, compiled, samples=plan.samples, warmup=plan.warmup, runs=plan.runs, seed=plan.seed
+    found = _stored(workspace, "validate", key, ValidatedRef.from_json, lambda v: v.staged.verify())
+    if found is not None:
+        return found
+    plan = request.validation
+    with torch_lock():
+        compiled = staged.load()
+        case = request.load_case()
+        try:
+            checked, report = compiler.ensure_accuracy(
+                case.model,
+                compiled,
+                request.tolerances,
+                data=plan.data,
+                samples=plan.samples,
+                warmup=plan.warmup,
+                runs=plan.runs,
+                seed=plan.seed,
+                cache=compiler.EngineCache(engine_cache) if engine_cache else False,
             )
-        Workspace(workspace).put_result("validate", key, report.to_dict())
-    problems = report.failures(request.tolerances)
-    if problems:
-        raise ValidationFailedError(f"{request.name}: " + "; ".join(problems))
-    return report
+        except AccuracyError as exc:
+            raise ValidationFailedError(f"{request.name}: " + "; ".join(exc.failures)) from None
+        if checked is not compiled:  # repaired: the package to publish is the repaired one
+            repaired = content_hash("repaired", staged.cache_identity(), checked.plan.options.to_dict())
+            info = compiler.save(checked, Workspace(workspace).staged_path(repaired))
+            staged = dataclasses.replace(
+                staged,
+                key=repaired,
+                path=str(info.path),
+                content_hash=info.content_hash,
+                report=checked.report,
+            )
+            get_run_logger().warning("%s: %s", request.name, checked.report.summary())
+    validated = ValidatedRef(staged, report)
+    Workspace(workspace).put_result("validate", key, validated.to_json())
+    return validated
 
 
 @task(name="package", cache_policy=NO_CACHE, persist_result=False)
 def package_model(
-    staged: StagedRef, validation: ValidationReport, out_path: str, workspace: str
+    validated: ValidatedRef, out_path: str, workspace: str, source: SourceIdentity | None = None
 ) -> PackageRef:
-    """The validated package: one self-describing directory with its measured accuracy and latency.
+    """The validated package: one self-describing directory with its measured accuracy and latency, and
+    its lineage (``source``: which model, at which version, it was compiled from).
 
     Written first into this run's own staging directory, then moved into place under a lock on the
     output path, so two runs writing one path never mix; the record is made from this run's copy.
@@ -367,10 +399,15 @@ def package_model(
     target = Path(out_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     with torch_lock():
-        compiled = compiler.load(staged.path)
-        info = compiler.save(compiled, mine, validation=validation)
+        compiled = validated.staged.load()
+        lineage = (
+            SourceRecord(source.uri, source.kind, source.version, source.digest, source.run_id)
+            if source is not None
+            else None
+        )
+        info = compiler.save(compiled, mine, validation=validated.report, source=lineage)
         with FileLock(str(target.parent / f".{target.name}.lock")):
-            compiler.save(compiled, target, validation=validation)
+            compiler.save(compiled, target, validation=validated.report, source=lineage)
     get_run_logger().info("package %s (%d bytes, %.2fs)", target, info.bytes, time.perf_counter() - start)
     return PackageRef(str(target), info.content_hash, info.bytes, str(mine))
 

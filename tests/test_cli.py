@@ -108,3 +108,17 @@ def test_check_refuses_untrusted_factories_and_absurd_ranges(tmp_path: Path) -> 
     assert "lower the dims' max" in proc.stderr
     assert "0 models ready, 2 with problems" in proc.stderr
     assert not marker.exists()
+
+
+def test_debug_compare_prints_each_partitions_error_against_pytorch() -> None:
+    import json
+
+    package = ROOT / "tests" / "fixtures" / "packages" / "mlp-format1-2026-11.kiln"
+    refused = _kiln("debug", "compare", str(package))  # its custom-op module was not allowed
+    assert refused.returncode == 2 and "zoo.models" in refused.stderr, refused.stderr
+    proc = _kiln("debug", "compare", str(package), "--allow-module", "zoo.models", "--json", "--runs", "1")
+    assert proc.returncode == 0, proc.stderr
+    table = json.loads(proc.stdout)
+    rows = table["rows"]
+    assert len(rows) == 2 and all(r["precision"] == "fp32" and r["rel_l2"] < 1e-5 for r in rows)
+    assert {len(r["fingerprint"]) for r in rows} == {64}

@@ -175,6 +175,25 @@ def test_a_corrupt_engine_cache_entry_is_named_in_the_summary(first_run, zoo3: P
     assert summary["engines_built"] == summary["models"][0]["unique_engines"] > 0  # rebuilt, not used
 
 
+def test_an_entry_is_validated_on_its_recorded_data(first_run, zoo3: Path, tmp_path: Path) -> None:
+    import numpy as np
+
+    import compiler
+
+    data = tmp_path / "recorded.npz"
+    np.savez(data, x=np.random.default_rng(0).standard_normal((4, 3, 64)).astype("float32"))
+    zoo = _write_zoo(
+        tmp_path / "zoo.yaml",
+        [{**MLP, "validation": {"data": "recorded.npz"}}],  # relative to the zoo file
+        workspace=str(zoo3.parent / "workspace"),
+        engine_cache=str(zoo3.parent / "engine-cache"),
+    )
+    proc = _kiln("zoo", str(zoo), "--out", str(tmp_path / "out"), "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = compiler.read_manifest(tmp_path / "out" / "mlp.kiln").validation
+    assert str(data) in report.data_source and report.samples == 4
+
+
 def test_bad_entries_fail_before_any_engine_is_built(prefect_api, tmp_path: Path) -> None:  # noqa: F811
     from flows.recompile_zoo import run_zoo
 

@@ -86,7 +86,7 @@ def test_two_runs_writing_one_path_each_record_their_own_package(prefect_api, tm
 
     import compiler
     from compiler.validate import validate
-    from tasks.refs import StagedRef
+    from tasks.refs import StagedRef, ValidatedRef
     from tasks.stages import package_model
     from zoo.models import mlp_with_fallback
 
@@ -97,12 +97,14 @@ def test_two_runs_writing_one_path_each_record_their_own_package(prefect_api, tm
         compiled = compiler.compile(program, cache=False)
         info = compiler.save(compiled, tmp_path / f"staged-{width}.kiln")
         report = validate(case.model, compiled, samples=1, warmup=0, runs=1)
-        staged.append((StagedRef(str(width), str(info.path), info.content_hash, compiled.report), report))
+        staged.append(
+            ValidatedRef(StagedRef(str(width), str(info.path), info.content_hash, compiled.report), report)
+        )
     out = tmp_path / "out" / "mlp.kiln"
     refs = [None, None]
 
     def run(i: int) -> None:
-        refs[i] = package_model(staged[i][0], staged[i][1], str(out), str(tmp_path / "ws"))
+        refs[i] = package_model(staged[i], str(out), str(tmp_path / "ws"))
 
     # Each thread carries this context: Prefect's settings (the test server's URL) live in contextvars.
     threads = [threading.Thread(target=contextvars.copy_context().run, args=(run, i)) for i in range(2)]

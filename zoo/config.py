@@ -93,6 +93,17 @@ class PartitionOptions(_Strict):
     min_block_size: int = Field(default=1, ge=1)
     torch_executed_ops: list[str] = Field(default_factory=list)
     split_modules: list[str] | None = None
+    precision: dict[str, Literal["fp32", "fp16", "bf16", "torch"]] = Field(
+        default_factory=dict, description="per-partition exceptions to the entry's precision (engine_3: fp32)"
+    )
+
+
+class EntryValidation(_Strict):
+    """What an entry is validated on: recorded inputs (else random inputs inside the ranges)."""
+
+    data: str | None = Field(
+        default=None, description="a .safetensors or .npz file, one array per input with a sample axis"
+    )
 
 
 class ZooEntry(_Strict):
@@ -131,6 +142,11 @@ class ZooEntry(_Strict):
     workspace_bytes: int | None = Field(default=None, gt=0, description="TensorRT builder workspace")
     optimization_level: int | None = Field(default=None, ge=0, description="TensorRT builder level")
     backend_options: dict[str, Any] = Field(default_factory=dict, description="backend-specific settings")
+    on_accuracy_failure: Literal["repair", "error"] = Field(
+        default="repair",
+        description="fp16/bf16 missing its tolerances: raise its worst partitions' precision, or fail",
+    )
+    validation: EntryValidation = Field(default_factory=EntryValidation)
     on_build_failure: Literal[ON_BUILD_FAILURE] = Field(  # type: ignore[valid-type]
         default="torch",
         description="a partition whose engine build fails: runs in PyTorch, on ONNX Runtime, or fails",
@@ -252,6 +268,8 @@ class ZooEntry(_Strict):
             optimization_level=self.optimization_level,
             backend_options=dict(self.backend_options),
             on_build_failure=self.on_build_failure,
+            on_accuracy_failure=self.on_accuracy_failure,
+            partition_precision=dict(self.partition.precision),
             device=device,
         )
 
@@ -275,7 +293,10 @@ class ZooEntry(_Strict):
             policy=FactoryPolicy(tuple(settings.factory_packages), zoo_dir),
             base_dir=zoo_dir,
         )
-        validation = ValidationPlan(**settings.validation.model_dump())
+        data = self.validation.data
+        if data is not None and zoo_dir is not None and not Path(data).is_absolute():
+            data = str(Path(zoo_dir) / data)  # relative to the zoo file, like its other paths
+        validation = ValidationPlan(**settings.validation.model_dump(), data=data)
         return [
             CompileRequest(
                 name=self.name,

@@ -28,6 +28,7 @@ class ValidationPlan:
     warmup: int = 3
     runs: int = 20
     seed: int = 0
+    data: str | None = None  # recorded inputs (compiler.validation_data); None: random inside the ranges
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,12 @@ class CompileRequest:
     @property
     def device(self) -> str:
         return self.options.device
+
+    @property
+    def trusted_modules(self) -> tuple[str, ...]:
+        """Modules a package or program of this request may import for its custom ops: the source's own
+        code, which the zoo file vouched for (docs/security.md). Anything else stays refused."""
+        return tuple(getattr(self.source, "trusted_modules", ()))
 
     def identity(self) -> SourceIdentity:
         """Which model this is, without loading it."""

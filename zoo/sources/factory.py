@@ -153,6 +153,11 @@ class FactorySource:
     def uri(self) -> str:
         return f"factory:{self.factory}"
 
+    @property
+    def trusted_modules(self) -> tuple[str, ...]:
+        """The factory's module, trusted by the zoo file: it registers the custom ops its models call."""
+        return (self.factory.partition(":")[0],)
+
     def identity(self) -> SourceIdentity:
         resolve_factory(self.factory, self.policy)  # trusted, importable, a function defined there
         module = self.factory.partition(":")[0]

@@ -105,6 +105,9 @@ class HfSource:
     # moved since (and a compile asks the hub once, not at every identity()).
     pinned: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
+    # transformers registers the output types (ModelOutput pytrees) its programs return.
+    trusted_modules: tuple[str, ...] = field(default=("transformers",), init=False, compare=False)
+
     @property
     def uri(self) -> str:
         return f"hf:{self.location}"
