@@ -6,11 +6,7 @@ summary names each failure); 2 the input was unusable (a broken zoo file, a bad 
 
 from __future__ import annotations
 
-import json
-import logging
-import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,8 +15,9 @@ import yaml
 from pydantic import ValidationError
 from rich.markup import escape
 
+from flows.cli_options import JsonOut, Verbose, bad_input, quiet_prefect
+from flows.ops_cli import register_commands as register_ops_commands
 from flows.render import (
-    EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_OK,
     ProgressView,
@@ -85,26 +82,6 @@ Tracking = Annotated[
         show_default=False,
     ),
 ]
-Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="show Prefect's task logs")]
-JsonOut = Annotated[bool, typer.Option("--json", help="print the summary as JSON on stdout (for scripts)")]
-
-
-def _quiet_prefect(verbose: bool) -> None:
-    # Must run before Prefect is imported: its logging settings are read at import.
-    if not verbose:
-        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
-        warnings.filterwarnings("ignore")
-        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
-        logging.getLogger("mlflow").setLevel(logging.ERROR)  # tracking chatter; failures still show
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # The temporary API server migrates a fresh database first: 20 s is not enough on a busy 2-core box.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")
-
-
-def _bad_input(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False)
-    return typer.Exit(EXIT_BAD_INPUT)
 
 
 def _check_environment() -> None:
@@ -136,7 +113,7 @@ def _overrides(
         overrides["dask"] = {"address": dask_address}
     if task_runner:
         if task_runner not in ("thread", "dask"):
-            raise _bad_input(f"--task-runner {task_runner!r}: use 'thread' or 'dask'")
+            raise bad_input(f"--task-runner {task_runner!r}: use 'thread' or 'dask'")
         overrides["task_runner"] = task_runner
     if workspace:
         overrides["workspace"] = str(workspace)
@@ -227,23 +204,23 @@ def zoo_cmd(
     as_json: JsonOut = False,
     verbose: Verbose = False,
 ) -> None:
-    _quiet_prefect(verbose)
+    quiet_prefect(verbose)
     from zoo.config import ZooConfigError, load_zoo
 
     try:
         _check_environment()
         zoo = load_zoo(zoo_file)
     except ZooConfigError as exc:
-        raise _bad_input(str(exc)) from None
+        raise bad_input(str(exc)) from None
     if model and (missing := sorted(set(model) - set(zoo.names))):
-        raise _bad_input(f"--model {missing}: not in {zoo_file}; it has {zoo.names}")
+        raise bad_input(f"--model {missing}: not in {zoo_file}; it has {zoo.names}")
     if check:
         raise typer.Exit(_check(zoo, model, device))
     overrides = _overrides(task_runner, dask_address, workspace, engine_cache, tracking)
     try:
         settings = _merged(zoo.settings, overrides)
     except ValidationError as exc:
-        raise _bad_input(_format_errors(exc, "options")) from None
+        raise bad_input(_format_errors(exc, "options")) from None
     requests = _selected_requests(zoo, model, device)
     invalid = [i for i in zoo.invalid if not model or i.name in model]
     if not invalid:
@@ -265,7 +242,7 @@ def zoo_cmd(
         ),
     )
     if summary is None:
-        raise _bad_input(f"the zoo run stopped before any model ran: {error}")
+        raise bad_input(f"the zoo run stopped before any model ran: {error}")
     _finish(summary, as_json, settings.tracking_enabled())
 
 
@@ -310,16 +287,16 @@ def _entry_from_flags(zoo_file: Path, model: str, flags: dict[str, Any]) -> tupl
         try:
             zoo = load_zoo(zoo_file)
         except ZooConfigError as exc:
-            raise _bad_input(str(exc)) from None
+            raise bad_input(str(exc)) from None
         settings, zoo_dir = zoo.settings, zoo.zoo_dir
         invalid = [i for i in zoo.invalid if i.name == model]
         if invalid:
-            raise _bad_input(invalid[0].error)
+            raise bad_input(invalid[0].error)
         found = [e for e in zoo.entries if e.name == model]
         if found:
             entry_data = found[0].model_dump(exclude_unset=True)
         elif ":" not in model:
-            raise _bad_input(
+            raise bad_input(
                 f"{model!r} is not a model of {zoo_file} (it has {zoo.names}) nor a 'module:function'"
             )
     if entry_data is None:
@@ -342,7 +319,7 @@ def _backend_options(pairs: list[str] | None) -> dict[str, Any] | None:
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key:
-            raise _bad_input(f"--backend-option {pair!r}: use KEY=VALUE (VALUE as YAML: 3, true, [a, b])")
+            raise bad_input(f"--backend-option {pair!r}: use KEY=VALUE (VALUE as YAML: 3, true, [a, b])")
         options[key] = yaml.safe_load(text)
     return options
 
@@ -429,7 +406,7 @@ def compile_cmd(
     as_json: JsonOut = False,
     verbose: Verbose = False,
 ) -> None:
-    _quiet_prefect(verbose)
+    quiet_prefect(verbose)
     from zoo.config import ZooConfigError, ZooEntry
 
     split = None
@@ -463,9 +440,9 @@ def compile_cmd(
         settings = _merged(settings, _overrides(task_runner, dask_address, workspace, engine_cache, tracking))
         request = entry.requests(settings, zoo_dir)[0]
     except ValidationError as exc:
-        raise _bad_input(_format_errors(exc, "options")) from None
+        raise bad_input(_format_errors(exc, "options")) from None
     except ZooConfigError as exc:
-        raise _bad_input(str(exc)) from None
+        raise bad_input(str(exc)) from None
     out_dir = str((out or Path(settings.out_dir)).resolve())
     summary = _unchanged_summary([request], out_dir, settings, str(zoo_file))
     if summary is not None:
@@ -494,139 +471,6 @@ def compile_cmd(
     _finish(summary, as_json, settings.tracking_enabled())
 
 
-DEPLOY_HELP = (
-    "Register the deployments of a prefect.yaml (default deploy/prefect.yaml: the nightly zoo recompile "
-    "per device) on the Prefect server at PREFECT_API_URL; re-running updates them.\n\n"
-    "Then start a worker for each pool:  [bold]prefect worker start --pool kiln-cpu[/bold]"
-)
-
-
-@app.command("deploy", help=DEPLOY_HELP)
-def deploy_cmd(
-    prefect_file: Annotated[Path, typer.Argument(help="the prefect.yaml to register")] = Path(
-        "deploy/prefect.yaml"
-    ),
-    name: Annotated[
-        list[str] | None, typer.Option("--name", "-n", help="only these deployments (repeatable)")
-    ] = None,
-    repo: Annotated[
-        Path | None,
-        typer.Option("--repo", help="checkout the workers run from (sets $KILN_REPO; default: current dir)"),
-    ] = None,
-    verbose: Verbose = False,
-) -> None:
-    _quiet_prefect(verbose)
-    from prefect.settings import PREFECT_API_URL
-
-    from flows.deployments import register
-    from zoo.config import ZooConfigError
-
-    if not PREFECT_API_URL.value():
-        raise _bad_input(
-            "PREFECT_API_URL is not set: deployments need a running server. Start one "
-            "(prefect server start) and export PREFECT_API_URL=http://127.0.0.1:4200/api"
-        )
-    os.environ["KILN_REPO"] = str((repo or Path(os.environ.get("KILN_REPO") or Path.cwd())).resolve())
-    try:
-        registered = register(prefect_file, name or None)
-    except ZooConfigError as exc:
-        raise _bad_input(str(exc)) from None
-    for full_name, deployment_id in registered.items():
-        console.print(f"registered [bold]{escape(full_name)}[/bold] ({deployment_id})")
-    console.print(f"run one now:  prefect deployment run {next(iter(registered), 'recompile-zoo/<name>')}")
-
-
-debug_app = typer.Typer(help="Look inside a compiled package.")
-app.add_typer(debug_app, name="debug")
-
-
-@debug_app.command("compare")
-def debug_compare(
-    package: Annotated[Path, typer.Argument(help="a .kiln package directory")],
-    data: Annotated[
-        Path | None,
-        typer.Option("--data", help="recorded inputs (.safetensors/.npz); default: random in range"),
-    ] = None,
-    samples: Annotated[int, typer.Option(help="random input sets when no --data is given")] = 3,
-    runs: Annotated[int, typer.Option(help="timed passes for each partition's latency share")] = 3,
-    allow_module: Annotated[
-        list[str] | None,
-        typer.Option("--allow-module", help="a custom-op module the package may import (repeatable)"),
-    ] = None,
-    as_json: JsonOut = False,
-) -> None:
-    """Each engine against its own PyTorch submodule, on the activations at its inputs: partition,
-    fingerprint, precision, error, latency share. Where a reduced-precision compile loses accuracy."""
-    import compiler
-    from compiler.errors import KilnError
-
-    try:
-        compiled = compiler.load(package, allowed_modules=allow_module or None)
-        inputs = compiler.validation_data(compiled.input_specs, data, samples=samples)
-        table = compiler.compare_partitions(compiled, inputs.samples, runs=runs)
-    except KilnError as exc:
-        raise _bad_input(f"{type(exc).__name__}: {exc}") from None
-    if as_json:
-        print(json.dumps(table.to_dict(), indent=2))
-    else:
-        console.print(f"{package} on {inputs.source} ({len(inputs)} samples)", soft_wrap=True)
-        console.print(table.table(), highlight=False, soft_wrap=True)
-
-
-webhook_app = typer.Typer(help="Recompile when a source model changes in the MLflow registry.")
-app.add_typer(webhook_app, name="webhook")
-
-
-@webhook_app.command("serve")
-def webhook_serve(
-    zoo_file: Annotated[
-        Path, typer.Option("--zoo", help="zoo file whose entries name models:/ sources")
-    ] = Path("deploy/zoo.yaml"),
-    deployment: Annotated[
-        str, typer.Option(help="the Prefect deployment to start for the affected entries")
-    ] = "recompile-zoo/zoo-nightly-cpu",
-    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port to listen on")] = 8765,
-    verbose: Verbose = False,
-) -> None:
-    """Receive MLflow registry webhooks (signed with $KILN_WEBHOOK_SECRET) and start recompiles."""
-    _quiet_prefect(verbose)
-    from compiler.errors import KilnError
-    from flows.webhook import Receiver, secret_from_env, serve
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        receiver = Receiver(str(zoo_file.resolve()), deployment, secret_from_env())
-    except KilnError as exc:
-        raise _bad_input(str(exc)) from None
-    server = serve(receiver, host, port)
-    console.print(f"kiln webhook receiver on http://{host}:{server.server_port}/ for {zoo_file}")
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
-
-
-@webhook_app.command("register")
-def webhook_register(
-    url: Annotated[str, typer.Argument(help="where kiln webhook serve listens, as MLflow reaches it")],
-    name: Annotated[str, typer.Option(help="the webhook's name in MLflow")] = "kiln-recompile",
-    tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking server")] = None,
-) -> None:
-    """Create the MLflow webhook (new versions, moved aliases) that calls the receiver at URL."""
-    from compiler.errors import KilnError
-    from flows.webhook import EVENTS, secret_from_env
-    from registry import config
-
-    try:
-        hook = config.client(tracking_uri).create_webhook(
-            name=name, url=url, events=list(EVENTS), secret=secret_from_env()
-        )
-    except KilnError as exc:
-        raise _bad_input(str(exc)) from None
-    console.print(f"registered MLflow webhook {hook.webhook_id} -> {url} ({', '.join(EVENTS)})")
-
-
 try:
     from flows.registry_cli import register_commands
 except ModuleNotFoundError as _exc:  # only while the registry half does not exist yet
@@ -634,6 +478,8 @@ except ModuleNotFoundError as _exc:  # only while the registry half does not exi
         raise
 else:
     register_commands(app)
+
+register_ops_commands(app)
 
 
 def main() -> None:

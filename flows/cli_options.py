@@ -1,0 +1,34 @@
+"""Options and helpers every ``kiln`` command module shares."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from flows.render import EXIT_BAD_INPUT, console
+
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="show Prefect's task logs")]
+JsonOut = Annotated[bool, typer.Option("--json", help="print the summary as JSON on stdout (for scripts)")]
+
+
+def quiet_prefect(verbose: bool) -> None:
+    # Must run before Prefect is imported: its logging settings are read at import.
+    if not verbose:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
+        warnings.filterwarnings("ignore")
+        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+        logging.getLogger("mlflow").setLevel(logging.ERROR)  # tracking chatter; failures still show
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The temporary API server migrates a fresh database first: 20 s is not enough on a busy 2-core box.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")
+
+
+def bad_input(message: str) -> typer.Exit:
+    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False)
+    return typer.Exit(EXIT_BAD_INPUT)

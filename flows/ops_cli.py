@@ -1,0 +1,152 @@
+"""The ``kiln`` commands around compiling: register deployments, look inside a package, receive
+registry webhooks. (Compiling is ``flows.cli``; look-ups and releases ``flows.registry_cli``.)"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from flows.cli_options import JsonOut, Verbose, bad_input, quiet_prefect
+from flows.render import console
+
+DEPLOY_HELP = (
+    "Register the deployments of a prefect.yaml (default deploy/prefect.yaml: the nightly zoo recompile "
+    "per device) on the Prefect server at PREFECT_API_URL; re-running updates them.\n\n"
+    "Then start a worker for each pool:  [bold]prefect worker start --pool kiln-cpu[/bold]"
+)
+
+
+def deploy_cmd(
+    prefect_file: Annotated[Path, typer.Argument(help="the prefect.yaml to register")] = Path(
+        "deploy/prefect.yaml"
+    ),
+    name: Annotated[
+        list[str] | None, typer.Option("--name", "-n", help="only these deployments (repeatable)")
+    ] = None,
+    repo: Annotated[
+        Path | None,
+        typer.Option("--repo", help="checkout the workers run from (sets $KILN_REPO; default: current dir)"),
+    ] = None,
+    verbose: Verbose = False,
+) -> None:
+    quiet_prefect(verbose)
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.deployments import register
+    from zoo.config import ZooConfigError
+
+    if not PREFECT_API_URL.value():
+        raise bad_input(
+            "PREFECT_API_URL is not set: deployments need a running server. Start one "
+            "(prefect server start) and export PREFECT_API_URL=http://127.0.0.1:4200/api"
+        )
+    os.environ["KILN_REPO"] = str((repo or Path(os.environ.get("KILN_REPO") or Path.cwd())).resolve())
+    try:
+        registered = register(prefect_file, name or None)
+    except ZooConfigError as exc:
+        raise bad_input(str(exc)) from None
+    for full_name, deployment_id in registered.items():
+        console.print(f"registered [bold]{escape(full_name)}[/bold] ({deployment_id})")
+    console.print(f"run one now:  prefect deployment run {next(iter(registered), 'recompile-zoo/<name>')}")
+
+
+debug_app = typer.Typer(help="Look inside a compiled package.")
+
+
+@debug_app.command("compare")
+def debug_compare(
+    package: Annotated[Path, typer.Argument(help="a .kiln package directory")],
+    data: Annotated[
+        Path | None,
+        typer.Option("--data", help="recorded inputs (.safetensors/.npz); default: random in range"),
+    ] = None,
+    samples: Annotated[int, typer.Option(help="random input sets when no --data is given")] = 3,
+    runs: Annotated[int, typer.Option(help="timed passes for each partition's latency share")] = 3,
+    allow_module: Annotated[
+        list[str] | None,
+        typer.Option("--allow-module", help="a custom-op module the package may import (repeatable)"),
+    ] = None,
+    as_json: JsonOut = False,
+) -> None:
+    """Each engine against its own PyTorch submodule, on the activations at its inputs: partition,
+    fingerprint, precision, error, latency share. Where a reduced-precision compile loses accuracy."""
+    import compiler
+    from compiler.errors import KilnError
+
+    try:
+        compiled = compiler.load(package, allowed_modules=allow_module or None)
+        inputs = compiler.validation_data(compiled.input_specs, data, samples=samples)
+        table = compiler.compare_partitions(compiled, inputs.samples, runs=runs)
+    except KilnError as exc:
+        raise bad_input(f"{type(exc).__name__}: {exc}") from None
+    if as_json:
+        print(json.dumps(table.to_dict(), indent=2))
+    else:
+        console.print(f"{package} on {inputs.source} ({len(inputs)} samples)", soft_wrap=True)
+        console.print(table.table(), highlight=False, soft_wrap=True)
+
+
+webhook_app = typer.Typer(help="Recompile when a source model changes in the MLflow registry.")
+
+
+@webhook_app.command("serve")
+def webhook_serve(
+    zoo_file: Annotated[
+        Path, typer.Option("--zoo", help="zoo file whose entries name models:/ sources")
+    ] = Path("deploy/zoo.yaml"),
+    deployment: Annotated[
+        str, typer.Option(help="the Prefect deployment to start for the affected entries")
+    ] = "recompile-zoo/zoo-nightly-cpu",
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 8765,
+    verbose: Verbose = False,
+) -> None:
+    """Receive MLflow registry webhooks (signed with $KILN_WEBHOOK_SECRET) and start recompiles."""
+    quiet_prefect(verbose)
+    from compiler.errors import KilnError
+    from flows.webhook import Receiver, secret_from_env, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        receiver = Receiver(str(zoo_file.resolve()), deployment, secret_from_env())
+    except KilnError as exc:
+        raise bad_input(str(exc)) from None
+    server = serve(receiver, host, port)
+    console.print(f"kiln webhook receiver on http://{host}:{server.server_port}/ for {zoo_file}")
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+@webhook_app.command("register")
+def webhook_register(
+    url: Annotated[str, typer.Argument(help="where kiln webhook serve listens, as MLflow reaches it")],
+    name: Annotated[str, typer.Option(help="the webhook's name in MLflow")] = "kiln-recompile",
+    tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking server")] = None,
+) -> None:
+    """Create the MLflow webhook (new versions, moved aliases) that calls the receiver at URL."""
+    from compiler.errors import KilnError
+    from flows.webhook import EVENTS, secret_from_env
+    from registry import config
+
+    try:
+        hook = config.client(tracking_uri).create_webhook(
+            name=name, url=url, events=list(EVENTS), secret=secret_from_env()
+        )
+    except KilnError as exc:
+        raise bad_input(str(exc)) from None
+    console.print(f"registered MLflow webhook {hook.webhook_id} -> {url} ({', '.join(EVENTS)})")
+
+
+def register_commands(app: typer.Typer) -> None:
+    """Add ``deploy``, ``debug`` and ``webhook`` to the kiln app."""
+    app.command("deploy", help=DEPLOY_HELP)(deploy_cmd)
+    app.add_typer(debug_app, name="debug")
+    app.add_typer(webhook_app, name="webhook")
