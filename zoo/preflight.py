@@ -45,7 +45,7 @@ def check_backend_available(backend: str, device: str = "cpu") -> None:
     from compiler.backends import get_backend
 
     try:
-        instance = get_backend(backend)
+        instance = get_backend(backend, device)
     except KilnError as exc:
         raise ZooConfigError(f"backend: {backend!r} cannot be used here: {exc}") from None
     if device.startswith("cuda"):
@@ -53,7 +53,7 @@ def check_backend_available(backend: str, device: str = "cpu") -> None:
         if not builds_for.startswith("cuda"):
             raise ZooConfigError(
                 f"devices: {device!r} needs GPU engines, but backend {backend!r} builds for {builds_for!r} "
-                "here; use backend: tensorrt (or auto) for cuda devices, or devices: [cpu]"
+                "here; use backend: tensorrt, inductor (or auto) for cuda devices, or devices: [cpu]"
             )
 
 
