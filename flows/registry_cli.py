@@ -43,7 +43,9 @@ def parse_shapes(values: list[str]) -> tuple[int, ...] | list[tuple[int, ...]] |
         return shape
 
     if not values:
-        raise typer.BadParameter("give at least one --shape, e.g. --shape 4,64 or --shape input_ids=2,16")
+        raise typer.BadParameter(
+            "give at least one --shape, e.g. --shape 4,64 or --shape input_ids=2,16 (or a --source)"
+        )
     named = [v for v in values if "=" in v]
     if named and len(named) != len(values):
         raise typer.BadParameter("either name every --shape (name=4,16) or none")
@@ -61,13 +63,25 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 def lookup_cmd(
     model: Annotated[str, typer.Argument(help="model name as in the zoo file, e.g. tiny_bert")],
     shape: Annotated[
-        list[str],
-        typer.Option("--shape", "-s", help="input shape, repeat per input: 4,64 or input_ids=2,16"),
-    ],
+        list[str] | None,
+        typer.Option(
+            "--shape",
+            "-s",
+            help="input shape, repeat per input: 4,64 or input_ids=2,16 (optional with --source)",
+        ),
+    ] = None,
     backend: Annotated[str | None, typer.Option(help="onnxruntime, tensorrt, ... (default: any)")] = None,
     target: Target = "cpu",
     precision: Annotated[str | None, typer.Option(help="fp32, fp16, bf16 (default: any)")] = None,
     version: Annotated[str | None, typer.Option(help="pin a version number")] = None,
+    source: Annotated[
+        str | None,
+        typer.Option(
+            "--source",
+            help="only versions compiled from this source: models:/NAME@ALIAS (the version the alias "
+            "points at now, or compiled under that exact URI), models:/NAME/N, hf:..., factory:...",
+        ),
+    ] = None,
     dst: Annotated[
         str | None, typer.Option(help="download the package here (default: the kiln cache)")
     ] = None,
@@ -82,20 +96,24 @@ def lookup_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
     tracking_uri: TrackingUri = None,
 ) -> None:
-    """Find the champion (else newest) version whose input ranges cover SHAPE; download, verify, load it.
+    """Find the champion (else newest) version whose input ranges cover SHAPE (and, with --source, that
+    was compiled from that source); download, verify, load it.
 
     A version that fails verification is skipped for the next that fits, and the output says so."""
     from registry.errors import KilnError, NoMatchingVersionError
     from registry.lookup import describe_result, lookup
 
+    # A source alone selects the version; a shape alone (or both) still has to fit the ranges.
+    shapes = parse_shapes(shape or []) if shape or not source else None
     try:
         result = lookup(
             model,
-            parse_shapes(shape),
+            shapes,
             backend=backend,
             target=target,
             precision=precision,
             version=version,
+            source=source,
             dst=dst,
             allowed_modules=allow_op_module or None,
             tracking_uri=tracking_uri,
@@ -117,10 +135,24 @@ def lookup_cmd(
         console.print(
             f"[yellow]warning:[/yellow] served instead of broken version(s) {broken}", soft_wrap=True
         )
+    if result.source_match:
+        console.print(f"  source: {_source_text(result.source_match)}", soft_wrap=True)
     for key in ("backend", "precision", "engine_target", "input_ranges", "package_dir"):
         console.print(f"  {key}: {summary[key]}", soft_wrap=True)
     for row in result.skipped:
         console.print(f"  skipped v{row['version']}: {row['reason']}", soft_wrap=True)
+
+
+def _source_text(match: dict) -> str:
+    """``models:/x@production -> version 3 now; matched: alias (compiled from models:/x/3)``."""
+    requested = match["requested"]
+    if match.get("alias_version"):
+        requested += f" -> version {match['alias_version']} now"
+    recorded = match["recorded_uri"]
+    if match.get("recorded_version"):
+        recorded += f" version {match['recorded_version']}"
+    text = f"{requested}; matched: {match['how']} (compiled from {recorded})"
+    return text + (f"; {match['note']}" if match.get("note") else "")
 
 
 def release_cmd(

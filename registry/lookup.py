@@ -2,7 +2,9 @@
 
 Order of preference inside ``kiln.<model>.<target>``: the ``champion`` alias, then every other version
 newest first. A version is skipped (with the reason recorded) when it was rejected by a release, has
-another backend or precision, or its input spec ranges do not cover the requested shapes. The first
+another backend or precision, was compiled from another source than the one requested
+(``source=``, see :mod:`registry.lineage`), or its input spec ranges do not cover the requested
+shapes. The first
 that fits is downloaded, every checksum in its manifest is verified and its content hash compared
 with the registry's tag; only then is it loaded. A version that fails there (a corrupt champion) is
 skipped for the next that fits, and the result says so (``fell_back_from``). No fit ->
@@ -31,6 +33,7 @@ from compiler.specs import InputSpec, specs_from_json
 from registry import config
 from registry.config import RetryPolicy, call_with_retry, is_transient
 from registry.errors import ArtifactMissingError, ArtifactVerificationError, NoMatchingVersionError
+from registry.lineage import SourceQuery, resolve_source
 from registry.models import (
     CHAMPION,
     TAG_INPUT_SPECS,
@@ -41,6 +44,7 @@ from registry.models import (
     engine_target_of,
     get_aliases,
     registered_model_name,
+    source_of,
 )
 from registry.pyfunc import PACKAGE_ARTIFACT
 
@@ -63,6 +67,9 @@ class LookupResult:
     skipped: list[dict] = field(default_factory=list)
     # Versions preferred over this one that failed verification or loading (the champion, first).
     fell_back_from: list[str] = field(default_factory=list)
+    # With source=: how this version matched it (registry.lineage): how ("uri", "alias", "version"),
+    # requested, recorded_uri, recorded_version, alias_version (what the alias names now), note.
+    source_match: dict[str, Any] | None = None
 
     @property
     def fell_back(self) -> bool:
@@ -133,8 +140,10 @@ def candidates(
     precision: str | None,
     shapes: Shapes | None,
     policy: RetryPolicy | None = None,
+    source: SourceQuery | None = None,
 ) -> tuple[list[dict], list[dict]]:
-    """(fitting, skipped): versions in preference order, each a dict with version, aliases, tags, reason."""
+    """(fitting, skipped): versions in preference order, each a dict with version, aliases, tags, reason
+    (and, with ``source``, ``source_match``: how a fitting version matched it)."""
     versions = all_versions(mlclient, name, policy)
     aliases = get_aliases(mlclient, name, policy)
     by_version: dict[str, list[str]] = {}
@@ -155,6 +164,8 @@ def candidates(
             reason = f"rejected by a release: {tags[TAG_REJECTED]}"
         elif TAG_ROLLED_BACK in tags and str(v.version) != champion:
             reason = f"rolled back from champion ({tags[TAG_ROLLED_BACK]})"
+        elif source is not None and (matched := source.match(tags))[1] is not None:
+            reason = matched[1]
         elif backend and tags.get("backend") != backend:
             reason = f"backend is {tags.get('backend')!r}, not {backend!r}"
         elif precision and tags.get("precision") != precision:
@@ -168,6 +179,8 @@ def candidates(
                 reason = spec_misfit(specs, shapes)
         if content_hash:
             seen_hash.setdefault(content_hash, str(v.version))
+        if source is not None and reason is None:
+            row["source_match"] = source.match(tags)[0]
         row["reason"] = reason
         (skipped if reason else fitting).append(row)
     return fitting, skipped
@@ -281,6 +294,7 @@ def lookup(
     target: str = "cpu",
     precision: str | None = None,
     version: str | None = None,
+    source: str | None = None,
     load: bool = True,
     dst: str | os.PathLike | None = None,
     allowed_modules: Sequence[str] | None = None,
@@ -294,11 +308,18 @@ def lookup(
     A version that fails verification or loading is skipped for the next one that fits (logged, and
     listed in ``result.skipped`` and ``result.fell_back_from``); only when every fitting version is
     broken does the error reach the caller. ``allowed_modules``: see :func:`load_package`.
+
+    ``source``: only versions compiled from that source (``models:/fraud-bert@production``,
+    ``hf:...``): the exact URI, or for ``models:/NAME@ALIAS`` the version compiled from the model
+    version the alias points at now (resolved here). ``result.source_match`` says which.
     """
     mlclient = config.client(tracking_uri)
     name = registered_model_name(model, target)
+    query = resolve_source(mlclient, source, policy) if source else None
+    if query is not None and query.note:
+        log.warning("%s", query.note)
     fitting, skipped = candidates(
-        mlclient, name, backend=backend, precision=precision, shapes=shapes, policy=policy
+        mlclient, name, backend=backend, precision=precision, shapes=shapes, policy=policy, source=query
     )
     if version is not None:
         pinned = [r for r in fitting if r["version"] == str(version)]
@@ -314,6 +335,7 @@ def lookup(
                 ("precision", precision),
                 ("shapes", shapes),
                 ("version", version),
+                ("source", query.describe() if query else None),
             )
             if v is not None
         )
@@ -362,12 +384,19 @@ def lookup(
             module,
             skipped,
             fell_back_from=[r["version"] for r in failed],
+            source_match=_with_note(chosen.get("source_match"), query),
         )
     first = failed[0]["error"]
     if len(failed) == 1:
         raise first
     listing = "\n".join(f"  version {r['version']}: {r['reason']}" for r in failed)
     raise type(first)(f"every version of {name} that fits is broken:\n{listing}") from first
+
+
+def _with_note(match: dict[str, Any] | None, query: SourceQuery | None) -> dict[str, Any] | None:
+    if match is None or query is None or not query.note:
+        return match
+    return {**match, "note": query.note}
 
 
 def load_package(package_dir: str | os.PathLike, *, allowed_modules: Sequence[str] | None = None) -> Any:
@@ -397,5 +426,7 @@ def describe_result(result: LookupResult) -> dict:
         "input_ranges": result.tags.get("input_ranges"),
         "content_hash": content_hash_of(result.tags),
         "fell_back_from": result.fell_back_from,
+        "source": source_of(result.tags),
+        "source_match": result.source_match,
         "skipped": [{k: r[k] for k in ("version", "reason")} for r in result.skipped],
     }

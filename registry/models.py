@@ -7,28 +7,38 @@ tags, so one registered model can hold ONNX Runtime and TensorRT builds of the s
 
 Every version carries these tags (strings; all of them data, none ever imported or executed):
 
-=====================  =========================================================================
-``kiln.content_hash``  the package manifest's ``content_hash``: registering equal content returns
-                       the existing version, never a second one (versions registered before this
-                       name carry ``content_hash``; look-ups read both)
-``model``              the model's name (the compile request's)
-``backend``            ``onnxruntime``, ``tensorrt``, ...; ``backend_version`` its library version
-``engine_target``      ``cpu``, ``cuda:sm_90``, ... (older versions: ``target_device``)
-``precision``          ``fp32`` / ``fp16`` / ``bf16``; ``strip_weights`` ``true`` / ``false``
-``input_ranges``       human-readable ranges, e.g. ``x: float32 [1..32, 64] (batch=axis 0)``
-``input_specs``        the InputSpec JSON (``compiler.specs.specs_to_json``) that look-ups match against
-``op_modules``         JSON list of the modules the package needs imported (its manifest's list)
-``source_*``           lineage: ``source_uri``, ``source_kind``, ``source_version``,
-                       ``source_identity``, ``source_run_id`` (when the package records a source)
-``request``            the compile request as JSON (``CompileRequest.to_dict()``), when it fits
-``kiln_version``       the kiln that wrote the package; ``format_version`` its package format
-=====================  =========================================================================
+=========================  =========================================================================
+``kiln.content_hash``      the package manifest's ``content_hash``: registering equal content returns
+                           the existing version, never a second one (versions registered before this
+                           name carry ``content_hash``; look-ups read both)
+``model``                  the model's name (the compile request's)
+``backend``                ``onnxruntime``, ``tensorrt``, ...; ``backend_version`` its library version
+``engine_target``          ``cpu``, ``cuda:sm_90``, ... (older versions: ``target_device``)
+``precision``              ``fp32`` / ``fp16`` / ``bf16``; ``strip_weights`` ``true`` / ``false``
+``input_ranges``           human-readable ranges, e.g. ``x: float32 [1..32, 64] (batch=axis 0)``
+``input_specs``            the InputSpec JSON (``compiler.specs.specs_to_json``) that look-ups match against
+``op_modules``             JSON list of the modules the package needs imported (its manifest's list)
+``kiln.source.*``          lineage, when the package records a source (``manifest.source``):
+                           ``kiln.source.uri`` (as written: ``models:/fraud@production``),
+                           ``.kind`` (``mlflow``, ``hf``, ...), ``.version`` (the resolved version or
+                           revision), ``.identity`` (the source digest), ``.run_id`` (the source's MLflow
+                           run). The run carries the same tags; versions registered between the typed
+                           manifest and these names carry ``source_uri``, ...: look-ups read both
+``kiln.validation.data``   what accuracy was measured on: ``random`` or ``<path> sha256:<hex>``
+``kiln.accuracy_repair``   the repair decisions in one line each (``; ``-joined), when a repair ran
+``request``                the compile request as JSON (``CompileRequest.to_dict()``), when it fits
+``kiln_version``           the kiln that wrote the package; ``format_version`` its package format
+=========================  =========================================================================
 
 Release adds ``release_report`` (JSON of the measured gates) and, for a failed candidate,
 ``rejected`` (JSON list of reasons); a release forced past a broken champion tags the new champion
 ``replaced_broken_champion`` and the old one ``broken``; ``kiln rollback`` tags the demoted champion
 ``rolled_back``. Look-ups skip rejected and rolled-back versions. Aliases: ``champion`` (what look-ups
 serve first) and ``previous`` (where ``kiln rollback`` goes without ``--to``).
+
+A version with a recorded source gets a description (markdown, shown by the MLflow UI) naming the
+source; for an MLflow source it links to the source model version (``#/models/NAME/versions/N``) and
+its run (``#/runs/RUN_ID``): see :func:`registry.payload.description_for`.
 """
 
 from __future__ import annotations
@@ -64,6 +74,12 @@ TAG_ROLLED_BACK = "rolled_back"
 TAG_INPUT_SPECS = "input_specs"
 TAG_BROKEN = "broken"
 TAG_REPLACED_BROKEN = "replaced_broken_champion"
+# Lineage: kiln.source.uri, .kind, .version, .identity, .run_id (SourceRecord's fields).
+TAG_SOURCE = "kiln.source."
+LEGACY_SOURCE = "source_"
+SOURCE_FIELDS = ("uri", "kind", "version", "identity", "run_id")
+TAG_VALIDATION_DATA = "kiln.validation.data"
+TAG_ACCURACY_REPAIR = "kiln.accuracy_repair"
 
 _UNSAFE = re.compile(r"[^a-z0-9_-]+")
 _TAG_LIMIT = 5000  # conservative: older servers cap registry tag values at 5000 characters
@@ -123,20 +139,56 @@ def version_tags(manifest: Manifest, model: str, request: Mapping[str, Any] | No
         "kiln_version": manifest.kiln_version,
         "format_version": str(manifest.format_version),
     }
-    source = manifest.source
-    if source is not None:
-        tags.update(
-            source_uri=source.uri,
-            source_kind=source.kind,
-            source_version=source.version,
-            source_identity=source.identity,
-            source_run_id=source.run_id or "",
-        )
+    tags.update(lineage_tags(manifest))
     if request:
         text = json.dumps(request, sort_keys=True, default=str)
         if len(text) <= _TAG_LIMIT:
             tags["request"] = text
     return {k: v for k, v in tags.items() if v != ""}
+
+
+def lineage_tags(manifest: Manifest) -> dict[str, str]:
+    """Source lineage, validation data and repair decisions: tags of the version and of its run."""
+    tags: dict[str, str] = {}
+    source = manifest.source
+    if source is not None:
+        for field_name in SOURCE_FIELDS:
+            tags[TAG_SOURCE + field_name] = str(getattr(source, field_name) or "")
+    validation = manifest.validation
+    if validation is not None:
+        tags[TAG_VALIDATION_DATA] = _clip(validation.data_source)
+    repair = manifest.report.accuracy_repair
+    if repair:
+        lines = repair.get("lines") or [
+            f"{s.get('partition')}: {s.get('precision_before')} -> {s.get('precision_after')}"
+            for s in repair.get("steps", [])
+        ]
+        tags[TAG_ACCURACY_REPAIR] = _clip("; ".join(str(line) for line in lines) or "no partition raised")
+    return {k: v for k, v in tags.items() if v != ""}
+
+
+def source_of(tags: Mapping[str, str]) -> dict[str, str] | None:
+    """A version's recorded source (uri, kind, version, identity, run_id) from its tags, or None.
+
+    Reads ``kiln.source.*`` and the ``source_*`` names versions carried before."""
+    found = {f: tags.get(TAG_SOURCE + f) or tags.get(LEGACY_SOURCE + f) or "" for f in SOURCE_FIELDS}
+    return found if found["uri"] else None
+
+
+# The model-source rule of zoo.sources.mlflow_registry, read here from tags (registry does not import
+# the source kinds): models:/NAME/VERSION or models:/NAME@ALIAS.
+_MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>[1-9]\d*)|@(?P<alias>[A-Za-z0-9_-]+))$")
+
+
+def models_uri_parts(uri: str) -> tuple[str, str | None, str | None] | None:
+    """(name, version, alias) of ``models:/NAME/VERSION`` or ``models:/NAME@ALIAS``; None otherwise."""
+    match = _MODELS_URI.match(uri or "")
+    return (match["name"], match["version"], match["alias"]) if match else None
+
+
+def _clip(text: str) -> str:
+    # A tag that does not fit would fail the whole registration; the full text is in the artifacts.
+    return text if len(text) <= _TAG_LIMIT else text[: _TAG_LIMIT - 3] + "..."
 
 
 def dims_text(specs_json: str) -> str:
@@ -235,8 +287,11 @@ def register_version(
     model_id: str | None,
     tags: Mapping[str, str],
     policy: RetryPolicy | None = None,
+    description: str | None = None,
 ) -> Registered:
     """Create a version unless one with the same ``content_hash`` tag exists; return the canonical one.
+
+    ``description``: the new version's description (markdown; an existing version keeps its own).
 
     On one host a file lock makes check-then-create atomic. Across hosts (or when a retried create
     went through twice) every writer converges afterwards: the lowest version number with the hash
@@ -249,7 +304,13 @@ def register_version(
         if not versions_with_hash(mlclient, name, content_hash, policy):
             created = call_with_retry(
                 lambda: mlclient.create_model_version(
-                    name, source, run_id=run_id, tags=dict(tags), model_id=model_id, await_creation_for=60
+                    name,
+                    source,
+                    run_id=run_id,
+                    tags=dict(tags),
+                    model_id=model_id,
+                    description=description,
+                    await_creation_for=60,
                 ),
                 f"create a version of {name}",
                 policy,

@@ -5,11 +5,19 @@ Pure: no MLflow server is contacted here (:mod:`registry.tracking` does that). A
 * params: model, backend + library version, engine target, precision, strip, the partitioning
   settings (``min_block_size``, ``torch_executed_ops``, ``split_modules``), the source URI,
   kiln/torch/format versions;
-* metrics: accuracy per output (``rel_l2.<output>``, ``max_abs.<output>``, ``cosine.<output>``),
+* metrics: accuracy per output (``rel_l2.<output>``, ``max_abs.<output>``, ``cosine.<output>``,
+  ``top1_agreement.<output>`` where the output has a class axis) and over the model, the samples
+  compared and the recorded samples skipped (``validation_samples``, ``validation_skipped``),
   eager/compiled latency median and p95 and their ratio, build seconds (total and per stage),
-  partitions, unique engines, engines built, cache hits, refits, engine and package bytes;
+  partitions, unique engines, engines built, cache hits, refits, engine and package bytes, and what
+  an accuracy repair did (``repair.steps``, ``repair.rounds``, ``repair.engines_built``, ...);
 * artifacts: ``input_specs.json``, ``manifest.json``, ``compile_report.json``, ``validation.json``,
-  ``request.json`` (the compile request, as data), ``latency.png``;
+  ``request.json`` (the compile request, as data), ``accuracy_repair.json`` (every repair decision,
+  when a repair ran), ``latency.png``;
+* the validation data as a run input (MLflow dataset tracking, :func:`dataset_input_for`) when
+  accuracy was measured on recorded data;
+* a description (markdown) naming the source, with links to an MLflow source's version and run
+  (:func:`description_for`);
 * the logged model's signature (``TensorSpec``, ``-1`` for dynamic dims; the ranges are in the spec
   JSON), its pip requirements (pinned; the engine library at the version that built the engines) and
   its code paths (the loader, and the packages of the package's recorded op modules).
@@ -20,18 +28,24 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import re
+import warnings
 from collections.abc import Iterable, Mapping
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
+from mlflow.entities import Dataset, DatasetInput, InputTag
 from mlflow.models import ModelSignature
 from mlflow.types.schema import Schema, TensorSpec
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 from compiler.manifest import Manifest
 from compiler.specs import InputSpec
 from compiler.validate import ValidationReport
 from registry.errors import RegistryError
+from registry.models import models_uri_parts
 
 # The pip distribution each engine backend needs at serving time (none: runs on torch / onnxruntime,
 # which every package requires anyway). Backend names are the compiler's ("tensorrt-rtx").
@@ -100,13 +114,39 @@ def metrics_for(manifest: Manifest, package_bytes: int) -> dict[str, float]:
         for row in validation.outputs:
             for key in ("rel_l2", "max_abs", "cosine"):
                 metrics[f"{key}.{row.output}"] = float(getattr(row, key))
+            if row.top1_agreement is not None:
+                metrics[f"top1_agreement.{row.output}"] = float(row.top1_agreement)
+        if validation.min_top1_agreement is not None:
+            metrics["min_top1_agreement"] = float(validation.min_top1_agreement)
+        metrics["max_abs"] = float(validation.max_abs)
+        metrics["validation_samples"] = float(validation.samples)
+        metrics["validation_skipped"] = float(len(validation.skipped))
         for side, latency in (("eager", validation.eager), ("compiled", validation.compiled)):
             metrics[f"{side}_median_ms"] = float(latency.median_ms)
             metrics[f"{side}_p95_ms"] = float(latency.p95_ms)
         metrics["max_rel_l2"] = float(validation.max_rel_l2)
         metrics["min_cosine"] = float(validation.min_cosine)
         metrics["latency_ratio"] = float(validation.latency_ratio)
+    repair = report.accuracy_repair
+    if repair:
+        metrics["repair.steps"] = float(len(repair.get("steps", ())))
+        for key in ("rounds", "engines_built", "engines_from_cache", "build_seconds", "seconds"):
+            if key in repair:
+                metrics[f"repair.{key}"] = _number(repair[key])
+        for point in ("before", "after"):
+            for key in ("max_rel_l2", "min_cosine", "min_top1_agreement"):
+                value = (repair.get(point) or {}).get(key)
+                if value is not None:
+                    metrics[f"repair.{point}.{key}"] = _number(value)
     return {k: v for k, v in metrics.items() if np.isfinite(v)}
+
+
+def _number(value: Any) -> float:
+    # RepairRecord.to_dict writes non-finite values as strings ("inf"); those are dropped as metrics.
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
 
 
 def artifacts_for(
@@ -121,9 +161,115 @@ def artifacts_for(
     }
     if request is not None:
         files["request.json"] = request
+    if manifest.report.accuracy_repair:
+        files["accuracy_repair.json"] = manifest.report.accuracy_repair
     if report is not None:
         files["pipeline_report.json"] = dict(report)
     return files
+
+
+def description_for(manifest: Manifest) -> str | None:
+    """Markdown for the version's (and run's) description: where the compiled model came from.
+
+    For an MLflow source (``models:/NAME/VERSION`` or ``models:/NAME@ALIAS``) it links to the
+    resolved source version (``#/models/NAME/versions/N``) and the source run (``#/runs/RUN_ID``),
+    routes of the MLflow UI relative to the page that shows them. None without a recorded source.
+    Everything in it is data from the manifest, shown as code: nothing in it is ever run.
+    """
+    source = manifest.source
+    if source is None:
+        return None
+    uri = _code(source.uri)
+    parts = models_uri_parts(source.uri) if source.kind == "mlflow" else None
+    if parts is not None and source.version:
+        name = parts[0]
+        link = f"#/models/{quote(name, safe='')}/versions/{quote(source.version, safe='')}"
+        text = f"Compiled by kiln from {uri}: [{_code(f'{name} version {source.version}')}]({link})"
+    else:
+        what = f" (version {_code(source.version)})" if source.version else ""
+        text = f"Compiled by kiln from {uri}{what}"
+    lines = [text + "."]
+    if source.run_id:
+        lines.append(f"Source run: [{_code(source.run_id)}](#/runs/{quote(source.run_id, safe='')}).")
+    if source.identity:
+        lines.append(f"Source identity: {_code(source.identity)}.")
+    return "\n\n".join(lines)
+
+
+def _code(text: str) -> str:
+    # Inline code: markdown in a tag value is shown, never interpreted (no links or HTML of its own).
+    return "`" + str(text).replace("`", "'").replace("\n", " ") + "`"
+
+
+# MLflow stores a dataset digest in 36 characters (MAX_DATASET_DIGEST_SIZE); the full sha256 is in
+# the dataset's profile and in the input's tag.
+DATASET_DIGEST_CHARS = 36
+TAG_DATASET_SHA256 = "kiln.sha256"
+_RECORDED = re.compile(r"^(?P<label>.+) sha256:(?P<sha256>[0-9a-f]{64})$")
+_COLUMN = re.compile(r"^(?P<path>.+)\[(?P<column>[^\[\]/]+)\]$")  # a datasets folder + its column
+
+
+def recorded_data(validation: ValidationReport | None) -> dict[str, str] | None:
+    """The recorded validation data a report names (path, sha256, name, column), or None when the
+    report used random inputs or an in-memory mapping (no path to point at)."""
+    if validation is None:
+        return None
+    match = _RECORDED.match(validation.data_source or "")
+    if match is None or match["label"] == "<mapping>":
+        return None
+    label, column = match["label"], ""
+    folder = _COLUMN.match(label)
+    if folder is not None:  # compiler.validation_hf: "<folder>[<column>] sha256:<hex>"
+        label, column = folder["path"], folder["column"]
+    name = PurePath(label).name or label
+    return {
+        "path": label,
+        "sha256": match["sha256"],
+        "name": f"{name}[{column}]" if column else name,
+        "column": column,
+    }
+
+
+def dataset_input_for(manifest: Manifest) -> DatasetInput | None:
+    """The validation data as an MLflow run input (context ``validation``): name, digest (the sha256,
+    cut to MLflow's 36 characters), source (the path, a local dataset source), schema (the input
+    specs as a tensor schema), profile (full sha256, samples compared, samples skipped). None when
+    validation did not use recorded data. Only metadata is logged, never the data."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.schema import TensorDatasetSchema
+
+    validation = manifest.validation
+    data = recorded_data(validation)
+    if data is None or validation is None:
+        return None
+    with warnings.catch_warnings():  # a local path matches MLflow's "" and "file" sources alike
+        warnings.simplefilter("ignore", UserWarning)
+        source = resolve_dataset_source(data["path"])
+    meta = MetaDataset(source, name=data["name"], digest=data["sha256"][:DATASET_DIGEST_CHARS]).to_dict()
+    signature = signature_for(manifest.input_specs)
+    schema = None
+    if signature is not None:
+        schema = json.dumps(TensorDatasetSchema(features=signature.inputs).to_dict())
+    profile = {
+        "sha256": data["sha256"],
+        "samples": validation.samples,
+        "skipped": len(validation.skipped),
+    }
+    if data["column"]:
+        profile["column"] = data["column"]
+    dataset = Dataset(
+        name=meta["name"],
+        digest=meta["digest"],
+        source_type=meta["source_type"],
+        source=meta["source"],
+        schema=schema,
+        profile=json.dumps(profile, sort_keys=True),
+    )
+    return DatasetInput(
+        dataset,
+        tags=[InputTag(MLFLOW_DATASET_CONTEXT, "validation"), InputTag(TAG_DATASET_SHA256, data["sha256"])],
+    )
 
 
 def latency_chart(validation: ValidationReport | None, title: str, path: Path) -> Path | None:

@@ -30,6 +30,7 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.models.model import Model
+from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
 
 from compiler.manifest import Manifest
 from registry import config, payload
@@ -38,6 +39,7 @@ from registry.errors import RegistryUnavailableError
 from registry.models import (
     TAG_CONTENT_HASH,
     Registered,
+    lineage_tags,
     register_version,
     registered_model_name,
     version_tags,
@@ -150,6 +152,7 @@ def record_package(
                     model_id=model_uri.removeprefix("models:/"),
                     tags=version_tags(manifest, model, request_json),
                     policy=policy,
+                    description=payload.description_for(manifest),
                 )
                 version, created = again.version, again.created
             return RecordResult(
@@ -227,17 +230,31 @@ def _log_and_register(
     params = payload.params_for(manifest, model)
     metrics = payload.metrics_for(manifest, _package_bytes(package_dir))
     tags = version_tags(manifest, model, request)
+    description = payload.description_for(manifest)
+    # The run carries the version's lineage too (source, validation data, repair), and the same
+    # description (MLflow's run note), so either page leads to the source.
+    run_tags = {"kiln.input_ranges": tags["input_ranges"], **lineage_tags(manifest)}
+    if description:
+        run_tags[MLFLOW_RUN_NOTE] = description
     now = int(time.time() * 1000)
     call_with_retry(
         lambda: mlclient.log_batch(
             run_id,
             metrics=[Metric(k, v, now, 0) for k, v in sorted(metrics.items())],
             params=[Param(k, v) for k, v in sorted(params.items())],
-            tags=[RunTag("kiln.input_ranges", tags["input_ranges"])],
+            tags=[RunTag(k, v) for k, v in sorted(run_tags.items())],
         ),
         f"log params and metrics of {model}",
         policy,
     )
+    dataset = payload.dataset_input_for(manifest)
+    if dataset is not None:
+        # Idempotent on the server (one input per dataset name + digest and run): safe on resume.
+        call_with_retry(
+            lambda: mlclient.log_inputs(run_id, datasets=[dataset]),
+            f"log the validation data of {model}",
+            policy,
+        )
     with tempfile.TemporaryDirectory(prefix="kiln-mlflow-") as tmp:
         tmp_path = Path(tmp)
         for name, data in payload.artifacts_for(manifest, request, report).items():
@@ -283,6 +300,7 @@ def _log_and_register(
         model_id=info.model_id,
         tags=tags,
         policy=policy,
+        description=description,
     )
 
     def finish() -> None:
