@@ -312,3 +312,20 @@ def test_workspace_json_is_content_addressed_and_keeps_key_order(tmp_path: Path)
     assert ws.put_json("plans", dict(data)) == (path, sha)
     assert content_hash({"a": 1, "b": [1, 2]}) == content_hash({"b": [1, 2], "a": 1})
     assert content_hash({"a": 1}) != content_hash({"a": 2})
+
+
+def test_recorded_validation_data_is_part_of_the_compile_key(tmp_path: Path) -> None:
+    import numpy as np
+
+    data = tmp_path / "recorded.npz"
+    np.savez(data, x=np.zeros((2, 3, 64), "float32"))
+    zoo_file = tmp_path / "zoo.yaml"
+    zoo_file.write_text(
+        "models:\n  - {name: m, factory: 'zoo.models:mlp_with_fallback', validation: {data: recorded.npz}}\n"
+    )
+    zoo = load_zoo(zoo_file)
+    request = zoo.requests(zoo.entries[0])[0]
+    assert request.validation.data == str(data)  # relative to the zoo file
+    before = compile_key(request)
+    np.savez(data, x=np.ones((2, 3, 64), "float32"))  # edited in place: validate again
+    assert compile_key(request) != before

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from compiler.options import CompileOptions
@@ -91,5 +92,12 @@ class CompileRequest:
         }
 
     def cache_identity(self) -> dict[str, Any]:
-        """What decides the compile's result: the request's data and the source's identity."""
-        return {**self.to_dict(), "identity": self.identity().to_dict()}
+        """What decides the compile's result: the request's data, the source's identity and the content
+        of the recorded validation data (a file edited in place must validate again)."""
+        identity = {**self.to_dict(), "identity": self.identity().to_dict()}
+        if self.validation.data is not None:
+            from zoo.sources.common import sha256_file
+
+            path = Path(self.validation.data)
+            identity["validation_data_sha256"] = sha256_file(path) if path.is_file() else "missing"
+        return identity
