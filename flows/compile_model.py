@@ -6,6 +6,7 @@ preflight -> resolve the source (identity, no load) -> export -> partition + ded
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -135,6 +136,7 @@ def compile_model(
     tracking = None
     if settings.tracking_enabled():
         tracking = _tracking_task()(package.run_copy, request, parent_run_id=parent_run_id)
+    shutil.rmtree(Path(package.run_copy).parent, ignore_errors=True)  # recorded (or not wanted): done
 
     # Reused: from the workspace or the persistent engine cache. A build that fell back to PyTorch built
     # nothing (the compile report lists it under build_failures).
