@@ -76,7 +76,8 @@ def build_engine(
 ) -> EngineArtifact:
     """Lower and build the engine for ``fingerprint`` unless the cache already holds it."""
     start = time.perf_counter()
-    backend = get_backend(plan.options.backend)
+    # Bound to the model's device: engines build where they will run (CompileOptions.device).
+    backend = get_backend(plan.options.backend, device=plan.options.device)
     representative = next(p for p in plan.partitions if p.name == dedup.unique[fingerprint])
     # Per partition: CompileOptions.partition_precision may raise one above the compile's precision.
     settings = plan.options.build_settings(representative.name)

@@ -84,6 +84,17 @@ def test_cuda_on_a_cpu_only_machine_fails_clearly(compiled):
         to_device(model, (x,), device="cuda")
 
 
+@needs_no_gpu
+def test_packages_load_on_their_device_or_the_one_asked_for(compiled, tmp_path):
+    model, x, module = compiled
+    compiler.save(module, tmp_path / "m.kiln")
+    loaded = compiler.load(tmp_path / "m.kiln")
+    assert loaded.device == torch.device("cpu")
+    torch.testing.assert_close(loaded(x), model(x))
+    with pytest.raises(BackendUnavailableError, match="'cuda:0' needs a CUDA GPU"):
+        compiler.load(tmp_path / "m.kiln", device="cuda:0")
+
+
 def test_programs_move_with_the_devices_their_ops_name(compiled):
     model, x, _ = compiled
     program = compiler.export(*to_device(model, (x,), device="cpu")[:2])
