@@ -150,7 +150,7 @@ def save(
             input_specs=tuple(compiled.input_specs),
             backend=report.backend,
             backend_version=report.backend_version,
-            engine_target=report.target_device,
+            engine_target=report.engine_target,
             precision=report.precision,
             strip_weights=report.strip_weights,
             input_weights=tuple(sorted(plan.input_weights)),

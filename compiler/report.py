@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 class CompileReport:
     backend: str
     backend_version: str
-    target_device: str
+    engine_target: str  # what the engines are built for ("cpu", "cuda:sm_90"); not the device
     precision: str
     strip_weights: bool
     partitions: list[dict] = field(default_factory=list)
@@ -36,6 +36,8 @@ class CompileReport:
     @classmethod
     def from_dict(cls, data: dict) -> CompileReport:
         fields = set(cls.__dataclass_fields__)
+        if "target_device" in data and "engine_target" not in data:  # reports written before the rename
+            data = {**data, "engine_target": data["target_device"]}
         return cls(**{k: v for k, v in data.items() if k in fields})
 
     def summary(self) -> str:

@@ -264,7 +264,7 @@ def _report(
     return CompileReport(
         backend=backend.name,
         backend_version=backend.library_version(),
-        target_device=backend.target_device(),
+        engine_target=backend.target_device(),
         precision=plan.options.precision,
         strip_weights=plan.options.strip_weights,
         partitions=partitions,

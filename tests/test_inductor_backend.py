@@ -65,7 +65,7 @@ def test_inductor_engines_match_eager_with_one_build_per_structure(blocks, compi
     x = case.args[0]
     torch.testing.assert_close(module(x), case.model(x), rtol=1e-5, atol=1e-5)
     report = module.report
-    assert report.backend == "inductor" and report.target_device == "cpu"
+    assert report.backend == "inductor" and report.engine_target == "cpu"
     assert len(report.partitions) == 4 and report.unique_fingerprints == 3
     assert report.engines_built == 3 and report.refits == 1
     assert report.fallback_ops == {"kiln_zoo.soft_sign_clip.default": 3}

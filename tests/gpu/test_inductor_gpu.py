@@ -62,7 +62,7 @@ def zoo_compiled(tmp_path_factory):
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_model_on_cuda_matches_eager(zoo_compiled, name):
     model, args, kwargs, compiled = zoo_compiled[name]
-    assert compiled.report.target_device.startswith("cuda:sm_")
+    assert compiled.report.engine_target.startswith("cuda:sm_")
     with torch.no_grad():
         expected, actual = model(*args, **kwargs), compiled(*args, **kwargs)
     for e, a in zip(
