@@ -23,6 +23,7 @@ def quiet_prefect(verbose: bool) -> None:
         warnings.filterwarnings("ignore")
         os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
         logging.getLogger("mlflow").setLevel(logging.ERROR)  # tracking chatter; failures still show
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")  # mlflow resets its logger on import
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The temporary API server migrates a fresh database first: 20 s is not enough on a busy 2-core box.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

@@ -58,7 +58,7 @@ def progress_bar() -> Progress:
 def _summary_table(summary: dict[str, Any]) -> Table:
     table = Table(title=f"kiln: {summary['ok']} ok, {summary['failed']} failed, {summary['seconds']}s")
     # Short headers: the table must fit 80 columns (CI logs, pipes).
-    table.add_column("model", overflow="fold", min_width=12)
+    table.add_column("model", overflow="fold", min_width=6)
     table.add_column("device")
     table.add_column("status")
     for column in ("parts", "built", "reused", "rel L2", "lat x", "s"):
