@@ -75,6 +75,17 @@ class BuildSettings:
         }
 
 
+def check_backend_options(settings: BuildSettings, allowed: frozenset[str] | set[str], library: str) -> None:
+    """Refuse ``backend_options`` a backend does not know: a typo must not be silently ignored."""
+    unknown = sorted(set(settings.options) - set(allowed))
+    if unknown:
+        from compiler.errors import BuildSettingsError
+
+        raise BuildSettingsError(
+            f"unknown backend_options {unknown} for {library}; it takes {sorted(allowed)}"
+        )
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A loaded engine: torch tensors in (activations, in EngineIO order), torch tensors out."""

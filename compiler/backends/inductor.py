@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from compiler.backends.base import BuildSettings, EngineIO, unpack_torch_graph
+from compiler.backends.base import BuildSettings, EngineIO, check_backend_options, unpack_torch_graph
 from compiler.errors import (
     BackendError,
     BackendUnavailableError,
@@ -256,11 +256,7 @@ def host_compiler(options: Mapping[str, Any]) -> str:
 
 
 def _options(settings: BuildSettings) -> dict[str, Any]:
-    unknown = sorted(set(settings.options) - BACKEND_OPTIONS)
-    if unknown:
-        raise BuildSettingsError(
-            f"backend_options {unknown} are not Inductor options; expected some of {sorted(BACKEND_OPTIONS)}"
-        )
+    check_backend_options(settings, BACKEND_OPTIONS, "Inductor")
     mode = settings.options.get("mode", "default")
     if mode not in _MODES:
         raise BuildSettingsError(f"backend_options mode {mode!r}: expected one of {_MODES}")

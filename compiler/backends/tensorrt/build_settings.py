@@ -9,7 +9,7 @@ same flags in the same order.
 
 from __future__ import annotations
 
-from compiler.backends.base import BuildSettings, EngineIO
+from compiler.backends.base import BuildSettings, EngineIO, check_backend_options
 from compiler.errors import BuildSettingsError, InputSpecError
 
 REFIT_MODES = ("weights", "all", "identical", "none")
@@ -40,11 +40,7 @@ def refit_mode(settings: BuildSettings) -> str:
     ``all`` (every weight, BuilderFlag.REFIT), ``identical`` (REFIT_IDENTICAL: only the build's own
     weights may be put back, so the engine must not be shared by instances with other weights) or
     ``none``."""
-    unknown = sorted(set(settings.options) - BACKEND_OPTIONS)
-    if unknown:
-        raise BuildSettingsError(
-            f"unknown backend_options {unknown} for TensorRT; it takes {sorted(BACKEND_OPTIONS)}"
-        )
+    check_backend_options(settings, BACKEND_OPTIONS, "TensorRT")
     mode = settings.options.get("refit", "weights")
     if mode not in REFIT_MODES:
         raise BuildSettingsError(f"settings.options['refit'] is {mode!r}; expected one of {REFIT_MODES}")
