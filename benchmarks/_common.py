@@ -4,36 +4,21 @@ from __future__ import annotations
 
 import json
 import platform
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from compiler.validate import measure_latency
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def interleaved(fns: dict[str, Callable[[], object]], warmup: int = 3, runs: int = 30) -> dict[str, dict]:
-    """Time several callables in turn, round after round, so machine noise hits all of them alike."""
+    """Time several callables in turn, round after round (kiln's own ``measure_latency``), as dicts."""
     with torch.no_grad():
-        for _ in range(warmup):
-            for fn in fns.values():
-                fn()
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(runs):
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return {
-        name: {
-            "median_ms": statistics.median(t),
-            "p95_ms": sorted(t)[int(0.95 * (len(t) - 1))],
-            "runs": len(t),
-        }
-        for name, t in times.items()
-    }
+        timed = measure_latency(fns, warmup=warmup, runs=runs)
+    return {name: {"median_ms": t.median_ms, "p95_ms": t.p95_ms, "runs": t.runs} for name, t in timed.items()}
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
