@@ -22,7 +22,6 @@ import hmac
 import json
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,7 +35,6 @@ SECRET_ENV = "KILN_WEBHOOK_SECRET"
 MAX_AGE_S = 300
 MAX_BODY_BYTES = 1 << 20
 EVENTS = ("model_version.created", "model_version_alias.created")
-_SOURCE_RE = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>[^/]+)|@(?P<alias>.+))$")
 
 
 class WebhookSignatureError(KilnError):
@@ -75,11 +73,15 @@ def verify(secret: str, headers: Any, body: bytes, now: float | None = None) -> 
 def entries_for(zoo_path: str, model_name: str) -> list[str]:
     """Names of the zoo entries whose source is a version or alias of registered model ``model_name``."""
     from zoo.config import load_zoo
+    from zoo.sources.mlflow_registry import parse_models_uri
 
     names = []
     for entry in load_zoo(zoo_path).entries:
-        match = _SOURCE_RE.match(getattr(entry, "source", None) or "")
-        if match and match["name"] == model_name:
+        try:
+            name, _, _ = parse_models_uri(entry.source_uri)
+        except ValueError:  # another kind of source
+            continue
+        if name == model_name:
             names.append(entry.name)
     return names
 

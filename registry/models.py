@@ -177,13 +177,17 @@ def source_of(tags: Mapping[str, str]) -> dict[str, str] | None:
 
 # The model-source rule of zoo.sources.mlflow_registry, read here from tags (registry does not import
 # the source kinds): models:/NAME/VERSION or models:/NAME@ALIAS.
-_MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>[1-9]\d*)|@(?P<alias>[A-Za-z0-9_-]+))$")
-
-
 def models_uri_parts(uri: str) -> tuple[str, str | None, str | None] | None:
-    """(name, version, alias) of ``models:/NAME/VERSION`` or ``models:/NAME@ALIAS``; None otherwise."""
-    match = _MODELS_URI.match(uri or "")
-    return (match["name"], match["version"], match["alias"]) if match else None
+    """(name, version, alias) of ``models:/NAME/VERSION`` or ``models:/NAME@ALIAS``; None otherwise.
+
+    The one parser is the ``models:/`` source's (``zoo.sources.mlflow_registry``): a look-up by source
+    reads the URI exactly as a compile did."""
+    from zoo.sources.mlflow_registry import parse_models_uri
+
+    try:
+        return parse_models_uri(uri or "")
+    except ValueError:
+        return None
 
 
 def _clip(text: str) -> str:
