@@ -96,10 +96,6 @@ def _check_environment() -> None:
         raise ZooConfigError(str(exc)) from None
 
 
-def _merged(settings: ZooSettings, overrides: dict[str, Any]) -> ZooSettings:
-    return ZooSettings.model_validate({**settings.model_dump(exclude_unset=True), **overrides})
-
-
 def _overrides(
     task_runner: str | None,
     dask_address: str | None,
@@ -218,7 +214,7 @@ def zoo_cmd(
         raise typer.Exit(_check(zoo, model, device))
     overrides = _overrides(task_runner, dask_address, workspace, engine_cache, tracking)
     try:
-        settings = _merged(zoo.settings, overrides)
+        settings = zoo.settings.with_overrides(overrides)
     except ValidationError as exc:
         raise bad_input(_format_errors(exc, "options")) from None
     requests = _selected_requests(zoo, model, device)
@@ -437,7 +433,9 @@ def compile_cmd(
             zoo_file, model, {k: v for k, v in flags.items() if v is not None}
         )
         entry = ZooEntry.model_validate(entry_data)
-        settings = _merged(settings, _overrides(task_runner, dask_address, workspace, engine_cache, tracking))
+        settings = settings.with_overrides(
+            _overrides(task_runner, dask_address, workspace, engine_cache, tracking)
+        )
         request = entry.requests(settings, zoo_dir)[0]
     except ValidationError as exc:
         raise bad_input(_format_errors(exc, "options")) from None

@@ -158,12 +158,6 @@ def write_summary(
     return summary
 
 
-def _merged_settings(settings: ZooSettings, overrides: dict[str, Any] | None) -> ZooSettings:
-    if not overrides:
-        return settings
-    return ZooSettings.model_validate({**settings.model_dump(), **overrides})
-
-
 @flow(name="recompile-zoo", log_prints=True)
 def recompile_zoo(
     zoo_path: str = "deploy/zoo.yaml",
@@ -181,7 +175,7 @@ def recompile_zoo(
     start = time.perf_counter()
     logger = get_run_logger()
     zoo = load_zoo(zoo_path)
-    settings = _merged_settings(zoo.settings, settings_overrides)
+    settings = zoo.settings.with_overrides(settings_overrides)
     out = str(Path(out_dir or settings.out_dir).resolve())
     if models:
         unknown = sorted(set(models) - set(zoo.names))
@@ -268,7 +262,7 @@ def run_zoo(
     The summary comes from ``summary.json`` so it is there even when the flow ends failed.
     """
     zoo = load_zoo(zoo_path)  # a broken file fails here, before Prefect starts
-    settings = _merged_settings(zoo.settings, settings_overrides)
+    settings = zoo.settings.with_overrides(settings_overrides)
     out = str(Path(out_dir or settings.out_dir).resolve())
     summary_file = Path(out) / SUMMARY_FILE
     summary_file.unlink(missing_ok=True)

@@ -363,6 +363,12 @@ class ZooSettings(_Strict):
         family = target.split(":")[0]
         return self.build_concurrency.get(target, self.build_concurrency.get(family, 1))
 
+    def with_overrides(self, overrides: dict[str, Any] | None) -> ZooSettings:
+        """These settings with CLI flags or deployment parameters written over them (validated again)."""
+        if not overrides:
+            return self
+        return ZooSettings.model_validate({**self.model_dump(exclude_unset=True), **overrides})
+
     def engine_cache_dir(self) -> str | None:
         """The engine cache of this run: the zoo file's (or CLI's), else $KILN_CACHE_DIR, else the default."""
         return self.engine_cache_choice()[0]
