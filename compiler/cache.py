@@ -127,7 +127,9 @@ class EngineCache:
         self._mutex = threading.RLock()
         self._locks: dict[tuple[int, str], FileLock] = {}
         try:
-            (self.directory / "locks").mkdir(parents=True, exist_ok=True)
+            # Private to its user: Inductor entries are code that runs when loaded (docs/security.md).
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            (self.directory / "locks").mkdir(exist_ok=True)
         except OSError as exc:
             self._degrade(exc, "no entry can be written")
 

@@ -192,7 +192,11 @@ def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> Manifest:
 
 
 def load(
-    path: str | os.PathLike, *, allowed_modules: Sequence[str] | None = None, device: str | None = None
+    path: str | os.PathLike,
+    *,
+    allowed_modules: Sequence[str] | None = None,
+    device: str | None = None,
+    trust_engine_code: bool | None = None,
 ) -> CompiledModule:
     """Load a package: verify, re-create the split graph from the saved plan, refit engines, ready to call.
 
@@ -202,9 +206,16 @@ def load(
 
     ``allowed_modules``: module prefixes this call may import for the package's custom ops and
     input/output types (added to ``$KILN_ALLOWED_OP_MODULES``; modules already imported need neither).
+
+    ``trust_engine_code``: whether engines that are code (Inductor's compiled graphs) may run as
+    stored. By default only when ``$KILN_SIGNING_KEY`` is set, i.e. the package's signature was just
+    verified; otherwise such engines are compiled again here from their programs (slower, runs nothing
+    the package brought).
     """
     path = Path(path)
     manifest = _read_manifest(path, verify=True)
+    if trust_engine_code is None:
+        trust_engine_code = _signing_key() is not None  # set: the signature was verified above
     # Each engine runs on the backend that built it; only a backend some engine needs must be present.
     backends = manifest.engine_backends()
     if manifest.backend in backends.values():
@@ -249,7 +260,9 @@ def load(
         for fp, record in manifest.engines.items()
     }
     report = copy.deepcopy(manifest.report)
-    compiled = assemble(plan, DedupPlan.from_dict(manifest.dedup), engines, report=report)
+    compiled = assemble(
+        plan, DedupPlan.from_dict(manifest.dedup), engines, report=report, trust_engine_code=trust_engine_code
+    )
     # The report describes the compile: this load's assemble time is not part of it (and would make a
     # re-saved package differ from its source).
     compiled.report.stage_seconds.clear()

@@ -58,8 +58,12 @@ class CompiledModule(torch.nn.Module):
         engines: Mapping[str, EngineArtifact],
         graph: torch.fx.GraphModule,
         report: CompileReport,
+        *,
+        trust_engine_code: bool = True,
     ):
         super().__init__()
+        # Whether its engines' bytes were trusted to run as code (a package load decides): refit keeps it.
+        self.trust_engine_code = trust_engine_code
         self.plan, self.dedup, self.engines, self.graph, self.report = (
             plan,
             dedup,
@@ -207,7 +211,9 @@ class CompiledModule(torch.nn.Module):
             )
             for fp, a in self.engines.items()
         }
-        return assemble(plan, self.dedup, engines, report=self.report)
+        return assemble(
+            plan, self.dedup, engines, report=self.report, trust_engine_code=self.trust_engine_code
+        )
 
 
 def assemble(
@@ -216,8 +222,10 @@ def assemble(
     engines: Mapping[str, EngineArtifact],
     *,
     report: CompileReport | None = None,
+    trust_engine_code: bool = True,
 ) -> CompiledModule:
-    """Load every engine instance with its weights (refit) and wire them into the fallback graph."""
+    """Load every engine instance with its weights (refit) and wire them into the fallback graph.
+    ``trust_engine_code``: False for engines from an untrusted source (see ``get_backend``)."""
     start = time.perf_counter()
     graph = copy.copy(plan.graph_module)
     refits = 0
@@ -228,7 +236,9 @@ def assemble(
             continue  # the build fell back to PyTorch: the partition's own submodule stays in the graph
         shared = dedup.unique[instance.fingerprint] != part.name
         weights = engine_weights(plan, instance)
-        backend = get_backend(artifact.backend, device=plan.options.device)
+        backend = get_backend(
+            artifact.backend, device=plan.options.device, trust_engine_code=trust_engine_code
+        )
         engine = backend.load(artifact.engine, artifact.io, weights)
         refits += int(shared or artifact.stripped)
         positions = tuple(i for i, src in enumerate(part.inputs) if src.kind == "activation")
@@ -238,7 +248,7 @@ def assemble(
             plan, dedup, engines, get_backend(plan.options.backend, device=plan.options.device), refits
         )
     report.stage_seconds["assemble"] = round(time.perf_counter() - start, 4)
-    return CompiledModule(plan, dedup, engines, graph, report)
+    return CompiledModule(plan, dedup, engines, graph, report, trust_engine_code=trust_engine_code)
 
 
 def _report(

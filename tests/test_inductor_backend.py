@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,13 +20,14 @@ import torch
 
 import compiler
 from compiler.backends import get_backend
-from compiler.backends.inductor import HEADER, WEIGHTS, InductorBackend, read_engine
+from compiler.backends.inductor import COMPILED, HEADER, WEIGHTS, InductorBackend, read_engine
 from compiler.errors import (
     BackendUnavailableError,
     BuildSettingsError,
     EngineBuildError,
     EngineCompatibilityError,
     RefitError,
+    UnsafeProgramError,
 )
 from zoo.models import repeated_fallback, soft_sign_clip
 
@@ -71,16 +73,8 @@ def test_inductor_engines_match_eager_with_one_build_per_structure(blocks, compi
     assert report.fallback_ops == {"kiln_zoo.soft_sign_clip.default": 3}
     header, files = read_engine(next(iter(module.engines.values())).engine)
     assert header["torch"] == torch.__version__ and header["device"] == "cpu" and header["compiler"]
-    assert set(files) == {HEADER, "program.pt2", WEIGHTS, "inductor_cache.bin"}
-    assert files["inductor_cache.bin"], "the build's Inductor cache artifacts travel with the engine"
-
-
-def test_engine_calls_skip_the_exported_modules_eager_input_checks(compiled):
-    """The unlifted module's shape re-check runs eagerly on every call (measured: 160 -> 53 us per engine
-    call on this CPU); the compiled module checks the model's inputs once, so engines drop it."""
-    module, _ = compiled
-    for call in (m for m in module.graph.children() if hasattr(m, "engine")):
-        assert not call.engine.compiled._orig_mod._forward_pre_hooks
+    assert set(files) == {HEADER, "program.pt2", WEIGHTS, COMPILED}
+    assert files[COMPILED], "the compiled graph travels with the engine"
 
 
 def test_op_table_keeps_custom_ops_and_forced_ops_in_pytorch(blocks):
@@ -125,38 +119,89 @@ def test_refit_puts_new_weights_in_without_a_build(blocks, compiled):
         get_backend("inductor").load(artifact.engine, artifact.io, bad)
 
 
-def test_package_round_trip_in_a_fresh_process(blocks, compiled, tmp_path):
-    case, _ = blocks
-    module, _ = compiled
-    compiler.save(module, tmp_path / "blocks.kiln")
-    torch.save(case.args[0], tmp_path / "x.pt")
-    expected = module(case.args[0])
+def _load_in_a_fresh_process(package: Path, x: Path, env: dict) -> tuple[list[str], torch.Tensor, str]:
+    """(stdout words, output, warnings) of loading ``package`` in a new process and calling it on ``x``."""
     code = textwrap.dedent(
         f"""
-        import torch, compiler
+        import warnings, torch, compiler
         import zoo.models  # registers the custom op the package's program calls
-        m = compiler.load({str(tmp_path / "blocks.kiln")!r})
-        torch.save(m(torch.load({str(tmp_path / "x.pt")!r})), {str(tmp_path / "y.pt")!r})
-        print(m.report.backend, m.device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m = compiler.load({str(package)!r})
+        print(m.report.backend, m.device, m.trust_engine_code)
+        print("WARNINGS", *(str(w.message) for w in caught if "Inductor engine" in str(w.message)))
+        torch.save(m(torch.load({str(x)!r})), {str(x)!r} + ".out")
         """
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["inductor", "cpu"]
-    torch.testing.assert_close(torch.load(tmp_path / "y.pt"), expected, rtol=0, atol=0)
+    first, _, warned = done.stdout.partition("WARNINGS")
+    return first.split(), torch.load(f"{x}.out"), warned
+
+
+def test_package_round_trip_in_a_fresh_process(blocks, compiled, tmp_path, monkeypatch):
+    """A signed package, loaded where its key is set, runs its engines' compiled graphs as stored; an
+    unsigned one (no key: nothing vouches for it) has them compiled again from their programs, with a
+    warning saying why. Both answer exactly as the compiled module did."""
+    case, _ = blocks
+    module, _ = compiled
+    torch.save(case.args[0], tmp_path / "x.pt")
+    expected = module(case.args[0])
+    env = {k: v for k, v in os.environ.items() if k != "KILN_SIGNING_KEY"}
+    monkeypatch.setenv("KILN_SIGNING_KEY", "release-key")
+    compiler.save(module, tmp_path / "signed.kiln")
+    monkeypatch.delenv("KILN_SIGNING_KEY")
+    compiler.save(module, tmp_path / "unsigned.kiln")
+
+    words, out, warned = _load_in_a_fresh_process(
+        tmp_path / "signed.kiln", tmp_path / "x.pt", {**env, "KILN_SIGNING_KEY": "release-key"}
+    )
+    assert words == ["inductor", "cpu", "True"] and not warned.strip(), warned
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+    words, out, warned = _load_in_a_fresh_process(tmp_path / "unsigned.kiln", tmp_path / "x.pt", env)
+    assert words == ["inductor", "cpu", "False"]
+    assert "not trusted to run code" in warned and "compiling it from its program" in warned
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_an_untrusted_engine_program_is_read_as_data(compiled):
+    """Compiling an untrusted engine again reads its program as a package's program is read: an archive
+    entry torch might unpickle is refused before torch sees it."""
+    module, _ = compiled
+    artifact = next(iter(module.engines.values()))
+    _, files = read_engine(artifact.engine)
+    program = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(files["program.pt2"])) as source, zipfile.ZipFile(program, "w") as out:
+        root = source.namelist()[0].split("/")[0]
+        for name in source.namelist():
+            out.writestr(name, source.read(name))
+        out.writestr(f"{root}/data/payload.pkl", b"cos\nsystem\n(S'true'\ntR.")
+    engine = _with_files({**files, "program.pt2": program.getvalue()})
+    untrusting = InductorBackend("cpu", trust_engine_code=False)
+    with pytest.raises(UnsafeProgramError, match="never has"), pytest.warns(UserWarning, match="not trusted"):
+        untrusting.load(engine, artifact.io, None)
+
+
+def _with_files(files: dict) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    return buffer.getvalue()
 
 
 def _with_header(engine: bytes, **changes: object) -> bytes:
     """The engine with header fields changed: what an engine from another machine or torch looks like."""
-    _, files = read_engine(engine)
-    header = {**json.loads(files[HEADER]), **changes}
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr(HEADER, json.dumps(header))
-        for name, data in files.items():
-            if name != HEADER:
-                archive.writestr(name, data)
-    return buffer.getvalue()
+    _, files = read_engine(engine) if "format" not in changes else (None, _files(engine))
+    return _with_files({**files, HEADER: json.dumps({**json.loads(files[HEADER]), **changes})})
+
+
+def _files(engine: bytes) -> dict:
+    with zipfile.ZipFile(io.BytesIO(engine)) as archive:
+        return {name: archive.read(name) for name in archive.namelist()}
 
 
 @pytest.mark.parametrize(
@@ -165,6 +210,7 @@ def _with_header(engine: bytes, **changes: object) -> bytes:
         ({"torch": "2.0.0"}, "built with torch 2.0.0"),
         ({"device": "cuda:sm_90"}, "built for cuda:sm_90"),
         ({"format": 99}, "newer than this kiln reads"),
+        ({"format": 1}, "no longer read: recompile"),
     ],
 )
 def test_engines_for_another_torch_or_device_are_refused(compiled, changes, message):
@@ -172,6 +218,39 @@ def test_engines_for_another_torch_or_device_are_refused(compiled, changes, mess
     artifact = next(iter(module.engines.values()))
     with pytest.raises(EngineCompatibilityError, match=message):
         get_backend("inductor").load(_with_header(artifact.engine, **changes), artifact.io, None)
+
+
+def test_a_compiled_graph_that_does_not_load_is_compiled_again_from_the_program(compiled):
+    """Another build of the same torch version, or another Inductor configuration, cannot use the stored
+    compiled graph: the engine compiles its program again (a warning says so) and answers the same."""
+    module, _ = compiled
+    artifact = next(iter(module.engines.values()))
+    header, files = read_engine(artifact.engine)
+    files[COMPILED] = files[COMPILED][: len(files[COMPILED]) // 2]  # not an artifact any more
+    # Other (valid) options: not the graph this process compiled for the engine already.
+    other = {**header["options"], "compile_options": {"size_asserts": True}}
+    files[HEADER] = json.dumps({**header, "options": other})
+    damaged = _with_files(files)
+    with pytest.warns(UserWarning, match="does not load here.*compiling it from its program"):
+        engine = get_backend("inductor").load(damaged, artifact.io, None)
+    reference = get_backend("inductor").load(artifact.engine, artifact.io, None)
+    inputs = [torch.randn(spec.opt_shape) for spec in artifact.io.inputs]
+    torch.testing.assert_close(engine(*inputs), reference(*inputs), rtol=0, atol=0)
+
+
+def test_one_compile_serves_every_shape_in_range_without_guards():
+    """A dynamic batch (1..16) compiles once, symbolically: every batch in range, the minimum 1 included,
+    matches eager, and a batch the build never saw runs without dynamo compiling anything."""
+    case = repeated_fallback(depth=2, width=16)
+    batch = torch.export.Dim("batch", min=1, max=16)
+    program = compiler.export(case.model, case.args, dynamic_shapes=({0: batch},))
+    module = compiler.compile(program, backend="inductor", cache=False)
+    assert module.report.engines_built == module.report.unique_fingerprints
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    for size in (1, 3, 16):
+        x = torch.randn(size, 16)
+        torch.testing.assert_close(module(x), case.model(x), rtol=1e-5, atol=1e-5)
+    assert dict(torch._dynamo.utils.counters["frames"]) == frames, "an engine call went through dynamo"
 
 
 def test_a_failed_inductor_build_falls_back_and_caches_nothing(blocks, tmp_path):
@@ -183,6 +262,7 @@ def test_a_failed_inductor_build_falls_back_and_caches_nothing(blocks, tmp_path)
     failed = {f["fingerprint"] for f in failures}
     # Partitions that need a C++ kernel fail; one whose only op is a matmul (an extern call) needs none.
     assert failed and {f["fell_back_to"] for f in failures} == {"torch"}
+    assert failed != set(module.engines), "the compiler setting reached Inductor: a matmul-only block built"
     assert all("Inductor could not compile partition" in f["error"] for f in failures)
     assert {fp: a.backend for fp, a in module.engines.items()} == {
         fp: "torch" if fp in failed else "inductor" for fp in module.engines
@@ -215,6 +295,14 @@ def test_missing_host_compiler_and_bad_settings_are_typed_errors(blocks):
         compiler.compile(program, backend="inductor", cache=False, backend_options={"refit": "all"})
     with pytest.raises(BuildSettingsError, match="mode"):
         compiler.compile(program, backend="inductor", cache=False, backend_options={"mode": "fastest"})
+    with pytest.raises(BuildSettingsError, match="CUDA graph modes are not offered"):
+        compiler.compile(
+            program, backend="inductor", cache=False, backend_options={"mode": "reduce-overhead"}
+        )
+    with pytest.raises(BuildSettingsError, match=r"\['cpp\.cxxx'\]: not Inductor config settings"):
+        compiler.compile(
+            program, backend="inductor", cache=False, backend_options={"compile_options": {"cpp.cxxx": "g++"}}
+        )
 
 
 def test_inductor_backend_on_cuda_needs_a_gpu():

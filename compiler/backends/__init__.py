@@ -5,6 +5,11 @@ run on (``CompileOptions.device``): ``onnxruntime`` (the embedded default; CPU, 
 execution provider is installed), ``tensorrt`` and ``tensorrt-rtx`` (one code path, CUDA), ``inductor``
 (PyTorch's own compiler, CPU and CUDA) and ``auto`` (on a CUDA device: TensorRT where a library that
 runs there is installed, else Inductor; on the CPU: ONNX Runtime).
+
+``trust_engine_code``: whether engine bytes may be run as code. Only Inductor engines carry code (a
+compiled graph: pickled Inductor cache entries and kernels); an untrusting Inductor backend compiles
+each engine from its program instead. TensorRT plans are deserialized with host code disallowed and
+ONNX models are data, so those backends run the same either way. docs/security.md says who trusts what.
 """
 
 from __future__ import annotations
@@ -17,15 +22,15 @@ from compiler.errors import BackendError, BackendUnavailableError
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-rtx", "inductor", "auto")
 
 
-def get_backend(name: str, device: str = "cpu") -> EngineBackend:
+def get_backend(name: str, device: str = "cpu", *, trust_engine_code: bool = True) -> EngineBackend:
     """The backend ``name`` for models on ``device``; BackendUnavailableError names what is missing."""
     from compiler.device import resolve
 
-    return _backend(name, str(resolve(device)))
+    return _backend(name, str(resolve(device)), trust_engine_code)
 
 
 @cache
-def _backend(name: str, device: str) -> EngineBackend:
+def _backend(name: str, device: str, trust_engine_code: bool = True) -> EngineBackend:
     if name == "onnxruntime":
         from compiler.backends.onnxruntime import OnnxRuntimeBackend
 
@@ -43,16 +48,16 @@ def _backend(name: str, device: str) -> EngineBackend:
     if name == "inductor":
         from compiler.backends.inductor import InductorBackend
 
-        return InductorBackend(device)
+        return InductorBackend(device, trust_engine_code=trust_engine_code)
     if name == "auto":
         if device == "cpu":
-            return _backend("onnxruntime", device)
+            return _backend("onnxruntime", device, trust_engine_code)
         for candidate in ("tensorrt", "tensorrt-rtx"):
             try:
-                backend = _backend(candidate, device)
+                backend = _backend(candidate, device, trust_engine_code)
                 backend.check_runnable()  # TensorRT-RTX builds on an H100 but cannot run there
                 return backend
             except (BackendUnavailableError, ImportError):
                 continue
-        return _backend("inductor", device)
+        return _backend("inductor", device, trust_engine_code)
     raise BackendError(f"unknown backend {name!r}; expected one of {BACKENDS}")

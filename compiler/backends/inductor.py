@@ -1,32 +1,39 @@
-"""Inductor: PyTorch's own compiler as an engine backend (CPU and CUDA), in its JIT form.
+"""Inductor: PyTorch's own compiler as an engine backend (CPU and CUDA), as standalone compiled graphs.
 
-Why the JIT form and not AOTInductor: on the H100 image (torch 2.11+cu130) AOTInductor packages build
-(74 s for one 256-wide MLP block) but segfault when loaded, inside the generated wrapper's
-``std::regex`` (its C++ was compiled by ``CXX=/opt/gcc/bin/g++``, whose libstdc++ is not the one the
-process loaded; ``tests/gpu/probe_inductor_aoti.h100.json`` holds the backtrace). The JIT form builds
-and loads there, and compiles a block in 6-18 s instead of 74 s.
+Why not AOTInductor: on the H100 image (torch 2.11+cu130) AOTInductor packages build (74 s for one
+256-wide MLP block) but segfault when loaded, inside the generated wrapper's ``std::regex`` (its C++
+was compiled by ``CXX=/opt/gcc/bin/g++``, whose libstdc++ is not the one the process loaded;
+``tests/gpu/probe_inductor_aoti.h100.json`` holds the backtrace). Why not ``torch.compile`` at load
+(this backend's first form): every engine call then goes through dynamo's frame hook and guards, 40-60
+us on this CPU, paid once per engine per call (14 engines for BERT split per block). Inductor's
+standalone compile (``torch._inductor.standalone_compile``, what vLLM ships its compiled graphs with)
+compiles the partition's graph once, symbolic in its dynamic dims, into a callable with no guards, and
+saves it as one binary artifact that loads without tracing.
 
 An engine is a zip (uncompressed) of:
 
     kiln_inductor_engine.json   the header: format, torch version, device it was built for, host
                                 compiler, precision, canonical weight names/shapes/dtypes, options
     program.pt2                 the partition's exported program (torch.export.save: no pickle), which
-                                takes its activations and then its weights ``w0..wN`` as inputs
+                                takes its activations and then its weights ``w0..wN`` as inputs: what
+                                was compiled, and what is compiled again where the artifact cannot load
+    constants.safetensors       tensors the program holds that are not weights (lifted constants)
     weights.safetensors         the representative instance's weights; absent when stripped
-    inductor_cache.bin          Inductor's portable cache artifacts of the build
-                                (``torch.compiler.save_cache_artifacts``: compiled kernels, autotuning)
+    inductor_compiled.bin       the compiled graph (``CompiledArtifact.save``: Inductor's own cache
+                                entries, kernels included)
 
 Loading checks the header (:class:`EngineCompatibilityError` for another torch version or a device
-that is not here), primes Inductor's caches with the artifacts and compiles the program with
-``torch.compile`` (cache hits: seconds, no autotuning). Weights are inputs of the compiled graph, so
-the instances of one fingerprint share one compiled graph (dedup) and each passes its own weights
-(refit is new weights, stripping is leaving them out). A compiled graph is kept per process, so a
-build followed by a load (or many instances) compiles once.
+that is not here) and loads the artifact; where it does not load (another build of the same torch
+version, another Inductor configuration, another GPU index) the program is compiled again, with a
+warning. Weights are inputs of the compiled graph, so the instances of one fingerprint share one
+compiled graph (dedup) and each passes its own weights (refit is new weights, stripping is leaving
+them out). A compiled graph is kept per process, so a build followed by a load (or many instances)
+compiles once.
 
 The op table is everything ATen and prims; custom ops (other namespaces) and higher-order ops stay in
-PyTorch, and ``torch_executed_ops`` decides the rest. The cache artifacts are Inductor's own (pickled)
-cache entries and the program runs compiled kernels: an engine is code, trusted as far as the package
-that carries it (its content hash covers the engine file).
+PyTorch, and ``torch_executed_ops`` decides the rest. The artifact holds Inductor's own (pickled) cache
+entries and the program runs compiled kernels: an engine is code, trusted as far as the package that
+carries it (its content hash covers the engine file).
 """
 
 from __future__ import annotations
@@ -36,9 +43,11 @@ import io
 import json
 import os
 import shutil
+import tempfile
 import threading
+import warnings
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,23 +63,27 @@ from compiler.errors import (
 )
 from compiler.specs import dtype_name, torch_dtype
 
-HEADER, PROGRAM, WEIGHTS, ARTIFACTS = (
+HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED = (
     "kiln_inductor_engine.json",
     "program.pt2",
+    "constants.safetensors",
     "weights.safetensors",
-    "inductor_cache.bin",
+    "inductor_compiled.bin",
 )
-FORMAT = 1
+# 1: torch.compile at load from cache artifacts (no longer read: rebuild). 2: standalone compiled graph.
+FORMAT = 2
 MAGIC = "kiln-inductor-engine"
-# backend_options keys: "mode" (torch.compile's mode; "default", "max-autotune-no-cudagraphs", ...),
-# "compile_options" (Inductor config, torch.compile's ``options``).
+# backend_options keys: "mode" (torch.compile's mode names, as Inductor config), "compile_options"
+# (Inductor config, torch.compile's ``options``).
 BACKEND_OPTIONS = frozenset({"mode", "compile_options"})
-_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# One compile at a time: dynamo and Inductor's cache-artifact recording are process-wide. Always taken
-# before the compiler's tracing lock (compiler.export.TRACING, taken inside), so exports never overlap
-# a compile and the two locks are never taken in the other order.
+# CUDA graphs ("reduce-overhead", "max-autotune") need a runtime that replays captured graphs on static
+# buffers; a standalone compiled graph is a plain function, so those modes are refused.
+_MODES = ("default", "max-autotune-no-cudagraphs")
+# One compile at a time: Inductor's cache-artifact recording is process-wide. Always taken before the
+# compiler's tracing lock (compiler.export.TRACING, taken inside), so exports never overlap a compile
+# and the two locks are never taken in the other order.
 _COMPILE_LOCK = threading.RLock()
-# Per process: library key -> the compiled graph, and -> the cache artifacts its build recorded.
+# Per process: library key -> the compiled graph, and -> its saved artifact (what a build stores).
 _COMPILED: dict[str, Callable[..., Any]] = {}
 _BUILT: dict[str, bytes] = {}
 
@@ -85,24 +98,34 @@ def inductor_supports(target: Any) -> bool:
 class InductorEngine:
     """A loaded engine: the compiled graph and this instance's weights, on the engine's device."""
 
-    def __init__(self, compiled: Callable[..., Any], weights: tuple[torch.Tensor, ...], io: EngineIO):
+    def __init__(
+        self,
+        compiled: Callable[..., Any],
+        weights: tuple[torch.Tensor, ...],
+        io: EngineIO,
+        constants: Mapping[int, torch.Tensor] | None = None,
+    ):
         self.compiled, self.weights, self.io = compiled, weights, io
         self.device = weights[0].device if weights else None
+        self._constants = dict(constants or {})
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(self.compiled(*inputs, *self.weights))
+        return tuple(self.compiled(*_graph_args(inputs, self.weights, self._constants)))
 
 
 class InductorBackend:
     name = "inductor"
     graph_format = "torch.export"
 
-    def __init__(self, device: str = "cpu") -> None:
-        self.device = torch.device(device)
+    def __init__(self, device: str = "cpu", *, trust_engine_code: bool = True) -> None:
+        # Untrusting (a package from an untrusted source): engines are compiled from their programs, and
+        # their compiled graphs (pickled cache entries, kernels) are never loaded.
+        self.device, self.trust_engine_code = torch.device(device), trust_engine_code
 
     # -- what engines depend on ------------------------------------------------------------------
     def library_version(self) -> str:
-        version = torch.__version__
+        # The engine format is part of it: engine cache keys change when the format does.
+        version = f"{torch.__version__}+engine{FORMAT}"
         if self.device.type == "cuda":
             try:
                 import triton
@@ -135,41 +158,39 @@ class InductorBackend:
         compiler = host_compiler(options)
         program, weight_bytes = unpack_torch_graph(onnx_model)
         weights = _load_weights(weight_bytes, self.device)
+        graph = _Graph.load(program, self.device)
         header = {
             "magic": MAGIC,
             "format": FORMAT,
             "torch": torch.__version__,
             "library": self.library_version(),
             "device": self.target_device(),
+            "device_index": _device_index(self.device),
             "compiler": compiler,
             "precision": settings.precision,
             "stripped": settings.strip_weights,
             "options": options,
             "weights": {k: [list(v.shape), dtype_name(v.dtype)] for k, v in weights.items()},
+            "constants": sorted(graph.constants),
         }
-        from torch.compiler._cache import CacheArtifactManager
-
         key = _library_key(program, header)
         with _COMPILE_LOCK:
-            if key in _BUILT:  # this process compiled the same graph (a stripped or full twin): reuse it
-                artifacts = _BUILT[key]
-            else:
-                # Only this build's artifacts go into the engine: start recording afresh.
-                CacheArtifactManager.clear()
+            if key not in _BUILT:  # else this process compiled the same graph (a stripped or full twin)
                 try:
-                    compiled = _compile(program, io, options, self.device, tuple(weights.values()))
-                except Exception as exc:  # Inductor/dynamo raise many types; the report needs the cause
+                    compiled = graph.compile(io, options, tuple(weights.values()))
+                    artifact = _save(compiled)
+                except Exception as exc:  # Inductor raises many types; the report needs the cause
                     raise EngineBuildError(
                         f"Inductor could not compile partition {partition or '?'}: {_short(exc)}",
                         partition=partition,
                     ) from exc
-                saved = torch.compiler.save_cache_artifacts()
-                artifacts = saved[0] if saved else b""
-                _COMPILED[key], _BUILT[key] = compiled, artifacts
+                _COMPILED[key], _BUILT[key] = compiled, artifact
         files = {HEADER: json.dumps(header, sort_keys=True).encode(), PROGRAM: program}
+        if graph.constants:
+            files[CONSTANTS] = _save_tensors({str(i): t for i, t in graph.constants.items()})
         if not settings.strip_weights:
             files[WEIGHTS] = weight_bytes
-        files[ARTIFACTS] = artifacts
+        files[COMPILED] = _BUILT[key]
         return _pack(files)
 
     # -- load, refit -----------------------------------------------------------------------------
@@ -181,27 +202,53 @@ class InductorBackend:
                 raise RefitError("this Inductor engine is weight-stripped: load it with its weights")
             weights = _load_weights(files[WEIGHTS], self.device)
         ordered = _ordered(header, weights, self.device)
-        key = _library_key(files[PROGRAM], header)
+        constants = {int(i): t for i, t in _load_weights(files.get(CONSTANTS), self.device).items()}
+        here = {**header, "device_index": _device_index(self.device)}
+        key = _library_key(files[PROGRAM], here)
         with _COMPILE_LOCK:
             compiled = _COMPILED.get(key)
             if compiled is None:
-                if files.get(ARTIFACTS):
-                    torch.compiler.load_cache_artifacts(files[ARTIFACTS])
-                try:
-                    compiled = _compile(files[PROGRAM], io, header["options"], self.device, ordered)
-                except Exception as exc:
-                    raise BackendError(f"Inductor could not compile a stored engine: {_short(exc)}") from exc
+                compiled = self._load_compiled(header, files, io, ordered, constants)
                 _COMPILED[key] = compiled
-        return InductorEngine(compiled, ordered, io)
+        return InductorEngine(compiled, ordered, io, constants)
+
+    def _load_compiled(
+        self,
+        header: Mapping[str, Any],
+        files: Mapping[str, bytes],
+        engine_io: EngineIO,
+        weights: tuple[torch.Tensor, ...],
+        constants: Mapping[int, torch.Tensor],
+    ) -> Callable[..., Any]:
+        """The engine's compiled graph, run once at the opt shapes; compiled again from its program
+        where the artifact does not suit this process (kernels compiled for another GPU index: Inductor
+        writes the index into its code; another build of this torch version)."""
+        if not self.trust_engine_code:
+            reason = (
+                "its compiled graph is code and its package is not trusted to run code (sign packages with "
+                "KILN_SIGNING_KEY, or load with trust_engine_code=True)"
+            )
+        elif header.get("device_index") != _device_index(self.device):
+            reason = f"it was compiled for cuda:{header.get('device_index')}, this is {self.device}"
+        else:
+            try:
+                compiled = _load_artifact(files[COMPILED])
+                with torch.no_grad():
+                    compiled(*_graph_args(_examples(engine_io, self.device), weights, constants))
+                return compiled
+            except Exception as exc:  # a cache miss or a torch build mismatch: both mean compile again
+                reason = f"its compiled graph does not load here ({_short(exc)})"
+        warnings.warn(f"Inductor engine: {reason}; compiling it from its program", stacklevel=3)
+        graph = _Graph.load(files[PROGRAM], self.device)  # an unsafe program is its own typed error
+        try:
+            return graph.compile(engine_io, header["options"], weights)
+        except Exception as exc:
+            raise BackendError(f"Inductor could not compile a stored engine: {_short(exc)}") from exc
 
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
         header, files = read_engine(engine)
         ordered = _ordered(header, weights, torch.device("cpu"))
-        import safetensors.torch
-
-        files[WEIGHTS] = safetensors.torch.save(
-            {name: t.contiguous() for name, t in zip(header["weights"], ordered, strict=True)}
-        )
+        files[WEIGHTS] = _save_tensors(dict(zip(header["weights"], ordered, strict=True)))
         return _pack(files)
 
     def check_compatible(self, header: Mapping[str, Any]) -> None:
@@ -220,6 +267,47 @@ class InductorBackend:
         host_compiler(header.get("options") or {})
 
 
+class _Graph:
+    """A partition's exported program as Inductor compiles it: the flat ATen graph, its placeholders
+    in order (activations, then weights), with lifted constants at their positions."""
+
+    def __init__(self, exported: torch.export.ExportedProgram, device: torch.device):
+        self.module, self.device = exported.graph_module, device
+        tensors = {**exported.state_dict, **exported.constants}
+        self.constants = {
+            position: tensors[spec.target].detach().to(device)
+            for position, spec in enumerate(exported.graph_signature.input_specs)
+            if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT
+        }
+
+    @classmethod
+    def load(cls, program: bytes, device: torch.device) -> _Graph:
+        """The program read as a package's is: nothing unpickled, no module imported (ATen only)."""
+        from compiler.export import TRACING, load_program_bytes
+
+        with TRACING:
+            return cls(load_program_bytes(program, "Inductor engine program", modules=()), device)
+
+    def compile(
+        self, engine_io: EngineIO, options: Mapping[str, Any], weights: tuple[torch.Tensor, ...]
+    ) -> Callable[..., Any]:
+        """The graph compiled once, symbolic in its dynamic dims (the export's ranges), then run once at
+        the opt shapes so that a first call does no autotuning."""
+        from compiler.export import TRACING
+
+        args = _graph_args(_examples(engine_io, self.device), weights, self.constants)
+        with TRACING:
+            compiled = torch._inductor.standalone_compile(
+                self.module,
+                args,
+                dynamic_shapes="from_graph",
+                options={"config_patches": _inductor_config(options)},
+            )
+            with torch.no_grad():
+                compiled(*args)
+        return compiled
+
+
 def read_engine(engine: bytes) -> tuple[dict, dict[str, bytes]]:
     """(header, files) of an Inductor engine; BackendError when the bytes are not one."""
     try:
@@ -234,6 +322,11 @@ def read_engine(engine: bytes) -> tuple[dict, dict[str, bytes]]:
         raise EngineCompatibilityError(
             f"Inductor engine format {header['format']} is newer than this kiln reads ({FORMAT}): "
             "upgrade kiln"
+        )
+    if header["format"] < FORMAT:
+        raise EngineCompatibilityError(
+            f"Inductor engine format {header['format']} (torch.compile at load) is no longer read: "
+            "recompile the model (engine cache entries of the old format are not reused)"
         )
     return header, files
 
@@ -259,10 +352,19 @@ def _options(settings: BuildSettings) -> dict[str, Any]:
     check_backend_options(settings, BACKEND_OPTIONS, "Inductor")
     mode = settings.options.get("mode", "default")
     if mode not in _MODES:
-        raise BuildSettingsError(f"backend_options mode {mode!r}: expected one of {_MODES}")
+        raise BuildSettingsError(
+            f"backend_options mode {mode!r}: expected one of {_MODES} (CUDA graph modes are not offered: "
+            "an Inductor engine is a plain compiled function)"
+        )
     compile_options = settings.options.get("compile_options") or {}
     if not isinstance(compile_options, Mapping):
         raise BuildSettingsError("backend_options compile_options must be a mapping of Inductor config")
+    unknown = sorted(set(compile_options) - set(torch._inductor.config.get_config_copy()))
+    if unknown:
+        raise BuildSettingsError(
+            f"backend_options compile_options {unknown}: not Inductor config settings "
+            "(torch._inductor.config names them)"
+        )
     if settings.workspace_bytes is not None or settings.optimization_level is not None:
         raise BuildSettingsError(
             "workspace_bytes and optimization_level are TensorRT settings; Inductor takes backend_options "
@@ -271,66 +373,71 @@ def _options(settings: BuildSettings) -> dict[str, Any]:
     return {"mode": mode, "compile_options": dict(sorted(compile_options.items()))}
 
 
-def _compile(
-    program: bytes,
-    engine_io: EngineIO,
-    options: Mapping[str, Any],
-    device: torch.device,
-    weights: tuple[torch.Tensor, ...],
-) -> Callable[..., Any]:
-    """torch.compile of the partition program, run once at each shape class it will see (the opt shapes
-    and, where a dynamic dim may be 1, the minimum: dynamo specialises size 1), so no call compiles."""
-    from compiler.export import TRACING
-
-    with TRACING:
-        exported = torch.export.load(io.BytesIO(program))
-        module = exported.module()
-        # The unlifted module re-checks its inputs' shapes against the export's constraints in a forward
-        # pre-hook that dynamo runs eagerly (pytree + sympy: ~0.5 ms a call on the H100 machine, per
-        # engine). The compiled module checked the model's inputs already, and engine inputs follow
-        # from them: drop it.
-        module._forward_pre_hooks.clear()
-        mode = options.get("mode", "default")
-        compiled = torch.compile(
-            module,
-            mode=None if mode == "default" else mode,
-            options=dict(options.get("compile_options") or {}) or None,
-        )
-        with torch.no_grad():
-            for point in _warm_points(engine_io):
-                compiled(*_examples(engine_io, point, device), *weights)
-    return compiled
+def _inductor_config(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Inductor config for a compile: the mode's settings, then the user's compile_options over them."""
+    mode = options.get("mode", "default")
+    from_mode = torch._inductor.list_mode_options(mode) if mode != "default" else {}
+    return {**from_mode, **dict(options.get("compile_options") or {})}
 
 
-def _warm_points(engine_io: EngineIO) -> tuple[str, ...]:
-    small = any(spec.min_shape[axis] < 2 for spec in engine_io.inputs for axis in spec.dynamic_dims)
-    return ("opt", "min") if small else ("opt",)
+def _save(compiled: Any) -> bytes:
+    with tempfile.TemporaryDirectory(prefix="kiln-inductor-") as scratch:
+        path = os.path.join(scratch, "compiled.bin")
+        compiled.save(path=path, format="binary")
+        with open(path, "rb") as file:
+            return file.read()
 
 
-def _examples(engine_io: EngineIO, point: str, device: torch.device) -> list[torch.Tensor]:
+def _load_artifact(data: bytes) -> Callable[..., Any]:
+    from torch._inductor import CompiledArtifact
+
+    with tempfile.TemporaryDirectory(prefix="kiln-inductor-") as scratch:
+        path = os.path.join(scratch, "compiled.bin")
+        with open(path, "wb") as file:
+            file.write(data)
+        return CompiledArtifact.load(path=path, format="binary")
+
+
+def _graph_args(
+    activations: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    constants: Mapping[int, torch.Tensor],
+) -> list[torch.Tensor]:
+    """The compiled graph's inputs: activations, then weights, with lifted constants at their positions."""
+    args = [*activations, *weights]
+    for position, tensor in sorted(constants.items()):
+        args.insert(position, tensor)
+    return args
+
+
+def _device_index(device: torch.device) -> int | None:
+    return (device.index or 0) if device.type == "cuda" else None
+
+
+def _examples(engine_io: EngineIO, device: torch.device) -> list[torch.Tensor]:
+    """Activations at the opt shapes: the size hints Inductor tunes for (the graph stays symbolic)."""
     tensors = []
     for spec in engine_io.inputs:
-        shape = spec.opt_shape if point == "opt" else spec.min_shape
         dtype = torch_dtype(spec.dtype)
         # Zeros for integers and masks: valid indices for any embedding the partition may hold.
-        tensor = (
-            torch.randn(shape, dtype=dtype, device=device)
-            if dtype.is_floating_point
-            else torch.zeros(shape, dtype=dtype, device=device)
-        )
-        for axis in spec.dynamic_dims:
-            lo, hi = spec.dim_range(axis)
-            if shape[axis] >= 2:  # size 0/1 is specialised by dynamo whatever we mark
-                torch._dynamo.mark_dynamic(tensor, axis, min=max(lo, 2), max=hi)
-        tensors.append(tensor)
+        make = torch.randn if dtype.is_floating_point else torch.zeros
+        tensors.append(make(spec.opt_shape, dtype=dtype, device=device))
     return tensors
 
 
-def _load_weights(data: bytes, device: torch.device) -> dict[str, torch.Tensor]:
+def _save_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    import safetensors.torch
+
+    return safetensors.torch.save({name: t.detach().cpu().contiguous() for name, t in tensors.items()})
+
+
+def _load_weights(data: bytes | None, device: torch.device) -> dict[str, torch.Tensor]:
+    if not data:
+        return {}
     import safetensors.torch
 
     loaded = safetensors.torch.load(data)
-    return {k: v.to(device) for k, v in sorted(loaded.items(), key=lambda kv: int(kv[0][1:]))}
+    return {k: v.to(device) for k, v in sorted(loaded.items(), key=lambda kv: int(kv[0].lstrip("w")))}
 
 
 def _ordered(
@@ -356,14 +463,14 @@ def _ordered(
 
 def _library_key(program: bytes, header: Mapping[str, Any]) -> str:
     """One compiled graph per program, device and options: what instances and rebuilds share."""
-    meta = {k: header[k] for k in ("torch", "device", "options")}
+    meta = {k: header.get(k) for k in ("torch", "device", "device_index", "options")}
     return hashlib.sha256(program + json.dumps(meta, sort_keys=True).encode()).hexdigest()
 
 
 def _pack(files: Mapping[str, bytes]) -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
-        for name in (HEADER, PROGRAM, WEIGHTS, ARTIFACTS):  # header first: readable without the rest
+        for name in (HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED):  # header first: readable alone
             if name in files:
                 info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))  # equal builds, equal bytes
                 archive.writestr(info, files[name])

@@ -144,7 +144,7 @@ def test_packages_load_in_a_fresh_process_on_the_gpu(zoo_compiled, tmp_path):
         root = Path({str(tmp_path)!r})
         for name in {list(zoo_compiled)!r}:
             start = time.perf_counter()
-            m = compiler.load(root / f"{{name}}.kiln")
+            m = compiler.load(root / f"{{name}}.kiln", trust_engine_code=True)  # our own packages
             seconds = time.perf_counter() - start
             inputs = torch.load(root / f"{{name}}.in")
             kwargs = {{k: v.cuda() for k, v in inputs["kwargs"].items()}}
@@ -156,7 +156,9 @@ def test_packages_load_in_a_fresh_process_on_the_gpu(zoo_compiled, tmp_path):
             print(name, str(m.device), round(seconds, 2))
         """
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=400)
+    # An engine that compiles again (its compiled graph did not load on the GPU) fails the run.
+    command = [sys.executable, "-W", "error:Inductor engine", "-c", code]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=400)
     assert done.returncode == 0, done.stderr[-4000:]
     print(done.stdout)
     assert len(done.stdout.split("\n")) > len(zoo_compiled)

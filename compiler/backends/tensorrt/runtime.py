@@ -51,6 +51,9 @@ def deserialize(
     version = str(trt.__version__)
     logger = LogWindow(log_collector(trt))
     runtime = trt.Runtime(logger.logger)
+    if hasattr(runtime, "engine_host_code_allowed"):
+        # A version-compatible plan embeds a runtime library (host code): packages are data, so never.
+        runtime.engine_host_code_allowed = False
     if hasattr(runtime, "get_engine_validity"):
         validity, diagnostics = runtime.get_engine_validity(plan)
         if validity != trt.EngineValidity.VALID:
