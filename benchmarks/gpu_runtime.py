@@ -4,7 +4,9 @@ For BERT-base (12 layers x 768, sequence 128, batch 1..8 dynamic) and the fallba
 1024 wide with a custom op in each, which stays in PyTorch between engines), in fp32 and fp16, at batch
 1 and 8: latency of eager PyTorch, ``torch.compile`` (default mode), kiln ``inductor`` over the whole
 graph and kiln ``inductor`` split per block with dedup (one compiled graph per unique block), and the
-compile time of each. Timings are interleaved (``compiler.validate.measure_latency``, synchronised).
+compile time of each; where TensorRT-RTX is installed, its build time split per block with dedup (one
+build per unique block) and without (one build per block), and over the whole graph (builds only: its
+runtime refuses the H100). Timings are interleaved (``compiler.validate.measure_latency``, synchronised).
 Every compile gets a fresh Inductor cache directory, so compile times are cold on disk (in-process
 kernel caches of earlier compiles may still help later ones; the order is torch.compile, kiln whole,
 kiln split). Results are written after every step, so a run cut short leaves what it measured.
@@ -79,6 +81,40 @@ def timed(fn, *args, **kwargs) -> tuple[object, float]:
     result = fn(*args, **kwargs)
     sync()
     return result, time.perf_counter() - start
+
+
+def trt_rtx_available(device: str) -> bool:
+    try:
+        import tensorrt_rtx  # noqa: F401
+    except ImportError:
+        return False
+    return device.startswith("cuda")
+
+
+def trt_rtx_builds(program, device: str, precision: str) -> dict:
+    """TensorRT-RTX build seconds: split per block with dedup and without, and the whole graph. No
+    engine cache, so every build is real (TensorRT's timing cache is off too: cache_dir None)."""
+    from compiler.options import CompileOptions
+
+    rows: dict = {}
+    for label, split, share in (
+        ("trt_rtx_split_dedup", "auto", True),
+        ("trt_rtx_split_no_dedup", "auto", False),
+        ("trt_rtx_whole", None, True),
+    ):
+        options = CompileOptions(
+            backend="tensorrt-rtx", device=device, precision=precision, split_modules=split
+        )
+        plan = compiler.partition(program, options)
+        unique = compiler.dedup(plan, share=share)
+        start = time.perf_counter()
+        artifacts = [compiler.build_engine(plan, unique, fp) for fp in unique.fingerprints]
+        rows[f"{label}_build_s"] = round(time.perf_counter() - start, 2)
+        rows[f"{label}_builds"] = len(artifacts)
+        rows[f"{label}_failed"] = sum(not a.is_engine for a in artifacts)
+    dedup_s, no_dedup_s = rows["trt_rtx_split_dedup_build_s"], rows["trt_rtx_split_no_dedup_build_s"]
+    rows["trt_rtx_dedup_over_no_dedup"] = round(dedup_s / no_dedup_s, 3) if no_dedup_s else None
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -182,6 +218,9 @@ def run(args: argparse.Namespace) -> dict:
                 results["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 write()
+        if trt_rtx_available(device):
+            compile_rows.update(trt_rtx_builds(program, device, precision))
+            write()
         kiln.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

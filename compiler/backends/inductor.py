@@ -295,17 +295,40 @@ class _Graph:
         the opt shapes so that a first call does no autotuning."""
         from compiler.export import TRACING
 
+        # Inductor takes the export's own fake inputs and shape environment: exactly its dynamic dims,
+        # with their ranges. (Given real tensors it would mark every dim dynamic and give equal sizes one
+        # symbol: a batch of 2 and a 2-row embedding table would then have to stay equal.)
+        fake_inputs = [n.meta["val"] for n in self.module.graph.nodes if n.op == "placeholder"]
+        _drop_expression_hints(fake_inputs)
+        output = next(iter(reversed(self.module.graph.nodes)))
+        for node in output.args[0] if isinstance(output.args[0], list | tuple) else (output.args[0],):
+            if isinstance(node, torch.fx.Node) and "val" in node.meta:
+                node.meta["example_value"] = node.meta["val"]  # where "from_graph" finds the fake mode
         args = _graph_args(_examples(engine_io, self.device), weights, self.constants)
         with TRACING:
             compiled = torch._inductor.standalone_compile(
                 self.module,
-                args,
+                fake_inputs,
                 dynamic_shapes="from_graph",
                 options={"config_patches": _inductor_config(options)},
             )
             with torch.no_grad():
                 compiled(*args)
         return compiled
+
+
+def _drop_expression_hints(fake_inputs: Sequence[Any]) -> None:
+    """torch.export.load gives its shape environment hints for expressions (``32*s85: 256``) beside
+    those of its symbols; Inductor's passes expect symbols only (``expected sympy.Symbol``). The
+    symbols' hints determine the rest, so the others go."""
+    import sympy
+
+    for value in fake_inputs:
+        shape_env = getattr(getattr(value, "fake_mode", None), "shape_env", None)
+        if shape_env is not None:
+            for key in [k for k in shape_env.var_to_val if not isinstance(k, sympy.Symbol)]:
+                del shape_env.var_to_val[key]
+            return  # one environment for the whole graph
 
 
 def read_engine(engine: bytes) -> tuple[dict, dict[str, bytes]]:
