@@ -15,7 +15,10 @@ What loading guarantees (docs/security.md says why):
 * Every path is relative, inside the package and listed; an engine's file is ``engines/<fp>.engine``;
   symlinks are refused.
 * Nothing is unpickled: the program archive is refused if torch would unpickle any part of it
-  (``compiler.export.check_archive``); safetensors and engines are plain bytes.
+  (``compiler.export.check_archive``); safetensors and engines are plain bytes. The one engine that
+  is code, an Inductor compiled graph, runs as stored only from a trusted package
+  (``trust_engine_code``, or a signature verified with ``$KILN_SIGNING_KEY``); otherwise it is
+  compiled again here from the program it carries, read by the same rule.
 * Modules the package needs imported (custom ops, pytree types) are imported only when the loading
   process allows them (``allowed_modules``, ``$KILN_ALLOWED_OP_MODULES``, or already imported).
 * With ``$KILN_SIGNING_KEY`` set, saves sign the content hash (HMAC-SHA256) and loads refuse a package
