@@ -326,8 +326,11 @@ def _drop_expression_hints(fake_inputs: Sequence[Any]) -> None:
     for value in fake_inputs:
         shape_env = getattr(getattr(value, "fake_mode", None), "shape_env", None)
         if shape_env is not None:
-            for key in [k for k in shape_env.var_to_val if not isinstance(k, sympy.Symbol)]:
-                del shape_env.var_to_val[key]
+            # torch 2.13 calls the table backed_var_to_val (var_to_val is its deprecated alias); 2.11 not.
+            hints = getattr(shape_env, "backed_var_to_val", None)
+            hints = shape_env.var_to_val if hints is None else hints
+            for key in [k for k in hints if not isinstance(k, sympy.Symbol)]:
+                del hints[key]
             return  # one environment for the whole graph
 
 
