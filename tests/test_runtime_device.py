@@ -7,6 +7,8 @@ are accepted as the eager model accepts them. The CUDA side runs in tests/gpu/te
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,7 @@ from torch import nn
 import compiler
 from compiler.backends import get_backend
 from compiler.device import program_device, program_on, to_device
-from compiler.errors import BackendUnavailableError, InputSpecError, PartitionError
+from compiler.errors import BackendUnavailableError, EngineCompatibilityError, InputSpecError, PartitionError
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's errors")
 
@@ -93,6 +95,27 @@ def test_packages_load_on_their_device_or_the_one_asked_for(compiled, tmp_path):
     torch.testing.assert_close(loaded(x), model(x))
     with pytest.raises(BackendUnavailableError, match="'cuda:0' needs a CUDA GPU"):
         compiler.load(tmp_path / "m.kiln", device="cuda:0")
+
+
+CUDA_PACKAGE = Path(__file__).parent / "fixtures" / "packages" / "mlp-cuda-inductor.kiln"
+
+
+@needs_no_gpu
+@pytest.mark.skipif(
+    not CUDA_PACKAGE.exists(),
+    reason="made on the GPU machine by tests/gpu/make_cuda_fixture.py; not made yet",
+)
+def test_a_cuda_package_on_a_machine_without_a_gpu_is_a_typed_error():
+    """A package compiled on the H100 (Inductor engines for cuda:0, another torch) moved here: its own
+    device is not here, and its engines do not suit the CPU either; each error names what is missing."""
+    import zoo.models  # noqa: F401  (the custom op its program calls)
+
+    manifest = compiler.read_manifest(CUDA_PACKAGE)
+    assert manifest.engine_target.startswith("cuda:sm_")
+    with pytest.raises(BackendUnavailableError, match="'cuda:0' needs a CUDA GPU"):
+        compiler.load(CUDA_PACKAGE)
+    with pytest.raises(EngineCompatibilityError, match=r"built (with torch|for cuda:sm_)"):
+        compiler.load(CUDA_PACKAGE, device="cpu")
 
 
 def test_programs_move_with_the_devices_their_ops_name(compiled):

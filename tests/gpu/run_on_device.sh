@@ -16,7 +16,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 case $step in
 tests)  # the CUDA runtime through Inductor, and the TensorRT tests that can run where TensorRT-RTX builds
   timeout 560 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu tests/test_tensorrt_backend.py \
-    2>&1 | tee "$out/tests.log" | tail -40 ;;
+    2>&1 | tee "$out/tests.log" | tail -40
+  python3 tests/gpu/make_cuda_fixture.py "$out/mlp-cuda-inductor.kiln" 2>&1 | tail -3 ;;
 bench)  # every row of issue 15's table that fits; the script writes after each step
   python3 benchmarks/gpu_runtime.py --out "$out/gpu_runtime_h100.json" --budget-s 420 \
     2>&1 | grep -v Warning | tee "$out/bench.log" | tail -30 ;;
