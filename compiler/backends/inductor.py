@@ -110,6 +110,9 @@ class InductorEngine:
         self._constants = dict(constants or {})
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # The graph was compiled for contiguous activations (it asserts their strides): a transposed
+        # input, or a view a fallback op returns, is copied first.
+        inputs = tuple(x if x.is_contiguous() else x.contiguous() for x in inputs)
         return tuple(self.compiled(*_graph_args(inputs, self.weights, self._constants)))
 
 
