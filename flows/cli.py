@@ -337,7 +337,8 @@ def compile_cmd(
         str | None, typer.Option("--device", "--target", "-t", help="where the model runs: cpu, cuda, cuda:N")
     ] = None,
     backend: Annotated[
-        str | None, typer.Option("--backend", "-b", help="onnxruntime, tensorrt, tensorrt-rtx, auto")
+        str | None,
+        typer.Option("--backend", "-b", help="onnxruntime, tensorrt, tensorrt-rtx, inductor, auto"),
     ] = None,
     precision: Annotated[str | None, typer.Option("--precision", "-p", help="fp32, fp16 or bf16")] = None,
     strip_weights: Annotated[

@@ -215,6 +215,9 @@ def test_an_entry_is_one_typed_request_per_device_with_every_option() -> None:
     # Tolerances: the entry's, with rel_l2 from the precision's default.
     assert cpu.tolerances == Tolerances(rel_l2=2e-2, max_abs=0.5)
     assert cpu.to_dict()["source"] == "factory:zoo.models:tiny_bert"
+    # split_modules 'auto' (the word kiln compile --split-module auto passes) is auto, not a class name.
+    auto = {"name": "a", "factory": "zoo.models:tiny_vit", "partition": {"split_modules": "auto"}}
+    assert ZooEntry.model_validate(auto).requests()[0].options.split_modules == "auto"
     # 'targets' is the older spelling of devices.
     assert ZooEntry.model_validate(
         {"name": "a", "factory": "zoo.models:tiny_vit", "targets": ["cpu"]}

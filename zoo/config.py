@@ -92,7 +92,9 @@ class InputOverride(_Strict):
 class PartitionOptions(_Strict):
     min_block_size: int = Field(default=1, ge=1)
     torch_executed_ops: list[str] = Field(default_factory=list)
-    split_modules: list[str] | None = None
+    split_modules: Literal["auto"] | list[str] | None = Field(
+        default=None, description="'auto' (each repeated block its own engine) or module class names"
+    )
     precision: dict[str, Literal["fp32", "fp16", "bf16", "torch"]] = Field(
         default_factory=dict, description="per-partition exceptions to the entry's precision (engine_3: fp32)"
     )
@@ -263,7 +265,7 @@ class ZooEntry(_Strict):
             strip_weights=self.strip_weights,
             min_block_size=self.partition.min_block_size,
             torch_executed_ops=tuple(self.partition.torch_executed_ops),
-            split_modules=tuple(self.partition.split_modules) if self.partition.split_modules else None,
+            split_modules=_split_modules(self.partition.split_modules),
             workspace_bytes=self.workspace_bytes,
             optimization_level=self.optimization_level,
             backend_options=dict(self.backend_options),
@@ -387,6 +389,13 @@ class ZooSettings(_Strict):
         if self.tracking is not None:
             return self.tracking
         return registry_available()
+
+
+def _split_modules(value: str | list[str] | None) -> str | tuple[str, ...] | None:
+    """The zoo field as CompileOptions takes it: "auto" stays a word, class names become a tuple."""
+    if value == "auto" or value == ["auto"]:
+        return "auto"
+    return tuple(value) if value else None
 
 
 def registry_available() -> bool:
