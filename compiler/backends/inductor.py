@@ -47,6 +47,7 @@ import tempfile
 import threading
 import warnings
 import zipfile
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -83,9 +84,11 @@ _MODES = ("default", "max-autotune-no-cudagraphs")
 # compiler's tracing lock (compiler.export.TRACING, taken inside), so exports never overlap a compile
 # and the two locks are never taken in the other order.
 _COMPILE_LOCK = threading.RLock()
-# Per process: library key -> the compiled graph, and -> its saved artifact (what a build stores).
-_COMPILED: dict[str, Callable[..., Any]] = {}
-_BUILT: dict[str, bytes] = {}
+# Per process, by library key: the compiled graph and, for one this process built, its saved artifact
+# (what a build stores). The most recent _RECENT_LIMIT only: a long zoo run must not grow without bound
+# (engines keep their own graph alive).
+_RECENT: OrderedDict[str, tuple[Callable[..., Any], bytes | None]] = OrderedDict()
+_RECENT_LIMIT = 128
 
 
 def inductor_supports(target: Any) -> bool:
@@ -178,7 +181,8 @@ class InductorBackend:
         }
         key = _library_key(program, header)
         with _COMPILE_LOCK:
-            if key not in _BUILT:  # else this process compiled the same graph (a stripped or full twin)
+            artifact = _recall(key)[1]
+            if artifact is None:  # else this process built the same graph (a stripped or full twin)
                 try:
                     compiled = graph.compile(io, options, tuple(weights.values()))
                     artifact = _save(compiled)
@@ -187,13 +191,13 @@ class InductorBackend:
                         f"Inductor could not compile partition {partition or '?'}: {_short(exc)}",
                         partition=partition,
                     ) from exc
-                _COMPILED[key], _BUILT[key] = compiled, artifact
+                _remember(key, compiled, artifact)
         files = {HEADER: json.dumps(header, sort_keys=True).encode(), PROGRAM: program}
         if graph.constants:
             files[CONSTANTS] = _save_tensors({str(i): t for i, t in graph.constants.items()})
         if not settings.strip_weights:
             files[WEIGHTS] = weight_bytes
-        files[COMPILED] = _BUILT[key]
+        files[COMPILED] = artifact
         return _pack(files)
 
     # -- load, refit -----------------------------------------------------------------------------
@@ -209,10 +213,10 @@ class InductorBackend:
         here = {**header, "device_index": _device_index(self.device)}
         key = _library_key(files[PROGRAM], here)
         with _COMPILE_LOCK:
-            compiled = _COMPILED.get(key)
+            compiled = _recall(key)[0]
             if compiled is None:
                 compiled = self._load_compiled(header, files, io, ordered, constants)
-                _COMPILED[key] = compiled
+                _remember(key, compiled, None)
         return InductorEngine(compiled, ordered, io, constants)
 
     def _load_compiled(
@@ -318,6 +322,20 @@ class _Graph:
             with torch.no_grad():
                 compiled(*args)
         return compiled
+
+
+def _recall(key: str) -> tuple[Callable[..., Any] | None, bytes | None]:
+    if key not in _RECENT:
+        return None, None
+    _RECENT.move_to_end(key)
+    return _RECENT[key]
+
+
+def _remember(key: str, compiled: Callable[..., Any], artifact: bytes | None) -> None:
+    _RECENT[key] = compiled, artifact if artifact is not None else _RECENT.get(key, (None, None))[1]
+    _RECENT.move_to_end(key)
+    while len(_RECENT) > _RECENT_LIMIT:
+        _RECENT.popitem(last=False)
 
 
 def _drop_expression_hints(fake_inputs: Sequence[Any]) -> None:
