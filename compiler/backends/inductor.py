@@ -32,8 +32,10 @@ compiles once.
 
 The op table is everything ATen and prims; custom ops (other namespaces) and higher-order ops stay in
 PyTorch, and ``torch_executed_ops`` decides the rest. The artifact holds Inductor's own (pickled) cache
-entries and the program runs compiled kernels: an engine is code, trusted as far as the package that
-carries it (its content hash covers the engine file).
+entries and compiled kernels: it is code, so it runs as stored only where the backend trusts engine
+code (``trust_engine_code``: engines this process built or took from its engine cache, and packages
+``compiler.load`` trusts); otherwise the engine is compiled here from its program, which is read as a
+package's program is (docs/security.md).
 """
 
 from __future__ import annotations
