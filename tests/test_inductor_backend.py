@@ -209,6 +209,7 @@ def _files(engine: bytes) -> dict:
     [
         ({"torch": "2.0.0"}, "built with torch 2.0.0"),
         ({"device": "cuda:sm_90"}, "built for cuda:sm_90"),
+        ({"device_index": 1}, "built for cuda:1; this backend runs on cpu"),
         ({"format": 99}, "newer than this kiln reads"),
         ({"format": 1}, "no longer read: recompile"),
     ],

@@ -22,13 +22,13 @@ An engine is a zip (uncompressed) of:
     inductor_compiled.bin       the compiled graph (``CompiledArtifact.save``: Inductor's own cache
                                 entries, kernels included)
 
-Loading checks the header (:class:`EngineCompatibilityError` for another torch version or a device
-that is not here) and loads the artifact; where it does not load (another build of the same torch
-version, another Inductor configuration, another GPU index) the program is compiled again, with a
-warning. Weights are inputs of the compiled graph, so the instances of one fingerprint share one
-compiled graph (dedup) and each passes its own weights (refit is new weights, stripping is leaving
-them out). A compiled graph is kept per process, so a build followed by a load (or many instances)
-compiles once.
+Loading checks the header (:class:`EngineCompatibilityError` for another torch version, a device that
+is not here, or another CUDA index, which Inductor writes into its code) and loads the artifact; where
+it does not load (another build of the same torch version, another Inductor configuration) the
+program is compiled again, with a warning. Weights are inputs of the compiled graph, so the instances
+of one fingerprint share one compiled graph (dedup) and each passes its own weights (refit is new
+weights, stripping is leaving them out). A compiled graph is kept per process, so a build followed by
+a load (or many instances) compiles once.
 
 The op table is everything ATen and prims; custom ops (other namespaces) and higher-order ops stay in
 PyTorch, and ``torch_executed_ops`` decides the rest. The artifact holds Inductor's own (pickled) cache
@@ -212,8 +212,7 @@ class InductorBackend:
             weights = _load_weights(files[WEIGHTS], self.device)
         ordered = _ordered(header, weights, self.device)
         constants = {int(i): t for i, t in _load_weights(files.get(CONSTANTS), self.device).items()}
-        here = {**header, "device_index": _device_index(self.device)}
-        key = _library_key(files[PROGRAM], here)
+        key = _library_key(files[PROGRAM], header)
         with _COMPILE_LOCK:
             compiled = _recall(key)[0]
             if compiled is None:
@@ -230,15 +229,13 @@ class InductorBackend:
         constants: Mapping[int, torch.Tensor],
     ) -> Callable[..., Any]:
         """The engine's compiled graph, run once at the opt shapes; compiled again from its program
-        where the artifact does not suit this process (kernels compiled for another GPU index: Inductor
-        writes the index into its code; another build of this torch version)."""
+        where it is not trusted, or its artifact does not load here (another build of this torch
+        version, another Inductor configuration)."""
         if not self.trust_engine_code:
             reason = (
                 "its compiled graph is code and its package is not trusted to run code (sign packages with "
                 "KILN_SIGNING_KEY, or load with trust_engine_code=True)"
             )
-        elif header.get("device_index") != _device_index(self.device):
-            reason = f"it was compiled for cuda:{header.get('device_index')}, this is {self.device}"
         else:
             try:
                 compiled = _load_artifact(files[COMPILED])
@@ -272,6 +269,13 @@ class InductorBackend:
             raise EngineCompatibilityError(
                 f"Inductor engine built for {built_for}; this backend runs on {self.device} ({here}): "
                 f"recompile for {here}, or load it on a machine with {built_for}"
+            )
+        index = header.get("device_index")
+        if index != _device_index(self.device):
+            # Inductor writes the device index into its generated code, and so into the engine's program.
+            raise EngineCompatibilityError(
+                f"Inductor engine built for cuda:{index}; this backend runs on {self.device}: recompile for "
+                f"{self.device}, or load it on cuda:{index}"
             )
         host_compiler(header.get("options") or {})
 
