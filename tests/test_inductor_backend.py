@@ -167,6 +167,19 @@ def test_package_round_trip_in_a_fresh_process(blocks, compiled, tmp_path, monke
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_a_refit_keeps_the_trust_its_module_was_loaded_with(blocks, compiled, tmp_path, monkeypatch):
+    case, _ = blocks
+    module, _ = compiled
+    monkeypatch.delenv("KILN_SIGNING_KEY", raising=False)
+    compiler.save(module, tmp_path / "m.kiln")
+    assert module.trust_engine_code  # compiled here: its own engines
+    loaded = compiler.load(tmp_path / "m.kiln")
+    assert loaded.trust_engine_code is False  # no key, no explicit trust
+    assert compiler.load(tmp_path / "m.kiln", trust_engine_code=True).trust_engine_code
+    tuned = {k: v + 0.01 for k, v in case.model.state_dict().items()}
+    assert loaded.refit(tuned).trust_engine_code is False
+
+
 def test_an_untrusted_engine_program_is_read_as_data(compiled):
     """Compiling an untrusted engine again reads its program as a package's program is read: an archive
     entry torch might unpickle is refused before torch sees it."""
