@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -194,16 +195,44 @@ def _retyped(sub: torch.fx.GraphModule, dtype: torch.dtype) -> torch.fx.GraphMod
     if dtype == torch.float32:
         return sub
     sub = copy.deepcopy(sub)
+    largest = torch.finfo(dtype).max
 
     def swap(value: object) -> object:
         return dtype if value is torch.float32 else value
+
+    def fit(value: object) -> object:
+        # float32's extremes (HF's attention masks fill with torch.finfo(float32).min) overflow fp16:
+        # torch raises "cannot be converted to type c10::Half without overflow". The dtype's own extreme
+        # is what the model computes natively in fp16.
+        if isinstance(value, float) and math.isfinite(value) and abs(value) > largest:
+            return math.copysign(largest, value)
+        return value
 
     for node in sub.graph.nodes:
         if node.op == "call_function":
             node.args = torch.fx.node.map_aggregate(node.args, swap)
             node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+            if getattr(node.target, "overloadpacket", None) in _STORES_SCALAR:
+                node.args = torch.fx.node.map_aggregate(node.args, fit)
+                node.kwargs = torch.fx.node.map_aggregate(node.kwargs, fit)
     sub.recompile()
     return sub
+
+
+# Ops that store a Python scalar as an element of a tensor of the graph's dtype (arithmetic with a
+# scalar computes in higher precision, so ``x / 1e5`` must keep its 1e5).
+_STORES_SCALAR = {
+    torch.ops.aten.full,
+    torch.ops.aten.full_like,
+    torch.ops.aten.new_full,
+    torch.ops.aten.scalar_tensor,
+    torch.ops.aten.fill,
+    torch.ops.aten.fill_,
+    torch.ops.aten.masked_fill,
+    torch.ops.aten.masked_fill_,
+    torch.ops.aten.where,
+    torch.ops.aten.constant_pad_nd,
+}
 
 
 def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

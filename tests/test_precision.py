@@ -1,5 +1,7 @@
 """Precision is cast in the graph; every precision loss is measured, not hidden (seed 002)."""
 
+import io
+
 import onnx
 import pytest
 import torch
@@ -47,3 +49,47 @@ def test_bf16_lowers_but_onnx_runtime_on_cpu_refuses_it_with_the_node(tmp_path):
     with pytest.raises(EngineBuildError, match=r"rejected partition engine_0: .*Gemm") as failure:
         compiler.compile(program, cache=tmp_path, precision="bf16", on_build_failure="error")
     assert failure.value.partition == "engine_0" and "Gemm" in failure.value.node
+
+
+class MaskedScores(torch.nn.Module):
+    """What HF's eager attention does: fill masked scores with float32's lowest value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.fc(x)
+        lowest = torch.finfo(torch.float32).min
+        floor = torch.full_like(scores, lowest)
+        scores = scores.masked_fill(scores < -1, lowest)
+        return torch.maximum(scores, floor).softmax(-1) * (x / 1e5)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_float32_extremes_are_the_engine_dtypes_own(precision):
+    """torch.finfo(float32).min overflows fp16 (torch raises 'cannot be converted to type c10::Half
+    without overflow'; Inductor on CUDA did, for BERT-base): the lowered engine graph fills with the
+    engine dtype's extreme instead, and a scalar in arithmetic (x / 1e5) keeps its value."""
+    from compiler.backends.base import unpack_torch_graph
+    from compiler.lower import lower_program
+
+    model, x = MaskedScores().eval(), torch.randn(4, 8)
+    plan = compiler.partition(compiler.export(model, (x,)), compiler.CompileOptions(precision=precision))
+    unique = compiler.dedup(plan)
+    lowered = lower_program(plan, unique, unique.fingerprints[0])
+    program = torch.export.load(io.BytesIO(unpack_torch_graph(lowered.program)[0]))
+    scalars = [
+        a
+        for node in program.graph.nodes
+        for a in torch.fx.node.map_aggregate(node.args, lambda v: v)
+        if isinstance(a, float)
+    ]
+    largest = torch.finfo({"fp16": torch.float16, "bf16": torch.bfloat16}[precision]).max
+    assert -largest in scalars and (1e5 in scalars or 1e-5 in scalars)
+    assert all(abs(s) <= largest for s in scalars if s not in (1e5, 1e-5))
+    module = compiler.compile(
+        compiler.export(model, (x,)), backend="inductor", precision=precision, cache=False
+    )
+    assert not module.report.build_failures
+    torch.testing.assert_close(module(x).float(), model(x), rtol=0.05, atol=1e-2)
