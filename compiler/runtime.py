@@ -76,6 +76,7 @@ class CompiledModule(torch.nn.Module):
         self.device = resolve(plan.options.device)
         program = plan.program
         self._in_spec, self._out_spec = program.call_spec.in_spec, program.call_spec.out_spec
+        self._leaf_call = _leaf_call(self._in_spec)
         # Weights are fixed for the module's life (refit builds a new module): resolve them once.
         weights = plan.weights()
         self._feed_template = [
@@ -137,6 +138,14 @@ class CompiledModule(torch.nn.Module):
     def _flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         if self._in_spec is None:
             return list(args)
+        if self._leaf_call is not None:  # every input a single tensor: no pytree needed (~45 us a call)
+            positional, keywords = self._leaf_call
+            if (
+                len(args) == positional
+                and len(kwargs) == len(keywords)
+                and all(k in kwargs for k in keywords)
+            ):
+                return [*args, *(kwargs[k] for k in keywords)]
         args, kwargs = self._positional_by_name(tuple(args), dict(kwargs))
         kwarg_spec = self._in_spec.child(1) if self._in_spec.num_children == 2 else None
         if kwarg_spec is not None and kwarg_spec.context is not None:
@@ -214,6 +223,19 @@ class CompiledModule(torch.nn.Module):
         return assemble(
             plan, self.dedup, engines, report=self.report, trust_engine_code=self.trust_engine_code
         )
+
+
+def _leaf_call(in_spec: pytree.TreeSpec | None) -> tuple[int, tuple[str, ...]] | None:
+    """(positional count, keyword names in flat order) when the exported call takes only single tensors,
+    positionally and by keyword; None for nested inputs (lists, dicts of tensors), which pytree flattens."""
+    if in_spec is None or in_spec.num_children != 2:
+        return None
+    positional, keywords = in_spec.child(0), in_spec.child(1)
+    if not all(positional.child(i).is_leaf() for i in range(positional.num_children)):
+        return None
+    if keywords.context is None or not all(keywords.child(i).is_leaf() for i in range(keywords.num_children)):
+        return None
+    return positional.num_children, tuple(keywords.context)
 
 
 def assemble(

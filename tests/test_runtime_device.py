@@ -47,6 +47,19 @@ def test_keyword_call_of_a_positional_input(compiled):
         module(y=x)
 
 
+def test_keyword_inputs_in_any_order_and_nested_inputs(compiled_zoo):
+    """Single-tensor inputs skip pytree (the fast path); keyword order does not matter, and a wrong
+    set of keywords still gets the full check's message."""
+    case, module = compiled_zoo["tiny_bert"]
+    ids, mask = case.kwargs["input_ids"], case.kwargs["attention_mask"]
+    expected = module(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(module(attention_mask=mask, input_ids=ids).last_hidden_state, expected)
+    with pytest.raises(InputSpecError, match="unexpected keyword inputs"):
+        module(input_ids=ids, attention_mask=mask, token_type_ids=ids)
+    with pytest.raises(InputSpecError):
+        module(input_ids=ids)
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
