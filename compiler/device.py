@@ -98,4 +98,7 @@ def program_on(program: torch.export.ExportedProgram, device: torch.device) -> t
     moved = copy.copy(program)
     moved._state_dict, moved._constants = dict(program.state_dict), dict(program.constants)
     moved._graph_module = copy.deepcopy(program.graph_module)
-    return move_to_device_pass(moved, device)
+    # No autograd: moving a CUDA program's weights (which require grad) on a torch built without CUDA
+    # otherwise aborts the process in autograd's C++ (grad_accumulator for a cuda tensor).
+    with torch.no_grad():
+        return move_to_device_pass(moved, device)
