@@ -21,6 +21,7 @@ import copy
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +30,10 @@ import torch
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
 import compiler
+from benchmarks._common import print_table
 from compiler.device import to_device
 from compiler.validate import measure_latency
 from zoo import models as zoo
@@ -242,8 +246,48 @@ def main() -> None:
         "--budget-s", type=float, default=480.0, help="start no new (model, precision) after this"
     )
     results = run(parser.parse_args())
-    for row in results["compile_seconds"]:
-        print(json.dumps(row))
+    print_tables(results)
+
+
+def print_tables(results: dict) -> None:
+    kinds = ("eager", "torch_compile", "kiln_inductor_whole", "kiln_inductor_split_dedup")
+    print_table(
+        "latency, ms (x torch.compile)",
+        ["model", "prec", "batch", "eager", "torch.compile", "kiln whole", "kiln split+dedup"],
+        [
+            [r["model"], r["precision"], r["batch"]]
+            + [
+                f"{r[f'{k}_ms']:.2f}"
+                + (f" ({r[f'{k}_over_torch_compile']:.2f}x)" if k.startswith("kiln") else "")
+                for k in kinds
+            ]
+            for r in results["rows"]
+        ],
+    )
+    print_table(
+        "compile, s",
+        [
+            "model",
+            "prec",
+            "torch.compile b1",
+            "kiln whole",
+            "kiln split+dedup",
+            "split/whole",
+            "trt-rtx dedup/no",
+        ],
+        [
+            [
+                r["model"],
+                r["precision"],
+                r.get("torch_compile_first_call_batch1_s"),
+                r.get("kiln_inductor_whole_build_s"),
+                r.get("kiln_inductor_split_dedup_build_s"),
+                r.get("split_over_whole_compile"),
+                r.get("trt_rtx_dedup_over_no_dedup", "-"),
+            ]
+            for r in results["compile_seconds"]
+        ],
+    )
 
 
 if __name__ == "__main__":
