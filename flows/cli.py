@@ -406,9 +406,6 @@ def compile_cmd(
     quiet_prefect(verbose)
     from zoo.config import ZooConfigError, ZooEntry
 
-    split = None
-    if split_module:
-        split = "auto" if split_module == ["auto"] else list(split_module)
     flags = {
         "backend": backend,
         "precision": precision,
@@ -417,7 +414,7 @@ def compile_cmd(
         "name": name,
         "min_block_size": min_block_size,
         "torch_executed_ops": list(torch_executed_op) if torch_executed_op else None,
-        "split_modules": split,
+        "split_modules": list(split_module) if split_module else None,  # ["auto"]: the zoo schema's rule
         "workspace_bytes": workspace_bytes,
         "optimization_level": optimization_level,
         "backend_options": _backend_options(backend_option),

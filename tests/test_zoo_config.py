@@ -218,6 +218,8 @@ def test_an_entry_is_one_typed_request_per_device_with_every_option() -> None:
     # split_modules 'auto' (the word kiln compile --split-module auto passes) is auto, not a class name.
     auto = {"name": "a", "factory": "zoo.models:tiny_vit", "partition": {"split_modules": "auto"}}
     assert ZooEntry.model_validate(auto).requests()[0].options.split_modules == "auto"
+    as_flag = {**auto, "partition": {"split_modules": ["auto"]}}  # kiln compile --split-module auto
+    assert ZooEntry.model_validate(as_flag).requests()[0].options.split_modules == "auto"
     # 'targets' is the older spelling of devices.
     assert ZooEntry.model_validate(
         {"name": "a", "factory": "zoo.models:tiny_vit", "targets": ["cpu"]}
