@@ -110,14 +110,11 @@ def test_packages_load_on_their_device_or_the_one_asked_for(compiled, tmp_path):
         compiler.load(tmp_path / "m.kiln", device="cuda:0")
 
 
+# Made on the H100 by tests/gpu/make_cuda_fixture.py (torch 2.11+cu130).
 CUDA_PACKAGE = Path(__file__).parent / "fixtures" / "packages" / "mlp-cuda-inductor.kiln"
 
 
 @needs_no_gpu
-@pytest.mark.skipif(
-    not CUDA_PACKAGE.exists(),
-    reason="made on the GPU machine by tests/gpu/make_cuda_fixture.py; not made yet",
-)
 def test_a_cuda_package_on_a_machine_without_a_gpu_is_a_typed_error():
     """A package compiled on the H100 (Inductor engines for cuda:0, another torch) moved here: its own
     device is not here, and its engines do not suit the CPU either; each error names what is missing."""

@@ -165,7 +165,7 @@ class InductorBackend:
         options = _options(settings)
         compiler = host_compiler(options)
         program, weight_bytes = unpack_torch_graph(onnx_model)
-        weights = _load_weights(weight_bytes, self.device)
+        weights = _load_tensors(weight_bytes, self.device)
         graph = _Graph.load(program, self.device)
         header = {
             "magic": MAGIC,
@@ -209,9 +209,9 @@ class InductorBackend:
         if weights is None:
             if WEIGHTS not in files:
                 raise RefitError("this Inductor engine is weight-stripped: load it with its weights")
-            weights = _load_weights(files[WEIGHTS], self.device)
+            weights = _load_tensors(files[WEIGHTS], self.device)
         ordered = _ordered(header, weights, self.device)
-        constants = {int(i): t for i, t in _load_weights(files.get(CONSTANTS), self.device).items()}
+        constants = {int(i): t for i, t in _load_tensors(files.get(CONSTANTS), self.device).items()}
         key = _library_key(files[PROGRAM], header)
         with _COMPILE_LOCK:
             compiled = _recall(key)[0]
@@ -484,7 +484,7 @@ def _save_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
     return safetensors.torch.save({name: t.detach().cpu().contiguous() for name, t in tensors.items()})
 
 
-def _load_weights(data: bytes | None, device: torch.device) -> dict[str, torch.Tensor]:
+def _load_tensors(data: bytes | None, device: torch.device) -> dict[str, torch.Tensor]:
     if not data:
         return {}
     import safetensors.torch
