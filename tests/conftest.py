@@ -12,6 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# Real servers on 127.0.0.1, for every test module that asks (one Prefect server per session, one MLflow
+# server per module): defined once here, so test modules neither import nor shadow them.
+from tests.fixtures.mlflow_server import mlflow_server  # noqa: E402, F401
+from tests.fixtures.prefect_server import prefect_api, prefect_server  # noqa: E402, F401
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_engine_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -19,8 +19,6 @@ import pytest
 import torch
 import yaml
 
-from tests.fixtures.prefect_server import prefect_api, prefect_server  # noqa: F401 - fixtures
-
 ROOT = Path(__file__).resolve().parents[1]
 FAST_VALIDATION = {"samples": 2, "warmup": 1, "runs": 3}
 
@@ -58,7 +56,7 @@ def zoo3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def first_run(prefect_api, zoo3: Path) -> tuple[subprocess.CompletedProcess, dict]:  # noqa: F811
+def first_run(prefect_api, zoo3: Path) -> tuple[subprocess.CompletedProcess, dict]:
     out = zoo3.parent / "out"
     proc = _kiln("zoo", str(zoo3), "--out", str(out), "--json")
     assert proc.stdout, proc.stderr[-4000:]
@@ -95,7 +93,7 @@ def test_zoo_with_a_broken_model_gives_two_packages_one_failure_and_exit_1(first
     assert json.loads((Path(summary["out_dir"]) / "summary.json").read_text()) == summary
 
 
-def test_an_immediate_second_run_builds_nothing(prefect_api, first_run, zoo3: Path) -> None:  # noqa: F811
+def test_an_immediate_second_run_builds_nothing(prefect_api, first_run, zoo3: Path) -> None:
     out = zoo3.parent / "out"
     proc = _kiln("zoo", str(zoo3), "--out", str(out), "--json")
     assert proc.returncode == 1, proc.stderr[-4000:]  # the broken model is still broken
@@ -194,7 +192,7 @@ def test_an_entry_is_validated_on_its_recorded_data(first_run, zoo3: Path, tmp_p
     assert str(data) in report.data_source and report.samples == 4
 
 
-def test_bad_entries_fail_before_any_engine_is_built(prefect_api, tmp_path: Path) -> None:  # noqa: F811
+def test_bad_entries_fail_before_any_engine_is_built(prefect_api, tmp_path: Path) -> None:
     from flows.recompile_zoo import run_zoo
 
     models = [
@@ -223,7 +221,7 @@ def test_bad_entries_fail_before_any_engine_is_built(prefect_api, tmp_path: Path
     assert not engine_cache.exists() or not any(engine_cache.rglob("*.bin"))
 
 
-def test_dask_task_runner_builds_on_a_local_cluster(prefect_api, tmp_path: Path) -> None:  # noqa: F811
+def test_dask_task_runner_builds_on_a_local_cluster(prefect_api, tmp_path: Path) -> None:
     from flows.recompile_zoo import run_zoo
 
     zoo = _write_zoo(
@@ -240,7 +238,7 @@ def test_dask_task_runner_builds_on_a_local_cluster(prefect_api, tmp_path: Path)
 
 
 def test_a_deployment_from_prefect_yaml_runs_on_a_worker(
-    prefect_api,  # noqa: F811
+    prefect_api,
     first_run,
     zoo3: Path,
     monkeypatch: pytest.MonkeyPatch,

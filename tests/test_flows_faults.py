@@ -14,8 +14,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.fixtures.prefect_server import prefect_api, prefect_server  # noqa: F401 - fixtures
-
 ROOT = Path(__file__).resolve().parents[1]
 
 HOLD_SLOT = """
@@ -27,7 +25,7 @@ with build_slot("cpu:slot-test"):
 """
 
 
-def test_a_killed_build_frees_its_slot_and_a_waiting_build_names_the_limit(prefect_api) -> None:  # noqa: F811
+def test_a_killed_build_frees_its_slot_and_a_waiting_build_names_the_limit(prefect_api) -> None:
     from tasks.concurrency import BuildSlotTimeoutError, build_slot, ensure_limits
 
     ensure_limits({"cpu:slot-test": 1})
@@ -81,7 +79,7 @@ def test_the_temporary_api_server_dies_with_a_killed_cli(tmp_path: Path) -> None
     assert not alive, f"still running after the CLI was killed: {[p.cmdline() for p in alive]}"
 
 
-def test_two_runs_writing_one_path_each_record_their_own_package(prefect_api, tmp_path: Path) -> None:  # noqa: F811
+def test_two_runs_writing_one_path_each_record_their_own_package(prefect_api, tmp_path: Path) -> None:
     import torch
 
     import compiler

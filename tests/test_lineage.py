@@ -32,7 +32,6 @@ import compiler
 from compiler.repair import ModelAccuracy, RepairRecord, RepairStep
 from registry.errors import NoMatchingVersionError
 from registry.models import registered_model_name
-from tests.fixtures.mlflow_server import mlflow_server  # noqa: F401 - pytest fixture
 
 SOURCE_MODEL = "fraud-src"
 PROD = f"models:/{SOURCE_MODEL}@production"
@@ -45,7 +44,7 @@ def _classifier() -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def source_model(mlflow_server) -> dict:  # noqa: F811
+def source_model(mlflow_server) -> dict:
     """A real registered source model: versions 1..3 of fraud-src, alias production -> 3."""
     import mlflow
 
@@ -142,7 +141,7 @@ def packages(tmp_path_factory: pytest.TempPathFactory, source_model) -> dict:
 
 
 @pytest.fixture(scope="module")
-def recorded(mlflow_server, packages) -> dict:  # noqa: F811
+def recorded(mlflow_server, packages) -> dict:
     """Each package recorded in turn: other v1, stale v2, pinned v3, prod v4."""
     from registry.tracking import record_package
 
@@ -151,7 +150,7 @@ def recorded(mlflow_server, packages) -> dict:  # noqa: F811
     return results
 
 
-def test_version_and_run_carry_the_source_and_link_to_it(mlflow_server, source_model, recorded):  # noqa: F811
+def test_version_and_run_carry_the_source_and_link_to_it(mlflow_server, source_model, recorded):
     client = source_model["client"]
     source_run = source_model["runs"]["3"]
     prod = recorded["prod"]
@@ -178,7 +177,7 @@ def test_version_and_run_carry_the_source_and_link_to_it(mlflow_server, source_m
     assert "#/models/" not in other.description and "`hf:/models/fraud-bert`" in other.description
 
 
-def test_recorded_validation_data_is_a_run_input_with_its_digest(mlflow_server, packages, recorded):  # noqa: F811
+def test_recorded_validation_data_is_a_run_input_with_its_digest(mlflow_server, packages, recorded):
     import mlflow
 
     client = mlflow.MlflowClient(mlflow_server.uri)
@@ -212,7 +211,7 @@ def test_recorded_validation_data_is_a_run_input_with_its_digest(mlflow_server, 
     assert client.get_run(recorded["other"].run_id).data.tags["kiln.validation.data"] == "random"
 
 
-def test_repair_decisions_are_an_artifact_a_tag_and_metrics(mlflow_server, recorded, tmp_path):  # noqa: F811
+def test_repair_decisions_are_an_artifact_a_tag_and_metrics(mlflow_server, recorded, tmp_path):
     import mlflow
 
     client = mlflow.MlflowClient(mlflow_server.uri)
@@ -233,7 +232,7 @@ def test_repair_decisions_are_an_artifact_a_tag_and_metrics(mlflow_server, recor
     assert "kiln.accuracy_repair" not in client.get_run(recorded["prod"].run_id).data.tags
 
 
-def test_lookup_by_alias_serves_what_the_alias_names_now(mlflow_server, source_model, recorded):  # noqa: F811
+def test_lookup_by_alias_serves_what_the_alias_names_now(mlflow_server, source_model, recorded):
     from registry.lookup import lookup
 
     found = lookup("fraud", source=PROD)
@@ -269,7 +268,7 @@ def test_lookup_by_alias_serves_what_the_alias_names_now(mlflow_server, source_m
         lookup("fraud", source=f"models:/{SOURCE_MODEL}@nowhere")
 
 
-def test_lookup_cli_selects_by_source(mlflow_server, recorded):  # noqa: F811
+def test_lookup_cli_selects_by_source(mlflow_server, recorded):
     from typer.testing import CliRunner
 
     from flows.registry_cli import build_app
@@ -289,7 +288,7 @@ def test_lookup_cli_selects_by_source(mlflow_server, recorded):  # noqa: F811
 
 
 def test_a_fresh_process_looks_the_version_up_by_source_and_runs_it(
-    mlflow_server,  # noqa: F811
+    mlflow_server,
     packages,
     recorded,
     tmp_path,

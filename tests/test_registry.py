@@ -39,7 +39,6 @@ from registry.models import (
     registered_model_name,
     versions_with_hash,
 )
-from tests.fixtures.mlflow_server import mlflow_server  # noqa: F401 - pytest fixture
 from zoo.models import mlp_with_fallback
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +89,7 @@ def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def recorded(mlflow_server, packages) -> dict:  # noqa: F811
+def recorded(mlflow_server, packages) -> dict:
     """A recorded under a zoo run (nested), and its result."""
     from registry.tracking import record_package, zoo_run
 
@@ -99,7 +98,7 @@ def recorded(mlflow_server, packages) -> dict:  # noqa: F811
     return {"a": result, "parent": parent}
 
 
-def test_record_registers_a_version_with_tags_params_metrics_and_artifacts(mlflow_server, packages, recorded):  # noqa: F811
+def test_record_registers_a_version_with_tags_params_metrics_and_artifacts(mlflow_server, packages, recorded):
     import mlflow
 
     result = recorded["a"]
@@ -152,7 +151,7 @@ def test_record_registers_a_version_with_tags_params_metrics_and_artifacts(mlflo
     assert [(s.name, s.shape, str(s.type)) for s in inputs] == [("x", (-1, 64), "float32")]
 
 
-def test_same_content_twice_returns_the_existing_version(mlflow_server, packages, recorded, tmp_path):  # noqa: F811
+def test_same_content_twice_returns_the_existing_version(mlflow_server, packages, recorded, tmp_path):
     from registry.tracking import record_package
 
     again = record_package(packages["a"], "mlp", _request(), {"status": "ok"})
@@ -165,7 +164,7 @@ def test_same_content_twice_returns_the_existing_version(mlflow_server, packages
     assert [v.version for v in all_versions(mlflow.MlflowClient(mlflow_server.uri), NAME)] == ["1"]
 
 
-def test_two_zoo_runs_at_once_register_one_version(mlflow_server, packages, tmp_path):  # noqa: F811
+def test_two_zoo_runs_at_once_register_one_version(mlflow_server, packages, tmp_path):
     """Two processes record the same new content at the same moment: exactly one version results."""
     script = textwrap.dedent(
         """
@@ -207,7 +206,7 @@ def test_two_zoo_runs_at_once_register_one_version(mlflow_server, packages, tmp_
     assert sorted(r["created"] for r in results) == [False, True]
 
 
-def test_duplicate_from_another_host_converges_to_the_lowest_version(mlflow_server, recorded):  # noqa: F811
+def test_duplicate_from_another_host_converges_to_the_lowest_version(mlflow_server, recorded):
     """A writer on another host (no shared file lock) made a duplicate: the next registration removes it."""
     import mlflow
 
@@ -231,7 +230,7 @@ def test_duplicate_from_another_host_converges_to_the_lowest_version(mlflow_serv
     assert remaining == ["1"] and str(duplicate.version) not in remaining
 
 
-def test_logged_model_loads_in_a_fresh_process_and_matches_eager(mlflow_server, recorded, tmp_path):  # noqa: F811
+def test_logged_model_loads_in_a_fresh_process_and_matches_eager(mlflow_server, recorded, tmp_path):
     case = mlp_with_fallback()
     x = torch.randn(7, 64)
     np.save(tmp_path / "x.npy", x.numpy())
@@ -260,7 +259,7 @@ def test_logged_model_loads_in_a_fresh_process_and_matches_eager(mlflow_server, 
         np.testing.assert_allclose(np.load(tmp_path / f"{name}.npy"), expected, rtol=1e-4, atol=1e-5)
 
 
-def test_lookup_picks_the_version_whose_ranges_cover_the_shape(mlflow_server, recorded):  # noqa: F811
+def test_lookup_picks_the_version_whose_ranges_cover_the_shape(mlflow_server, recorded):
     from registry.lookup import lookup
 
     # v1: batch 1..32, v2: batch 16..64, no champion yet -> newest that fits.
@@ -281,7 +280,7 @@ def test_lookup_picks_the_version_whose_ranges_cover_the_shape(mlflow_server, re
         lookup("nope", (8, 64))
 
 
-def test_lookup_cli_exit_codes(mlflow_server, recorded):  # noqa: F811
+def test_lookup_cli_exit_codes(mlflow_server, recorded):
     from typer.testing import CliRunner
 
     from flows.registry_cli import build_app
@@ -303,7 +302,7 @@ def prefect_api():
 
 
 def test_release_promotes_good_candidates_and_rejects_degraded_weights(
-    mlflow_server,  # noqa: F811
+    mlflow_server,
     packages,
     recorded,
     prefect_api,
@@ -346,7 +345,7 @@ def test_release_promotes_good_candidates_and_rejects_degraded_weights(
     assert lookup("mlp", (8, 64)).version == "1"  # the champion does not cover batch 8
 
 
-def test_zoo_flow_records_its_models_nested_under_one_zoo_run(mlflow_server, prefect_api, tmp_path):  # noqa: F811
+def test_zoo_flow_records_its_models_nested_under_one_zoo_run(mlflow_server, prefect_api, tmp_path):
     """End to end through ``recompile_zoo``: the flow's tracking step lands each package in the registry."""
     import mlflow
     import yaml
@@ -382,7 +381,7 @@ def test_zoo_flow_records_its_models_nested_under_one_zoo_run(mlflow_server, pre
     assert parent.data.tags["kiln.kind"] == "zoo" and parent.info.status == "FINISHED"
 
 
-def test_rollback_moves_champion_back_and_refuses_a_second_time(mlflow_server, recorded):  # noqa: F811
+def test_rollback_moves_champion_back_and_refuses_a_second_time(mlflow_server, recorded):
     import mlflow
     from typer.testing import CliRunner
 
@@ -402,7 +401,7 @@ def test_rollback_moves_champion_back_and_refuses_a_second_time(mlflow_server, r
     assert again.exit_code == 2 and "no 'previous' alias" in again.output
 
 
-def test_failed_release_step_undoes_the_earlier_ones(mlflow_server, recorded):  # noqa: F811
+def test_failed_release_step_undoes_the_earlier_ones(mlflow_server, recorded):
     import mlflow
 
     from registry.release import _alias_step, _run_steps, _tag_steps
@@ -425,7 +424,7 @@ def _artifact_dir(client, name: str, version: str) -> Path:
     return Path(client.get_model_version_download_uri(name, version))
 
 
-def test_tampered_artifact_is_refused_at_lookup(mlflow_server, packages):  # noqa: F811
+def test_tampered_artifact_is_refused_at_lookup(mlflow_server, packages):
     import mlflow
 
     from registry.lookup import lookup
@@ -452,7 +451,7 @@ def test_tampered_artifact_is_refused_at_lookup(mlflow_server, packages):  # noq
         lookup("mlp_tamper_manifest", (20, 64))
 
 
-def test_deleted_artifact_gives_a_clear_error(mlflow_server, packages):  # noqa: F811
+def test_deleted_artifact_gives_a_clear_error(mlflow_server, packages):
     import mlflow
 
     from registry.lookup import lookup
@@ -492,7 +491,7 @@ def test_embedded_default_store_and_summary(packages, tmp_path):
     assert "kiln.mlp.cpu" in proc.stdout and "1..32" in proc.stdout
 
 
-def test_pool_of_threads_recording_the_same_package(mlflow_server, packages, tmp_path):  # noqa: F811
+def test_pool_of_threads_recording_the_same_package(mlflow_server, packages, tmp_path):
     """Threads of one zoo run (Prefect's thread runner) recording equal content: one version, no errors."""
     import mlflow
 
@@ -518,7 +517,7 @@ def test_pool_of_threads_recording_the_same_package(mlflow_server, packages, tmp
     )
 
 
-def test_a_failing_logging_step_marks_its_run_failed(mlflow_server, packages, tmp_path):  # noqa: F811
+def test_a_failing_logging_step_marks_its_run_failed(mlflow_server, packages, tmp_path):
     """The server is up but rejects the step: the run is marked FAILED with the error, the package kept."""
     import mlflow
     from mlflow.exceptions import MlflowException
@@ -575,7 +574,7 @@ def test_a_tensorrt_rtx_package_requires_tensorrt_rtx(packages):
     assert any(r.startswith("onnxruntime==") for r in requirements_for(manifest))
 
 
-def test_lookup_never_imports_a_module_a_tag_names(mlflow_server, packages, tmp_path, monkeypatch):  # noqa: F811
+def test_lookup_never_imports_a_module_a_tag_names(mlflow_server, packages, tmp_path, monkeypatch):
     """Issue 14.4: `kiln lookup` imported the module in a version's `factory` tag."""
     import mlflow
 
@@ -597,7 +596,7 @@ def test_lookup_never_imports_a_module_a_tag_names(mlflow_server, packages, tmp_
     assert not marker.exists() and "kiln_tag_payload" not in sys.modules
 
 
-def test_versions_with_the_old_content_hash_tag_still_match(mlflow_server, packages):  # noqa: F811
+def test_versions_with_the_old_content_hash_tag_still_match(mlflow_server, packages):
     import mlflow
 
     from registry.lookup import lookup
@@ -628,7 +627,7 @@ def _swap_program_for_a_payload(package: Path, marker: Path) -> None:
     _reseal(package)
 
 
-def test_lookup_falls_back_past_a_broken_champion_and_says_so(mlflow_server, packages, tmp_path, caplog):  # noqa: F811
+def test_lookup_falls_back_past_a_broken_champion_and_says_so(mlflow_server, packages, tmp_path, caplog):
     """Issue 14.7: a corrupt champion stranded every look-up."""
     import logging
 
@@ -664,7 +663,7 @@ def test_lookup_falls_back_past_a_broken_champion_and_says_so(mlflow_server, pac
     assert not marker.exists()
 
 
-def test_release_past_a_broken_champion_needs_force_and_is_recorded(mlflow_server):  # noqa: F811
+def test_release_past_a_broken_champion_needs_force_and_is_recorded(mlflow_server):
     import mlflow
 
     from registry.lookup import fetch_version, load_package
@@ -694,7 +693,7 @@ def test_release_past_a_broken_champion_needs_force_and_is_recorded(mlflow_serve
     assert client.get_model_version(name, champion).tags["broken"] == broken[:1000]
 
 
-def test_rollback_to_a_named_version(mlflow_server, recorded):  # noqa: F811
+def test_rollback_to_a_named_version(mlflow_server, recorded):
     import mlflow
     from typer.testing import CliRunner
 

@@ -22,7 +22,7 @@ from registry.config import RetryPolicy
 from registry.errors import RegistryUnavailableError
 from registry.models import all_versions, content_hash_of, registered_model_name
 from registry.tracking import TAG_CONTENT_HASH, record_package
-from tests.fixtures.mlflow_server import MlflowServer, mlflow_server  # noqa: F401 - pytest fixture
+from tests.fixtures.mlflow_server import MlflowServer
 from zoo.models import mlp_with_fallback
 
 MODEL = "mlp_faults"
@@ -84,7 +84,7 @@ class _Recorder(threading.Thread):
 
 
 def test_server_lost_mid_run_fails_cleanly_and_a_rerun_completes_the_same_run(
-    mlflow_server: MlflowServer,  # noqa: F811
+    mlflow_server: MlflowServer,
     base_package,
     tmp_path,
 ):
@@ -130,7 +130,7 @@ def test_server_lost_mid_run_fails_cleanly_and_a_rerun_completes_the_same_run(
 
 
 def test_server_restart_mid_run_is_ridden_out_by_back_off(
-    mlflow_server: MlflowServer,  # noqa: F811
+    mlflow_server: MlflowServer,
     base_package,
     tmp_path,
     caplog,

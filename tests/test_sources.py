@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import compiler
-from tests.fixtures.mlflow_server import mlflow_server  # noqa: F401 - pytest fixture
 from zoo.config import ZooEntry, parse_zoo
 from zoo.errors import UntrustedCodeError, ZooConfigError
 from zoo.preflight import preflight
@@ -405,7 +404,7 @@ def yaml_dump(data: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def registered(mlflow_server) -> dict:  # noqa: F811
+def registered(mlflow_server) -> dict:
     """kiln-src-mlp (pt2 format, signature and input example from the logged example) @production;
     kiln-src-pickled (pickle format, a signature, no example); two hand-written MLmodels that are
     not loadable PyTorch models: no signature, and another flavor."""

@@ -14,8 +14,6 @@ import pytest
 import yaml
 
 from flows.webhook import Receiver, WebhookSignatureError, serve, sign, verify
-from tests.fixtures.mlflow_server import mlflow_server  # noqa: F401 - fixture
-from tests.fixtures.prefect_server import prefect_api, prefect_server  # noqa: F401 - fixtures
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "kiln-test-secret-0123456789"
@@ -55,8 +53,8 @@ def _flow_runs_of(deployment_id: object) -> list:
 
 
 def test_a_new_source_version_starts_the_deployment_for_its_entries_only(
-    mlflow_server,  # noqa: F811
-    prefect_api,  # noqa: F811
+    mlflow_server,
+    prefect_api,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
