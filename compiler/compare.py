@@ -24,7 +24,7 @@ import torch
 
 from compiler.build import TORCH
 from compiler.runtime import CompiledModule
-from compiler.validate import compare_tensors
+from compiler.validate import compare_tensors, nan_as_worst
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class PartitionComparison:
 
     def worst(self) -> list[PartitionRow]:
         """Rows from the largest relative L2 error down (non-finite first)."""
-        return sorted(self.rows, key=lambda r: _order(r.rel_l2), reverse=True)
+        return sorted(self.rows, key=lambda r: nan_as_worst(r.rel_l2), reverse=True)
 
     def table(self) -> str:
         """A table that reads at 80 columns."""
@@ -88,10 +88,6 @@ class PartitionComparison:
         names = {f.name for f in fields(PartitionRow)}
         rows = tuple(PartitionRow(**{k: v for k, v in r.items() if k in names}) for r in data["rows"])
         return cls(rows, float(data["total_ms"]), int(data["samples"]))
-
-
-def _order(value: float) -> float:
-    return math.inf if math.isnan(value) else value
 
 
 def compare_partitions(
@@ -125,8 +121,8 @@ def compare_partitions(
                     continue
                 row = compare_tensors(name, ref, out)
                 w = worst[name]
-                w[0] = max(w[0], row.max_abs, key=_order)
-                w[1] = max(w[1], row.rel_l2, key=_order)
+                w[0] = max(w[0], row.max_abs, key=nan_as_worst)
+                w[1] = max(w[1], row.rel_l2, key=nan_as_worst)
                 w[2] = math.nan if math.isnan(w[2]) or math.isnan(row.cosine) else min(w[2], row.cosine)
 
         return hook

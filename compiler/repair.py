@@ -37,7 +37,7 @@ from compiler.dedup import dedup
 from compiler.errors import AccuracyError
 from compiler.pipeline import resolve_cache
 from compiler.runtime import CompiledModule, assemble
-from compiler.validate import Latency, Tolerances, ValidationReport, measure_accuracy, validate
+from compiler.validate import Latency, Tolerances, ValidationReport, measure_accuracy, nan_as_worst, validate
 from compiler.validation_data import ValidationData, validation_data
 
 # One step up in accuracy for a partition at each level; "torch" (its PyTorch submodule) is the top.
@@ -261,14 +261,10 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def _order(value: float) -> float:
-    return math.inf if math.isnan(value) else value
-
-
 def _pick(table: PartitionComparison, per_round: int) -> list[PartitionRow]:
     """The partitions to raise this round: every one with a non-finite error (an overflow: certainly
     broken), else the ``per_round`` worst. Partitions without error have nothing to gain."""
-    candidates = [r for r in table.worst() if r.precision in STEP_UP and _order(r.rel_l2) > 0]
+    candidates = [r for r in table.worst() if r.precision in STEP_UP and nan_as_worst(r.rel_l2) > 0]
     broken = [r for r in candidates if not math.isfinite(r.rel_l2)]
     return broken or candidates[: max(1, per_round)]
 

@@ -229,7 +229,7 @@ class ValidationReport:
         if len(rows) < 2:
             return None  # one output: naming it adds nothing
         sign = -1.0 if metric in ("cosine", "top1_agreement") else 1.0  # for these, lower is worse
-        return max(rows, key=lambda o: _order(sign * getattr(o, metric))).output
+        return max(rows, key=lambda o: nan_as_worst(sign * getattr(o, metric))).output
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -256,7 +256,7 @@ class ValidationReport:
         return cls(**values)
 
 
-def _order(value: float) -> float:
+def nan_as_worst(value: float) -> float:
     """Sort key where nan counts as the worst (largest) value."""
     return math.inf if math.isnan(value) else value
 
@@ -344,8 +344,8 @@ class _Worst:
             if prior is not None:
                 row = OutputAccuracy(
                     row.output,
-                    max(prior.max_abs, row.max_abs, key=_order),
-                    max(prior.rel_l2, row.rel_l2, key=_order),
+                    max(prior.max_abs, row.max_abs, key=nan_as_worst),
+                    max(prior.rel_l2, row.rel_l2, key=nan_as_worst),
                     _lowest(prior.cosine, row.cosine),
                 )
             self.rows[row.output] = row
