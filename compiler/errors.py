@@ -106,3 +106,8 @@ class OpModuleNotAllowedError(KilnError):
 class PackageSignatureError(PackageCorruptError):
     """``KILN_SIGNING_KEY`` is set and a package is unsigned, or signed with another key, or changed
     after signing."""
+
+
+class CudaGraphError(KilnError, ValueError):
+    """CUDA graphs were required (``cuda_graphs="on"``) where they cannot run: a CPU device, a backend
+    whose engines run outside PyTorch's CUDA stream, or a module the capture check refused."""

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from compiler.backends.base import PRECISIONS, BuildSettings
+from compiler.cudagraphs import check_mode
 from compiler.errors import PartitionError
 
 # What a partition whose engine build fails becomes (see CompileOptions.on_build_failure).
@@ -42,6 +43,11 @@ class CompileOptions:
     ``"fp16"``, ``"bf16"`` or ``"torch"``: the partition runs as its PyTorch submodule). Repair writes
     it; a compile given the same options builds the same engines without repairing again. Only the
     named partitions' build settings change, so every other engine keeps its fingerprint and cache entry.
+
+    ``cuda_graphs``: ``"auto"`` (CUDA devices replay the whole module as CUDA graphs where the
+    compile-time capture check passes; the CPU runs without), ``"on"`` (required: a CudaGraphError for
+    a CPU device, an ONNX Runtime backend or fallback, or a module the check refuses) or ``"off"``.
+    See :mod:`compiler.cudagraphs`. A runtime setting: not a build setting, no engine changes.
     """
 
     backend: str = "onnxruntime"
@@ -58,6 +64,7 @@ class CompileOptions:
     device: str = "cpu"
     on_accuracy_failure: str = "error"
     partition_precision: Mapping[str, str] = field(default_factory=dict)
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         if self.on_accuracy_failure not in ON_ACCURACY_FAILURE:
@@ -98,6 +105,7 @@ class CompileOptions:
         if split is not None and split != "auto":
             split = (split,) if isinstance(split, str) else tuple(split)
             object.__setattr__(self, "split_modules", split)
+        check_mode(self.cuda_graphs, self.device, self.backend, self.on_build_failure)
 
     def build_settings(self, partition: str | None = None) -> BuildSettings:
         """The build settings of ``partition`` (its ``partition_precision``, else ``precision``); with

@@ -200,6 +200,7 @@ def load(
     allowed_modules: Sequence[str] | None = None,
     device: str | None = None,
     trust_engine_code: bool | None = None,
+    cuda_graphs: str | None = None,
 ) -> CompiledModule:
     """Load a package: verify, re-create the split graph from the saved plan, refit engines, ready to call.
 
@@ -214,6 +215,10 @@ def load(
     stored. By default only when ``$KILN_SIGNING_KEY`` is set, i.e. the package's signature was just
     verified; otherwise such engines are compiled again here from their programs (slower, runs nothing
     the package brought).
+
+    ``cuda_graphs``: ``"auto"``, ``"on"`` or ``"off"`` for this load; by default what the package was
+    compiled with (``CompileOptions.cuda_graphs``; packages that predate it: ``"auto"``). The capture
+    check recorded at compile is trusted: a module it refused runs uncaptured (``"on"``: CudaGraphError).
     """
     path = Path(path)
     manifest = _read_manifest(path, verify=True)
@@ -245,7 +250,8 @@ def load(
     if missing:
         raise PackageCorruptError(f"{path}: {WEIGHTS} lacks weights {missing[:10]}")
     program = with_weights(program, {k: v for k, v in weights.items() if k in own})
-    plan_data = {**manifest.plan, "options": {**manifest.plan["options"], "device": str(target)}}
+    runtime = {"device": str(target), **({"cuda_graphs": cuda_graphs} if cuda_graphs is not None else {})}
+    plan_data = {**manifest.plan, "options": {**manifest.plan["options"], **runtime}}
     plan = replay(program, plan_data)
     plan.input_weights = {k: weights[k] for k in manifest.input_weights}
     engines = {

@@ -26,6 +26,9 @@ class CompileReport:
     # Set when compiler.repair raised partitions to meet the tolerances: RepairRecord.to_dict() (every
     # decision with the partition's error before and after, the model's accuracy before and after).
     accuracy_repair: dict | None = None
+    # The compile-time CUDA-graph capture check (compiler.cudagraphs.CaptureCheck.to_dict()); None where
+    # none ran (CPU, cuda_graphs 'off', engines outside PyTorch's stream).
+    cuda_graphs: dict | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -59,6 +62,8 @@ class CompileReport:
                 for step in self.accuracy_repair["steps"]
             )
             text += f"; accuracy repair: {raised}"
+        if self.cuda_graphs and not self.cuda_graphs.get("capturable"):
+            text += f"; CUDA graphs off: {self.cuda_graphs.get('reason')}"
         if fell_back:
             noun = "partition" if len(fell_back) == 1 else "partitions"
             text += f"; {len(fell_back)} {noun} fell back after build failures: {', '.join(fell_back)}"

@@ -6,7 +6,9 @@ the instance's tensors put in) and swaps each partition submodule of the split g
 TensorRT compile runs on ONNX Runtime), and a partition whose build fell back to PyTorch keeps its
 submodule, which the graph feeds the current weights like any fallback op. The compiled module takes
 the model's own call signature, checks inputs against the specs captured at export, and returns the
-model's own output structure.
+model's own output structure. On CUDA it replays its whole call as CUDA graphs where
+``CompileOptions.cuda_graphs`` allows (:mod:`compiler.cudagraphs`; ``module.cuda_graphs`` shows the
+captures, their pool and why graphs are off where they are).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from torch.utils import _pytree as pytree
 from compiler.backends import get_backend
 from compiler.backends.base import Engine, EngineBackend, EngineIO
 from compiler.build import EngineArtifact
+from compiler.cudagraphs import CaptureCheck, CudaGraphs, check_capture, decide
 from compiler.dedup import DedupPlan
 from compiler.device import resolve, same
-from compiler.errors import InputSpecError, RefitError
+from compiler.errors import CudaGraphError, InputSpecError, RefitError
 from compiler.export import TRACING
 from compiler.lower import engine_weights
 from compiler.partition import PartitionPlan
@@ -92,6 +95,10 @@ class CompiledModule(torch.nn.Module):
         # edits a process-wide fx annotation dict (KeyError 'custom' under torch 2.13): graphs that
         # call one run under the tracing lock, so they never overlap a trace.
         self._lock = TRACING if _calls_custom_ops(graph) else contextlib.nullcontext()
+        check = CaptureCheck.from_dict(report.cuda_graphs) if report.cuda_graphs else None
+        mode = plan.options.cuda_graphs
+        decision = decide(mode, self.device, (a.backend for a in self.engines.values() if a.is_engine), check)
+        self.cuda_graphs = CudaGraphs(self._run_uncaptured, self.device, decision, mode=mode)
 
     @property
     def input_specs(self) -> tuple[InputSpec, ...]:
@@ -109,11 +116,32 @@ class CompiledModule(torch.nn.Module):
         """Run on the flat user inputs (the program's order); returns the flat user outputs."""
         self._check_placement(flat)
         check_inputs(self.plan.specs, flat)
+        return self.cuda_graphs(flat)
+
+    def _run_uncaptured(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         user = iter(flat)
         feed = [next(user) if value is None else value for value in self._feed_template]
         with self._lock, torch.no_grad():
             outputs = self.graph(*feed)
         return [outputs[i] for i in self._user_outputs]
+
+    def check_cuda_graphs(self) -> CaptureCheck | None:
+        """The compile-time capture check (see :func:`compiler.cudagraphs.check_capture`) at the opt
+        shapes; None where graphs are off anyway. Turns graphs off for this module when it fails."""
+        if not self.cuda_graphs.enabled:
+            return None
+        from compiler.validation_data import sample_inputs
+
+        def inputs(seed: int) -> list[torch.Tensor]:
+            generator = torch.Generator().manual_seed(seed)
+            return [t.to(self.device) for t in sample_inputs(self.plan.specs, "opt", generator)]
+
+        check = check_capture(self._run_uncaptured, self.cuda_graphs, inputs)
+        if not check.capturable:
+            self.cuda_graphs.enabled, self.cuda_graphs.reason = False, check.reason
+            if self.cuda_graphs.mode == "on":
+                raise CudaGraphError(f"cuda_graphs 'on', but this module cannot be graphed: {check.reason}")
+        return check
 
     def _check_placement(self, flat: list[object]) -> None:
         """Inputs are dense tensors with data, on the module's device: anything else is a typed error
@@ -220,9 +248,13 @@ class CompiledModule(torch.nn.Module):
             )
             for fp, a in self.engines.items()
         }
-        return assemble(
+        # A new module with its own captures: the old module's graphs keep reading the old weights.
+        refitted = assemble(
             plan, self.dedup, engines, report=self.report, trust_engine_code=self.trust_engine_code
         )
+        refitted.cuda_graphs.max_shapes = self.cuda_graphs.max_shapes
+        refitted.cuda_graphs.static_outputs = self.cuda_graphs.static_outputs
+        return refitted
 
 
 def _leaf_call(in_spec: pytree.TreeSpec | None) -> tuple[int, tuple[str, ...]] | None:
@@ -270,7 +302,14 @@ def assemble(
             plan, dedup, engines, get_backend(plan.options.backend, device=plan.options.device), refits
         )
     report.stage_seconds["assemble"] = round(time.perf_counter() - start, 4)
-    return CompiledModule(plan, dedup, engines, graph, report, trust_engine_code=trust_engine_code)
+    module = CompiledModule(plan, dedup, engines, graph, report, trust_engine_code=trust_engine_code)
+    # A new compile (or a package from before the check, or compiled with graphs off): check the
+    # capture once and record it. A recorded check is trusted: loads and refits skip it.
+    if module.cuda_graphs.enabled and report.cuda_graphs is None:
+        check = module.check_cuda_graphs()
+        report.cuda_graphs = check.to_dict() if check is not None else None
+        report.stage_seconds["cuda_graphs_check"] = check.seconds if check is not None else 0.0
+    return module
 
 
 def _report(

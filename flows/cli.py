@@ -391,6 +391,10 @@ def compile_cmd(
             "--on-accuracy-failure", help="fp16/bf16 missing its tolerances: repair (default) or error"
         ),
     ] = None,
+    cuda_graphs: Annotated[
+        str | None,
+        typer.Option("--cuda-graphs", help="replay as CUDA graphs: auto (default: CUDA devices), on, off"),
+    ] = None,
     validation_data: Annotated[
         Path | None,
         typer.Option("--validation-data", help="recorded inputs (.safetensors/.npz, one array per input)"),
@@ -423,6 +427,7 @@ def compile_cmd(
         "revision": revision,
         "trust_remote_code": trust_remote_code,
         "on_accuracy_failure": on_accuracy_failure,
+        "cuda_graphs": cuda_graphs,
         "validation": {"data": str(validation_data.resolve())} if validation_data else None,
     }
     try:

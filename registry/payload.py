@@ -84,6 +84,7 @@ def params_for(manifest: Manifest, model: str) -> dict[str, str]:
             else list(options.split_modules)
         ),
         "device": options.device,
+        "cuda_graphs": options.cuda_graphs,
         "source": manifest.source.uri if manifest.source else "",
         "kiln_version": manifest.kiln_version,
         "torch_version": manifest.torch_version,

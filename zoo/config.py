@@ -149,6 +149,11 @@ class ZooEntry(_Strict):
         description="fp16/bf16 missing its tolerances: raise its worst partitions' precision, or fail",
     )
     validation: EntryValidation = Field(default_factory=EntryValidation)
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="replay the whole model as CUDA graphs: auto (CUDA devices, where capture works), on "
+        "(required), off",
+    )
     on_build_failure: Literal[ON_BUILD_FAILURE] = Field(  # type: ignore[valid-type]
         default="torch",
         description="a partition whose engine build fails: runs in PyTorch, on ONNX Runtime, or fails",
@@ -237,9 +242,11 @@ class ZooEntry(_Strict):
 
     @model_validator(mode="after")
     def _options_valid(self) -> ZooEntry:
-        # CompileOptions checks itself (fallback vs backend, block size, ...): one set of rules.
+        # CompileOptions checks itself (fallback vs backend, block size, ...): one set of rules, for
+        # every device of the entry (cuda_graphs 'on' needs a CUDA one).
         try:
-            self.compile_options("cpu")
+            for device in self.devices:
+                self.compile_options(device)
         except KilnError as exc:
             raise ValueError(str(exc)) from None
         return self
@@ -273,6 +280,7 @@ class ZooEntry(_Strict):
             on_accuracy_failure=self.on_accuracy_failure,
             partition_precision=dict(self.partition.precision),
             device=device,
+            cuda_graphs=self.cuda_graphs,
         )
 
     def package_name(self, device: str) -> str:
