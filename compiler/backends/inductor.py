@@ -244,12 +244,19 @@ class InductorBackend:
                 return compiled
             except Exception as exc:  # a cache miss or a torch build mismatch: both mean compile again
                 reason = f"its compiled graph does not load here ({_short(exc)})"
+        options = header["options"]
+        local = _LocalCompiled(files[PROGRAM], options, self.target_device())
+        compiled = local.load(engine_io, self.device, weights, constants)
+        if compiled is not None:  # compiled here from this very program before: as trusted as a build
+            return compiled
         warnings.warn(f"Inductor engine: {reason}; compiling it from its program", stacklevel=3)
         graph = _Graph.load(files[PROGRAM], self.device)  # an unsafe program is its own typed error
         try:
-            return graph.compile(engine_io, header["options"], weights)
+            compiled = graph.compile(engine_io, options, weights)
         except Exception as exc:
             raise BackendError(f"Inductor could not compile a stored engine: {_short(exc)}") from exc
+        local.store(compiled)
+        return compiled
 
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
         header, files = read_engine(engine)
@@ -328,6 +335,55 @@ class _Graph:
             with torch.no_grad():
                 compiled(*args)
         return compiled
+
+
+class _LocalCompiled:
+    """Graphs this machine compiled from stored engines' programs (untrusted packages, artifacts that do
+    not load here), kept in the local engine cache: the second load of the same engine loads what this
+    machine built instead of compiling again. Keyed by what was compiled (the program's bytes, the
+    options, torch and the device), never by the package's own compiled graph, which is not read."""
+
+    def __init__(self, program: bytes, options: Mapping[str, Any], target: str):
+        meta = {"torch": torch.__version__, "target": target, "options": options, "format": FORMAT}
+        self.key = hashlib.sha256(program + json.dumps(meta, sort_keys=True).encode()).hexdigest()
+        self.meta = {"kind": "inductor-local-compile", "torch": torch.__version__, "target": target}
+
+    @staticmethod
+    def _cache() -> Any:
+        from compiler.cache import EngineCache
+        from compiler.errors import CacheError
+
+        try:
+            return EngineCache()  # KILN_CACHE_DIR, else the user's cache: trusted input (docs/security.md)
+        except CacheError:
+            return None
+
+    def load(
+        self,
+        engine_io: EngineIO,
+        device: torch.device,
+        weights: tuple[torch.Tensor, ...],
+        constants: Mapping[int, torch.Tensor],
+    ) -> Callable[..., Any] | None:
+        cache = self._cache()
+        data = cache.get(self.key) if cache is not None else None
+        if data is None:
+            return None
+        try:
+            compiled = _load_artifact(data)
+            with torch.no_grad():
+                compiled(*_graph_args(_examples(engine_io, device), weights, constants))
+            return compiled
+        except Exception:  # another Inductor configuration since: compile again (and overwrite)
+            return None
+
+    def store(self, compiled: Any) -> None:
+        cache = self._cache()
+        if cache is not None:
+            try:
+                cache.put(self.key, _save(compiled), self.meta)
+            except Exception as exc:  # never fail a load because the cache cannot take an entry
+                warnings.warn(f"Inductor engine: not kept in the local cache ({_short(exc)})", stacklevel=4)
 
 
 def _recall(key: str) -> tuple[Callable[..., Any] | None, bytes | None]:
