@@ -267,8 +267,19 @@ class CudaGraphs:
         current.wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads' CUDA calls neither break this capture nor are broken by it.
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            outputs = self._run(static)
+        cause: Exception | None = None
+        try:
+            with torch.cuda.graph(
+                graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"
+            ):
+                try:
+                    outputs = self._run(static)
+                except Exception as exc:
+                    cause = exc
+                    raise
+        except Exception as exc:
+            # Ending a broken capture raises its own "capture invalidated": report what broke it.
+            raise (cause or exc) from None
         return _Capture(graph, static, list(outputs))
 
 
