@@ -1,15 +1,16 @@
-"""GPU runtime benchmark (issue 15): eager vs torch.compile vs kiln's Inductor backend on one GPU.
+"""GPU runtime benchmark (issues 15 and 20): eager vs torch.compile vs kiln's Inductor backend on one GPU.
 
 For BERT-base (12 layers x 768, sequence 128, batch 1..8 dynamic) and the fallback model (12 blocks of
 1024 wide with a custom op in each, which stays in PyTorch between engines), in fp32 and fp16, at batch
-1 and 8: latency of eager PyTorch, ``torch.compile`` (default mode), kiln ``inductor`` over the whole
-graph and kiln ``inductor`` split per block with dedup (one compiled graph per unique block), and the
-compile time of each; where TensorRT-RTX is installed, its build time split per block with dedup (one
-build per unique block) and without (one build per block), and over the whole graph (builds only: its
-runtime refuses the H100). Timings are interleaved (``compiler.validate.measure_latency``, synchronised).
-Every compile gets a fresh Inductor cache directory, so compile times are cold on disk (in-process
-kernel caches of earlier compiles may still help later ones; the order is torch.compile, kiln whole,
-kiln split). Results are written after every step, so a run cut short leaves what it measured.
+1, 8 and 5 (no profile: shape profiles are not built yet, so every batch is served by the dynamic
+engines): latency of eager PyTorch, ``torch.compile`` default and ``mode="reduce-overhead"``, kiln
+``inductor`` over the whole graph and split per block with dedup, each with CUDA graphs (the default,
+``cuda_graphs="auto"``) and without; compile times; and for BERT-base fp16 (whole graph) the fresh
+process's load to first answer, trusted, untrusted (engines compiled from their programs) and
+untrusted a second time (what the first kept in the local engine cache), with where the trusted load's
+time goes (cProfile). Timings are interleaved (``compiler.validate.measure_latency``, synchronised).
+Every compile gets a fresh Inductor cache directory, so compile times are cold on disk. Results are
+written after every step, so a run cut short leaves what it measured.
 
     python3 benchmarks/gpu_runtime.py --out benchmarks/results/gpu_runtime_h100.json
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import platform
@@ -121,6 +123,23 @@ def trt_rtx_builds(program, device: str, precision: str) -> dict:
     return rows
 
 
+def without_graphs(module: compiler.CompiledModule) -> compiler.CompiledModule:
+    """The same engines assembled with ``cuda_graphs="off"`` (no recompile: engines are kept per process)."""
+    plan = copy.copy(module.plan)
+    plan.options = dataclasses.replace(plan.options, cuda_graphs="off")
+    return compiler.assemble(plan, module.dedup, module.engines, report=module.report)
+
+
+def host_cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     device = args.device
@@ -128,6 +147,7 @@ def run(args: argparse.Namespace) -> dict:
     results: dict = {
         "machine": {
             "gpu": gpu,
+            "host_cpu": host_cpu(),
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "cpu_count": os.cpu_count(),
@@ -155,16 +175,21 @@ def run(args: argparse.Namespace) -> dict:
         eager = copy.deepcopy(model).half() if half else model
         torch._dynamo.reset()
         fresh_inductor_cache()
-        compiled_tc = torch.compile(eager)
         compile_rows = {"model": name, "precision": precision}
-        with torch.no_grad():
-            for batch in args.batches:  # first call per batch compiles (static, then automatic dynamic)
-                a, k = at_batch(case, batch, half)
-                _, seconds = timed(compiled_tc, *a, **k)
-                compile_rows[f"torch_compile_first_call_batch{batch}_s"] = round(seconds, 2)
+        compiled_tc = {}
+        for label, mode in (
+            ("torch_compile", "default"),
+            ("torch_compile_reduce_overhead", "reduce-overhead"),
+        ):
+            compiled_tc[label] = torch.compile(copy.deepcopy(eager), mode=mode)
+            with torch.no_grad():
+                for batch in args.batches:  # first call per batch compiles (static, then dynamic)
+                    a, k = at_batch(case, batch, half)
+                    _, seconds = timed(compiled_tc[label], *a, **k)
+                    compile_rows[f"{label}_first_call_batch{batch}_s"] = round(seconds, 2)
         program = compiler.export(model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
         kiln = {}
-        for label, split in (("kiln_inductor_whole", None), ("kiln_inductor_split_dedup", "auto")):
+        for label, split in (("kiln_whole", None), ("kiln_split_dedup", "auto")):
             fresh_inductor_cache()
             start = time.perf_counter()
             module = compiler.compile(
@@ -178,17 +203,17 @@ def run(args: argparse.Namespace) -> dict:
             compile_rows[f"{label}_build_s"] = round(time.perf_counter() - start, 2)
             compile_rows[f"{label}_partitions"] = len(module.report.partitions)
             compile_rows[f"{label}_unique"] = module.report.unique_fingerprints
-            # A partition whose Inductor build failed runs eagerly in PyTorch: its latency is eager's.
+            compile_rows[f"{label}_cuda_graph_check"] = module.report.cuda_graphs
             compile_rows[f"{label}_build_failures"] = [
                 {"partitions": f["partitions"], "error": f["error"][:2000]}
                 for f in module.report.build_failures
             ]
-            kiln[label] = module
-        whole, split = (
-            compile_rows["kiln_inductor_whole_build_s"],
-            compile_rows["kiln_inductor_split_dedup_build_s"],
-        )
+            kiln[f"{label}_cuda_graphs"] = module
+            kiln[f"{label}_no_graphs"] = without_graphs(module)
+        whole, split = compile_rows["kiln_whole_build_s"], compile_rows["kiln_split_dedup_build_s"]
         compile_rows["split_over_whole_compile"] = round(split / whole, 3) if whole else None
+        first = compile_rows.get(f"torch_compile_first_call_batch{args.batches[0]}_s")
+        compile_rows["kiln_whole_over_torch_compile_first_call"] = round(whole / first, 3) if first else None
         results["compile_seconds"].append(compile_rows)
         write()
         with torch.no_grad():
@@ -198,7 +223,7 @@ def run(args: argparse.Namespace) -> dict:
                 reference = first_leaf(model(*a32, **k32)).float()
                 fns = {
                     "eager": lambda a=a, k=k, f=eager: f(*a, **k),
-                    "torch_compile": lambda a=a, k=k, f=compiled_tc: f(*a, **k),
+                    **{label: (lambda a=a, k=k, f=f: f(*a, **k)) for label, f in compiled_tc.items()},
                     **{label: (lambda m=m, a=a32, k=k32: m(*a, **k)) for label, m in kiln.items()},
                 }
                 errors = {}
@@ -206,26 +231,42 @@ def run(args: argparse.Namespace) -> dict:
                     got = first_leaf(fn()).float()
                     errors[label] = float((got - reference).norm() / reference.norm())
                 latency = measure_latency(fns, warmup=args.warmup, runs=args.runs)
+                ms = {label: round(lat.median_ms, 4) for label, lat in latency.items()}
+                ro = ms["torch_compile_reduce_overhead"]
                 row = {
                     "model": name,
                     "precision": precision,
                     "batch": batch,
-                    **{f"{label}_ms": round(lat.median_ms, 4) for label, lat in latency.items()},
+                    # The issue's names: kiln whole graph, with and without CUDA graphs.
+                    "torch_compile_reduce_overhead_ms": ro,
+                    "kiln_cuda_graphs_ms": ms["kiln_whole_cuda_graphs"],
+                    "kiln_no_graphs_ms": ms["kiln_whole_no_graphs"],
+                    **{f"{label}_ms": v for label, v in ms.items()},
                     **{f"{label}_p95_ms": round(lat.p95_ms, 4) for label, lat in latency.items()},
                     "rel_l2_vs_eager_fp32": {label: round(e, 6) for label, e in errors.items()},
                 }
-                tc = latency["torch_compile"].median_ms
-                eg = latency["eager"].median_ms
                 for label in kiln:
-                    row[f"{label}_over_torch_compile"] = round(latency[label].median_ms / tc, 3)
-                    row[f"{label}_over_eager"] = round(latency[label].median_ms / eg, 3)
+                    row[f"{label}_over_reduce_overhead"] = round(ms[label] / ro, 3)
+                for part in ("kiln_whole", "kiln_split_dedup"):
+                    row[f"{part}_graphs_over_no_graphs"] = round(
+                        ms[f"{part}_cuda_graphs"] / ms[f"{part}_no_graphs"], 3
+                    )
                 results["rows"].append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if not k.endswith("p95_ms")}), flush=True)
                 write()
-        if trt_rtx_available(device):
+        if args.trt_rtx and trt_rtx_available(device):
             compile_rows.update(trt_rtx_builds(program, device, precision))
             write()
+        if args.cold_start and (name, precision) == (args.models[0], args.cold_start_precision):
+            from benchmarks.gpu_cold_start import load_to_first_answer
+
+            results["load_to_first_answer_s"] = load_to_first_answer(
+                kiln["kiln_whole_cuda_graphs"], case, Path(args.out).parent, device
+            )
+            write()
         kiln.clear()
+        compiled_tc.clear()
+        torch._dynamo.reset()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     results["wall_seconds"] = round(time.perf_counter() - started, 1)
@@ -238,10 +279,15 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULT))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
-    parser.add_argument("--precisions", type=lambda s: s.split(","), default=["fp32", "fp16"])
-    parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8])
+    parser.add_argument("--precisions", type=lambda s: s.split(","), default=["fp16", "fp32"])
+    parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8, 5])
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--trt-rtx", action="store_true", help="TensorRT-RTX build times too")
+    parser.add_argument(
+        "--cold-start", action="store_true", help="fresh-process load to first answer (first model)"
+    )
+    parser.add_argument("--cold-start-precision", default="fp16")
     parser.add_argument(
         "--budget-s", type=float, default=480.0, help="start no new (model, precision) after this"
     )
@@ -250,15 +296,23 @@ def main() -> None:
 
 
 def print_tables(results: dict) -> None:
-    kinds = ("eager", "torch_compile", "kiln_inductor_whole", "kiln_inductor_split_dedup")
+    kinds = (
+        "eager",
+        "torch_compile",
+        "torch_compile_reduce_overhead",
+        "kiln_whole_cuda_graphs",
+        "kiln_whole_no_graphs",
+        "kiln_split_dedup_cuda_graphs",
+        "kiln_split_dedup_no_graphs",
+    )
     print_table(
-        "latency, ms (x torch.compile)",
-        ["model", "prec", "batch", "eager", "torch.compile", "kiln whole", "kiln split+dedup"],
+        "latency, ms (x torch.compile reduce-overhead)",
+        ["model", "prec", "batch", "eager", "tc", "tc r-o", "kiln graphs", "kiln", "split graphs", "split"],
         [
             [r["model"], r["precision"], r["batch"]]
             + [
                 f"{r[f'{k}_ms']:.2f}"
-                + (f" ({r[f'{k}_over_torch_compile']:.2f}x)" if k.startswith("kiln") else "")
+                + (f" ({r[f'{k}_over_reduce_overhead']:.2f}x)" if k.startswith("kiln") else "")
                 for k in kinds
             ]
             for r in results["rows"]
@@ -266,28 +320,21 @@ def print_tables(results: dict) -> None:
     )
     print_table(
         "compile, s",
-        [
-            "model",
-            "prec",
-            "torch.compile b1",
-            "kiln whole",
-            "kiln split+dedup",
-            "split/whole",
-            "trt-rtx dedup/no",
-        ],
+        ["model", "prec", "tc first call", "kiln whole", "kiln split", "whole/tc first"],
         [
             [
                 r["model"],
                 r["precision"],
-                r.get("torch_compile_first_call_batch1_s"),
-                r.get("kiln_inductor_whole_build_s"),
-                r.get("kiln_inductor_split_dedup_build_s"),
-                r.get("split_over_whole_compile"),
-                r.get("trt_rtx_dedup_over_no_dedup", "-"),
+                r.get(f"torch_compile_first_call_batch{1}_s"),
+                r.get("kiln_whole_build_s"),
+                r.get("kiln_split_dedup_build_s"),
+                r.get("kiln_whole_over_torch_compile_first_call"),
             ]
             for r in results["compile_seconds"]
         ],
     )
+    if "load_to_first_answer_s" in results:
+        print("\nload to first answer, s:", json.dumps(results["load_to_first_answer_s"]))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@
 # Results land in $OUT (the device tool brings them back): copy gpu_runtime_h100.json to
 # benchmarks/results/ and write what the run found into its "notes".
 set -uo pipefail
-step=${1:?usage: run_on_device.sh tests|bench|aoti}
+step=${1:?usage: run_on_device.sh tests|bench|graphs|bench20 [model]|aoti}
 out=${OUT:-/tmp/kiln-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONDONTWRITEBYTECODE=1
@@ -21,6 +21,13 @@ tests)  # the CUDA runtime through Inductor, and the TensorRT tests that can run
 bench)  # every row of issue 15's table that fits; the script writes after each step
   python3 benchmarks/gpu_runtime.py --out "$out/gpu_runtime_h100.json" --budget-s 420 \
     2>&1 | grep -v Warning | tee "$out/bench.log" | tail -30 ;;
+graphs)  # issue 20: the CUDA-graph runtime tests, then the issue-15 CUDA tests
+  timeout 560 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda_graphs_gpu.py \
+    tests/gpu/test_inductor_gpu.py 2>&1 | tee "$out/tests.log" | tail -40 ;;
+bench20)  # issue 20's table for the models named (default both), BERT-base with the cold start
+  python3 benchmarks/gpu_runtime.py --out "$out/gpu_runtime_${2:-all}.json" --budget-s 420 \
+    ${2:+--models $2} --cold-start 2>&1 | grep -v Warning | tee "$out/bench.log" | tail -40
+  ;;
 aoti)  # AOTInductor once more, with the system compiler instead of /opt/gcc (the segfault's suspect)
   CXX=/usr/bin/g++ timeout 560 python3 tests/gpu/probe_inductor_aoti.py "$out/probe_aoti.json" \
     2>&1 | tail -30 ;;
