@@ -157,6 +157,7 @@ class CudaGraphs:
         self.enabled, self.reason = decision.enabled, decision.reason
         self.max_shapes, self.static_outputs = max_shapes, static_outputs
         self.evictions, self.last_failure = 0, None
+        self.warmup_seconds = 0.0  # capturing the shape profiles when the module was assembled
         self._captures: OrderedDict[tuple, _Capture] = OrderedDict()
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
@@ -191,6 +192,7 @@ class CudaGraphs:
             "pool_bytes": self.pool_bytes,
             "static_outputs": self.static_outputs,
             "last_failure": self.last_failure,
+            "warmup_seconds": self.warmup_seconds,
         }
 
     def clear(self) -> None:

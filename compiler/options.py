@@ -10,6 +10,7 @@ from typing import Any
 from compiler.backends.base import PRECISIONS, BuildSettings
 from compiler.cudagraphs import check_mode
 from compiler.errors import PartitionError
+from compiler.profiles import normalize
 
 # What a partition whose engine build fails becomes (see CompileOptions.on_build_failure).
 ON_BUILD_FAILURE = ("torch", "onnxruntime", "error")
@@ -48,6 +49,11 @@ class CompileOptions:
     compile-time capture check passes; the CPU runs without), ``"on"`` (required: a CudaGraphError for
     a CPU device, an ONNX Runtime backend or fallback, or a module the check refuses) or ``"off"``.
     See :mod:`compiler.cudagraphs`. A runtime setting: not a build setting, no engine changes.
+
+    ``profiles``: shape profiles, one ``{dynamic dimension name: size}`` per profile (``({"batch": 1},
+    {"batch": 8})``), checked against the input specs at partition time; on CUDA their graphs are
+    captured when the module is assembled, and each profile's latency is in the report. See
+    :mod:`compiler.profiles`. Not a build setting.
     """
 
     backend: str = "onnxruntime"
@@ -65,6 +71,7 @@ class CompileOptions:
     on_accuracy_failure: str = "error"
     partition_precision: Mapping[str, str] = field(default_factory=dict)
     cuda_graphs: str = "auto"
+    profiles: tuple[Mapping[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.on_accuracy_failure not in ON_ACCURACY_FAILURE:
@@ -106,6 +113,7 @@ class CompileOptions:
             split = (split,) if isinstance(split, str) else tuple(split)
             object.__setattr__(self, "split_modules", split)
         check_mode(self.cuda_graphs, self.device, self.backend, self.on_build_failure)
+        object.__setattr__(self, "profiles", normalize(self.profiles))
 
     def build_settings(self, partition: str | None = None) -> BuildSettings:
         """The build settings of ``partition`` (its ``partition_precision``, else ``precision``); with
@@ -133,6 +141,7 @@ class CompileOptions:
             self.split_modules if isinstance(self.split_modules, str | None) else list(self.split_modules)
         )
         data["backend_options"] = dict(self.backend_options)
+        data["profiles"] = [dict(p) for p in self.profiles]
         return data
 
     @classmethod

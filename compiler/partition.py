@@ -32,6 +32,7 @@ from compiler.errors import PartitionError
 from compiler.export import input_specs
 from compiler.onnx_support import SYMBOLIC_OPS, op_name
 from compiler.options import CompileOptions
+from compiler.profiles import check_profiles
 from compiler.specs import InputSpec
 
 ENGINE_PREFIX = "engine_"
@@ -116,6 +117,7 @@ def partition(
     options = options or CompileOptions()
     start = time.perf_counter()
     specs = input_specs(program)
+    check_profiles(specs, options.profiles)  # a bad profile fails before any build
     gm = _prepared_copy(program)
     support = _Support(get_backend(options.backend), _resolve_ops(options.torch_executed_ops))
     proposals = CapabilityBasedPartitioner(

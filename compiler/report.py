@@ -29,6 +29,9 @@ class CompileReport:
     # The compile-time CUDA-graph capture check (compiler.cudagraphs.CaptureCheck.to_dict()); None where
     # none ran (CPU, cuda_graphs 'off', engines outside PyTorch's stream).
     cuda_graphs: dict | None = None
+    # One per shape profile (CompileOptions.profiles), measured at compile: the profile, its input
+    # shapes, its median latency and what served it ("dispatch").
+    profiles: list[dict] | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)

@@ -26,13 +26,14 @@ from torch.utils import _pytree as pytree
 from compiler.backends import get_backend
 from compiler.backends.base import Engine, EngineBackend, EngineIO
 from compiler.build import EngineArtifact
-from compiler.cudagraphs import CaptureCheck, CudaGraphs, check_capture, decide
+from compiler.cudagraphs import DEFAULT_MAX_SHAPES, CaptureCheck, CudaGraphs, check_capture, decide
 from compiler.dedup import DedupPlan
 from compiler.device import resolve, same
 from compiler.errors import CudaGraphError, InputSpecError, RefitError
 from compiler.export import TRACING
 from compiler.lower import engine_weights
 from compiler.partition import PartitionPlan
+from compiler.profiles import profile_inputs, profile_shapes
 from compiler.report import CompileReport
 from compiler.specs import InputSpec, check_inputs
 
@@ -98,7 +99,13 @@ class CompiledModule(torch.nn.Module):
         check = CaptureCheck.from_dict(report.cuda_graphs) if report.cuda_graphs else None
         mode = plan.options.cuda_graphs
         decision = decide(mode, self.device, (a.backend for a in self.engines.values() if a.is_engine), check)
-        self.cuda_graphs = CudaGraphs(self._run_uncaptured, self.device, decision, mode=mode)
+        self.cuda_graphs = CudaGraphs(
+            self._run_uncaptured,
+            self.device,
+            decision,
+            mode=mode,
+            max_shapes=max(DEFAULT_MAX_SHAPES, len(plan.options.profiles) + 2),
+        )
 
     @property
     def input_specs(self) -> tuple[InputSpec, ...]:
@@ -142,6 +149,41 @@ class CompiledModule(torch.nn.Module):
             if self.cuda_graphs.mode == "on":
                 raise CudaGraphError(f"cuda_graphs 'on', but this module cannot be graphed: {check.reason}")
         return check
+
+    def warm_up_profiles(self) -> float:
+        """Capture every shape profile's CUDA graph now (part of compile and load); the seconds it took.
+        Nothing to do where graphs are off."""
+        if not self.cuda_graphs.enabled or not self.plan.options.profiles:
+            return 0.0
+        start = time.perf_counter()
+        with torch.no_grad():
+            for profile in self.plan.options.profiles:
+                self.cuda_graphs(profile_inputs(self.plan.specs, profile, self.device))
+        torch.cuda.synchronize(self.device)
+        self.cuda_graphs.warmup_seconds = round(time.perf_counter() - start, 4)
+        return self.cuda_graphs.warmup_seconds
+
+    def measure_profiles(self, runs: int = 10) -> list[dict]:
+        """Each profile's median latency and what serves it (recorded in the report at compile)."""
+        from compiler.validate import measure_latency
+
+        rows = []
+        for index, profile in enumerate(self.plan.options.profiles):
+            flat = profile_inputs(self.plan.specs, profile, self.device, seed=index)
+            with torch.no_grad():
+                latency = measure_latency({"p": lambda f=flat: self.run_flat(f)}, warmup=2, runs=runs)["p"]
+            graphs = self.cuda_graphs
+            rows.append(
+                {
+                    "profile": dict(profile),
+                    "shapes": [list(s) for s in profile_shapes(self.plan.specs, profile, index)],
+                    "latency_ms": round(latency.median_ms, 4),
+                    "dispatch": "cuda graph over the dynamic engines"
+                    if graphs.enabled
+                    else f"dynamic engines, uncaptured ({graphs.reason})",
+                }
+            )
+        return rows
 
     def _check_placement(self, flat: list[object]) -> None:
         """Inputs are dense tensors with data, on the module's device: anything else is a typed error
@@ -309,6 +351,10 @@ def assemble(
         check = module.check_cuda_graphs()
         report.cuda_graphs = check.to_dict() if check is not None else None
         report.stage_seconds["cuda_graphs_check"] = check.seconds if check is not None else 0.0
+    warmup = module.warm_up_profiles()  # captured at compile, load and refit: first calls replay
+    if plan.options.profiles and report.profiles is None:
+        report.profiles = module.measure_profiles()
+        report.stage_seconds["profiles_warmup"] = warmup
     return module
 
 

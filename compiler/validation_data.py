@@ -72,11 +72,11 @@ def sample_inputs(specs: Sequence[InputSpec], point: str, generator: torch.Gener
                     pick if pick is not None else int(torch.randint(lo, hi + 1, (1,), generator=generator))
                 )
             shape.append(sizes[name])
-        tensors.append(_random_tensor(spec, shape, generator))
+        tensors.append(random_tensor(spec, shape, generator))
     return tensors
 
 
-def _random_tensor(spec: InputSpec, shape: list[int], generator: torch.Generator) -> torch.Tensor:
+def random_tensor(spec: InputSpec, shape: list[int], generator: torch.Generator) -> torch.Tensor:
     dtype = spec.torch_dtype
     if dtype.is_floating_point:
         return torch.randn(shape, generator=generator).to(dtype)

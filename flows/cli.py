@@ -308,6 +308,22 @@ def _entry_from_flags(zoo_file: Path, model: str, flags: dict[str, Any]) -> tupl
     return entry_data, settings, zoo_dir
 
 
+def _profiles(texts: list[str] | None) -> list[dict[str, Any]] | None:
+    """``--profile batch=8,seq=128`` (repeatable) -> [{"batch": 8, "seq": 128}]; the schema checks sizes."""
+    if not texts:
+        return None
+    profiles = []
+    for text in texts:
+        profile: dict[str, Any] = {}
+        for pair in text.split(","):
+            name, sep, size = pair.partition("=")
+            if not sep or not name.strip():
+                raise bad_input(f"--profile {text!r}: use DIM=SIZE[,DIM=SIZE], e.g. batch=8")
+            profile[name.strip()] = int(size) if size.strip().isdigit() else size.strip()
+        profiles.append(profile)
+    return profiles
+
+
 def _backend_options(pairs: list[str] | None) -> dict[str, Any] | None:
     if not pairs:
         return None
@@ -395,6 +411,10 @@ def compile_cmd(
         str | None,
         typer.Option("--cuda-graphs", help="replay as CUDA graphs: auto (default: CUDA devices), on, off"),
     ] = None,
+    profile: Annotated[
+        list[str] | None,
+        typer.Option("--profile", help="a shape profile DIM=SIZE[,DIM=SIZE] (repeatable), e.g. batch=8"),
+    ] = None,
     validation_data: Annotated[
         Path | None,
         typer.Option("--validation-data", help="recorded inputs (.safetensors/.npz, one array per input)"),
@@ -428,6 +448,7 @@ def compile_cmd(
         "trust_remote_code": trust_remote_code,
         "on_accuracy_failure": on_accuracy_failure,
         "cuda_graphs": cuda_graphs,
+        "profiles": _profiles(profile),
         "validation": {"data": str(validation_data.resolve())} if validation_data else None,
     }
     try:

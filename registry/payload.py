@@ -85,6 +85,7 @@ def params_for(manifest: Manifest, model: str) -> dict[str, str]:
         ),
         "device": options.device,
         "cuda_graphs": options.cuda_graphs,
+        "profiles": json.dumps([dict(p) for p in options.profiles]) if options.profiles else "",
         "source": manifest.source.uri if manifest.source else "",
         "kiln_version": manifest.kiln_version,
         "torch_version": manifest.torch_version,
@@ -108,6 +109,9 @@ def metrics_for(manifest: Manifest, package_bytes: int) -> dict[str, float]:
     }
     for stage, seconds in report.stage_seconds.items():
         metrics[f"seconds.{stage}"] = float(seconds)
+    for row in report.profiles or []:  # shape profiles: "profile_ms.batch_8.seq_128"
+        name = ".".join(f"{dim}_{size}" for dim, size in sorted(row["profile"].items()))
+        metrics[f"profile_ms.{name}"] = float(row["latency_ms"])
     if report.stage_seconds:
         metrics["build_seconds"] = float(sum(report.stage_seconds.values()))
     validation = manifest.validation

@@ -14,7 +14,7 @@ from torch import nn
 
 import compiler
 from compiler.cudagraphs import CaptureCheck, decide
-from compiler.errors import CudaGraphError
+from compiler.errors import CudaGraphError, InputSpecError
 from zoo.config import ZooEntry
 
 CUDA = torch.device("cuda:0")
@@ -114,3 +114,53 @@ def test_the_mode_travels_in_the_manifest_to_every_load(package):
     from registry.lookup import load_package  # what kiln lookup and the MLflow pyfunc call
 
     assert load_package(path).cuda_graphs.mode == "off"
+
+
+@pytest.fixture(scope="module")
+def dynamic_program():
+    from zoo.models import mlp_with_fallback
+
+    case = mlp_with_fallback()  # batch 1..32
+    return case, compiler.export(case.model, case.args, dynamic_shapes=case.dynamic_shapes)
+
+
+@pytest.mark.parametrize(
+    ("profiles", "message"),
+    [
+        (
+            [{"batch": 64}],
+            r"profile 0 \{'batch': 64\}: batch = 64 is outside input 'x''s declared range \[1, 32\]",
+        ),
+        (
+            [{"seq": 3}],
+            r"names dimensions \['seq'\] that no input has; the dynamic dimensions are \['batch'\]",
+        ),
+        ([{"batch": 0}], r"dimension 'batch' must be an integer >= 1"),
+        ([{"batch": 2}, {"batch": 2}], r"repeat a profile"),
+    ],
+)
+def test_bad_profiles_are_refused_before_any_build(dynamic_program, profiles, message):
+    _, program = dynamic_program
+    with pytest.raises(InputSpecError, match=message):
+        compiler.compile(program, cache=False, profiles=profiles)
+
+
+def test_profiles_are_measured_and_travel_in_the_manifest(dynamic_program, tmp_path):
+    case, program = dynamic_program
+    module = compiler.compile(program, cache=False, profiles=[{"batch": 1}, {"batch": 16}])
+    rows = module.report.profiles
+    assert [r["profile"] for r in rows] == [{"batch": 1}, {"batch": 16}]
+    assert rows[1]["shapes"] == [[16, 64]] and all(r["latency_ms"] > 0 for r in rows)
+    assert rows[0]["dispatch"] == "dynamic engines, uncaptured (the model runs on cpu)"
+    compiler.save(module, tmp_path / "p.kiln")
+    manifest = compiler.read_manifest(tmp_path / "p.kiln")
+    assert manifest.plan["options"]["profiles"] == [{"batch": 1}, {"batch": 16}]
+    assert manifest.report.profiles == rows
+    loaded = compiler.load(tmp_path / "p.kiln")
+    assert loaded.plan.options.profiles == ({"batch": 1}, {"batch": 16})
+    x = torch.randn(16, 64)
+    torch.testing.assert_close(loaded(x), case.model(x), rtol=1e-4, atol=1e-4)
+    entry = ZooEntry.model_validate(
+        {"name": "m", "factory": "zoo.models:mlp_with_fallback", "profiles": [{"batch": 8}]}
+    )
+    assert entry.requests()[0].options.profiles == ({"batch": 8},)

@@ -154,6 +154,11 @@ class ZooEntry(_Strict):
         description="replay the whole model as CUDA graphs: auto (CUDA devices, where capture works), on "
         "(required), off",
     )
+    profiles: list[dict[str, int]] = Field(
+        default_factory=list,
+        description="shape profiles, one {dimension name: size} each (e.g. [{batch: 1}, {batch: 8}]): "
+        "CUDA graphs captured at load, latency per profile in the manifest",
+    )
     on_build_failure: Literal[ON_BUILD_FAILURE] = Field(  # type: ignore[valid-type]
         default="torch",
         description="a partition whose engine build fails: runs in PyTorch, on ONNX Runtime, or fails",
@@ -281,6 +286,7 @@ class ZooEntry(_Strict):
             partition_precision=dict(self.partition.precision),
             device=device,
             cuda_graphs=self.cuda_graphs,
+            profiles=tuple(self.profiles),
         )
 
     def package_name(self, device: str) -> str:

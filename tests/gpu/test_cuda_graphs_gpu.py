@@ -183,3 +183,17 @@ def test_loaded_package_gets_the_same_runtime(mlp, tmp_path):
     assert not off.cuda_graphs.enabled
     # kiln lookup and the MLflow pyfunc load through compiler.load with the manifest's mode
     # (tests/test_cuda_graphs.py checks that where MLflow is installed).
+
+
+def test_profiles_are_captured_at_compile_and_load(tmp_path):
+    model, args, _, module = _compiled("mlp_with_fallback", profiles=[{"batch": 1}, {"batch": 8}])
+    assert module.cuda_graphs.captured_shapes == 2  # both profiles, before any call of ours
+    rows = module.report.profiles
+    assert [r["dispatch"] for r in rows] == ["cuda graph over the dynamic engines"] * 2
+    compiler.save(module, tmp_path / "p.kiln")
+    loaded = compiler.load(tmp_path / "p.kiln", trust_engine_code=True)
+    graphs = loaded.cuda_graphs
+    assert graphs.captured_shapes == 2 and graphs.warmup_seconds > 0  # warm-up is part of load, timed
+    x = _batch(args[0], 8)
+    torch.testing.assert_close(loaded(x), model(x), rtol=2e-3, atol=2e-3)
+    assert graphs.captured_shapes == 2  # the first call at a profile replays, no capture
