@@ -57,6 +57,7 @@ def test_example_zoo_is_valid_and_uses_every_zoo_architecture() -> None:
         ({"name": "a", "factory": "zoo.models:tiny_vit", "precison": "fp16"}, "precison", "unknown field"),
         ({"name": "a", "factory": "zoo.models:tiny_vit", "precision": "fp64"}, "precision", "fp32"),
         ({"name": "a", "factory": "zoo.models.tiny_vit"}, "factory", "module:function"),
+        ({"name": "a" * 300, "factory": "zoo.models:tiny_vit"}, "name", "at most 100"),
         ({"name": "a", "factory": "zoo.models:tiny_vit", "targets": ["gpu0"]}, "targets", "cuda:N"),
         ({"name": "a", "factory": "zoo.models:tiny_vit", "tolerances": {"rel_l3": 1}}, "rel_l3", "unknown"),
         ({"name": "a", "factory": "zoo.models:tiny_vit", "workspace_bytes": 0}, "workspace_bytes", "greater"),
@@ -111,6 +112,10 @@ def test_broken_files_fail_the_whole_run(tmp_path: Path) -> None:
         parse_zoo({"modelz": []})
     with pytest.raises(ZooConfigError, match=r"settings\.task_runner"):
         parse_zoo(_zoo({"name": "a", "factory": "m:f"}, settings={"task_runner": "spark"}))
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 20000)
+    with pytest.raises(ZooConfigError, match="nested deeper than 64 levels"):
+        load_zoo(deep)
     with pytest.raises(ZooConfigError, match="used twice"):
         parse_zoo(_zoo({"name": "a", "factory": "m:f"}, {"name": "a", "factory": "m:g"}))
 

@@ -44,6 +44,11 @@ __all__ = ["Zoo", "ZooConfigError", "ZooEntry", "ZooSettings", "load_zoo", "pars
 CACHE_ENV = "KILN_CACHE_DIR"
 DEFAULT_ENGINE_CACHE = ".kiln/engine-cache"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+# A name becomes a directory (<name>-<device>.kiln, run copies add a suffix) and a registered model name
+# (kiln.<name>.<target>): well under the 255 bytes a file name may have on common filesystems.
+MAX_NAME_LENGTH = 100
+# YAML nesting deeper than any zoo needs; the composer recurses per level (20,000 '[' overflow the stack).
+MAX_YAML_DEPTH = 64
 
 
 class _Strict(BaseModel):
@@ -167,6 +172,11 @@ class ZooEntry(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
+        if len(v) > MAX_NAME_LENGTH:
+            raise ValueError(
+                f"name is {len(v)} characters; at most {MAX_NAME_LENGTH} (it names the package directory "
+                "and the registered model), e.g. 'bert-base'"
+            )
         if not _NAME_RE.match(v):
             raise ValueError(
                 f"name {v!r} must be lowercase letters, digits, '_', '-' or '.', starting with a letter or "
@@ -498,7 +508,10 @@ def parse_zoo(data: Any, source: str = "<zoo>", zoo_dir: str | None = None) -> Z
 
 
 class _NoAliasLoader(yaml.SafeLoader):
-    """safe_load without anchors and aliases: an 800-byte file cannot expand to gigabytes (alias bomb)."""
+    """safe_load without anchors and aliases: an 800-byte file cannot expand to gigabytes (alias bomb),
+    and no deeper than ``MAX_YAML_DEPTH``: deep nesting cannot exhaust the stack."""
+
+    _depth = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
@@ -507,7 +520,16 @@ class _NoAliasLoader(yaml.SafeLoader):
                 f"YAML alias *{event.anchor} at {event.start_mark}: zoo files may not use anchors and "
                 "aliases (they can expand without bound); write the values out"
             )
-        return super().compose_node(parent, index)
+        if self._depth >= MAX_YAML_DEPTH:
+            raise ZooConfigError(
+                f"YAML nested deeper than {MAX_YAML_DEPTH} levels at {self.peek_event().start_mark}: "
+                "a zoo file needs a few levels; check for unclosed or runaway brackets"
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def load_zoo(path: str | Path) -> Zoo:
