@@ -96,6 +96,16 @@ def _check_environment() -> None:
         raise ZooConfigError(str(exc)) from None
 
 
+def _check_out_dir(out_dir: str) -> None:
+    from zoo.config import ZooConfigError
+    from zoo.preflight import check_out_dir
+
+    try:
+        check_out_dir(out_dir)
+    except ZooConfigError as exc:
+        raise bad_input(str(exc)) from None
+
+
 def _overrides(
     task_runner: str | None,
     dask_address: str | None,
@@ -219,8 +229,9 @@ def zoo_cmd(
         raise bad_input(_format_errors(exc, "options")) from None
     requests = _selected_requests(zoo, model, device)
     invalid = [i for i in zoo.invalid if not model or i.name in model]
+    out_dir = str(Path(out or settings.out_dir).resolve())
+    _check_out_dir(out_dir)
     if not invalid:
-        out_dir = str(Path(out or settings.out_dir).resolve())
         summary = _unchanged_summary(requests, out_dir, settings, str(zoo_file))
         if summary is not None:
             _finish(summary, as_json, settings.tracking_enabled())
@@ -466,6 +477,7 @@ def compile_cmd(
     except ZooConfigError as exc:
         raise bad_input(str(exc)) from None
     out_dir = str((out or Path(settings.out_dir)).resolve())
+    _check_out_dir(out_dir)
     summary = _unchanged_summary([request], out_dir, settings, str(zoo_file))
     if summary is not None:
         _finish(summary, as_json, settings.tracking_enabled())

@@ -67,6 +67,9 @@ def test_check_names_each_problem_and_exits_1(tmp_path: Path) -> None:
         (("zoo", "{broken}"), "not valid YAML"),
         (("zoo", "{missing}"), "cannot read zoo file"),
         (("zoo", "{deep}"), "nested deeper than 64 levels"),
+        # A path under a regular file cannot be created, as on a read-only filesystem (even for root).
+        (("zoo", "deploy/zoo.yaml", "--out", "{file}/out"), "packages cannot be written there"),
+        (("compile", "zoo.models:mlp_with_fallback", "--out", "{file}/out"), "packages cannot be written"),
         (("zoo", "deploy/zoo.yaml", "--model", "nope"), "--model ['nope']: not in deploy/zoo.yaml"),
         (("zoo", "deploy/zoo.yaml", "--task-runner", "spark"), "use 'thread' or 'dask'"),
         (("compile", "nope"), "'nope' is not a model of deploy/zoo.yaml"),
@@ -80,6 +83,7 @@ def test_unusable_input_exits_2_with_the_reason(tmp_path: Path, args: tuple[str,
     deep = tmp_path / "deep.yaml"
     deep.write_text("[" * 20000)  # a RecursionError traceback (exit 1) before the depth bound
     paths = {"broken": str(broken), "missing": str(tmp_path / "missing.yaml"), "deep": str(deep)}
+    paths["file"] = str(broken)
     proc = _kiln(*(a.format(**paths) for a in args))
     assert proc.returncode == 2, proc.stderr
     assert message in " ".join(proc.stderr.split()), proc.stderr

@@ -57,6 +57,26 @@ def check_backend_available(backend: str, device: str = "cpu") -> None:
             )
 
 
+def check_out_dir(out_dir: str | os.PathLike) -> None:
+    """Raise ZooConfigError unless packages and the summary can be written under ``out_dir``.
+
+    A full disk fails per model with the summary written; a directory that cannot be created or written
+    at all (read-only filesystem, a path under a regular file) fails every model, so it is unusable
+    input, named before anything is built.
+    """
+    import tempfile
+
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir, prefix=".kiln-write-check-"):
+            pass
+    except OSError as exc:
+        raise ZooConfigError(
+            f"--out {str(out_dir)!r}: packages cannot be written there ({exc.strerror or exc}); "
+            "choose a writable directory (settings.out_dir or --out)"
+        ) from None
+
+
 def memory_bytes() -> int:
     """Physical memory of this machine (what validation can use at most)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
