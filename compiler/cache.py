@@ -42,6 +42,7 @@ from filelock import FileLock, Timeout
 
 from compiler.atomic import write_bytes_atomic
 from compiler.errors import CacheError
+from compiler.input_files import parse_size
 
 FORMAT_VERSION = 1
 DEFAULT_MAX_BYTES = 10 * 1024**3
@@ -54,7 +55,6 @@ _CODECS: dict[str | None, tuple[Callable[[bytes], bytes], Callable[[bytes], byte
     "lzma": (lzma.compress, lzma.decompress),
 }
 _STALE_TMP_SECONDS = 3600  # temp files of writers that crashed mid-put
-_SIZE_SUFFIXES = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 
 class CacheWarning(UserWarning):
@@ -508,12 +508,12 @@ def resolve_max_bytes(max_bytes: int | None) -> int:
         text = os.environ.get("KILN_CACHE_MAX_BYTES", "").strip()
         if not text:
             return DEFAULT_MAX_BYTES
-        match = re.fullmatch(r"(\d+)\s*([KMGT]?)(?:i?B)?", text, re.IGNORECASE)
-        if not match or int(match[1]) <= 0:
+        size = parse_size(text)
+        if size is None:
             raise CacheError(
                 f"KILN_CACHE_MAX_BYTES={text!r} is not a positive size; expected bytes like 1073741824 or 10G"
             )
-        return int(match[1]) * _SIZE_SUFFIXES[match[2].upper()]
+        return size
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
         raise CacheError(f"max_bytes must be a positive int (bytes), got {max_bytes!r}")
     return max_bytes

@@ -74,6 +74,10 @@ class ToleranceError(KilnError, ValueError):
     """Tolerances name a metric that does not exist, or give a limit it cannot take."""
 
 
+class SpecialFileError(KilnError, ValueError):
+    """A user-named path is a FIFO, device, socket or directory: reading it would block or never end."""
+
+
 class ValidationDataError(KilnError, ValueError):
     """Recorded validation inputs cannot be used: the message names the file and the field."""
 

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from compiler.errors import InputSpecError, ValidationDataError
+from compiler.errors import InputSpecError, SpecialFileError, ValidationDataError
+from compiler.input_files import check_data_bounds
 from compiler.specs import InputSpec, check_inputs, dtype_name
 
 RANDOM = "random"
@@ -125,8 +126,13 @@ def validation_data(
     return result
 
 
-def read_arrays(path: Path) -> dict[str, torch.Tensor]:
-    """Name -> tensor from a ``.safetensors`` or ``.npz`` file; typed errors name the file."""
+def read_arrays(path: Path, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
+    """Name -> tensor from a ``.safetensors`` or ``.npz`` file; typed errors name the file.
+
+    Only a regular file is read, and only when its headers say its arrays fit in ``max_bytes``
+    (default ``$KILN_DATA_MAX_BYTES``, 1 GiB): see :mod:`compiler.input_files`. Every reader of
+    validation or calibration data comes through here.
+    """
     if not path.exists():
         raise ValidationDataError(f"{path}: validation data file not found")
     if path.suffix not in SUFFIXES:
@@ -134,13 +140,17 @@ def read_arrays(path: Path) -> dict[str, torch.Tensor]:
             f"{path}: validation data must be one of {list(SUFFIXES)} (one array per model input)"
         )
     try:
+        source = check_data_bounds(path, max_bytes)
+    except SpecialFileError as exc:
+        raise ValidationDataError(str(exc)) from None
+    try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
 
-            arrays = dict(load_file(str(path)))
+            arrays = dict(load_file(str(source)))
         else:
             # allow_pickle=False: an npz holding objects would run code when read.
-            with np.load(path, allow_pickle=False) as archive:
+            with np.load(source, allow_pickle=False) as archive:
                 arrays = {name: _as_tensor(archive[name], str(path), name) for name in archive.files}
     except ValidationDataError:
         raise

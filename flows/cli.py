@@ -87,12 +87,14 @@ Tracking = Annotated[
 def _check_environment() -> None:
     """Settings read from the environment, checked before anything runs (a typo is exit code 2)."""
     from compiler.cache import resolve_max_bytes
-    from compiler.errors import CacheError
+    from compiler.errors import CacheError, ValidationDataError
+    from compiler.input_files import data_max_bytes
     from zoo.config import ZooConfigError
 
     try:
         resolve_max_bytes(None)
-    except CacheError as exc:
+        data_max_bytes()
+    except (CacheError, ValidationDataError) as exc:
         raise ZooConfigError(str(exc)) from None
 
 

@@ -515,3 +515,43 @@ def test_malformed_models_uri_fails_its_entry() -> None:
         in zoo.invalid[0].error
     )
     assert default_name("models:/Fraud_BERT@production") == "fraud-bert"
+
+
+def test_weights_and_programs_that_are_special_files_are_refused_not_read(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    folder = _tiny_hf("sequence-classification", tmp_path / "fifo")
+    (folder / "model.safetensors").unlink()
+    os.mkfifo(folder / "model.safetensors")
+    zero = _tiny_hf("sequence-classification", tmp_path / "zero")
+    (zero / "model.safetensors").unlink()
+    (zero / "model.safetensors").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "program.pt2")
+
+    def hung(signum, frame):
+        raise TimeoutError("reading a special file blocked")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)  # before the check, hashing the FIFO blocked and /dev/zero never ended
+    try:
+        fifo = _preflight_error({"name": "f", "source": f"hf:{folder}", "task": "sequence-classification"})
+        assert "model.safetensors' is a FIFO" in fifo and "regular files" in fifo, fifo
+        dev = _preflight_error({"name": "z", "source": f"hf:{zero}", "task": "sequence-classification"})
+        assert "is a character device (it resolves to '/dev/zero')" in dev, dev
+        with pytest.raises(ZooConfigError, match="is a character device"):
+            source_for(f"hf:{zero}", task="sequence-classification").load()
+        pt2 = _preflight_error({"name": "p", "source": f"pt2:{tmp_path}/program.pt2"})
+        assert "program.pt2' is a FIFO" in pt2, pt2
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_check_refuses_validation_data_that_would_expand_past_the_bound(tmp_path: Path) -> None:
+    from tests.test_validation_data import _npz_claiming
+
+    _npz_claiming(tmp_path / "claims.npz", (1 << 30,))  # 4 GiB by its npy header, 16 bytes of data
+    entry = {"name": "m", "factory": "zoo.models:mlp_with_fallback", "validation": {"data": "claims.npz"}}
+    error = _preflight_error(entry, tmp_path)
+    assert error.startswith("models[m].validation.data:") and "its arrays take 4096.0 MiB" in error, error

@@ -121,3 +121,66 @@ def test_validate_on_recorded_data_reports_what_it_used_and_skipped(tmp_path):
     too_big = {spec.name: torch.randn(2, 64, 64)}  # batch 64 > max 32
     with pytest.raises(ValidationDataError, match="batch"):
         compiler.validate(case.model, compiled, data=too_big, warmup=0, runs=1)
+
+
+def _npz_claiming(path, shape: tuple[int, ...]) -> None:
+    """An npz whose one member's npy header claims ``shape`` (float32) but holds 16 bytes: a bomb's
+    header, without writing gigabytes."""
+    import io
+    import zipfile
+
+    from numpy.lib import format as npy
+
+    header = io.BytesIO()
+    npy.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("mask.npy", header.getvalue() + bytes(16))
+
+
+def test_data_that_expands_past_the_bound_is_refused_before_decompressing(tmp_path, monkeypatch):
+    # An npy header claiming 4 GiB (the default bound is 1 GiB): refused from the header alone.
+    claims = tmp_path / "claims.npz"
+    _npz_claiming(claims, (1 << 30,))
+    with pytest.raises(ValidationDataError, match=r"claims\.npz: its arrays take 4096\.0 MiB.*KILN_DATA_MAX"):
+        validation_data(SPECS, claims)
+    # A real deflate bomb: 32 MiB of zeros in a ~32 KB archive, over a bound of 8 MiB (the zip headers).
+    bomb = tmp_path / "bomb.npz"
+    np.savez_compressed(
+        bomb, input_ids=np.zeros((1 << 22, 1, 1), np.int64), mask=np.zeros((1, 1, 1), np.float32)
+    )
+    assert bomb.stat().st_size < 1 << 20
+    monkeypatch.setenv("KILN_DATA_MAX_BYTES", "8M")
+    with pytest.raises(ValidationDataError, match=r"bomb\.npz: its arrays take 32\.0 MiB.*over the 8\.0 MiB"):
+        validation_data(SPECS, bomb)
+    # safetensors: the header's shapes count too.
+    path = tmp_path / "big.safetensors"
+    save_file({"input_ids": torch.zeros(1 << 21, 1, 1, dtype=torch.int64)}, str(path))
+    with pytest.raises(ValidationDataError, match=r"big\.safetensors: its arrays take 16\.0 MiB"):
+        validation_data(SPECS, path)
+    monkeypatch.setenv("KILN_DATA_MAX_BYTES", "a lot")
+    with pytest.raises(ValidationDataError, match="KILN_DATA_MAX_BYTES='a lot' is not a positive size"):
+        validation_data(SPECS, bomb)
+
+
+def test_special_files_are_refused_never_read(tmp_path):
+    import os
+    import signal
+
+    fifo = tmp_path / "fifo.npz"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.safetensors"
+    zero.symlink_to("/dev/zero")
+
+    def hung(signum, frame):
+        raise TimeoutError("reading a special file blocked")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)  # before the check, opening the FIFO blocked forever
+    try:
+        with pytest.raises(ValidationDataError, match=r"fifo\.npz' is a FIFO"):
+            validation_data(SPECS, fifo)
+        with pytest.raises(ValidationDataError, match=r"zero\.safetensors' is a character device"):
+            validation_data(SPECS, zero)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

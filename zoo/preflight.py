@@ -77,6 +77,19 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
         ) from None
 
 
+def check_validation_data(where: str, data: str) -> None:
+    """Recorded validation data: a regular file whose headers say it fits the data bound."""
+    from compiler.errors import SpecialFileError, ValidationDataError
+    from compiler.input_files import check_data_bounds
+
+    try:
+        check_data_bounds(data)
+    except FileNotFoundError:
+        raise ZooConfigError(f"{where}.validation.data: {data!r} does not exist") from None
+    except (ValidationDataError, SpecialFileError, OSError) as exc:
+        raise ZooConfigError(f"{where}.validation.data: {exc}") from None
+
+
 def memory_bytes() -> int:
     """Physical memory of this machine (what validation can use at most)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -120,5 +133,7 @@ def preflight(request: CompileRequest, *, load: bool = False) -> None:
         raise type(exc)(f"{where}.{exc}") from None
     check_device(request.device)
     check_backend_available(request.options.backend, request.device)
+    if request.validation.data is not None:
+        check_validation_data(where, request.validation.data)
     if load:
         check_memory(request.name, largest_input_bytes(request.load_case(), request.inputs))

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from compiler.errors import SpecialFileError
+from compiler.input_files import regular_file
 from zoo.errors import ZooConfigError
 
 _HASH_CHUNK = 1 << 20
@@ -19,9 +21,14 @@ _hashes_lock = threading.Lock()
 
 
 def sha256_file(path: Path) -> str:
-    """sha256 of a file's bytes, remembered per process while the file's stat is unchanged."""
+    """sha256 of a file's bytes, remembered per process while the file's stat is unchanged.
+
+    Only a regular file (symlinks resolved) is read: a FIFO or ``/dev/zero`` would never end."""
     try:
+        path = regular_file(path, "source: file")
         stat = path.stat()
+    except SpecialFileError as exc:
+        raise ZooConfigError(str(exc)) from None
     except OSError as exc:
         raise ZooConfigError(f"source: cannot read {str(path)!r}: {exc.strerror}") from None
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch.export import Dim
 
+from compiler.errors import SpecialFileError
+from compiler.input_files import regular_file
 from zoo.errors import UntrustedCodeError, ZooConfigError
 from zoo.sources.base import LoadedCase, SourceIdentity, digest_of
 from zoo.sources.common import example_size, fit_example_shape, override_dims, resolve_path, sha256_file
@@ -280,6 +282,11 @@ class HfSource:
         files = [folder / "config.json", *weights, *sorted(folder.glob("*.safetensors.index.json"))]
         if self.trust_remote_code and config.get("auto_map"):
             files += sorted(folder.glob("*.py"))
+        for file in files:  # transformers would block on a FIFO or read /dev/zero forever
+            try:
+                regular_file(file, f"source: {self.uri}:")
+            except SpecialFileError as exc:
+                raise ZooConfigError(str(exc)) from None
         return files
 
     # ------------------------------------------------------------------ load

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch.export import Dim
 
-from compiler.errors import KilnError, OpModuleNotAllowedError, UnsafeProgramError
+from compiler.errors import KilnError, OpModuleNotAllowedError, SpecialFileError, UnsafeProgramError
+from compiler.input_files import regular_file
 from compiler.specs import InputSpec
 from zoo.errors import UntrustedCodeError, ZooConfigError
 from zoo.sources.base import LoadedCase, SourceIdentity, digest_of
@@ -45,6 +46,12 @@ class Pt2Source:
 
     def file(self) -> Path:
         path = resolve_path(self.path, self.base_dir)
+        try:
+            regular_file(path, f"source: {self.uri}:")
+        except SpecialFileError as exc:
+            raise ZooConfigError(str(exc)) from None
+        except OSError:
+            pass  # named below
         if not path.is_file():
             relative = self.base_dir and not Path(self.path).is_absolute()
             where = f" (relative to {self.base_dir})" if relative else ""
