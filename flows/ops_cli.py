@@ -105,6 +105,9 @@ def webhook_serve(
     ] = "recompile-zoo/zoo-nightly-cpu",
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8765,
+    state: Annotated[
+        Path, typer.Option(help="file keeping the ids of accepted deliveries (each is accepted once)")
+    ] = Path(".kiln/webhook-deliveries.json"),
     verbose: Verbose = False,
 ) -> None:
     """Receive MLflow registry webhooks (signed with $KILN_WEBHOOK_SECRET) and start recompiles."""
@@ -114,7 +117,7 @@ def webhook_serve(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        receiver = Receiver(str(zoo_file.resolve()), deployment, secret_from_env())
+        receiver = Receiver(str(zoo_file.resolve()), deployment, secret_from_env(), str(state))
     except KilnError as exc:
         raise bad_input(str(exc)) from None
     server = serve(receiver, host, port)

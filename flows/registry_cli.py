@@ -183,20 +183,22 @@ def release_cmd(
 ) -> None:
     """Re-validate a candidate against the original model and the champion; promote it or reject it."""
     from flows.release import release
+    from flows.server import prefect_api
     from registry.errors import KilnError
 
     try:
-        outcome = release(
-            model,
-            version=version,
-            target=target,
-            max_latency_ratio=max_latency_ratio,
-            rel_l2=rel_l2,
-            runs=runs,
-            zoo_path=zoo_file,
-            tracking_uri=tracking_uri,
-            force_replace_broken=force_replace_broken,
-        )
+        with prefect_api():  # a temporary API server that dies with this process, even by SIGKILL
+            outcome = release(
+                model,
+                version=version,
+                target=target,
+                max_latency_ratio=max_latency_ratio,
+                rel_l2=rel_l2,
+                runs=runs,
+                zoo_path=zoo_file,
+                tracking_uri=tracking_uri,
+                force_replace_broken=force_replace_broken,
+            )
     except KilnError as exc:
         raise _fail(f"{type(exc).__name__}: {exc}") from None
     if as_json:

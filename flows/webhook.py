@@ -10,6 +10,14 @@ Prefect deployment for exactly those entries. Unchanged entries cost a hash ther
 so recompiling every entry of the model is both correct and cheap. Events for models no entry uses
 are answered 200, logged, and ignored.
 
+Each delivery id is accepted once: ids seen within the replay window are kept in a small JSON file
+(``--state``, default ``.kiln/webhook-deliveries.json``, so a restarted receiver remembers them), and a
+replay is answered 200 without starting anything. The body is bounded before it is read: a missing
+``Content-Length`` is 411, a negative or non-numeric one 400, one over ``MAX_BODY_BYTES`` 413; a
+connection that stops sending times out after ``READ_TIMEOUT_S``. Every request gets an HTTP answer: a
+failure after verification (a broken zoo file, Prefect down) is a 500 naming it, and the delivery id is
+released so MLflow's retry can succeed once the cause is fixed.
+
 The secret comes from ``$KILN_WEBHOOK_SECRET``; the zoo file is re-read on every event, so entries
 added since the receiver started are seen.
 """
@@ -17,16 +25,20 @@ added since the receiver started are seen.
 from __future__ import annotations
 
 import base64
+import contextvars
 import hashlib
 import hmac
 import json
 import logging
 import os
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
+from compiler.atomic import write_bytes_atomic
 from compiler.errors import KilnError
 
 log = logging.getLogger("kiln.webhook")
@@ -34,6 +46,8 @@ log = logging.getLogger("kiln.webhook")
 SECRET_ENV = "KILN_WEBHOOK_SECRET"
 MAX_AGE_S = 300
 MAX_BODY_BYTES = 1 << 20
+READ_TIMEOUT_S = 10.0
+DEFAULT_STATE = ".kiln/webhook-deliveries.json"
 EVENTS = ("model_version.created", "model_version_alias.created")
 
 
@@ -52,6 +66,8 @@ def verify(secret: str, headers: Any, body: bytes, now: float | None = None) -> 
     delivery = headers.get("X-MLflow-Delivery-Id") or ""
     timestamp = headers.get("X-MLflow-Timestamp") or ""
     signature = headers.get("X-MLflow-Signature") or ""
+    if not delivery:
+        raise WebhookSignatureError("no X-MLflow-Delivery-Id (each delivery is accepted once, by its id)")
     try:
         text = body.decode("utf-8")
         age = abs((now or time.time()) - int(timestamp))
@@ -86,13 +102,59 @@ def entries_for(zoo_path: str, model_name: str) -> list[str]:
     return names
 
 
+class DeliveryLog:
+    """Delivery ids accepted within the replay window, kept in a JSON file (id -> time accepted).
+
+    An id older than twice ``MAX_AGE_S`` can be forgotten: its signed timestamp no longer verifies.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+
+    def _read(self) -> dict[str, float]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {str(k): float(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+    def _write(self, seen: dict[str, float]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(self.path, json.dumps(seen, sort_keys=True).encode())
+
+    def claim(self, delivery_id: str, now: float | None = None) -> bool:
+        """True the first time ``delivery_id`` is claimed within the window (recorded on disk first)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            seen = {k: t for k, t in self._read().items() if now - t <= 2 * MAX_AGE_S}
+            if delivery_id in seen:
+                return False
+            seen[delivery_id] = now
+            self._write(seen)
+            return True
+
+    def release(self, delivery_id: str) -> None:
+        """Forget a claimed id whose handling failed, so that a retry of the delivery is accepted."""
+        with self._lock:
+            seen = self._read()
+            if seen.pop(delivery_id, None) is not None:
+                self._write(seen)
+
+
 @dataclass(frozen=True)
 class Receiver:
-    """What a delivery leads to: which zoo file to read, and which deployment to start."""
+    """What a delivery leads to: which zoo file to read, which deployment to start, and where the ids
+    of accepted deliveries are kept."""
 
     zoo_path: str
     deployment: str
     secret: str
+    state: str = DEFAULT_STATE
+    deliveries: DeliveryLog = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "deliveries", DeliveryLog(self.state))
 
     def handle(self, headers: Any, body: bytes) -> tuple[int, dict]:
         """(HTTP status, JSON answer) for one delivery."""
@@ -101,6 +163,18 @@ class Receiver:
         except WebhookSignatureError as exc:
             log.warning("refused a webhook delivery: %s", exc)
             return 401, {"error": str(exc)}
+        delivery = headers.get("X-MLflow-Delivery-Id")
+        if not self.deliveries.claim(delivery):
+            log.warning("webhook delivery %s replayed; ignored", delivery)
+            return 200, {"ignored": f"delivery {delivery!r} was already accepted"}
+        try:
+            return self._start(event)
+        except Exception as exc:
+            self.deliveries.release(delivery)
+            log.error("webhook delivery %s failed: %s: %s", delivery, type(exc).__name__, exc)
+            return 500, {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _start(self, event: dict) -> tuple[int, dict]:
         kind = f"{event.get('entity')}.{event.get('action')}"
         model = str(event["data"].get("name", ""))
         if kind not in EVENTS:
@@ -120,20 +194,44 @@ class Receiver:
         return 202, {"flow_run_id": str(flow_run.id), "models": entries, "event": kind}
 
 
-def serve(receiver: Receiver, host: str = "127.0.0.1", port: int = 8765) -> ThreadingHTTPServer:
-    """An HTTP server that answers deliveries with ``receiver`` (call ``serve_forever`` on it)."""
+def serve(
+    receiver: Receiver, host: str = "127.0.0.1", port: int = 8765, read_timeout: float = READ_TIMEOUT_S
+) -> ThreadingHTTPServer:
+    """An HTTP server that answers deliveries with ``receiver`` (call ``serve_forever`` on it).
+
+    Each request is handled in a copy of the caller's context: Prefect's settings (the API URL) live in
+    context variables, which the server's per-request threads would not otherwise see.
+    """
+    context = contextvars.copy_context()
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = read_timeout  # a half-open connection does not hold a thread forever
+
         def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY_BYTES:
-                status, answer = 413, {"error": f"body over {MAX_BODY_BYTES} bytes"}
-            else:
-                status, answer = receiver.handle(self.headers, self.rfile.read(length))
+            length, refusal = _body_length(self.headers.get("Content-Length"))
+            if refusal is not None:
+                # Nothing of the body is read: the connection closes after the answer.
+                self.close_connection = True
+                self._answer(*refusal)
+                return
+            body = self.rfile.read(length)
+            if len(body) != length:
+                self.close_connection = True
+                self._answer(400, {"error": f"the body ended after {len(body)} of {length} bytes"})
+                return
+            try:
+                status, answer = context.copy().run(receiver.handle, self.headers, body)
+            except Exception as exc:  # always an answer, never a dropped connection
+                status, answer = 500, {"error": f"{type(exc).__name__}: {exc}"}
+            self._answer(status, answer)
+
+        def _answer(self, status: int, answer: dict) -> None:
             data = json.dumps(answer).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
@@ -141,6 +239,19 @@ def serve(receiver: Receiver, host: str = "127.0.0.1", port: int = 8765) -> Thre
             log.debug(format, *args)
 
     return ThreadingHTTPServer((host, port), Handler)
+
+
+def _body_length(header: str | None) -> tuple[int, tuple[int, dict] | None]:
+    """(body length, None), or (0, (status, answer)) refusing the request before its body is read."""
+    if header is None:
+        return 0, (411, {"error": "Content-Length is required"})
+    text = header.strip()
+    if not text.isdigit():  # no sign, no spaces inside, no hex: a plain decimal count
+        return 0, (400, {"error": f"Content-Length {header!r} is not a byte count"})
+    length = int(text)
+    if length > MAX_BODY_BYTES:
+        return 0, (413, {"error": f"body of {length} bytes is over {MAX_BODY_BYTES} bytes"})
+    return length, None
 
 
 def secret_from_env() -> str:

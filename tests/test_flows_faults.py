@@ -57,12 +57,17 @@ def _server_children(pid: int) -> list[psutil.Process]:
         return []
 
 
-def test_the_temporary_api_server_dies_with_a_killed_cli(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["compile", "release"])
+def test_the_temporary_api_server_dies_with_a_killed_cli(command: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update({"PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "home")})
+    args = {
+        "compile": ["compile", "zoo.models:mlp_with_fallback", "--no-tracking",
+                    "--out", str(tmp_path / "out"), "--workspace", str(tmp_path / "ws")],
+        "release": ["release", "mlp", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"],
+    }[command]  # fmt: skip
     cli = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "compile", "zoo.models:mlp_with_fallback", "--no-tracking",
-         "--out", str(tmp_path / "out"), "--workspace", str(tmp_path / "ws")],
+        [sys.executable, "-m", "flows.cli", *args],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

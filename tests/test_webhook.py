@@ -3,7 +3,9 @@ which starts the zoo deployment on a real Prefect server for exactly the entries
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -19,13 +21,78 @@ ROOT = Path(__file__).resolve().parents[1]
 SECRET = "kiln-test-secret-0123456789"
 
 
-def _headers(body: str, secret: str = SECRET, timestamp: int | None = None) -> dict[str, str]:
+def _headers(
+    body: str, secret: str = SECRET, timestamp: int | None = None, delivery: str = "d1"
+) -> dict[str, str]:
     stamp = str(int(time.time()) if timestamp is None else timestamp)
     return {
-        "X-MLflow-Delivery-Id": "d1",
+        "X-MLflow-Delivery-Id": delivery,
         "X-MLflow-Timestamp": stamp,
-        "X-MLflow-Signature": sign(secret, "d1", stamp, body),
+        "X-MLflow-Signature": sign(secret, delivery, stamp, body),
     }
+
+
+def _post(url: str, body: str, headers: dict[str, str]) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body.encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _raw(port: int, data: bytes, send_more: int = 0) -> bytes:
+    """The server's whole answer to ``data`` (then ``send_more`` zero bytes, as far as it takes them)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+        sock.sendall(data)
+        sock.settimeout(0.05)
+        sent = 0
+        while sent < send_more:  # a stream the server must not wait for
+            try:
+                sent += sock.send(bytes(min(1 << 16, send_more - sent)))
+            except (TimeoutError, OSError):
+                break
+        sock.settimeout(15)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 16):
+                answer += chunk
+        return answer
+
+
+def test_every_request_gets_an_answer_and_bodies_are_bounded_before_reading(tmp_path: Path) -> None:
+    zoo = tmp_path / "zoo.yaml"
+    zoo.write_text("models: [\n")  # broken while a verified delivery arrives
+    receiver = Receiver(str(zoo), "recompile-zoo/none", SECRET, str(tmp_path / "seen.json"))
+    server = serve(receiver, "127.0.0.1", 0, read_timeout=1.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_port
+    try:
+        head = "POST / HTTP/1.1\r\nHost: x\r\n"
+        # A negative length with a 300 MiB stream behind it: refused at once, the stream not read.
+        start = time.monotonic()
+        answer = _raw(port, (head + "Content-Length: -1\r\n\r\n").encode(), send_more=300 << 20)
+        assert answer.startswith(b"HTTP/1.0 400") and b"not a byte count" in answer, answer[:200]
+        assert time.monotonic() - start < 10
+        answer = _raw(port, (head + "Content-Length: abc\r\n\r\n").encode())
+        assert answer.startswith(b"HTTP/1.0 400"), answer[:200]
+        assert _raw(port, (head + "\r\n").encode()).startswith(b"HTTP/1.0 411")
+        big = _raw(port, (head + f"Content-Length: {(1 << 20) + 1}\r\n\r\n").encode())
+        assert big.startswith(b"HTTP/1.0 413")
+        # Half-open: the length promised, the body never sent; the server gives up after its timeout.
+        start = time.monotonic()
+        _raw(port, (head + "Content-Length: 100\r\n\r\n" + "x" * 10).encode())
+        assert time.monotonic() - start < 10
+        # Verified, but the zoo file is broken: a 500 naming it, and the id stays free for a retry.
+        body = json.dumps({"entity": "model_version", "action": "created", "data": {"name": "m"}})
+        status, answer = _post(f"http://127.0.0.1:{port}/", body, _headers(body, delivery="retry-me"))
+        assert status == 500 and "not valid YAML" in answer["error"], answer
+        zoo.write_text("models: [{name: mlp, factory: 'zoo.models:mlp_with_fallback'}]\n")
+        status, answer = _post(f"http://127.0.0.1:{port}/", body, _headers(body, delivery="retry-me"))
+        assert status == 200 and "uses registered model 'm'" in answer["ignored"], answer
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_only_a_fresh_delivery_signed_with_the_secret_is_read() -> None:
@@ -52,6 +119,12 @@ def _flow_runs_of(deployment_id: object) -> list:
         )
 
 
+def _started_by_webhook(deployment_id: object, before: set, zoo: Path) -> list:
+    # The deployment's cron schedule adds runs of its own (deploy/zoo.yaml); the receiver's name this zoo.
+    runs = _flow_runs_of(deployment_id)
+    return [r for r in runs if r.id not in before and r.parameters.get("zoo_path") == str(zoo)]
+
+
 def test_a_new_source_version_starts_the_deployment_for_its_entries_only(
     mlflow_server,
     prefect_api,
@@ -75,7 +148,7 @@ def test_a_new_source_version_starts_the_deployment_for_its_entries_only(
         {"name": "mlp", "factory": "zoo.models:mlp_with_fallback"},
     ]
     zoo.write_text(yaml.safe_dump({"models": entries}))
-    receiver = Receiver(str(zoo), "recompile-zoo/zoo-nightly-cpu", SECRET)
+    receiver = Receiver(str(zoo), "recompile-zoo/zoo-nightly-cpu", SECRET, str(tmp_path / "seen.json"))
     server = serve(receiver, "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}/"
@@ -106,10 +179,23 @@ def test_a_new_source_version_starts_the_deployment_for_its_entries_only(
         deadline = time.monotonic() + 60
         started: list = []
         while time.monotonic() < deadline and not started:
-            started = [r for r in _flow_runs_of(deployment.id) if r.id not in before]
+            started = _started_by_webhook(deployment.id, before, zoo)
             time.sleep(0.5)
+        assert len(started) == 1, started  # the unused model's event was ignored
+        assert started[0].parameters["models"] == ["fraud"] and started[0].parameters["zoo_path"] == str(zoo)
+
+        # One signed delivery sent 5 times within its window (and once more to a restarted receiver):
+        # one recompile.
+        body = json.dumps({"entity": "model_version", "action": "created", "data": {"name": "fraud-source"}})
+        headers = _headers(body, delivery="replayed")
+        answers = [_post(url, body, headers) for _ in range(5)]
+        assert answers[0][0] == 202 and all(a[0] == 200 for a in answers[1:]), answers
+        assert "already accepted" in answers[1][1]["ignored"]
+        restarted = Receiver(str(zoo), "recompile-zoo/zoo-nightly-cpu", SECRET, str(tmp_path / "seen.json"))
+        assert restarted.handle(headers, body.encode())[0] == 200
+        time.sleep(1)
+        replayed = _started_by_webhook(deployment.id, before, zoo)
     finally:
         server.shutdown()
         server.server_close()
-    assert len(started) == 1, started  # the unused model's event was ignored
-    assert started[0].parameters["models"] == ["fraud"] and started[0].parameters["zoo_path"] == str(zoo)
+    assert len(replayed) == 2, replayed
