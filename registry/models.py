@@ -80,6 +80,12 @@ LEGACY_SOURCE = "source_"
 SOURCE_FIELDS = ("uri", "kind", "version", "identity", "run_id")
 TAG_VALIDATION_DATA = "kiln.validation.data"
 TAG_ACCURACY_REPAIR = "kiln.accuracy_repair"
+# On the registered model, while a release or rollback moves aliases: {"op": ..., "aliases": {alias:
+# version or null}}. Written before the first move, removed after the last; found by any later reader of
+# the aliases (get_aliases), who finishes the moves: a kill between two moves never leaves half of them.
+TAG_ALIAS_INTENT = "kiln.alias_intent"
+ALIASES = (CHAMPION, PREVIOUS)
+_VERSION_RE = re.compile(r"[0-9]{1,12}")
 
 _UNSAFE = re.compile(r"[^a-z0-9_-]+")
 _TAG_LIMIT = 5000  # conservative: older servers cap registry tag values at 5000 characters
@@ -268,18 +274,79 @@ def versions_with_hash(
 
 
 def get_aliases(mlclient: MlflowClient, name: str, policy: RetryPolicy | None = None) -> dict[str, str]:
-    """alias -> version number for a registered model ({} when it does not exist)."""
+    """alias -> version number for a registered model ({} when it does not exist).
 
-    def read() -> dict[str, str]:
+    An alias move left half done by a killed release or rollback (``TAG_ALIAS_INTENT``) is finished
+    first, so every reader sees the aliases all moved or none.
+    """
+
+    def read() -> tuple[dict[str, str], str | None]:
         try:
             model = mlclient.get_registered_model(name)
         except MlflowException as exc:
             if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
-                return {}
+                return {}, None
             raise
-        return {alias: str(version) for alias, version in (model.aliases or {}).items()}
+        aliases = {alias: str(version) for alias, version in (model.aliases or {}).items()}
+        return aliases, (model.tags or {}).get(TAG_ALIAS_INTENT)
 
-    return call_with_retry(read, f"read aliases of {name}", policy)
+    aliases, intent = call_with_retry(read, f"read aliases of {name}", policy)
+    if intent is None:
+        return aliases
+    call_with_retry(
+        lambda: finish_alias_intent(mlclient, name, intent), f"finish alias moves of {name}", policy
+    )
+    return call_with_retry(read, f"read aliases of {name}", policy)[0]
+
+
+def alias_intent(op: str, moves: Mapping[str, str | None]) -> str:
+    """The ``TAG_ALIAS_INTENT`` value for moving each alias to its version (None: remove it)."""
+    return json.dumps({"op": op, "aliases": dict(moves)}, sort_keys=True)
+
+
+def set_alias(mlclient: MlflowClient, name: str, alias: str, version: str | None) -> None:
+    """Point ``alias`` at ``version``; None removes it (already absent is fine)."""
+    if version is not None:
+        mlclient.set_registered_model_alias(name, alias, version)
+        return
+    try:
+        mlclient.delete_registered_model_alias(name, alias)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+
+
+def clear_alias_intent(mlclient: MlflowClient, name: str) -> None:
+    try:
+        mlclient.delete_registered_model_tag(name, TAG_ALIAS_INTENT)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+
+
+def finish_alias_intent(mlclient: MlflowClient, name: str, intent: str) -> None:
+    """Make the recorded alias moves (idempotent), then drop the record. A record that is not one kiln
+    writes (only ``champion``/``previous`` to a version number or null) is dropped and nothing moves."""
+    import logging
+
+    log = logging.getLogger("kiln.registry")
+    try:
+        data = json.loads(intent)
+        moves = data["aliases"]
+        valid = isinstance(moves, dict) and all(
+            alias in ALIASES and (v is None or (isinstance(v, str) and _VERSION_RE.fullmatch(v)))
+            for alias, v in moves.items()
+        )
+    except (ValueError, TypeError, KeyError):
+        valid = False
+    if not valid:
+        log.warning("%s: ignoring a malformed %s tag: %.200s", name, TAG_ALIAS_INTENT, intent)
+    else:
+        log.warning("%s: finishing the alias moves of an interrupted %s: %s", name, data.get("op"), moves)
+        for alias in ALIASES:
+            if alias in moves:
+                set_alias(mlclient, name, alias, moves[alias])
+    clear_alias_intent(mlclient, name)
 
 
 def register_version(

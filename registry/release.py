@@ -32,14 +32,18 @@ from registry.errors import ArtifactMissingError, ArtifactVerificationError, Rel
 from registry.models import (
     CHAMPION,
     PREVIOUS,
+    TAG_ALIAS_INTENT,
     TAG_BROKEN,
     TAG_REJECTED,
     TAG_RELEASE_REPORT,
     TAG_REPLACED_BROKEN,
     TAG_ROLLED_BACK,
+    alias_intent,
+    clear_alias_intent,
     get_aliases,
     registered_model_name,
     registry_lock,
+    set_alias,
 )
 
 log = logging.getLogger("kiln.registry")
@@ -125,17 +129,27 @@ def _tag_steps(mlclient: MlflowClient, name: str, version: str, key: str, value:
 
 
 def _alias_step(mlclient: MlflowClient, name: str, alias: str, version: str | None, old: str | None) -> Step:
-    def put(v: str | None) -> None:
-        if v is None:
-            try:
-                mlclient.delete_registered_model_alias(name, alias)
-            except MlflowException as exc:
-                if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
-                    raise
-        else:
-            mlclient.set_registered_model_alias(name, alias, v)
+    return (
+        f"alias {name}@{alias} -> {version}",
+        lambda: set_alias(mlclient, name, alias, version),
+        lambda: set_alias(mlclient, name, alias, old),
+    )
 
-    return (f"alias {name}@{alias} -> {version}", lambda: put(version), lambda: put(old))
+
+def _alias_moves(mlclient: MlflowClient, name: str, op: str, moves: list[Step], targets: dict) -> list[Step]:
+    """``moves`` between recording their intent and clearing it: a kill in between leaves the intent,
+    and the next reader of the aliases (``get_aliases``) finishes them. ``targets``: alias -> version."""
+    record: Step = (
+        f"record the alias moves of {name}",
+        lambda: mlclient.set_registered_model_tag(name, TAG_ALIAS_INTENT, alias_intent(op, targets)),
+        lambda: clear_alias_intent(mlclient, name),
+    )
+    clear: Step = (
+        f"clear the alias moves of {name}",
+        lambda: clear_alias_intent(mlclient, name),
+        lambda: None,
+    )
+    return [record, *moves, clear]
 
 
 def _compact_json(data: dict, limit: int = 4900) -> str:
@@ -206,9 +220,13 @@ def apply_decision(
                         policy,
                     )
                 )
-            elif champion and champion != version:
-                steps.append(_alias_step(mlclient, name, PREVIOUS, champion, aliases.get(PREVIOUS)))
-            steps.append(_alias_step(mlclient, name, CHAMPION, version, champion))
+            moves, targets = [], {}
+            if not broken and champion and champion != version:
+                moves.append(_alias_step(mlclient, name, PREVIOUS, champion, aliases.get(PREVIOUS)))
+                targets[PREVIOUS] = champion
+            moves.append(_alias_step(mlclient, name, CHAMPION, version, champion))
+            targets[CHAMPION] = version
+            steps += _alias_moves(mlclient, name, "release", moves, targets)
         else:
             reasons = json.dumps([r[:1000] for r in report.reasons][:4])
             steps.append(
@@ -279,6 +297,13 @@ def rollback(
             )
         if to_version is not None:
             _check_rollback_target(mlclient, name, target_version, champion, policy)
+        elif previous == champion:
+            # Only an older kiln, killed between its alias moves, left this; removing 'previous' would
+            # leave the version it once named behind no alias, so nothing is changed.
+            raise ReleaseError(
+                f"{name}: 'previous' and 'champion' both name version {champion}; nothing to roll back to "
+                "and nothing was changed; name a version with --to VERSION"
+            )
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         steps: list[Step] = []
         if champion:
@@ -297,9 +322,12 @@ def rollback(
                 lambda: _tag_steps(mlclient, name, target_version, TAG_ROLLED_BACK, None), "read tags", policy
             )
         )
-        steps.append(_alias_step(mlclient, name, CHAMPION, target_version, champion))
+        moves = [_alias_step(mlclient, name, CHAMPION, target_version, champion)]
+        targets: dict[str, str | None] = {CHAMPION: target_version}
         if previous is not None and (to_version is None or previous == target_version):
-            steps.append(_alias_step(mlclient, name, PREVIOUS, None, previous))
+            moves.append(_alias_step(mlclient, name, PREVIOUS, None, previous))
+            targets[PREVIOUS] = None
+        steps += _alias_moves(mlclient, name, "rollback", moves, targets)
         _run_steps(steps, policy)
         after = get_aliases(mlclient, name, policy)
     return ReleaseOutcome(

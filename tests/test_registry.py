@@ -713,3 +713,60 @@ def test_rollback_to_a_named_version(mlflow_server, recorded):
     result = CliRunner().invoke(build_app(), ["rollback", "mlp", "--to", "1"])
     assert result.exit_code == 0, result.output
     assert get_aliases(client, NAME) == {CHAMPION: "1"}
+
+
+KILL_BETWEEN_ALIAS_MOVES = """
+import os, signal
+from mlflow import MlflowClient
+
+moved = []
+set_alias = MlflowClient.set_registered_model_alias
+
+
+def set_alias_then_die(self, name, alias, version):
+    moved.append(alias)
+    if len(moved) == 2:  # 'previous' moved, 'champion' not yet: the process dies here
+        os.kill(os.getpid(), signal.SIGKILL)
+    return set_alias(self, name, alias, version)
+
+
+MlflowClient.set_registered_model_alias = set_alias_then_die
+from registry.release import GateReport, apply_decision
+
+apply_decision(GateReport({name!r}, "3", "2", {{"passed": True}}, {{"passed": True}}))
+"""
+
+
+def test_alias_moves_are_all_or_nothing_across_a_kill(mlflow_server, tmp_path):
+    import mlflow
+
+    from registry.models import TAG_ALIAS_INTENT
+    from registry.release import rollback
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    name = registered_model_name("killed", "cpu")
+    with mlflow.start_run() as run:
+        mlflow.log_text("weights", "model/weights.txt")
+    client.create_registered_model(name)
+    for _ in range(3):
+        client.create_model_version(name, source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id)
+    client.set_registered_model_alias(name, CHAMPION, "2")
+    client.set_registered_model_alias(name, PREVIOUS, "1")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = KILL_BETWEEN_ALIAS_MOVES.format(name=name)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -9, proc.stderr  # killed between the two moves
+    raw = client.get_registered_model(name)
+    assert raw.aliases == {CHAMPION: "2", PREVIOUS: "2"} and TAG_ALIAS_INTENT in raw.tags  # half done
+    # The next reader (lookup, release, rollback all read through get_aliases) finishes the moves.
+    assert get_aliases(client, name) == {CHAMPION: "3", PREVIOUS: "2"}
+    assert TAG_ALIAS_INTENT not in client.get_registered_model(name).tags
+    outcome = rollback("killed")
+    assert outcome.champion == "2" and get_aliases(client, name) == {CHAMPION: "2"}
+    # A registry an older kiln left half moved: rollback changes nothing rather than orphan a version.
+    client.set_registered_model_alias(name, PREVIOUS, "2")
+    with pytest.raises(ReleaseError, match="both name version 2; nothing to roll back to"):
+        rollback("killed")
+    assert get_aliases(client, name) == {CHAMPION: "2", PREVIOUS: "2"}
