@@ -216,21 +216,26 @@ def recompile_zoo(
         logger.info("engine build limits: %s", limits)
     # The MLflow parent run of this zoo run, opened once: every model's run nests under it.
     zoo_run = _open_zoo_run(settings, zoo_path) if runnable else None
-    with shared_dask_cluster(settings) as address:
-        # At most parallel_models at once: model i starts when model i - parallel_models has ended.
-        futures: list[Any] = []
-        for i, request in enumerate(runnable):
-            after = (
-                [allow_failure(futures[i - settings.parallel_models])]
-                if i >= settings.parallel_models
-                else []
-            )
-            futures.append(compile_one.submit(request, out, settings, address, zoo_run, wait_for=after))
-        results += [f.result() for f in futures]
-    if zoo_run is not None:
-        from registry.tracking import end_run
+    zoo_run_status = "FAILED"  # unless every model ends ok; a kill leaves it for the next run to end
+    try:
+        with shared_dask_cluster(settings) as address:
+            # At most parallel_models at once: model i starts when model i - parallel_models has ended.
+            futures: list[Any] = []
+            for i, request in enumerate(runnable):
+                after = (
+                    [allow_failure(futures[i - settings.parallel_models])]
+                    if i >= settings.parallel_models
+                    else []
+                )
+                futures.append(compile_one.submit(request, out, settings, address, zoo_run, wait_for=after))
+            results += [f.result() for f in futures]
+        if all(r.status == "ok" for r in results):
+            zoo_run_status = "FINISHED"
+    finally:
+        if zoo_run is not None:
+            from registry.tracking import end_run
 
-        end_run(zoo_run, "FINISHED" if all(r.status == "ok" for r in results) else "FAILED")
+            end_run(zoo_run, zoo_run_status)
 
     order = {name: i for i, name in enumerate(zoo.names)}
     results.sort(key=lambda r: (order.get(r.name, len(order)), r.device))

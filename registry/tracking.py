@@ -19,6 +19,7 @@ import contextvars
 import json
 import logging
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -57,6 +58,9 @@ TAG_PACKAGE_DIR = "kiln.package_dir"
 TAG_VERSION = "kiln.model_version"
 TAG_REGISTERED = "kiln.registered_model"
 TAG_KIND = "kiln.kind"
+# Which process holds a zoo run open: a later zoo run on the same host ends the runs of dead processes.
+TAG_ZOO_HOST = "kiln.zoo.host"
+TAG_ZOO_PROCESS = "kiln.zoo.process"
 TAG_ZOO_KEY = "kiln.zoo_key"
 PARENT_ENV = "KILN_MLFLOW_PARENT_RUN_ID"
 
@@ -366,16 +370,62 @@ def start_zoo_run(
     tracking_uri: str | None = None,
     policy: RetryPolicy | None = None,
 ) -> str:
+    """A new parent run, tagged with this host and process; first, this host's zoo runs whose process
+    is gone (killed, or its end never reached a restarted server) are ended ``KILLED``."""
     mlclient = config.client(tracking_uri)
     experiment_id = config.ensure_experiment(mlclient, experiment, policy)
+    host, process = socket.gethostname(), _process_token(os.getpid())
+    tags = {"mlflow.runName": name, TAG_KIND: "zoo", TAG_ZOO_HOST: host}
+    if process is not None:
+        tags[TAG_ZOO_PROCESS] = process
+        end_abandoned_zoo_runs(mlclient, experiment_id, host, policy)
 
     def create() -> str:
-        run = mlclient.create_run(experiment_id, tags={"mlflow.runName": name, TAG_KIND: "zoo"})
+        run = mlclient.create_run(experiment_id, tags=tags)
         if params:
             mlclient.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in sorted(params.items())])
         return run.info.run_id
 
     return call_with_retry(create, f"start zoo run {name}", policy)
+
+
+def _process_token(pid: int) -> str | None:
+    """``<pid>:<start time>`` of a live process (Linux ``/proc``; a reused pid has another start
+    time), or None when there is no such process or no ``/proc``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return f"{pid}:{stat.rsplit(')', 1)[1].split()[19]}"
+
+
+def end_abandoned_zoo_runs(
+    mlclient: MlflowClient, experiment_id: str, host: str, policy: RetryPolicy | None = None
+) -> list[str]:
+    """End ``KILLED`` every RUNNING zoo run of ``host`` whose process no longer exists; their ids."""
+    query = (
+        f"tags.`{TAG_KIND}` = 'zoo' and attributes.status = 'RUNNING' and tags.`{TAG_ZOO_HOST}` = '{host}'"
+    )
+
+    def find() -> list[Any]:
+        return mlclient.search_runs([experiment_id], filter_string=query, max_results=100)
+
+    ended = []
+    for run in call_with_retry(find, "find open zoo runs", policy):
+        token = run.data.tags.get(TAG_ZOO_PROCESS, "")
+        pid = token.split(":", 1)[0]
+        if not pid.isdigit() or _process_token(int(pid)) == token:
+            continue  # still running (or not ours to judge)
+        run_id = run.info.run_id
+
+        def end(run_id: str = run_id) -> None:
+            mlclient.set_tag(run_id, TAG_ERROR, "its process ended before the zoo run did (killed)")
+            mlclient.set_terminated(run_id, "KILLED")
+
+        call_with_retry(end, f"end abandoned zoo run {run_id}", policy)
+        log.warning("zoo run %s: its process %s is gone; marked KILLED", run_id, token)
+        ended.append(run_id)
+    return ended
 
 
 def current_zoo_run() -> str | None:

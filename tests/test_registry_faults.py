@@ -157,3 +157,44 @@ def test_server_restart_mid_run_is_ridden_out_by_back_off(
     assert client.get_run(run_id).info.status == "FINISHED"
     version = client.get_model_version(result.registered_model, result.version)
     assert version.tags[TAG_CONTENT_HASH] == content_hash
+
+
+OPEN_A_ZOO_RUN = """
+import sys, time
+from registry.tracking import start_zoo_run
+print(start_zoo_run("zoo-killed", {"zoo": "z.yaml"}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_zoo_run_whose_process_died_is_ended_by_the_next_zoo_run(mlflow_server: MlflowServer) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import mlflow
+
+    from registry.tracking import start_zoo_run
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "MLFLOW_TRACKING_URI": mlflow_server.uri}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", OPEN_A_ZOO_RUN], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        killed = holder.stdout.readline().strip()
+    finally:
+        holder.send_signal(signal.SIGKILL)  # the zoo run is left open, as after a kill or a lost server
+        holder.wait()
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    assert client.get_run(killed).info.status == "RUNNING"
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    live = start_zoo_run("zoo-next", {"zoo": "z.yaml"})
+    assert client.get_run(killed).info.status == "KILLED"
+    assert "process ended" in client.get_run(killed).data.tags["kiln.error"]
+    # A live process's run is left alone: this one is still RUNNING after another zoo run starts.
+    third = start_zoo_run("zoo-third", {"zoo": "z.yaml"})
+    assert client.get_run(live).info.status == "RUNNING"
+    for run_id in (live, third):
+        client.set_terminated(run_id)
