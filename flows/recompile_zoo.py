@@ -20,7 +20,12 @@ from compiler.atomic import write_bytes_atomic
 from compiler.errors import KilnError
 from flows import progress
 from flows.compile_model import ModelResult, compile_model, package_path, preflight
-from flows.runners import ensure_build_limits, shared_dask_cluster, task_runner_for
+from flows.runners import (
+    PromptThreadPoolTaskRunner,
+    ensure_build_limits,
+    shared_dask_cluster,
+    task_runner_for,
+)
 from tasks.reuse import unchanged
 from zoo.config import ZooSettings, load_zoo
 from zoo.request import CompileRequest
@@ -158,7 +163,7 @@ def write_summary(
     return summary
 
 
-@flow(name="recompile-zoo", log_prints=True)
+@flow(name="recompile-zoo", log_prints=True, task_runner=PromptThreadPoolTaskRunner())
 def recompile_zoo(
     zoo_path: str = "deploy/zoo.yaml",
     out_dir: str | None = None,

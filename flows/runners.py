@@ -13,16 +13,36 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from prefect.exceptions import TerminationSignal
+from prefect.task_runners import ThreadPoolTaskRunner
+
 from tasks.concurrency import ensure_limits
 from zoo.config import ZooConfigError, ZooSettings
+
+
+class PromptThreadPoolTaskRunner(ThreadPoolTaskRunner):
+    """Prefect's thread pool, except that a flow ended by a signal does not wait for its threads.
+
+    Prefect's pool joins its worker threads on exit. After SIGTERM that join waited for every running
+    build, and for every build still waiting for a slot (up to the slot timeout): the CLI hung for
+    minutes. Here a run ended by SIGTERM, Ctrl-C or SystemExit cancels what has not started and lets
+    the running threads go; the process then exits (``flows.server`` ends it after a grace period).
+    """
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        if exc_type is not None and issubclass(exc_type, (TerminationSignal, KeyboardInterrupt, SystemExit)):
+            for event in self._cancel_events.values():
+                event.set()
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = None
+        super().__exit__(exc_type, exc_value, traceback)
 
 
 def task_runner_for(settings: ZooSettings, dask_address: str | None = None) -> Any:
     """A Prefect task runner for one compile: threads, or Dask at ``dask_address`` / its own LocalCluster."""
     if settings.task_runner == "thread":
-        from prefect.task_runners import ThreadPoolTaskRunner
-
-        return ThreadPoolTaskRunner(max_workers=settings.max_workers)
+        return PromptThreadPoolTaskRunner(max_workers=settings.max_workers)
     try:
         from prefect_dask import DaskTaskRunner
     except ImportError as exc:

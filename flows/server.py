@@ -4,7 +4,17 @@ Prefect's own ephemeral server is a plain child process: a SIGTERM or SIGKILL of
 running (about 225 MB each). Here the CLI starts ``prefect server start`` on a free 127.0.0.1 port
 with the kernel's parent-death signal set (Linux ``PR_SET_PDEATHSIG``): the server gets SIGTERM the
 moment its parent dies, even by SIGKILL. SIGTERM to the CLI itself ends it through the normal exit
-path, which stops the server too. With ``PREFECT_API_URL`` set, the configured server is used instead.
+path, which stops the server too; if that path has not ended the process within ``SIGTERM_GRACE_S``
+(worker threads still building, or waiting for a build slot), it exits at once. With
+``PREFECT_API_URL`` set, the configured server is used instead.
+
+Build slots (``tasks/concurrency.py``) are leases. Prefect's default lease storage is the server's
+memory: a temporary server killed with its run took the leases with it while the slots stayed
+counted in the database (``PREFECT_HOME``), so they were never given back and the next run waited
+out its slot timeout. The temporary server therefore keeps leases on disk next to the database
+(Prefect's filesystem lease storage), and the next run's server revokes the expired ones within its
+repossessor loop (``REPOSSESSOR_LOOP_S``). A long-lived server keeps its leases in memory and
+revokes them itself; one that is restarted should use the filesystem storage (or Redis) too.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +36,13 @@ from pathlib import Path
 from compiler.errors import KilnError
 
 STARTUP_TIMEOUT = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"))
+SIGTERM_GRACE_S = 10.0
+REPOSSESSOR_LOOP_S = 5
+# Settings of the temporary server (the environment wins where it sets them).
+SERVER_SETTINGS = {
+    "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
+    "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": str(REPOSSESSOR_LOOP_S),
+}
 _PR_SET_PDEATHSIG = 1
 
 
@@ -45,6 +63,12 @@ def _free_port() -> int:
 
 
 def _sigterm_exits(signum: int, frame: object) -> None:
+    # The normal exit path waits for worker threads, which may hold a build for minutes; past the
+    # grace period the process ends at once (its server follows by PR_SET_PDEATHSIG, and the slots
+    # its builds held come free when their leases expire).
+    timer = threading.Timer(SIGTERM_GRACE_S, os._exit, args=(128 + signum,))
+    timer.daemon = True
+    timer.start()
     raise SystemExit(128 + signum)
 
 
@@ -60,7 +84,7 @@ def prefect_api() -> Iterator[str]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
     log = tempfile.NamedTemporaryFile(prefix="kiln-prefect-server-", suffix=".log", delete=False)  # noqa: SIM115
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env = {**SERVER_SETTINGS, **{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}}
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         stdout=log,

@@ -24,17 +24,64 @@ with build_slot("cpu:slot-test"):
     time.sleep(600)
 """
 
+# A run on its own temporary server (as `kiln zoo` without PREFECT_API_URL) whose build holds a slot
+# (the kiln flows' runner and server; a tiny flow instead of a zoo, to be quick).
+HOLD_SLOT_IN_A_FLOW = """
+import time
+from prefect import flow, task
+from flows.runners import PromptThreadPoolTaskRunner
+from flows.server import prefect_api
+from tasks.concurrency import build_slot, ensure_limits
 
-def test_a_killed_build_frees_its_slot_and_a_waiting_build_names_the_limit(prefect_api) -> None:
+@task
+def build():
+    with build_slot("cpu:slot-test"):
+        print("held", flush=True)
+        time.sleep(600)
+
+@flow(task_runner=PromptThreadPoolTaskRunner(max_workers=1))  # as kiln's flows
+def zoo():
+    build.submit().result()
+
+with prefect_api():
+    ensure_limits({"cpu:slot-test": 1})
+    zoo()
+"""
+
+WAIT_FOR_SLOT = """
+import time
+from flows.server import prefect_api
+from tasks.concurrency import build_slot
+with prefect_api():
+    start = time.monotonic()
+    with build_slot("cpu:slot-test", timeout=150):
+        print(f"waited {time.monotonic() - start:.1f}", flush=True)
+"""
+
+
+def test_a_killed_build_frees_its_slot_on_a_real_and_on_a_temporary_server(
+    prefect_api, tmp_path: Path
+) -> None:
     from tasks.concurrency import BuildSlotTimeoutError, build_slot, ensure_limits
 
     ensure_limits({"cpu:slot-test": 1})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The temporary server's runs share one PREFECT_HOME (database and leases), as on a user's machine.
+    temporary = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    temporary["PREFECT_HOME"] = str(tmp_path / "home")
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD_SLOT], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
     )
+    run = subprocess.Popen(
+        [sys.executable, "-c", HOLD_SLOT_IN_A_FLOW],
+        cwd=ROOT,
+        env=temporary,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
+        assert run.stdout.readline().strip() == "held"
         with (
             pytest.raises(BuildSlotTimeoutError, match=r"engine-build:cpu:slot-test.*prefect gcl"),
             build_slot("cpu:slot-test", timeout=2),
@@ -43,11 +90,23 @@ def test_a_killed_build_frees_its_slot_and_a_waiting_build_names_the_limit(prefe
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+        # SIGTERM ends the run promptly although its build thread holds the slot (it hung for minutes);
+        # the slot is left taken, as by a kill.
+        run.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        run.wait(timeout=60)
+        assert time.monotonic() - start < 30
+    # The next run on a fresh temporary server, and a waiter on the real one, both get the slot once
+    # the dead holders' leases (60 s, Prefect's minimum) expire; nobody resets anything by hand.
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", WAIT_FOR_SLOT], cwd=ROOT, env=temporary, stdout=subprocess.PIPE, text=True
+    )
     start = time.monotonic()
-    # The dead holder's lease (60 s, Prefect's minimum) expires; nobody resets anything by hand.
     with build_slot("cpu:slot-test", timeout=150):
         waited = time.monotonic() - start
     assert waited < 150
+    out, _ = waiter.communicate(timeout=240)
+    assert waiter.returncode == 0 and out.startswith("waited"), out
 
 
 def _server_children(pid: int) -> list[psutil.Process]:
