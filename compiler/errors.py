@@ -97,6 +97,11 @@ class UnsafeProgramError(ExportError, PackageCorruptError):
     before torch reads it."""
 
 
+class UnsafeEngineError(BackendError, PackageCorruptError):
+    """An engine asks for something a load must not act on: data outside the engine (ONNX external
+    data), or a malformed header. Refused before the engine's library reads it."""
+
+
 class OpModuleNotAllowedError(KilnError):
     """A package or program needs modules imported (its custom ops, its input/output types) that this
     process does not allow. ``needed``: those modules; ``recorded``: every module the package names."""

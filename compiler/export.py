@@ -180,6 +180,7 @@ def load_program_bytes(
         program = torch.export.load(io.BytesIO(data), extra_files=extra)
     except Exception as exc:
         raise ExportError(f"{where} is not a loadable torch.export archive: {exc}") from exc
+    _check_calls_by_name(program, where, allowed_modules, recorded)
     if extra[SPEC_EXTRA_FILE]:
         attach_specs(program, specs_from_json(extra[SPEC_EXTRA_FILE]))
     return program
@@ -196,17 +197,14 @@ _ARCHIVE_ENTRIES = re.compile(
     r"|data/constants/model_constants_config\.json|data/constants/tensor_\d+"
     r"|extra/[A-Za-z0-9_.-]+)$"
 )
-# Modules torch's pytree decoder imports by name while reading the program (defaultdict factories,
-# enums in node contexts): the same allow rule as recorded modules applies to them.
-_NAMED_MODULES = re.compile(
-    r'default_factory_module\\*"\s*:\s*\\*"([A-Za-z_][\w.]*)'  # a defaultdict's factory module
-    r'|fqn\\*"\s*:\s*\\*"([A-Za-z_][\w.]*):'  # an enum, "module:Class"
-)
+# How deep the program text may nest JSON in JSON strings (torch's treespecs: 2 or 3) before it is
+# refused rather than read.
+_JSON_DEPTH = 16
 
 
 def check_archive(data: bytes, where: str) -> list[str]:
     """Refuse an archive that torch.export.load would unpickle anything from; return the modules its
-    program text names for import (see ``_NAMED_MODULES``).
+    program text names for import (see :func:`named_modules`).
 
     torch.export.load unpickles weights and constants marked ``use_pickle``, custom and opaque
     objects, and falls back to a full unpickle of the sample inputs when a weights-only read fails.
@@ -218,6 +216,9 @@ def check_archive(data: bytes, where: str) -> list[str]:
         names = archive.namelist()
     except (zipfile.BadZipFile, ValueError, OSError) as exc:
         raise UnsafeProgramError(f"{where} is not a torch.export archive: {exc}") from exc
+    if any(info.compress_type != zipfile.ZIP_STORED for info in archive.infolist()):
+        # torch.export.save stores its entries; nothing here is inflated (a deflate bomb) to find out.
+        raise UnsafeProgramError(f"{where} holds compressed entries; torch.export.save writes none")
     roots = {name.split("/", 1)[0] for name in names}
     if len(roots) != 1 or any("/" not in name for name in names):
         raise UnsafeProgramError(
@@ -263,8 +264,66 @@ def check_archive(data: bytes, where: str) -> list[str]:
                     f"{where}: its sample inputs are not plain tensors (torch would unpickle them with "
                     f"weights_only=False): {type(exc).__name__}; refused"
                 ) from exc
-    text = archive.read(entries["models/model.json"]).decode("utf-8", errors="replace")
-    return sorted({m for pair in _NAMED_MODULES.findall(text) for m in pair if m})
+    return named_modules(archive.read(entries["models/model.json"]), where)
+
+
+def named_modules(model_json: bytes, where: str) -> list[str]:
+    """The modules torch would import while reading a program's ``models/model.json``.
+
+    torch's pytree decoder imports a module by name for a defaultdict's factory
+    (``default_factory_module``) and for an enum (``{"__enum__": ..., "fqn": "module:Class"}``), found
+    in JSON that sits inside JSON strings (treespecs, their contexts). The text is read the way torch
+    reads it (UTF-8, ``json.loads``: escapes decoded, the last of duplicate keys wins), and every string
+    that is itself JSON is read too, at any depth: the check sees the values torch acts on, never the
+    raw bytes (``\\u0064efault_factory_module`` is ``default_factory_module``)."""
+    found: set[str] = set()
+
+    def hook(obj: dict[str, Any]) -> dict[str, Any]:
+        for key, field in (("__enum__", "fqn"), ("default_factory_module", "default_factory_module")):
+            if key in obj:
+                name = obj.get(field)
+                if not isinstance(name, str):
+                    raise UnsafeProgramError(f"{where}: pytree {key!r} names {name!r}, not a module")
+                found.add(name.partition(":")[0] if key == "__enum__" else name)
+        return obj
+
+    try:
+        pending = [(json.loads(model_json.decode("utf-8"), object_hook=hook), 0)]
+        while pending:  # iterative: a deep document must not exhaust the stack here
+            value, level = pending.pop()
+            if isinstance(value, dict):
+                pending.extend((item, level) for item in value.values())
+            elif isinstance(value, list):
+                pending.extend((item, level) for item in value)
+            elif isinstance(value, str) and value.lstrip()[:1] in ("{", "[", '"'):
+                if level >= _JSON_DEPTH:
+                    raise UnsafeProgramError(f"{where}: program text nests JSON {_JSON_DEPTH} deep")
+                try:
+                    pending.append((json.loads(value, object_hook=hook), level + 1))
+                except ValueError:
+                    continue  # not JSON: torch reads no module from it either
+    except (ValueError, RecursionError) as exc:
+        raise UnsafeProgramError(f"{where}: models/model.json is not JSON torch would read: {exc}") from exc
+    return sorted(found)
+
+
+def _check_calls_by_name(
+    program: ExportedProgram, where: str, allowed: Sequence[str] | None, recorded: Sequence[str]
+) -> None:
+    """The one call torch's verifier lets a graph make by name: a custom autograd function, imported
+    from the string the node carries when the graph runs. Its module follows the op-module rule."""
+    from torch.export.custom_ops import _call_custom_autograd_function_in_pre_dispatch as by_name
+
+    modules = []
+    for module in program.graph_module.modules():
+        for node in module.graph.nodes if isinstance(module, torch.fx.GraphModule) else ():
+            if node.op == "call_function" and node.target is by_name:
+                name = node.args[0] if node.args else None
+                if not isinstance(name, str) or "." not in name:
+                    raise UnsafeProgramError(f"{where}: a graph node calls {name!r} by name; refused")
+                modules.append(name.rsplit(".", 1)[0])
+    if modules:
+        import_allowed_modules(sorted(set(modules)), where, allowed=allowed, recorded=recorded)
 
 
 def recorded_modules(data: bytes) -> list[str]:

@@ -28,6 +28,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
+DTYPES = frozenset(_DTYPES)  # the dtype names kiln reads and writes
 
 
 def dtype_name(dtype: torch.dtype) -> str:

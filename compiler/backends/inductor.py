@@ -35,7 +35,8 @@ PyTorch, and ``torch_executed_ops`` decides the rest. The artifact holds Inducto
 entries and compiled kernels: it is code, so it runs as stored only where the backend trusts engine
 code (``trust_engine_code``: engines this process built or took from its engine cache, and packages
 ``compiler.load`` trusts); otherwise the engine is compiled here from its program, which is read as a
-package's program is (docs/security.md).
+package's program is, with kiln's own settings: of the header's options only a checked list of tuning
+switches is used (``inductor_options``), never a compiler, flag, path or environment (docs/security.md).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import hashlib
 import io
 import json
 import os
-import shutil
+import re
 import tempfile
 import threading
 import warnings
@@ -55,14 +56,20 @@ from typing import Any
 
 import torch
 
-from compiler.backends.base import BuildSettings, EngineIO, check_backend_options, unpack_torch_graph
+from compiler.backends.base import BuildSettings, EngineIO, unpack_torch_graph
+from compiler.backends.inductor_options import (
+    build_options,
+    check_header,
+    host_compiler,
+    inductor_config,
+    untrusted_options,
+)
 from compiler.errors import (
     BackendError,
-    BackendUnavailableError,
-    BuildSettingsError,
     EngineBuildError,
     EngineCompatibilityError,
     RefitError,
+    UnsafeEngineError,
 )
 from compiler.specs import dtype_name, torch_dtype
 
@@ -73,15 +80,10 @@ HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED = (
     "weights.safetensors",
     "inductor_compiled.bin",
 )
+_ENTRIES = (HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED)
 # 1: torch.compile at load from cache artifacts (no longer read: rebuild). 2: standalone compiled graph.
 FORMAT = 2
 MAGIC = "kiln-inductor-engine"
-# backend_options keys: "mode" (torch.compile's mode names, as Inductor config), "compile_options"
-# (Inductor config, torch.compile's ``options``).
-BACKEND_OPTIONS = frozenset({"mode", "compile_options"})
-# CUDA graphs ("reduce-overhead", "max-autotune") need a runtime that replays captured graphs on static
-# buffers; a standalone compiled graph is a plain function, so those modes are refused.
-_MODES = ("default", "max-autotune-no-cudagraphs")
 # One compile at a time: Inductor's cache-artifact recording is process-wide. Always taken before the
 # compiler's tracing lock (compiler.export.TRACING, taken inside), so exports never overlap a compile
 # and the two locks are never taken in the other order.
@@ -162,7 +164,7 @@ class InductorBackend:
         partition: str | None = None,
         cache_dir: str | os.PathLike | None = None,  # Inductor keeps its own caches
     ) -> bytes:
-        options = _options(settings)
+        options = build_options(settings)
         compiler = host_compiler(options)
         program, weight_bytes = unpack_torch_graph(onnx_model)
         weights = _load_tensors(weight_bytes, self.device)
@@ -206,23 +208,41 @@ class InductorBackend:
     def load(self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None) -> InductorEngine:
         header, files = read_engine(engine)
         self.check_compatible(header)
+        options = self._compile_options(header)
+        host_compiler(options)
         if weights is None:
             if WEIGHTS not in files:
                 raise RefitError("this Inductor engine is weight-stripped: load it with its weights")
             weights = _load_tensors(files[WEIGHTS], self.device)
         ordered = _ordered(header, weights, self.device)
         constants = {int(i): t for i, t in _load_tensors(files.get(CONSTANTS), self.device).items()}
-        key = _library_key(files[PROGRAM], header)
+        key = _library_key(files[PROGRAM], {**header, "options": options})
         with _COMPILE_LOCK:
             compiled = _recall(key)[0]
             if compiled is None:
-                compiled = self._load_compiled(header, files, io, ordered, constants)
+                compiled = self._load_compiled(options, files, io, ordered, constants)
                 _remember(key, compiled, None)
         return InductorEngine(compiled, ordered, io, constants)
 
+    def _compile_options(self, header: Mapping[str, Any]) -> dict[str, Any]:
+        """The options this engine is compiled with here: its header's where its package is trusted,
+        else only kiln's own list of tuning switches (inductor_options.untrusted_options): a header
+        must not choose the C++ compiler, its flags, paths or environment."""
+        if self.trust_engine_code:
+            return dict(header["options"])
+        options, dropped = untrusted_options(header["options"])
+        if dropped:
+            warnings.warn(
+                f"Inductor engine from an untrusted package: its header's settings {dropped} are not used "
+                "(an untrusted engine is compiled with this process's own toolchain settings and only "
+                "kiln's list of tuning switches); sign packages with KILN_SIGNING_KEY to keep them",
+                stacklevel=3,
+            )
+        return options
+
     def _load_compiled(
         self,
-        header: Mapping[str, Any],
+        options: Mapping[str, Any],
         files: Mapping[str, bytes],
         engine_io: EngineIO,
         weights: tuple[torch.Tensor, ...],
@@ -244,7 +264,7 @@ class InductorBackend:
                 return compiled
             except Exception as exc:  # a cache miss or a torch build mismatch: both mean compile again
                 reason = f"its compiled graph does not load here ({_short(exc)})"
-        options = header["options"]
+        # Keyed by the options it is compiled with here (an untrusted header's are filtered already).
         local = _LocalCompiled(files[PROGRAM], options, self.target_device())
         compiled = local.load(engine_io, self.device, weights, constants)
         if compiled is not None:  # compiled here from this very program before: as trusted as a build
@@ -284,7 +304,6 @@ class InductorBackend:
                 f"Inductor engine built for cuda:{index}; this backend runs on {self.device}: recompile for "
                 f"{self.device}, or load it on cuda:{index}"
             )
-        host_compiler(header.get("options") or {})
 
 
 class _Graph:
@@ -330,7 +349,7 @@ class _Graph:
                 self.module,
                 fake_inputs,
                 dynamic_shapes="from_graph",
-                options={"config_patches": _inductor_config(options)},
+                options={"config_patches": inductor_config(options)},
             )
             with torch.no_grad():
                 compiled(*args)
@@ -421,12 +440,18 @@ def read_engine(engine: bytes) -> tuple[dict, dict[str, bytes]]:
     """(header, files) of an Inductor engine; BackendError when the bytes are not one."""
     try:
         with zipfile.ZipFile(io.BytesIO(engine)) as archive:
-            files = {name: archive.read(name) for name in archive.namelist()}
+            entries = archive.infolist()
+            # kiln writes its engines uncompressed: nothing is inflated (a deflate bomb) to find out.
+            if any(e.compress_type != zipfile.ZIP_STORED for e in entries):
+                raise UnsafeEngineError("not a kiln Inductor engine: it holds compressed entries")
+            files = {e.filename: archive.read(e) for e in entries}
         header = json.loads(files[HEADER])
-    except (zipfile.BadZipFile, KeyError, ValueError) as exc:
-        raise BackendError(f"not a kiln Inductor engine: {exc}") from exc
-    if header.get("magic") != MAGIC or not isinstance(header.get("format"), int):
-        raise BackendError("not a kiln Inductor engine: its header lacks the magic and format")
+    except (zipfile.BadZipFile, KeyError, ValueError, RuntimeError, OSError) as exc:
+        raise UnsafeEngineError(f"not a kiln Inductor engine: {exc}") from exc
+    if not isinstance(header, dict) or header.get("magic") != MAGIC:
+        raise UnsafeEngineError("not a kiln Inductor engine: its header lacks the magic and format")
+    if not isinstance(header.get("format"), int) or isinstance(header["format"], bool):
+        raise UnsafeEngineError("not a kiln Inductor engine: its header lacks the magic and format")
     if header["format"] > FORMAT:
         raise EngineCompatibilityError(
             f"Inductor engine format {header['format']} is newer than this kiln reads ({FORMAT}): "
@@ -437,56 +462,13 @@ def read_engine(engine: bytes) -> tuple[dict, dict[str, bytes]]:
             f"Inductor engine format {header['format']} (torch.compile at load) is no longer read: "
             "recompile the model (engine cache entries of the old format are not reused)"
         )
+    strange = sorted(set(files) - set(_ENTRIES))
+    if strange or PROGRAM not in files or len(files) != len(entries):
+        raise UnsafeEngineError(
+            f"not a kiln Inductor engine: entries {sorted(files)[:8]}; expected {PROGRAM}, some of {_ENTRIES}"
+        )
+    check_header(header)
     return header, files
-
-
-def host_compiler(options: Mapping[str, Any]) -> str:
-    """The C++ compiler Inductor will call (CPU kernels, Triton's launchers); BackendUnavailableError
-    when there is none, since no Inductor engine builds or loads without one."""
-    from torch._inductor import config
-
-    configured = (options.get("compile_options") or {}).get("cpp.cxx", config.cpp.cxx)
-    names = [c for c in (configured if isinstance(configured, list | tuple) else (configured,)) if c]
-    names = names or [os.environ.get("CXX", "g++")]
-    for name in names:
-        found = shutil.which(name)
-        if found:
-            return found
-    raise BackendUnavailableError(
-        f"backend 'inductor' needs a C++ compiler and none of {names} is on PATH: install g++ (or set CXX)"
-    )
-
-
-def _options(settings: BuildSettings) -> dict[str, Any]:
-    check_backend_options(settings, BACKEND_OPTIONS, "Inductor")
-    mode = settings.options.get("mode", "default")
-    if mode not in _MODES:
-        raise BuildSettingsError(
-            f"backend_options mode {mode!r}: expected one of {_MODES} (CUDA graph modes are not offered: "
-            "an Inductor engine is a plain compiled function)"
-        )
-    compile_options = settings.options.get("compile_options") or {}
-    if not isinstance(compile_options, Mapping):
-        raise BuildSettingsError("backend_options compile_options must be a mapping of Inductor config")
-    unknown = sorted(set(compile_options) - set(torch._inductor.config.get_config_copy()))
-    if unknown:
-        raise BuildSettingsError(
-            f"backend_options compile_options {unknown}: not Inductor config settings "
-            "(torch._inductor.config names them)"
-        )
-    if settings.workspace_bytes is not None or settings.optimization_level is not None:
-        raise BuildSettingsError(
-            "workspace_bytes and optimization_level are TensorRT settings; Inductor takes backend_options "
-            "mode and compile_options"
-        )
-    return {"mode": mode, "compile_options": dict(sorted(compile_options.items()))}
-
-
-def _inductor_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Inductor config for a compile: the mode's settings, then the user's compile_options over them."""
-    mode = options.get("mode", "default")
-    from_mode = torch._inductor.list_mode_options(mode) if mode != "default" else {}
-    return {**from_mode, **dict(options.get("compile_options") or {})}
 
 
 def _save(compiled: Any) -> bytes:
@@ -545,7 +527,13 @@ def _load_tensors(data: bytes | None, device: torch.device) -> dict[str, torch.T
         return {}
     import safetensors.torch
 
-    loaded = safetensors.torch.load(data)
+    try:
+        loaded = safetensors.torch.load(data)
+    except Exception as exc:  # safetensors raises its own SafetensorError
+        raise UnsafeEngineError(f"an Inductor engine's tensors do not read: {_short(exc)}") from exc
+    strange = [k for k in loaded if not re.fullmatch(r"w?\d{1,9}", k)]
+    if strange:
+        raise UnsafeEngineError(f"an Inductor engine's tensors are named {strange[:5]}; expected w<N> or <N>")
     return {k: v.to(device) for k, v in sorted(loaded.items(), key=lambda kv: int(kv[0].lstrip("w")))}
 
 

@@ -21,7 +21,8 @@ import torch
 from onnx import numpy_helper
 
 from compiler.backends.base import BuildSettings, EngineIO, is_weight_name, to_numpy
-from compiler.errors import EngineBuildError, InputSpecError, RefitError
+from compiler.backends.onnx_inline import check_self_contained
+from compiler.errors import EngineBuildError, InputSpecError, RefitError, UnsafeEngineError
 from compiler.onnx_support import onnx_exportable
 
 
@@ -84,6 +85,7 @@ class OnnxRuntimeBackend:
                 partition=partition,
                 node=_error_node(str(exc), model),
             ) from exc
+        check_self_contained(model)  # what a load will demand: kiln never writes data outside an engine
         if settings.strip_weights:
             for init in _weights(model):
                 _strip(init)
@@ -92,13 +94,14 @@ class OnnxRuntimeBackend:
     def load(
         self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None
     ) -> OnnxRuntimeEngine:
-        model = onnx.load_from_string(engine)
+        model = _parse(engine)
         if weights is not None or _is_stripped(model):
             _fill(model, weights or {})
+        check_self_contained(model)
         return OnnxRuntimeEngine(self._session(model.SerializeToString()), io)
 
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
-        model = onnx.load_from_string(engine)
+        model = _parse(engine)
         _fill(model, weights)
         return model.SerializeToString()
 
@@ -107,6 +110,13 @@ class OnnxRuntimeBackend:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
         return ort.InferenceSession(model_bytes, options, providers=self.providers)
+
+
+def _parse(engine: bytes) -> onnx.ModelProto:
+    try:
+        return onnx.load_from_string(engine)
+    except Exception as exc:  # protobuf's DecodeError
+        raise UnsafeEngineError(f"not an ONNX engine: {type(exc).__name__}: {exc}") from exc
 
 
 def _error_node(text: str, model: onnx.ModelProto) -> str | None:

@@ -23,10 +23,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import onnx
 import torch
 
 from compiler.atomic import write_bytes_atomic
 from compiler.backends.base import BuildSettings, EngineIO
+from compiler.backends.onnx_inline import check_self_contained
 from compiler.backends.tensorrt.build_settings import builder_flag_names, profile_shapes, refit_mode
 from compiler.backends.tensorrt.engine_format import (
     HEADER_FORMAT,
@@ -271,6 +273,8 @@ class TensorRTBackend:
             flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
         network = builder.create_network(flags)
         parser = trt.OnnxParser(network, logger.logger)
+        # The parser reads external data relative to the working directory: only inline models are parsed.
+        check_self_contained(onnx.load_from_string(bytes(onnx_model)))
         if not parser.parse(bytes(onnx_model)):
             raise self._parse_error(parser, partition)
         self._check_network_io(network, io, shapes, partition)
