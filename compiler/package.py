@@ -240,7 +240,11 @@ def load(
         modules=manifest.op_modules if manifest.format_version >= 2 else None,
         allowed_modules=allowed_modules,
     )
-    target = resolve(device if device is not None else manifest.plan["options"].get("device", "cpu"))
+    try:
+        recorded_device = manifest.plan["options"].get("device", "cpu")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise PackageCorruptError(f"{path}: the manifest's plan has no options ({exc!r})") from exc
+    target = resolve(device if device is not None else recorded_device)
     program = program_on(program, target)
     weights = {
         k: v.to(target) for k, v in safetensors.torch.load(_read_verified(path, WEIGHTS, manifest)).items()
@@ -251,8 +255,15 @@ def load(
         raise PackageCorruptError(f"{path}: {WEIGHTS} lacks weights {missing[:10]}")
     program = with_weights(program, {k: v for k, v in weights.items() if k in own})
     runtime = {"device": str(target), **({"cuda_graphs": cuda_graphs} if cuda_graphs is not None else {})}
-    plan_data = {**manifest.plan, "options": {**manifest.plan["options"], **runtime}}
-    plan = replay(program, plan_data)
+    try:  # the plan and dedup records are decoded here: malformed ones are the package's fault
+        plan_data = {**manifest.plan, "options": {**manifest.plan["options"], **runtime}}
+        plan = replay(program, plan_data)
+        dedup = DedupPlan.from_dict(manifest.dedup)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise PackageCorruptError(
+            f"{path}: the manifest's plan or dedup is malformed ({exc!r:.200})"
+        ) from exc
+    _check_dedup(dedup, plan, manifest, path)
     plan.input_weights = {k: weights[k] for k in manifest.input_weights}
     engines = {
         fp: EngineArtifact(
@@ -269,9 +280,7 @@ def load(
         for fp, record in manifest.engines.items()
     }
     report = copy.deepcopy(manifest.report)
-    compiled = assemble(
-        plan, DedupPlan.from_dict(manifest.dedup), engines, report=report, trust_engine_code=trust_engine_code
-    )
+    compiled = assemble(plan, dedup, engines, report=report, trust_engine_code=trust_engine_code)
     # The report describes the compile: this load's assemble time is not part of it (and would make a
     # re-saved package differ from its source).
     compiled.report.stage_seconds.clear()
@@ -375,6 +384,31 @@ def _read_verified(path: Path, rel: str, manifest: Manifest) -> bytes:
             f"{record.bytes} bytes); the package is corrupt or was modified"
         )
     return data
+
+
+def _check_dedup(dedup: DedupPlan, plan: Any, manifest: Manifest, path: Path) -> None:
+    """Every partition has exactly one instance, of a fingerprint the manifest has an engine record for,
+    whose representative is a partition of the plan."""
+    partitions = {part.name for part in plan.partitions}
+    named = [i.partition for i in dedup.instances]
+    problems = []
+    if sorted(named) != sorted(partitions):
+        problems.append(
+            f"instances name partitions {sorted(named)[:5]}, the plan has {sorted(partitions)[:5]}"
+        )
+    for instance in dedup.instances:
+        if instance.fingerprint not in manifest.engines or instance.fingerprint not in dedup.unique:
+            problems.append(
+                f"instance {instance.partition!r} uses an unknown engine {instance.fingerprint!r:.40}"
+            )
+        if not isinstance(instance.weights, Mapping):
+            problems.append(f"instance {instance.partition!r} has no weight map")
+    if not set(dedup.unique.values()) <= partitions:
+        problems.append("a unique engine's representative is not a partition of the plan")
+    if problems:
+        raise PackageCorruptError(
+            f"{path}: the manifest's dedup does not fit its plan: {'; '.join(problems[:3])}"
+        )
 
 
 def _check_no_symlinks(path: Path) -> None:

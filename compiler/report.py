@@ -44,6 +44,10 @@ class CompileReport:
         fields = set(cls.__dataclass_fields__)
         if "target_device" in data and "engine_target" not in data:  # reports written before the rename
             data = {**data, "engine_target": data["target_device"]}
+        for name, spec in cls.__dataclass_fields__.items():  # a package's report is read, never trusted
+            kind = spec.default_factory
+            if name in data and kind in (list, dict) and not isinstance(data[name], kind):
+                raise TypeError(f"report field {name!r} must be a {kind.__name__}, got {data[name]!r:.60}")
         return cls(**{k: v for k, v in data.items() if k in fields})
 
     def summary(self) -> str:
