@@ -213,8 +213,8 @@ def load(
 
     ``trust_engine_code``: whether engines that are code (Inductor's compiled graphs) may run as
     stored. By default only when ``$KILN_SIGNING_KEY`` is set, i.e. the package's signature was just
-    verified; otherwise such engines are compiled again here from their programs (slower, runs nothing
-    the package brought).
+    verified (format-2 packages: their hash covers every file); otherwise such engines are compiled
+    again here from their programs with kiln's own settings (slower, runs nothing the package brought).
 
     ``cuda_graphs``: ``"auto"``, ``"on"`` or ``"off"`` for this load; by default what the package was
     compiled with (``CompileOptions.cuda_graphs``; packages that predate it: ``"auto"``). The capture
@@ -223,7 +223,9 @@ def load(
     path = Path(path)
     manifest = _read_manifest(path, verify=True)
     if trust_engine_code is None:
-        trust_engine_code = _signing_key() is not None  # set: the signature was verified above
+        # The one implicit trust: a signature just verified with $KILN_SIGNING_KEY, over a format-2 hash
+        # (which covers every byte a load reads; format 1's left the program out).
+        trust_engine_code = _signing_key() is not None and manifest.format_version >= 2
     # Each engine runs on the backend that built it; only a backend some engine needs must be present.
     backends = manifest.engine_backends()
     if manifest.backend in backends.values():

@@ -225,6 +225,29 @@ def test_module_names_in_the_program_are_checked_as_torch_decodes_them(
     assert not marker.exists() and name not in sys.modules
 
 
+def test_a_graph_call_that_imports_by_name_follows_the_module_rule(packages, monkeypatch):
+    """torch's verifier lets a graph call _call_custom_autograd_function_in_pre_dispatch("module.Class"),
+    which imports that module when the graph runs (and when Inductor traces it): refused at load."""
+    import io
+
+    from torch.export.custom_ops import _call_custom_autograd_function_in_pre_dispatch as by_name
+
+    from compiler.export import load_program_bytes
+
+    monkeypatch.delenv("KILN_ALLOWED_OP_MODULES", raising=False)
+    program = compiler.export(torch.nn.Sequential(torch.nn.Linear(4, 4)), (torch.randn(2, 4),))
+    graph = program.graph_module.graph
+    x = next(n for n in graph.nodes if n.op == "placeholder" and n.name == "input")
+    with graph.inserting_before(next(n for n in graph.nodes if n.op == "output")):
+        call = graph.call_function(by_name, ("kiln_no_such_probe.Fn", x))
+    call.meta["val"] = x.meta["val"]
+    program.graph_module.recompile()
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    with pytest.raises(OpModuleNotAllowedError, match="kiln_no_such_probe"):
+        load_program_bytes(buffer.getvalue(), "p.pt2")
+
+
 def test_unreadable_or_too_deep_program_text_is_refused():
     from compiler.export import named_modules
 
