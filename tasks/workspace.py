@@ -92,6 +92,8 @@ class Workspace:
         object.__setattr__(self, "root", Path(self.root).resolve())
 
     def dir(self, kind: str) -> Path:
+        # Private to the pipeline's account, like the engine cache: staged Inductor engines run as code.
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self.root / kind
         path.mkdir(parents=True, exist_ok=True)
         return path
