@@ -28,6 +28,7 @@ from torch.export import ExportedProgram
 
 from compiler.atomic import write_bytes_atomic
 from compiler.errors import ExportError, InputSpecError, OpModuleNotAllowedError, UnsafeProgramError
+from compiler.program_text import check_program_text
 from compiler.specs import InputSpec, dtype_name, specs_from_json, specs_to_json
 
 # torch.export and the ONNX exporter built on it are not thread-safe (two traces in one process corrupt
@@ -197,14 +198,12 @@ _ARCHIVE_ENTRIES = re.compile(
     r"|data/constants/model_constants_config\.json|data/constants/tensor_\d+"
     r"|extra/[A-Za-z0-9_.-]+)$"
 )
-# How deep the program text may nest JSON in JSON strings (torch's treespecs: 2 or 3) before it is
-# refused rather than read.
-_JSON_DEPTH = 16
 
 
 def check_archive(data: bytes, where: str) -> list[str]:
     """Refuse an archive that torch.export.load would unpickle anything from; return the modules its
-    program text names for import (see :func:`named_modules`).
+    program text names for import, after refusing text torch would turn into code
+    (:func:`compiler.program_text.check_program_text`: names, symbolic expressions, guards).
 
     torch.export.load unpickles weights and constants marked ``use_pickle``, custom and opaque
     objects, and falls back to a full unpickle of the sample inputs when a weights-only read fails.
@@ -264,47 +263,7 @@ def check_archive(data: bytes, where: str) -> list[str]:
                     f"{where}: its sample inputs are not plain tensors (torch would unpickle them with "
                     f"weights_only=False): {type(exc).__name__}; refused"
                 ) from exc
-    return named_modules(archive.read(entries["models/model.json"]), where)
-
-
-def named_modules(model_json: bytes, where: str) -> list[str]:
-    """The modules torch would import while reading a program's ``models/model.json``.
-
-    torch's pytree decoder imports a module by name for a defaultdict's factory
-    (``default_factory_module``) and for an enum (``{"__enum__": ..., "fqn": "module:Class"}``), found
-    in JSON that sits inside JSON strings (treespecs, their contexts). The text is read the way torch
-    reads it (UTF-8, ``json.loads``: escapes decoded, the last of duplicate keys wins), and every string
-    that is itself JSON is read too, at any depth: the check sees the values torch acts on, never the
-    raw bytes (``\\u0064efault_factory_module`` is ``default_factory_module``)."""
-    found: set[str] = set()
-
-    def hook(obj: dict[str, Any]) -> dict[str, Any]:
-        for key, field in (("__enum__", "fqn"), ("default_factory_module", "default_factory_module")):
-            if key in obj:
-                name = obj.get(field)
-                if not isinstance(name, str):
-                    raise UnsafeProgramError(f"{where}: pytree {key!r} names {name!r}, not a module")
-                found.add(name.partition(":")[0] if key == "__enum__" else name)
-        return obj
-
-    try:
-        pending = [(json.loads(model_json.decode("utf-8"), object_hook=hook), 0)]
-        while pending:  # iterative: a deep document must not exhaust the stack here
-            value, level = pending.pop()
-            if isinstance(value, dict):
-                pending.extend((item, level) for item in value.values())
-            elif isinstance(value, list):
-                pending.extend((item, level) for item in value)
-            elif isinstance(value, str) and value.lstrip()[:1] in ("{", "[", '"'):
-                if level >= _JSON_DEPTH:
-                    raise UnsafeProgramError(f"{where}: program text nests JSON {_JSON_DEPTH} deep")
-                try:
-                    pending.append((json.loads(value, object_hook=hook), level + 1))
-                except ValueError:
-                    continue  # not JSON: torch reads no module from it either
-    except (ValueError, RecursionError) as exc:
-        raise UnsafeProgramError(f"{where}: models/model.json is not JSON torch would read: {exc}") from exc
-    return sorted(found)
+    return check_program_text(archive.read(entries["models/model.json"]), where)
 
 
 def _check_calls_by_name(

@@ -9,6 +9,7 @@ huge), with checksums and content hash recomputed as an attacker would. The test
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -248,8 +249,90 @@ def test_a_graph_call_that_imports_by_name_follows_the_module_rule(packages, mon
         load_program_bytes(buffer.getvalue(), "p.pt2")
 
 
+def _rewrite_model_json(program_pt2: bytes, edit) -> bytes:
+    import io
+
+    source = zipfile.ZipFile(io.BytesIO(program_pt2))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+        for name in source.namelist():
+            data = source.read(name)
+            if name.endswith("models/model.json"):
+                model = json.loads(data)
+                edit(model)
+                data = json.dumps(model).encode()
+            archive.writestr(name, data)
+    return out.getvalue()
+
+
+def _rename_values(model: dict, payload: str) -> None:
+    """Every graph value named like the program's user input gets the payload as its name."""
+    first = model["graph_module"]["graph"]["inputs"][-1]["as_tensor"]["name"]  # the user input, last
+
+    def walk(value):
+        if isinstance(value, dict):
+            if first in value:  # a table keyed by value name (the graph's tensor_values)
+                value[payload] = value.pop(first)
+            for key, item in value.items():
+                if key == "name" and item == first and "arg" not in value:  # not an op's argument name
+                    value[key] = payload
+                else:
+                    walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(model)
+
+
+def _set_expressions(model: dict, payload: str) -> None:
+    def walk(value):
+        if isinstance(value, dict):
+            for key in value:
+                if key == "expr_str":
+                    value[key] = payload
+                else:
+                    walk(value[key])
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(model)
+
+
+@pytest.mark.parametrize("where", ["value name", "symbolic expression", "guard"])
+def test_program_text_torch_would_run_as_code_is_refused(tmp_path, monkeypatch, where):
+    """torch.export.load writes value names into the code FX generates and runs (a name
+    ``x=__import__('os').system(...)`` ran at load), evaluates expressions with sympy.sympify, and
+    ExportedProgram.module() runs guards: each is refused before torch reads the archive."""
+    import io
+
+    marker = tmp_path / "ran"
+    payload = f"__import__('os').system('touch {marker}')"
+    batch = torch.export.Dim("batch", min=1, max=8)
+    program = compiler.export(_model(), (torch.randn(2, 8),), dynamic_shapes={"input": {0: batch}})
+    edit = {
+        "value name": lambda m: _rename_values(m, f"x={payload}"),
+        "symbolic expression": lambda m: _set_expressions(m, payload),
+        "guard": lambda m: m.update(guards_code=[f"{payload} == 0"]),
+    }[where]
+    plain = io.BytesIO()
+    torch.export.save(program, plain)  # with its sample inputs (weights-only tensors): guards then run
+    evil = _rewrite_model_json(plain.getvalue(), edit)
+    (tmp_path / "p.pt2").write_bytes(evil)
+    with pytest.raises(UnsafeProgramError, match=r"value is named|symbolic expression|guard"):
+        compiler.load_program(tmp_path / "p.pt2")
+    with pytest.raises(UntrustedCodeError):
+        Pt2Source(str(tmp_path / "p.pt2")).load()
+    assert not marker.exists()
+    # The same archive with torch's own reader: the attack is real (so the refusal above is not vacuous).
+    with contextlib.suppress(Exception):  # torch may fail after running the payload
+        torch.export.load(io.BytesIO(evil)).module()(torch.randn(2, 8))
+    assert marker.exists()
+
+
 def test_unreadable_or_too_deep_program_text_is_refused():
-    from compiler.export import named_modules
+    from compiler.program_text import check_program_text as named_modules
 
     assert named_modules(json.dumps({"a": json.dumps({"__enum__": 1, "fqn": "m.x:E"})}).encode(), "p") == [
         "m.x"
