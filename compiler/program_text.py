@@ -177,7 +177,8 @@ def check_program_text(model_json: bytes, where: str) -> list[str]:
 
 
 def _check_entry(key: str, value: Any, where: str) -> None:
-    if key in _NAME_KEYS and isinstance(value, str) and not _plain_name(value):
+    # "" is a positional argument's name (it cannot become code).
+    if key in _NAME_KEYS and isinstance(value, str) and value and not _plain_name(value):
         raise UnsafeProgramError(
             f"{where}: a graph value is named {value[:80]!r}; torch writes names into the code it generates "
             "and runs, so only plain identifiers are read"

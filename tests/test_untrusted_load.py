@@ -453,3 +453,22 @@ def test_no_tampered_load_reads_outside_its_package_or_starts_a_process(probe):
     onnx_processes = [c for c in probe["cases"] if c["name"].startswith("onnx") and c["processes"]]
     assert not onnx_processes, onnx_processes[:3]
     assert not probe["ran"], probe["ran"]
+
+
+def test_a_tensorrt_plan_that_expands_without_bound_is_refused():
+    """An xz bomb in a TensorRT engine's plan is refused before it is expanded (no GPU needed)."""
+    import lzma
+
+    from compiler.backends.tensorrt.engine_format import decode_engine, encode_engine
+    from compiler.errors import EngineCompatibilityError
+
+    empty = lzma.compress(b"", format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64)
+    prefix = encode_engine({"format": 1}, b"", compress=True)
+    assert prefix.endswith(empty)
+    engine = prefix[: -len(empty)] + lzma.compress(bytes(80 << 20), format=lzma.FORMAT_XZ)
+    with pytest.raises(EngineCompatibilityError, match="expands beyond"):
+        decode_engine(engine)
+    small = encode_engine({"format": 1}, b"plan" * 1000, compress=True)
+    assert bytes(decode_engine(small)[1]) == b"plan" * 1000
+    with pytest.raises(EngineCompatibilityError, match=r"truncated|corrupt"):
+        decode_engine(small[:-20])

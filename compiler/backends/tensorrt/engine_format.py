@@ -31,6 +31,8 @@ from compiler.specs import dtype_name
 
 _MAGIC = b"KILNTRT1"
 HEADER_FORMAT = 1
+# A compressed plan may expand to this many times its size, or to _MIN_PLAN_LIMIT, whichever is more.
+_MAX_EXPANSION, _MIN_PLAN_LIMIT = 256, 64 << 20
 
 
 def _sm_number(compute_capability: str) -> int:
@@ -99,6 +101,8 @@ def decode_engine(engine: bytes) -> tuple[dict[str, Any], memoryview]:
         header = json.loads(bytes(view[start : start + size]))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise EngineCompatibilityError(f"kiln TensorRT engine header is corrupt: {exc}") from exc
+    if not isinstance(header, dict):
+        raise EngineCompatibilityError("kiln TensorRT engine header is corrupt: not a JSON object")
     if header.get("format") != HEADER_FORMAT:
         raise EngineCompatibilityError(
             f"kiln TensorRT engine header format {header.get('format')!r}; this kiln reads {HEADER_FORMAT}"
@@ -111,12 +115,19 @@ def decode_engine(engine: bytes) -> tuple[dict[str, Any], memoryview]:
         raise EngineCompatibilityError(
             f"kiln TensorRT engine plan encoding {encoding!r}; this kiln reads 'raw' and 'xz'"
         )
+    # Bounded: a stripped plan compresses ~70x, a plan of zeros thousands of times (an xz bomb).
+    limit = max(_MAX_EXPANSION * len(body), _MIN_PLAN_LIMIT)
     try:
-        return header, memoryview(lzma.decompress(body, format=lzma.FORMAT_XZ))
+        decompressor = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+        plan = decompressor.decompress(body, max_length=limit)
     except lzma.LZMAError as exc:
         raise EngineCompatibilityError(
             f"kiln TensorRT engine plan is corrupt (xz: {exc}); rebuild the engine"
         ) from exc
+    if not decompressor.eof:
+        what = "is truncated" if decompressor.needs_input else f"expands beyond {limit} bytes"
+        raise EngineCompatibilityError(f"kiln TensorRT engine plan {what} (xz); rebuild the engine")
+    return header, memoryview(plan)
 
 
 def check_engine_compatible(
