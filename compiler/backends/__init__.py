@@ -8,8 +8,9 @@ runs there is installed, else Inductor; on the CPU: ONNX Runtime).
 
 ``trust_engine_code``: whether engine bytes may be run as code. Only Inductor engines carry code (a
 compiled graph: pickled Inductor cache entries and kernels); an untrusting Inductor backend compiles
-each engine from its program instead. TensorRT plans are deserialized with host code disallowed and
-ONNX models are data, so those backends run the same either way. docs/security.md says who trusts what.
+each engine from its program instead, with kiln's own settings (``inductor_options``). TensorRT plans
+are deserialized with host code disallowed and ONNX models are data (inline only), so those backends
+run the same either way. docs/security.md says who trusts what.
 """
 
 from __future__ import annotations
