@@ -188,7 +188,8 @@ def stage(config: dict, scratch: Path) -> list[dict]:
         for path in _paths(clean):
             if path == ("content_hash",) or (kind == "inductor" and path[0] != "engines"):
                 continue  # recomputed after every edit
-            for how in MUTATIONS:
+            # The compile report's fields are shown, never acted on: the mutations that could crash.
+            for how in ("type", "drop") if path[0] == "report" and len(path) > 1 else MUTATIONS:
                 data = copy.deepcopy(clean)
                 if not _mutate(data, path, how):
                     continue
