@@ -204,11 +204,7 @@ def _check_program(root: dict[str, Any], where: str) -> None:
 
 
 def _plain_name(name: str) -> bool:
-    return (
-        bool(_IDENTIFIER.match(name))
-        and not keyword.iskeyword(name)
-        and not name.startswith("__")
-    )
+    return bool(_IDENTIFIER.match(name)) and not keyword.iskeyword(name) and not name.startswith("__")
 
 
 def _parse(text: str, what: str, where: str) -> ast.AST:
