@@ -390,7 +390,7 @@ def _read_verified(path: Path, rel: str, manifest: Manifest) -> bytes:
 
 def _check_dedup(dedup: DedupPlan, plan: Any, manifest: Manifest, path: Path) -> None:
     """Every partition has exactly one instance, of a fingerprint the manifest has an engine record for,
-    whose representative is a partition of the plan."""
+    whose representative is a partition of the plan, and whose inputs and outputs fit the partition."""
     partitions = {part.name for part in plan.partitions}
     named = [i.partition for i in dedup.instances]
     problems = []
@@ -407,6 +407,16 @@ def _check_dedup(dedup: DedupPlan, plan: Any, manifest: Manifest, path: Path) ->
             problems.append(f"instance {instance.partition!r} has no weight map")
     if not set(dedup.unique.values()) <= partitions:
         problems.append("a unique engine's representative is not a partition of the plan")
+    for part in plan.partitions if not problems else ():
+        fp = next(i.fingerprint for i in dedup.instances if i.partition == part.name)
+        io = manifest.engines[fp].io
+        activations = sum(1 for i in part.inputs if i.kind == "activation")
+        outputs = {len(io.output_names), len(io.output_dtypes)}
+        if len(io.inputs) != activations or outputs != {part.num_outputs}:
+            problems.append(
+                f"engine {fp[:16]} takes {len(io.inputs)} inputs and gives {sorted(outputs)} outputs; "
+                f"partition {part.name} passes {activations} and expects {part.num_outputs}"
+            )
     if problems:
         raise PackageCorruptError(
             f"{path}: the manifest's dedup does not fit its plan: {'; '.join(problems[:3])}"

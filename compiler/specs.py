@@ -66,6 +66,8 @@ class InputSpec:
     value_range: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InputSpecError(f"an input spec's name must be a non-empty string, got {self.name!r:.80}")
         object.__setattr__(self, "min_shape", tuple(int(d) for d in self.min_shape))
         object.__setattr__(self, "opt_shape", tuple(int(d) for d in self.opt_shape))
         object.__setattr__(self, "max_shape", tuple(int(d) for d in self.max_shape))

@@ -64,6 +64,8 @@ def _paths(value: Any, prefix: tuple = (), depth: int = 0, limit: int = 3):
     compile report's fields, not the entries of its tables (stage timings, fallback counts)."""
     if prefix:
         yield prefix
+    if prefix[:1] == ("engines",):
+        limit = 6  # the engine records' io reaches shapes the backends allocate from
     if depth >= limit or (prefix[:1] == ("report",) and depth >= 2):
         return
     if isinstance(value, dict):

@@ -98,6 +98,14 @@ class OnnxRuntimeBackend:
         if weights is not None or _is_stripped(model):
             _fill(model, weights or {})
         check_self_contained(model)
+        constants = {init.name for init in model.graph.initializer}
+        takes = [i.name for i in model.graph.input if i.name not in constants]
+        gives = [o.name for o in model.graph.output]
+        if takes != [s.name for s in io.inputs] or len(gives) != len(io.output_names):
+            raise UnsafeEngineError(
+                f"ONNX engine takes {takes} and gives {len(gives)} outputs; its record says "
+                f"{[s.name for s in io.inputs]} and {len(io.output_names)}"
+            )
         return OnnxRuntimeEngine(self._session(model.SerializeToString()), io)
 
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
