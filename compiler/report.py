@@ -48,6 +48,13 @@ class CompileReport:
             kind = spec.default_factory
             if name in data and kind in (list, dict) and not isinstance(data[name], kind):
                 raise TypeError(f"report field {name!r} must be a {kind.__name__}, got {data[name]!r:.60}")
+        for name in ("accuracy_repair", "cuda_graphs"):
+            if data.get(name) is not None and not isinstance(data[name], dict):
+                raise TypeError(f"report field {name!r} must be a mapping or null, got {data[name]!r:.60}")
+        if data.get("cuda_graphs") is not None:
+            from compiler.cudagraphs import CaptureCheck
+
+            CaptureCheck.from_dict(data["cuda_graphs"])  # KeyError, TypeError, ValueError: malformed
         return cls(**{k: v for k, v in data.items() if k in fields})
 
     def summary(self) -> str:

@@ -309,6 +309,7 @@ def run(config: dict, results_path: Path) -> None:
         sys.exec_prefix,
         config["root"],  # kiln's own code
         inductor_dirs.cache_dir(),  # Inductor's cache: its own compiled kernels
+        str(compiler.EngineCache().directory),  # kiln's engine cache: this machine's compiles of programs
         os.path.join(tempfile.gettempdir(), "kiln-inductor-"),  # kiln's scratch for Inductor artifacts
         "/dev/null",
         "/dev/urandom",
