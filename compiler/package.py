@@ -55,6 +55,7 @@ from compiler.dedup import DedupPlan
 from compiler.device import program_on, resolve
 from compiler.errors import (
     EngineCompatibilityError,
+    KilnError,
     PackageCorruptError,
     PackageError,
     PackageSignatureError,
@@ -261,6 +262,8 @@ def load(
         plan_data = {**manifest.plan, "options": {**manifest.plan["options"], **runtime}}
         plan = replay(program, plan_data)
         dedup = DedupPlan.from_dict(manifest.dedup)
+    except KilnError:  # a typed answer already (a partition that does not replay, a CUDA graph mode)
+        raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         raise PackageCorruptError(
             f"{path}: the manifest's plan or dedup is malformed ({exc!r:.200})"
