@@ -142,7 +142,8 @@ def test_put_get_round_trip_with_inspectable_metadata(tmp_path: Path) -> None:
     reader = EngineCache(tmp_path)  # a fresh instance: nothing in memory, must come from disk
     assert reader.get(key) == payload
     assert reader.stats.to_dict() == {
-        "hits": 1, "misses": 0, "builds": 0, "corrupt": 0, "evictions": 0, "write_errors": 0
+        "hits": 1, "misses": 0, "builds": 0, "corrupt": 0, "evictions": 0, "write_errors": 0,
+        "remote_hits": 0, "remote_publishes": 0, "remote_errors": 0,
     }  # fmt: skip
     record = json.loads((tmp_path / f"{key}.json").read_text())
     assert record["fields"] == key.fields

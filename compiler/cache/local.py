@@ -24,78 +24,45 @@ import contextlib
 import errno
 import hashlib
 import json
-import lzma
 import os
-import re
 import threading
 import time
 import warnings
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, replace
-from datetime import UTC, datetime
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
 
 from compiler.atomic import write_bytes_atomic
+from compiler.cache.entry import (
+    CODECS,
+    KEY_RE,
+    CacheEntryInfo,
+    CacheKey,
+    CacheStats,
+    CacheWarning,
+    as_bytes,
+    check_key,
+    check_meta,
+    flatten,
+    make_key,
+    make_record,
+    parse_record,
+    record_bytes,
+    resolve_max_bytes,
+    verify,
+)
+from compiler.cache.remote import RemoteEntries, is_url
 from compiler.errors import CacheError
-from compiler.input_files import parse_size
 
-FORMAT_VERSION = 1
-DEFAULT_MAX_BYTES = 10 * 1024**3
+LOCAL_DIR_ENV = "KILN_CACHE_LOCAL_DIR"  # the worker-side layer of an object-store cache
+
 # The disk cannot take the entry: degrade to memory. Any other OSError is unexpected and raised as CacheError.
 _DEGRADE_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.ENOSPC, errno.EDQUOT, errno.EPERM, errno.EFBIG})
-_KEY_RE = re.compile(r"[0-9a-f]{64}")
-_CODECS: dict[str | None, tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]]] = {
-    None: (bytes, bytes),
-    "zlib": (lambda b: zlib.compress(b, 6), zlib.decompress),
-    "lzma": (lzma.compress, lzma.decompress),
-}
 _STALE_TMP_SECONDS = 3600  # temp files of writers that crashed mid-put
-
-
-class CacheWarning(UserWarning):
-    """The cache degraded (not writable, corrupt entry evicted, lock wait timed out); the compile goes on."""
-
-
-class CacheKey(str):
-    """A cache key (sha256 hex) that remembers the fields it was hashed from, to store and diff them."""
-
-    fields: dict[str, Any]
-
-    def __new__(cls, digest: str, fields: dict[str, Any]) -> CacheKey:
-        obj = super().__new__(cls, digest)
-        obj.fields = fields
-        return obj
-
-    def __reduce__(self) -> tuple[Any, ...]:  # keep the fields when a key is sent to a worker process
-        return (CacheKey, (str(self), self.fields))
-
-
-@dataclass
-class CacheStats:
-    hits: int = 0
-    misses: int = 0
-    builds: int = 0
-    corrupt: int = 0
-    evictions: int = 0
-    write_errors: int = 0
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class CacheEntryInfo:
-    key: str
-    bytes: int  # payload bytes as stored (compressed if the entry is)
-    last_used: float  # epoch seconds
-    meta: dict[str, Any]  # the caller's meta given to put()
-    fields: dict[str, Any] | None  # what the key was hashed from, when known
-    created: str
 
 
 class EngineCache:
@@ -108,10 +75,18 @@ class EngineCache:
         max_bytes: int | None = None,
         compression: str | None = None,
         lock_timeout: float | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
+        lease_seconds: float = 120.0,
     ) -> None:
+        location = os.fspath(directory) if directory is not None else os.environ.get("KILN_CACHE_DIR")
+        # An object-store URL: entries are shared through it, and kept hot on this worker's disk.
+        self.remote = RemoteEntries(location, lease_seconds=lease_seconds) if is_url(location) else None
+        if self.remote is not None:
+            directory = local_dir or os.environ.get(LOCAL_DIR_ENV) or _local_dir_for(self.remote.url)
         self.directory = _resolve_directory(directory)
+        self._warned: set[str] = set()
         self.max_bytes = resolve_max_bytes(max_bytes)
-        if compression not in _CODECS:
+        if compression not in CODECS:
             raise CacheError(
                 f"unknown cache compression {compression!r}; expected one of None, 'zlib', 'lzma'"
             )
@@ -134,7 +109,17 @@ class EngineCache:
             self._degrade(exc, "no entry can be written")
 
     def __repr__(self) -> str:
-        return f"EngineCache({str(self.directory)!r}, max_bytes={self.max_bytes})"
+        return f"EngineCache({self.location!r}, max_bytes={self.max_bytes})"
+
+    @property
+    def location(self) -> str:
+        """The object-store URL of a fleet cache, else the local directory."""
+        return self.remote.url if self.remote is not None else str(self.directory)
+
+    @property
+    def backend(self) -> str:
+        """``local``, or the object store's protocol (``s3``, ``gs``, ``file``)."""
+        return self.remote.store.protocol if self.remote is not None else "local"
 
     # ---- keys -------------------------------------------------------------------------------------------
     @staticmethod
@@ -159,21 +144,19 @@ class EngineCache:
         if not isinstance(settings, Mapping):
             raise CacheError(f"cache key settings must be a mapping, got {type(settings).__name__}")
         fields["settings"] = dict(settings)
-        canonical = _canonical_json(fields, "cache key settings")
-        # Store the normalized form (tuples -> lists) so the stored fields are exactly what was hashed.
-        return CacheKey(hashlib.sha256(canonical.encode()).hexdigest(), json.loads(canonical))
+        return make_key(fields)
 
     def describe(self, key: str) -> dict[str, Any] | None:
         """The stored metadata of an entry (fields, sizes, sha256, created, format version), or None."""
         try:
-            record = json.loads(self._meta_path(_check_key(key)).read_text())
+            record = json.loads(self._meta_path(check_key(key)).read_text())
         except (OSError, ValueError):
             return None
         return record if isinstance(record, dict) else None
 
     def diff_keys(self, a: str, b: str) -> dict[str, tuple[Any, Any]]:
         """Why two keys differ: {dotted field: (value in a, value in b)}; absent values read '<absent>'."""
-        flat_a, flat_b = _flatten(self._fields_of(a)), _flatten(self._fields_of(b))
+        flat_a, flat_b = flatten(self._fields_of(a)), flatten(self._fields_of(b))
         absent = "<absent>"
         return {
             name: (flat_a.get(name, absent), flat_b.get(name, absent))
@@ -184,7 +167,7 @@ class EngineCache:
     # ---- reads and writes -------------------------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
         """The entry's bytes, or None on a miss (including a corrupt entry, which is evicted)."""
-        data = self._lookup(_check_key(key))
+        data = self._lookup(check_key(key))
         with self._mutex:
             if data is None:
                 self._stats.misses += 1
@@ -194,29 +177,37 @@ class EngineCache:
 
     def put(self, key: str, data: bytes, meta: Mapping[str, Any] | None = None) -> None:
         """Store atomically, then evict least-recently-used entries beyond max_bytes (never this one)."""
-        key = _check_key(key)
-        data, meta_dict = _as_bytes(data, key), _check_meta(meta)
+        key = check_key(key)
+        data, meta_dict = as_bytes(data, key), check_meta(meta)
         with self._locked(key, self.lock_timeout):
             self._store(key, data, meta_dict)
 
     def get_or_build(
         self, key: str, build: Callable[[], bytes], meta: Mapping[str, Any] | None = None
     ) -> tuple[bytes, bool]:
-        """(bytes, hit). Across processes one key is built once: the others wait on its lock, then hit."""
-        key = _check_key(key)
-        meta_dict = _check_meta(meta)
+        """(bytes, hit). Across processes one key is built once: the others wait on its lock, then hit.
+
+        With an object store, across machines too: the builder holds the key's lease there, and the
+        others wait for its entry (compiler.cache.remote)."""
+        key = check_key(key)
+        meta_dict = check_meta(meta)
         data = self._lookup(key)
         if data is None:
             with self._locked(key, self.lock_timeout):
                 data = self._lookup(key)  # another process may have built it while we waited
                 if data is None:
-                    with self._mutex:
-                        self._stats.misses += 1
-                    data = _as_bytes(build(), key)
-                    with self._mutex:
-                        self._stats.builds += 1
-                    self._store(key, data, meta_dict)
-                    return data, False
+                    with self._remote_lease(key) as published:
+                        if published is not None:  # another machine built it while we waited
+                            data = published
+                            self._store(key, data, meta_dict, publish=False)
+                        else:
+                            with self._mutex:
+                                self._stats.misses += 1
+                            data = as_bytes(build(), key)
+                            with self._mutex:
+                                self._stats.builds += 1
+                            self._store(key, data, meta_dict)
+                            return data, False
         with self._mutex:
             self._stats.hits += 1
         return data, True
@@ -272,7 +263,7 @@ class EngineCache:
         return removed
 
     def lock_path(self, key: str) -> Path:
-        return self.directory / "locks" / f"{_check_key(key)}.lock"
+        return self.directory / "locks" / f"{check_key(key)}.lock"
 
     # ---- internals --------------------------------------------------------------------------------------
     def _payload_path(self, key: str) -> Path:
@@ -283,7 +274,7 @@ class EngineCache:
 
     def _payload_files(self) -> list[Path]:
         try:
-            return [p for p in self.directory.glob("*.bin") if _KEY_RE.fullmatch(p.stem)]
+            return [p for p in self.directory.glob("*.bin") if KEY_RE.fullmatch(p.stem)]
         except OSError:
             return []
 
@@ -304,6 +295,8 @@ class EngineCache:
             data = self._read_disk(key)
             if data is not None:
                 self._remember(key, data)
+        if data is None and self.remote is not None:
+            data = self._read_remote(key)
         if data is not None:
             # Last-used time for LRU; on a read-only disk the old time stays.
             with contextlib.suppress(OSError):
@@ -336,6 +329,50 @@ class EngineCache:
         )
         return None
 
+    def _read_remote(self, key: str) -> bytes | None:
+        remote = self.remote
+        assert remote is not None
+        data, problem, meta = remote.get(key)
+        if problem is not None:
+            with self._mutex:
+                self._stats.corrupt += 1
+            warnings.warn(
+                f"cache entry {key} in {remote.url} is corrupt ({problem}); evicted, will be rebuilt",
+                CacheWarning,
+                stacklevel=5,
+            )
+        self._note_remote()
+        if data is None:
+            return None
+        with self._mutex:
+            self._stats.remote_hits += 1
+        self._store(key, data, meta, publish=False)  # hot on this worker's disk from now on
+        return data
+
+    @contextlib.contextmanager
+    def _remote_lease(self, key: str) -> Iterator[bytes | None]:
+        if self.remote is None:
+            yield None
+            return
+        with self.remote.building(key) as published:
+            self._note_remote()
+            yield published
+
+    def _note_remote(self) -> None:
+        """Warn once per cause when the object store stopped being used (the compile goes on)."""
+        remote = self.remote
+        if remote is None:
+            return
+        for problem, consequence in (
+            (remote.problem, f"going on with the local cache {self.directory} only"),
+            (remote.write_problem, "entries are read from it, none is published"),
+        ):
+            if problem and problem not in self._warned:
+                self._warned.add(problem)
+                with self._mutex:
+                    self._stats.remote_errors += 1
+                warnings.warn(f"{problem}; {consequence}, the compile goes on", CacheWarning, stacklevel=5)
+
     def _read_verified(self, key: str) -> tuple[bytes | None, str | None]:
         """(data, None) for a good entry, (None, None) for a plain miss, (None, reason) for a bad entry."""
         try:
@@ -345,53 +382,26 @@ class EngineCache:
         except OSError:
             return None, None  # unreadable here (permissions): a miss, not proof of corruption
         try:
-            record = json.loads(self._meta_path(key).read_text())
+            record = parse_record(self._meta_path(key).read_bytes())
         except FileNotFoundError:
             record = None
-        except (OSError, ValueError):
+        except OSError:
             record = "unreadable"
-        if stored is None and record is None:
-            return None, None
-        if stored is None:
-            return None, "payload missing"
-        if record is None:
-            return None, "metadata missing (half-written entry)"
-        if not isinstance(record, dict) or record.get("format_version") != FORMAT_VERSION:
-            return None, f"metadata unreadable or not format version {FORMAT_VERSION}"
-        if len(stored) != record.get("bytes"):
-            return None, f"payload is {len(stored)} bytes, metadata says {record.get('bytes')}"
-        if hashlib.sha256(stored).hexdigest() != record.get("sha256"):
-            return None, "payload sha256 does not match the metadata"
-        codec = record.get("compression")
-        if codec not in _CODECS:
-            return None, f"unknown compression {codec!r}"
-        try:
-            data = _CODECS[codec][1](stored)
-        except (zlib.error, lzma.LZMAError) as exc:
-            return None, f"payload does not decompress: {exc}"
-        if len(data) != record.get("raw_bytes"):
-            return None, "decompressed size does not match the metadata"
-        return data, None
+        return verify(stored, record)
 
-    def _store(self, key: str, data: bytes, meta: dict[str, Any]) -> None:
+    def _store(self, key: str, data: bytes, meta: dict[str, Any], *, publish: bool = True) -> None:
         self._remember(key, data)
-        stored = _CODECS[self.compression][0](data)
-        record = {
-            "format_version": FORMAT_VERSION,
-            "key": key,
-            "fields": getattr(key, "fields", None),
-            "bytes": len(stored),
-            "raw_bytes": len(data),
-            "sha256": hashlib.sha256(stored).hexdigest(),
-            "compression": self.compression,
-            "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            "meta": meta,
-        }
+        stored, record = make_record(key, data, self.compression, meta)
+        if publish and self.remote is not None:
+            if self.remote.publish(key, stored, record):
+                with self._mutex:
+                    self._stats.remote_publishes += 1
+            self._note_remote()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             write_bytes_atomic(self._payload_path(key), stored)
             # Metadata last: a crash in between leaves a payload without metadata, which reads detect.
-            write_bytes_atomic(self._meta_path(key), json.dumps(record, indent=1, sort_keys=True).encode())
+            write_bytes_atomic(self._meta_path(key), record_bytes(record))
             _fsync_directory(self.directory)
         except OSError as exc:
             for path in (self._meta_path(key), self._payload_path(key)):
@@ -487,6 +497,11 @@ def _user_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("kiln"))
 
 
+def _local_dir_for(url: str) -> Path:
+    """The worker-side layer of an object-store cache: one folder per URL in the user's cache."""
+    return _user_cache_dir() / "remote" / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
 def _resolve_directory(directory: str | os.PathLike[str] | None) -> Path:
     if directory is None:
         directory = os.environ.get("KILN_CACHE_DIR") or _user_cache_dir() / "engines"
@@ -501,60 +516,6 @@ def _resolve_directory(directory: str | os.PathLike[str] | None) -> Path:
                 )
             break
     return path
-
-
-def resolve_max_bytes(max_bytes: int | None) -> int:
-    if max_bytes is None:
-        text = os.environ.get("KILN_CACHE_MAX_BYTES", "").strip()
-        if not text:
-            return DEFAULT_MAX_BYTES
-        size = parse_size(text)
-        if size is None:
-            raise CacheError(
-                f"KILN_CACHE_MAX_BYTES={text!r} is not a positive size; expected bytes like 1073741824 or 10G"
-            )
-        return size
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-        raise CacheError(f"max_bytes must be a positive int (bytes), got {max_bytes!r}")
-    return max_bytes
-
-
-def _check_key(key: str) -> str:
-    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
-        raise CacheError(f"cache key must be 64 lowercase hex characters from EngineCache.key(), got {key!r}")
-    return key  # keep a CacheKey as is: its fields go into the metadata
-
-
-def _check_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
-    if meta is None:
-        return {}
-    if not isinstance(meta, Mapping):
-        raise CacheError(f"cache entry meta must be a mapping, got {type(meta).__name__}")
-    return json.loads(_canonical_json(dict(meta), "cache entry meta"))
-
-
-def _as_bytes(data: Any, key: str) -> bytes:
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise CacheError(f"cache entry {key} must be bytes, got {type(data).__name__}")
-    return bytes(data)
-
-
-def _canonical_json(value: Any, what: str) -> str:
-    try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise CacheError(
-            f"{what} must hold only JSON values (str, finite numbers, bool, None, lists, dicts): {exc}"
-        ) from exc
-
-
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for name, item in value.items():
-            out.update(_flatten(item, f"{prefix}{name}."))
-        return out
-    return {prefix.rstrip("."): value}
 
 
 def _fsync_directory(directory: Path) -> None:

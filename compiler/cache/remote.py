@@ -1,0 +1,436 @@
+"""The fleet layer of the engine cache: entries on an object store (``s3://``, ``gs://``, ``file://``).
+
+Reached through fsspec (s3fs for ``s3://``, gcsfs for ``gs://``), with the store's own credential and
+endpoint environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` or
+``AWS_PROFILE``; ``GOOGLE_APPLICATION_CREDENTIALS``): a zoo file names the URL, never a credential.
+
+Layout under the URL::
+
+    blobs/<sha256>          a payload, named by the sha256 of its stored bytes
+    entries/<key>.json      the entry's metadata record (compiler.cache.entry), naming its blob's sha256
+    leases/<key>            who is building the entry now (a random id and a heartbeat count)
+
+Why this shape (what the store really offers): an object store has no rename and no lock, but a PUT
+is atomic (readers see the old object or the whole new one, never a part), and S3, MinIO and moto
+honour a conditional PUT (``If-None-Match: *``: create only if absent; s3fs ``mode="create"``,
+botocore >= 1.35.20). So:
+
+- a blob is written first, under its own content hash: two workers writing the same bytes write the
+  same object, and different bytes go to different objects, so a blob write never harms a reader;
+- the entry is published by a conditional PUT of ``entries/<key>.json``: the first publisher wins and
+  every worker then reads the winner's entry (a loser deletes its own blob if it differs);
+- a build is announced by a conditional PUT of ``leases/<key>``: other workers wait for the entry
+  instead of building it too, so a fleet builds each key once. The holder rewrites the lease every
+  few seconds while it builds; a waiter that sees the same lease content for ``lease_seconds`` of its
+  own monotonic clock takes over. No decision compares two machines' clocks; a wrong guess (a slow
+  holder taken over) costs one duplicate build, never a wrong entry;
+- every read is verified (size, sha256 of the blob, decompressed size); a bad entry is deleted and
+  reported as a miss, so it is rebuilt and published again.
+
+A store without conditional PUT (fsspec's generic ``exists`` then ``put``) keeps every read correct:
+the race only lets two workers build and publish the same key, and both publish verified entries. On
+``file://`` the exclusive create is a hard link of a finished temp file (atomic on POSIX).
+
+Who can write the store can make every worker that reads it run code (Inductor entries are compiled
+code): docs/security.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from compiler.cache.entry import KEY_RE, parse_record, record_bytes, verify
+from compiler.errors import CacheError
+
+# What to set when the store refuses us, per protocol (named in every error and warning).
+_ENVIRONMENT = {
+    "s3": (
+        "AWS_ENDPOINT_URL (endpoint), AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+        "or AWS_PROFILE (credentials)"
+    ),
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS (credentials), STORAGE_EMULATOR_HOST (endpoint of an emulator)",
+    "az": "AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY",
+}
+# The package fsspec needs for a protocol, when its own registry does not say.
+_DRIVERS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+# Fail in seconds, not minutes, when the endpoint is away: the cache then goes on locally.
+_S3_OPTIONS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}}}
+
+
+class CacheStoreError(CacheError):
+    """The object store of a cache URL cannot be used (driver missing, unreachable, refused, no bucket)."""
+
+    def __init__(self, message: str, *, url: str, reason: str) -> None:
+        super().__init__(message)
+        self.url = url
+        self.reason = reason  # "driver", "unreachable", "credentials", "no-bucket", "read-only"
+
+
+def is_url(location: object) -> bool:
+    """Whether a cache location is an object-store URL (``scheme://...``) rather than a directory."""
+    return isinstance(location, str) and "://" in location
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    name: str  # relative to the store's root, e.g. "entries/<key>.json"
+    bytes: int
+    modified: float  # epoch seconds, the store's own clock (0.0 when it does not say)
+
+
+class ObjectStore:
+    """An fsspec URL as a flat store of whole objects: read, write, create-if-absent, delete, list."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+        from fsspec.core import split_protocol
+
+        protocol, _ = split_protocol(url)
+        self.url = url.rstrip("/")
+        self.protocol = (protocol or "file").lower()
+        try:
+            cls = fsspec.get_filesystem_class(self.protocol)
+        except ImportError as exc:
+            package = _DRIVERS.get(self.protocol) or _registered_driver(self.protocol)
+            raise CacheStoreError(
+                f"engine cache {self.url}: no fsspec driver for {self.protocol}:// is installed; "
+                f"install the package {package!r} (pip install {package}) ({exc})",
+                url=self.url,
+                reason="driver",
+            ) from None
+        except ValueError:
+            raise CacheStoreError(
+                f"engine cache {self.url}: {self.protocol}:// is not a protocol fsspec knows; expected "
+                "s3://bucket/prefix, gs://bucket/prefix, file:///shared/dir or a directory",
+                url=self.url,
+                reason="driver",
+            ) from None
+        options: dict[str, Any] = dict(_S3_OPTIONS) if self.protocol in ("s3", "s3a") else {}
+        self.fs = fsspec.filesystem(self.protocol, **options)
+        self.root = cls._strip_protocol(self.url).rstrip("/")
+        self.is_local = "file" in (cls.protocol if isinstance(cls.protocol, tuple) else (cls.protocol,))
+        if not self.root:
+            raise CacheStoreError(
+                f"engine cache {self.url}: no bucket named; expected {self.protocol}://bucket/prefix",
+                url=self.url,
+                reason="no-bucket",
+            )
+
+    def environment_hint(self) -> str:
+        return _ENVIRONMENT.get(self.protocol, "the credentials and endpoint variables of its fsspec driver")
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def read(self, name: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self.path(name))
+        except FileNotFoundError:
+            return None
+
+    def write(self, name: str, data: bytes) -> None:
+        """Replace ``name`` with ``data``; readers see the old object or the new one, never a part."""
+        if self.is_local:
+            from compiler.atomic import write_bytes_atomic
+
+            os.makedirs(os.path.dirname(self.path(name)), exist_ok=True)
+            write_bytes_atomic(self.path(name), data)
+        else:
+            self.fs.pipe_file(self.path(name), data)
+
+    def create(self, name: str, data: bytes) -> bool:
+        """Write ``name`` only if it does not exist: True if this call created it."""
+        path = self.path(name)
+        if self.is_local:
+            directory = os.path.dirname(path)
+            os.makedirs(directory, exist_ok=True)
+            tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            try:
+                os.link(tmp, path)  # atomic, and refuses an existing name
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+            return True
+        except FileExistsError:
+            return False
+
+    def delete(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.path(name))
+
+    def list(self, folder: str) -> list[StoredObject]:
+        try:
+            found = self.fs.ls(self.path(folder), detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        objects = []
+        for info in found:
+            if info.get("type") == "directory":
+                continue
+            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith("."):
+                continue  # a writer's temp file on file://
+            objects.append(StoredObject(f"{folder}/{name}", int(info.get("size") or 0), _modified(info)))
+        return objects
+
+
+def _modified(info: dict[str, Any]) -> float:
+    value = info.get("LastModified") or info.get("mtime") or info.get("updated") or info.get("created")
+    if value is None:
+        return 0.0
+    if isinstance(value, int | float):
+        return float(value)
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    with contextlib.suppress(ValueError):
+        from datetime import datetime
+
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    return 0.0
+
+
+def _registered_driver(protocol: str) -> str:
+    from fsspec.registry import known_implementations
+
+    known = known_implementations.get(protocol, {})
+    return str(known.get("class", protocol)).split(".", 1)[0] or protocol
+
+
+class RemoteEntries:
+    """Engine-cache entries on an :class:`ObjectStore`; every call is verified and never raises for
+    the store's sake: a failure sets ``problem`` (the cache then goes on locally) and returns a miss."""
+
+    def __init__(self, url: str, *, lease_seconds: float = 120.0, poll_seconds: float = 0.5) -> None:
+        self.store = ObjectStore(url)
+        self.url = self.store.url
+        self.lease_seconds = lease_seconds
+        self.poll_seconds = poll_seconds
+        self.read_only = False
+        self.problem: str | None = None  # why the store is not used any more in this process
+        self.write_problem: str | None = None  # why nothing is published (read-only use)
+        self._lock = threading.Lock()
+
+    @property
+    def usable(self) -> bool:
+        return self.problem is None
+
+    # ---- checks ---------------------------------------------------------------------------------------
+    def check(self, write: bool = True) -> str:
+        """Probe the store now: ``"read-write"`` or ``"read-only"``; CacheStoreError naming the URL and
+        the variables to set when it cannot be read at all."""
+        try:
+            self.store.read(f"entries/{'0' * 64}.json")
+            if not self.store.is_local:
+                self.store.fs.ls(self.store.root.split("/", 1)[0], refresh=True)  # the bucket exists
+        except Exception as exc:
+            raise self._error(exc, "read") from None
+        if not write:
+            return "read-only"
+        probe = f"probes/{uuid.uuid4().hex}"
+        try:
+            self.store.write(probe, b"kiln cache write probe")
+        except Exception as exc:
+            error = self._error(exc, "write")
+            if error.reason in ("credentials", "read-only"):
+                self.read_only = True
+                return "read-only"
+            raise error from None
+        with contextlib.suppress(Exception):
+            self.store.delete(probe)
+        return "read-write"
+
+    def _error(self, exc: BaseException, doing: str) -> CacheStoreError:
+        text = f"{type(exc).__name__}: {exc}"
+        lowered = text.lower()
+        hint = self.store.environment_hint()
+        if isinstance(exc, PermissionError) or any(
+            word in lowered for word in ("accessdenied", "access denied", "forbidden", "403")
+        ):
+            if doing == "write":
+                return CacheStoreError(
+                    f"engine cache {self.url} is read-only for these credentials ({text}); its entries are "
+                    f"read, none is published. To publish, grant write access or set {hint}",
+                    url=self.url,
+                    reason="read-only",
+                )
+            return CacheStoreError(
+                f"engine cache {self.url}: access refused ({text}); set {hint}",
+                url=self.url,
+                reason="credentials",
+            )
+        if any(
+            word in lowered
+            for word in (
+                "invalidaccesskeyid",
+                "signaturedoesnotmatch",
+                "nocredentials",
+                "unable to locate credentials",
+            )
+        ):
+            return CacheStoreError(
+                f"engine cache {self.url}: the credentials were refused ({text}); set {hint}",
+                url=self.url,
+                reason="credentials",
+            )
+        if (
+            isinstance(exc, FileNotFoundError)
+            or "nosuchbucket" in lowered
+            or "bucket does not exist" in lowered
+        ):
+            return CacheStoreError(
+                f"engine cache {self.url}: the bucket does not exist ({text}); create it or fix the URL",
+                url=self.url,
+                reason="no-bucket",
+            )
+        return CacheStoreError(
+            f"engine cache {self.url} is unreachable ({text}); set {hint}",
+            url=self.url,
+            reason="unreachable",
+        )
+
+    def _failed(self, exc: BaseException, doing: str) -> None:
+        """A store call failed: reads stop on any failure, writes stop (read-only use) on a refusal."""
+        error = self._error(exc, doing)
+        with self._lock:
+            if doing == "write" and error.reason in ("read-only", "credentials"):
+                self.read_only = True
+                self.write_problem = str(error)
+            elif self.problem is None:
+                self.problem = str(error)
+
+    # ---- entries --------------------------------------------------------------------------------------
+    def get(self, key: str) -> tuple[bytes | None, str | None, dict[str, Any]]:
+        """(data, None, meta) verified, (None, None, {}) a miss, (None, reason, {}) a bad entry (evicted)."""
+        if not self.usable:
+            return None, None, {}
+        try:
+            record = parse_record(self.store.read(f"entries/{key}.json"))
+            if record is None:
+                return None, None, {}
+            blob = record.get("sha256") if isinstance(record, dict) else None
+            stored = (
+                self.store.read(f"blobs/{blob}") if isinstance(blob, str) and KEY_RE.fullmatch(blob) else None
+            )
+        except Exception as exc:
+            self._failed(exc, "read")
+            return None, None, {}
+        if isinstance(record, dict) and record.get("key") != key:
+            data, problem = None, f"entry names key {record.get('key')!r}"
+        else:
+            data, problem = verify(stored, record)
+        if problem is not None:
+            self.evict(key, blob if stored is not None else None)
+            return None, problem, {}
+        meta = record.get("meta") if isinstance(record, dict) else None
+        return data, None, meta if isinstance(meta, dict) else {}
+
+    def publish(self, key: str, stored: bytes, record: dict) -> bool:
+        """Blob first, then the entry by a conditional PUT; True if this call's entry is the one published."""
+        if not self.usable or self.read_only:
+            return False
+        blob = record["sha256"]
+        try:
+            if not self.store.fs.exists(self.store.path(f"blobs/{blob}")):
+                self.store.create(f"blobs/{blob}", stored)
+            if self.store.create(f"entries/{key}.json", record_bytes(record)):
+                return True
+            winner = parse_record(self.store.read(f"entries/{key}.json"))
+            if isinstance(winner, dict) and winner.get("sha256") != blob:
+                self.store.delete(f"blobs/{blob}")  # ours lost and nobody names it
+        except Exception as exc:
+            self._failed(exc, "write")
+        return False
+
+    def evict(self, key: str, blob: str | None = None) -> None:
+        if self.read_only:
+            return
+        try:
+            self.store.delete(f"entries/{key}.json")
+            if blob:
+                self.store.delete(f"blobs/{blob}")
+        except Exception as exc:
+            self._failed(exc, "write")
+
+    @contextlib.contextmanager
+    def building(self, key: str) -> Iterator[bytes | None]:
+        """Hold the fleet-wide build lease of ``key`` while the block builds; yields the entry's data
+        instead (and builds nothing) when another worker published it meanwhile."""
+        if not self.usable or self.read_only:
+            yield None
+            return
+        holder = uuid.uuid4().hex
+        lease = f"leases/{key}"
+        seen, since = None, time.monotonic()
+        while True:
+            try:
+                if self.store.create(lease, json.dumps({"holder": holder, "beat": 0}).encode()):
+                    break
+                data, _, _ = self.get(key)
+                if data is not None:
+                    yield data
+                    return
+                current = self.store.read(lease)
+            except Exception as exc:
+                self._failed(exc, "write")
+                yield None
+                return
+            if not self.usable:
+                yield None
+                return
+            if current != seen:  # the holder is alive (or the lease changed hands): wait afresh
+                seen, since = current, time.monotonic()
+            elif time.monotonic() - since > self.lease_seconds:
+                with contextlib.suppress(Exception):
+                    self.store.delete(lease)  # a holder that stopped beating: take over
+                continue
+            time.sleep(self.poll_seconds)
+        stop = threading.Event()
+        beat = threading.Thread(target=self._heartbeat, args=(lease, holder, stop), daemon=True)
+        beat.start()
+        try:
+            yield None
+        finally:
+            stop.set()
+            beat.join()
+            with contextlib.suppress(Exception):
+                self.store.delete(lease)
+
+    def _heartbeat(self, lease: str, holder: str, stop: threading.Event) -> None:
+        count = 0
+        while not stop.wait(max(self.lease_seconds / 4, 0.05)):
+            count += 1
+            with contextlib.suppress(Exception):
+                self.store.write(lease, json.dumps({"holder": holder, "beat": count}).encode())
+
+    # ---- inspection and maintenance -------------------------------------------------------------------
+    def records(self) -> list[tuple[StoredObject, Any]]:
+        """(entry object, parsed record) for every entry; raises CacheStoreError when unreadable."""
+        try:
+            objects = self.store.list("entries")
+            return [(o, parse_record(self.store.read(o.name))) for o in objects if o.name.endswith(".json")]
+        except CacheError:
+            raise
+        except Exception as exc:
+            raise self._error(exc, "read") from None
+
+    def blobs(self) -> list[StoredObject]:
+        try:
+            return self.store.list("blobs")
+        except Exception as exc:
+            raise self._error(exc, "read") from None
