@@ -171,7 +171,8 @@ def test_get_or_build_builds_once_then_hits(tmp_path: Path) -> None:
     assert EngineCache(tmp_path).get_or_build(make_key(), build) == (b"engine", True)  # next "compile"
     assert len(calls) == 1
     assert cache.stats.to_dict() == {
-        "hits": 1, "misses": 1, "builds": 1, "corrupt": 0, "evictions": 0, "write_errors": 0
+        "hits": 1, "misses": 1, "builds": 1, "corrupt": 0, "evictions": 0, "write_errors": 0,
+        "remote_hits": 0, "remote_publishes": 0, "remote_errors": 0,
     }  # fmt: skip
 
 
