@@ -72,7 +72,11 @@ Workspace = Annotated[
     Path | None, typer.Option("--workspace", help="stage outputs and Prefect's task cache (.kiln/workspace)")
 ]
 EngineCacheDir = Annotated[
-    Path | None, typer.Option("--engine-cache", help="persistent engine cache (.kiln/engine-cache)")
+    str | None,
+    typer.Option(
+        "--engine-cache",
+        help="persistent engine cache: a directory (.kiln/engine-cache) or a URL shared by workers (s3://...)",
+    ),
 ]
 Tracking = Annotated[
     bool | None,
@@ -112,7 +116,7 @@ def _overrides(
     task_runner: str | None,
     dask_address: str | None,
     workspace: Path | None,
-    engine_cache: Path | None,
+    engine_cache: str | None,
     tracking: bool | None,
 ) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
@@ -222,13 +226,16 @@ def zoo_cmd(
         raise bad_input(str(exc)) from None
     if model and (missing := sorted(set(model) - set(zoo.names))):
         raise bad_input(f"--model {missing}: not in {zoo_file}; it has {zoo.names}")
-    if check:
-        raise typer.Exit(_check(zoo, model, device))
     overrides = _overrides(task_runner, dask_address, workspace, engine_cache, tracking)
     try:
         settings = zoo.settings.with_overrides(overrides)
+        _engine_cache_usable(settings.engine_cache_dir())
     except ValidationError as exc:
         raise bad_input(_format_errors(exc, "options")) from None
+    except ZooConfigError as exc:
+        raise bad_input(str(exc)) from None
+    if check:
+        raise typer.Exit(_check(zoo, model, device, settings.engine_cache_dir()))
     requests = _selected_requests(zoo, model, device)
     invalid = [i for i in zoo.invalid if not model or i.name in model]
     out_dir = str(Path(out or settings.out_dir).resolve())
@@ -255,12 +262,40 @@ def zoo_cmd(
     _finish(summary, as_json, settings.tracking_enabled())
 
 
-def _check(zoo: Any, models: list[str] | None, devices: list[str] | None) -> int:
-    """The flows' own preflight for every selected request, plus sizing the largest inputs."""
+def _engine_cache_usable(location: str | None) -> None:
+    """An object-store URL whose fsspec driver is missing (or a bad location) is unusable input."""
+    from compiler.cache import EngineCache
+    from compiler.errors import CacheError
+    from zoo.config import ZooConfigError
+
+    if location and "://" in location:
+        try:
+            EngineCache(location)
+        except CacheError as exc:
+            raise ZooConfigError(str(exc)) from None
+
+
+def _check(zoo: Any, models: list[str] | None, devices: list[str] | None, cache: str | None = None) -> int:
+    """The flows' own preflight for every selected request, sizing the largest inputs, and a probe of
+    an object-store engine cache (reachable, credentials accepted, writable)."""
     from zoo.config import ZooConfigError
     from zoo.preflight import preflight
 
     problems = [(bad.name, bad.error) for bad in zoo.invalid if not models or bad.name in models]
+    if cache and "://" in cache:
+        from compiler.cache import EngineCache
+        from compiler.errors import CacheError
+
+        try:
+            remote = EngineCache(cache).remote
+            access = remote.check() if remote is not None else "local"
+        except CacheError as exc:
+            problems.append(("engine cache", str(exc)))
+        else:
+            note = f" ({remote.write_problem})" if remote is not None and remote.write_problem else ""
+            console.print(
+                f"engine cache {escape(cache)}: {access}{escape(note)}", soft_wrap=True, highlight=False
+            )
     requests = _selected_requests(zoo, models, devices)
     for request in requests:
         try:

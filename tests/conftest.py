@@ -16,6 +16,7 @@ if str(ROOT) not in sys.path:
 # server per module): defined once here, so test modules neither import nor shadow them.
 from tests.fixtures.mlflow_server import mlflow_server  # noqa: E402, F401
 from tests.fixtures.prefect_server import prefect_api, prefect_server  # noqa: E402, F401
+from tests.fixtures.s3_server import s3_server  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -358,7 +358,11 @@ class ZooSettings(_Strict):
     workspace: str = ".kiln/workspace"
     engine_cache: str | bool | None = Field(
         default=None,
-        description="a directory; false: none; unset: $KILN_CACHE_DIR, else .kiln/engine-cache",
+        description=(
+            "a directory or an object-store URL shared by workers (s3://bucket/prefix, gs://..., file://...; "
+            "credentials from the environment, never here); false: none; unset: $KILN_CACHE_DIR, "
+            "else .kiln/engine-cache"
+        ),
     )
     task_runner: Literal["thread", "dask"] = "thread"
     max_workers: int = Field(default=2, ge=1, description="threads for engine builds per model")
@@ -404,15 +408,20 @@ class ZooSettings(_Strict):
         if self.engine_cache is False:
             return None, "disabled by settings.engine_cache: false"
         if isinstance(self.engine_cache, str):
-            return str(Path(self.engine_cache).resolve()), "settings.engine_cache"
+            return _cache_location(self.engine_cache), "settings.engine_cache"
         if os.environ.get(CACHE_ENV):
-            return str(Path(os.environ[CACHE_ENV]).resolve()), f"${CACHE_ENV}"
+            return _cache_location(os.environ[CACHE_ENV]), f"${CACHE_ENV}"
         return str(Path(DEFAULT_ENGINE_CACHE).resolve()), "default"
 
     def tracking_enabled(self) -> bool:
         if self.tracking is not None:
             return self.tracking
         return registry_available()
+
+
+def _cache_location(text: str) -> str:
+    """An object-store URL (s3://, gs://, file://) as written; a directory made absolute."""
+    return text if "://" in text else str(Path(text).resolve())
 
 
 def _split_modules(value: str | list[str] | None) -> str | tuple[str, ...] | None:

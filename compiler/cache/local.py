@@ -364,14 +364,14 @@ class EngineCache:
         if remote is None:
             return
         for problem, consequence in (
-            (remote.problem, f"going on with the local cache {self.directory} only"),
-            (remote.write_problem, "entries are read from it, none is published"),
+            (remote.problem, f"; going on with the local cache {self.directory} only"),
+            (remote.write_problem, ""),  # its message says: entries are read, none is published
         ):
             if problem and problem not in self._warned:
                 self._warned.add(problem)
                 with self._mutex:
                     self._stats.remote_errors += 1
-                warnings.warn(f"{problem}; {consequence}, the compile goes on", CacheWarning, stacklevel=5)
+                warnings.warn(f"{problem}{consequence}; the compile goes on", CacheWarning, stacklevel=5)
 
     def _read_verified(self, key: str) -> tuple[bytes | None, str | None]:
         """(data, None) for a good entry, (None, None) for a plain miss, (None, reason) for a bad entry."""

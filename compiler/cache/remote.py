@@ -62,7 +62,9 @@ _ENVIRONMENT = {
 # The package fsspec needs for a protocol, when its own registry does not say.
 _DRIVERS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 # Fail in seconds, not minutes, when the endpoint is away: the cache then goes on locally.
-_S3_OPTIONS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}}}
+_S3_OPTIONS = {
+    "config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}},
+}
 
 
 class CacheStoreError(CacheError):
@@ -114,7 +116,9 @@ class ObjectStore:
                 reason="driver",
             ) from None
         options: dict[str, Any] = dict(_S3_OPTIONS) if self.protocol in ("s3", "s3a") else {}
-        self.fs = fsspec.filesystem(self.protocol, **options)
+        # A fresh instance: fsspec's instance cache keys on arguments, not on the environment that
+        # holds the endpoint and credentials, so a cached one could talk to the wrong store.
+        self.fs = fsspec.filesystem(self.protocol, skip_instance_cache=True, **options)
         self.root = cls._strip_protocol(self.url).rstrip("/")
         self.is_local = "file" in (cls.protocol if isinstance(cls.protocol, tuple) else (cls.protocol,))
         if not self.root:
@@ -132,7 +136,10 @@ class ObjectStore:
 
     def read(self, name: str) -> bytes | None:
         try:
-            return self.fs.cat_file(self.path(name))
+            if self.is_local:
+                return self.fs.cat_file(self.path(name))
+            # One GET: s3fs's concurrent read would HEAD first, and list the prefix after a 404.
+            return self.fs.cat_file(self.path(name), max_concurrency=1)
         except FileNotFoundError:
             return None
 
@@ -236,8 +243,6 @@ class RemoteEntries:
         the variables to set when it cannot be read at all."""
         try:
             self.store.read(f"entries/{'0' * 64}.json")
-            if not self.store.is_local:
-                self.store.fs.ls(self.store.root.split("/", 1)[0], refresh=True)  # the bucket exists
         except Exception as exc:
             raise self._error(exc, "read") from None
         if not write:
@@ -249,6 +254,7 @@ class RemoteEntries:
             error = self._error(exc, "write")
             if error.reason in ("credentials", "read-only"):
                 self.read_only = True
+                self.write_problem = str(error)
                 return "read-only"
             raise error from None
         with contextlib.suppress(Exception):
@@ -259,6 +265,22 @@ class RemoteEntries:
         text = f"{type(exc).__name__}: {exc}"
         lowered = text.lower()
         hint = self.store.environment_hint()
+        if any(
+            word in lowered
+            for word in (
+                "invalidaccesskeyid",
+                "signaturedoesnotmatch",
+                "nocredentials",
+                "unable to locate credentials",
+                "access key id you provided does not exist",
+                "signature we calculated does not match",
+            )
+        ):
+            return CacheStoreError(
+                f"engine cache {self.url}: the credentials were refused ({text}); set {hint}",
+                url=self.url,
+                reason="credentials",
+            )
         if isinstance(exc, PermissionError) or any(
             word in lowered for word in ("accessdenied", "access denied", "forbidden", "403")
         ):
@@ -271,20 +293,6 @@ class RemoteEntries:
                 )
             return CacheStoreError(
                 f"engine cache {self.url}: access refused ({text}); set {hint}",
-                url=self.url,
-                reason="credentials",
-            )
-        if any(
-            word in lowered
-            for word in (
-                "invalidaccesskeyid",
-                "signaturedoesnotmatch",
-                "nocredentials",
-                "unable to locate credentials",
-            )
-        ):
-            return CacheStoreError(
-                f"engine cache {self.url}: the credentials were refused ({text}); set {hint}",
                 url=self.url,
                 reason="credentials",
             )
@@ -346,8 +354,7 @@ class RemoteEntries:
             return False
         blob = record["sha256"]
         try:
-            if not self.store.fs.exists(self.store.path(f"blobs/{blob}")):
-                self.store.create(f"blobs/{blob}", stored)
+            self.store.create(f"blobs/{blob}", stored)  # already there: the same bytes, by its name
             if self.store.create(f"entries/{key}.json", record_bytes(record)):
                 return True
             winner = parse_record(self.store.read(f"entries/{key}.json"))
@@ -371,35 +378,12 @@ class RemoteEntries:
     def building(self, key: str) -> Iterator[bytes | None]:
         """Hold the fleet-wide build lease of ``key`` while the block builds; yields the entry's data
         instead (and builds nothing) when another worker published it meanwhile."""
-        if not self.usable or self.read_only:
-            yield None
-            return
         holder = uuid.uuid4().hex
         lease = f"leases/{key}"
-        seen, since = None, time.monotonic()
-        while True:
-            try:
-                if self.store.create(lease, json.dumps({"holder": holder, "beat": 0}).encode()):
-                    break
-                data, _, _ = self.get(key)
-                if data is not None:
-                    yield data
-                    return
-                current = self.store.read(lease)
-            except Exception as exc:
-                self._failed(exc, "write")
-                yield None
-                return
-            if not self.usable:
-                yield None
-                return
-            if current != seen:  # the holder is alive (or the lease changed hands): wait afresh
-                seen, since = current, time.monotonic()
-            elif time.monotonic() - since > self.lease_seconds:
-                with contextlib.suppress(Exception):
-                    self.store.delete(lease)  # a holder that stopped beating: take over
-                continue
-            time.sleep(self.poll_seconds)
+        published, held = self._acquire(key, lease, holder)
+        if not held:
+            yield published
+            return
         stop = threading.Event()
         beat = threading.Thread(target=self._heartbeat, args=(lease, holder, stop), daemon=True)
         beat.start()
@@ -410,6 +394,34 @@ class RemoteEntries:
             beat.join()
             with contextlib.suppress(Exception):
                 self.store.delete(lease)
+
+    def _acquire(self, key: str, lease: str, holder: str) -> tuple[bytes | None, bool]:
+        """(published data, False) when the entry appeared; (None, True) when this worker holds the lease;
+        (None, False) when the store cannot coordinate (down, read-only): build without it."""
+        seen, since = None, time.monotonic()
+        while self.usable and not self.read_only:
+            try:
+                if self.store.create(lease, json.dumps({"holder": holder, "beat": 0}).encode()):
+                    data, _, _ = self.get(key)  # the previous holder may have published as it left
+                    if data is None:
+                        return None, True
+                    self.store.delete(lease)
+                    return data, False
+                data, _, _ = self.get(key)
+                if data is not None:
+                    return data, False
+                current = self.store.read(lease)
+            except Exception as exc:
+                self._failed(exc, "write")
+                return None, False
+            if current != seen:  # the holder is alive (or the lease changed hands): wait afresh
+                seen, since = current, time.monotonic()
+            elif time.monotonic() - since > self.lease_seconds:
+                with contextlib.suppress(Exception):
+                    self.store.delete(lease)  # a holder that stopped beating: take over
+                continue
+            time.sleep(self.poll_seconds)
+        return None, False
 
     def _heartbeat(self, lease: str, holder: str, stop: threading.Event) -> None:
         count = 0

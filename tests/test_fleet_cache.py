@@ -1,0 +1,212 @@
+"""The engine cache shared through an object store: a real S3 server (moto, authenticated) on 127.0.0.1.
+
+What each test proves:
+- read-through: an entry one worker built is read by another (verified), then kept on its own disk;
+- one build per key across machines: concurrent workers (separate processes, separate local caches)
+  build a key once; a worker killed while it holds the build lease is taken over, nothing half-made
+  is ever read;
+- integrity: a truncated blob in the store is a checksum failure, evicted there, rebuilt, published;
+- bad input: an unreachable endpoint or refused credentials are a CacheStoreError at check time naming
+  the URL and the variables to set, and only a warning at build time; a read-only bucket is read, not
+  written, and named; a scheme without its fsspec driver names the package to install;
+- a zoo setting ``s3://...`` stays a URL (it once became a local folder named ``s3:``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+from compiler.cache import CacheStoreError, CacheWarning, EngineCache
+from tests.fixtures.s3_server import BUCKET, MotoServer
+from tests.fixtures.server_process import free_port, scoped_environ
+
+REPO = Path(__file__).resolve().parents[1]
+FIELDS = {
+    "fingerprint": "fp-fleet",
+    "backend": "onnxruntime",
+    "library_version": "1.20.0",
+    "target_device": "cpu",
+    "settings": {"precision": "fp32"},
+}
+
+
+def key(tag: str):
+    return EngineCache.key(**{**FIELDS, "fingerprint": f"fp-{tag}"})
+
+
+def url(name: str) -> str:
+    return f"s3://{BUCKET}/{name}"
+
+
+def test_entry_built_by_one_worker_is_read_through_by_another(s3_server: MotoServer, tmp_path: Path) -> None:
+    k = key("read-through")
+    first = EngineCache(url("rt"), local_dir=tmp_path / "a")
+    assert first.backend == "s3" and first.location == url("rt")
+    assert first.get_or_build(k, lambda: b"engine-bytes" * 100) == (b"engine-bytes" * 100, False)
+    assert first.stats.remote_publishes == 1
+    second = EngineCache(url("rt"), local_dir=tmp_path / "b")
+    assert second.get_or_build(k, lambda: pytest.fail("built again")) == (b"engine-bytes" * 100, True)
+    assert second.stats.remote_hits == 1 and second.stats.builds == 0
+    assert (tmp_path / "b" / f"{k}.bin").exists()  # now hot on the second worker's disk
+    third = EngineCache(url("rt"), local_dir=tmp_path / "b")
+    assert third.get(k) == b"engine-bytes" * 100 and third.stats.remote_hits == 0  # from its disk
+    objects = {
+        o["Key"] for o in s3_server.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="rt/")["Contents"]
+    }
+    assert f"rt/entries/{k}.json" in objects and not any(o.startswith("rt/leases/") for o in objects)
+
+
+def test_truncated_object_is_a_checksum_failure_evicted_and_rebuilt(
+    s3_server: MotoServer, tmp_path: Path
+) -> None:
+    k = key("truncated")
+    EngineCache(url("tr"), local_dir=tmp_path / "a").put(k, b"x" * 4096)
+    s3 = s3_server.client("s3")
+    blob = next(o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="tr/blobs/")["Contents"])
+    s3.put_object(Bucket=BUCKET, Key=blob, Body=b"x" * 100)  # what a store that lies about sizes serves
+    reader = EngineCache(url("tr"), local_dir=tmp_path / "b")
+    with pytest.warns(CacheWarning, match="corrupt.*sha256|corrupt.*bytes"):
+        data, hit = reader.get_or_build(k, lambda: b"y" * 4096)
+    assert (data, hit) == (b"y" * 4096, False) and reader.stats.corrupt == 1
+    # Evicted and published again: a third worker reads the rebuilt entry, verified.
+    assert EngineCache(url("tr"), local_dir=tmp_path / "c").get(k) == b"y" * 4096
+
+
+# The child loads compiler.cache alone (not compiler/__init__, which imports torch): a second per worker.
+WORKER = """
+import sys, json, time, types
+compiler = types.ModuleType("compiler")
+compiler.__path__ = [{repo!r} + "/compiler"]
+sys.modules["compiler"] = compiler
+from compiler.cache import EngineCache
+cache = EngineCache({url!r}, local_dir=sys.argv[1], lease_seconds={lease})
+key = EngineCache.key(**json.loads(sys.argv[2]))
+def build():
+    print("building", flush=True)
+    time.sleep(float(sys.argv[3]))
+    return b"engine:" + sys.argv[4].encode() * 1000
+data, hit = cache.get_or_build(key, build)
+result = {{"builds": cache.stats.builds, "data": data[:12].decode(), "bytes": len(data)}}
+print(json.dumps(result), flush=True)
+"""
+
+
+def _worker(tmp: Path, name: str, cache_url: str, fields: dict, sleep: float, lease: float = 30.0):
+    import json
+
+    script = WORKER.format(repo=str(REPO), url=cache_url, lease=lease)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(script),
+            str(tmp / name),
+            json.dumps(fields),
+            str(sleep),
+            name,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_two_machines_build_a_key_once_and_a_killed_builder_is_taken_over(
+    s3_server: MotoServer, tmp_path: Path
+) -> None:
+    import json
+
+    fields = {**FIELDS, "fingerprint": "fp-concurrent"}
+    workers = [_worker(tmp_path, name, url("cc"), fields, 1.5) for name in ("w1", "w2")]
+    results = [json.loads(w.communicate(timeout=60)[0].strip().splitlines()[-1]) for w in workers]
+    assert sum(r["builds"] for r in results) == 1  # separate disks, one build in the fleet
+    assert results[0]["data"] == results[1]["data"] and results[0]["bytes"] == results[1]["bytes"]
+
+    # A builder killed while it holds the lease: the next worker waits out the silent lease, then builds.
+    fields = {**FIELDS, "fingerprint": "fp-killed"}
+    victim = _worker(tmp_path, "victim", url("cc"), fields, 60, lease=1.0)
+    assert victim.stdout.readline().strip() == "building"
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    survivor = _worker(tmp_path, "survivor", url("cc"), fields, 0.1, lease=1.0)
+    out = json.loads(survivor.communicate(timeout=60)[0].strip().splitlines()[-1])
+    assert out == {"builds": 1, "data": "engine:survi", "bytes": 7 + 8 * 1000}
+
+
+def test_unreachable_store_is_a_check_error_and_a_build_time_warning(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with scoped_environ({"AWS_ENDPOINT_URL": dead, "AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b"}):
+        cache = EngineCache(url("down"), local_dir=tmp_path / "local")
+        with pytest.raises(CacheStoreError, match=r"s3://kiln/down is unreachable.*AWS_ENDPOINT_URL") as err:
+            cache.remote.check()
+        assert err.value.reason == "unreachable" and err.value.url == url("down")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert cache.get_or_build(key("down"), lambda: b"local") == (b"local", False)
+        messages = [str(w.message) for w in seen if issubclass(w.category, CacheWarning)]
+        assert len(messages) == 1 and "local cache" in messages[0] and "compile goes on" in messages[0]
+        assert EngineCache(url("down"), local_dir=tmp_path / "local").get(key("down")) == b"local"
+
+
+def test_wrong_credentials_and_read_only_bucket_are_named(tmp_path: Path) -> None:
+    s3_server = MotoServer(tmp_path / "moto", auth=True).start()  # refuses unknown keys, as AWS does
+    try:
+        _credentials_cases(s3_server, tmp_path)
+    finally:
+        s3_server.stop()
+
+
+def _credentials_cases(s3_server: MotoServer, tmp_path: Path) -> None:
+    with scoped_environ(s3_server.env()):
+        EngineCache(url("ro"), local_dir=tmp_path / "admin").put(key("ro"), b"published")
+    with (
+        scoped_environ(s3_server.env(("AKIAWRONGWRONGWRONG0", "not-the-secret"))),
+        pytest.raises(
+            CacheStoreError, match=r"s3://kiln/ro: the credentials were refused.*AWS_ACCESS_KEY_ID"
+        ),
+    ):
+        EngineCache(url("ro"), local_dir=tmp_path / "wrong").remote.check()
+    with scoped_environ(s3_server.env(s3_server.reader)):
+        reader = EngineCache(url("ro"), local_dir=tmp_path / "reader")
+        assert reader.remote.check() == "read-only" and "read-only" in reader.remote.write_problem
+        assert reader.get(key("ro")) == b"published"  # read-only use still reads
+        fresh = EngineCache(url("ro"), local_dir=tmp_path / "reader")  # finds out at its first write
+        with pytest.warns(CacheWarning, match="read-only for these credentials.*none is published"):
+            assert fresh.get_or_build(key("ro-new"), lambda: b"mine") == (b"mine", False)
+    keys = [o["Key"] for o in s3_server.client("s3").list_objects_v2(Bucket=BUCKET)["Contents"]]
+    assert [k for k in keys if k.startswith("ro/entries/")] == [f"ro/entries/{key('ro')}.json"]
+
+
+def test_scheme_without_driver_names_the_package_and_url_setting_stays_a_url(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here: gs:// has its driver")
+    with pytest.raises(CacheStoreError, match="install the package 'gcsfs'"):
+        EngineCache("gs://bucket/engines", local_dir=tmp_path)
+    with pytest.raises(CacheStoreError, match="not a protocol fsspec knows"):
+        EngineCache("nosuchscheme://bucket/engines", local_dir=tmp_path)
+
+    from zoo.config import ZooSettings
+
+    os.chdir(tmp_path)
+    assert ZooSettings(engine_cache="s3://kiln/engines").engine_cache_choice() == (
+        "s3://kiln/engines",
+        "settings.engine_cache",
+    )
+    assert not (tmp_path / "s3:").exists()
+
+
+def test_file_url_shares_a_directory(tmp_path: Path) -> None:
+    shared = (tmp_path / "shared").as_uri()
+    EngineCache(shared, local_dir=tmp_path / "a").put(key("file"), b"on the shared disk")
+    reader = EngineCache(shared, local_dir=tmp_path / "b")
+    assert reader.backend == "file" and reader.get(key("file")) == b"on the shared disk"
+    assert reader.stats.remote_hits == 1
