@@ -323,6 +323,21 @@ def content_hash(data: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(core, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+# What a compile measured rather than made: two compiles of the same model (two workers, two runs)
+# differ here and nowhere else.
+_MEASURED = ("report", "validation")
+
+
+def meaning_hash(data: Mapping[str, Any]) -> str:
+    """sha256 of what the package *is*, not of what its compile measured: the manifest (format 2, as
+    JSON data) without ``report`` (timings, cache hits) and ``validation`` (latencies, errors), so two
+    workers that compiled the same model into the same bytes agree on it even though their measured
+    latencies differ. Every file's checksum is in it (``files``): different bytes, different meaning.
+    The registry registers one version per meaning (registry.models)."""
+    core = {k: v for k, v in data.items() if k not in _UNHASHED and k not in _MEASURED}
+    return hashlib.sha256(json.dumps(core, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 # ---------------------------------------------------------------- reading and checking
 
 

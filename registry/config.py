@@ -13,6 +13,7 @@ them) so that kiln's policy, not urllib3's four silent minutes, decides how long
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -183,7 +184,30 @@ def configure(tracking_uri: str | None = None, workdir: str | os.PathLike | None
 
 def client(tracking_uri: str | None = None) -> MlflowClient:
     uri = configure(tracking_uri)
+    if uri.startswith("sqlite:"):
+        _initialize_sqlite_store(uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+@functools.cache
+def _initialize_sqlite_store(uri: str) -> None:
+    """Create (or migrate) an embedded sqlite store in one process at a time.
+
+    MLflow creates a fresh store's tables and runs its migrations when a process first opens it, with
+    no lock: two ``kiln zoo`` runs starting together on a fresh store both ran them, and one failed
+    (``the zoo run stopped before any model ran: dimension_attributes``, a table the other had just
+    made; or ``duplicate column name``). A file lock beside the database serialises the first open;
+    later opens find the tables made and pass straight through. Once per process and URI.
+    """
+    from filelock import FileLock
+
+    path = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+    if not path.parent.is_dir():
+        return  # MLflow names the problem itself on first use
+    with FileLock(str(path) + ".init.lock", timeout=300):
+        mlclient = MlflowClient(tracking_uri=uri, registry_uri=uri)  # opens the store: eager in MLflow 3
+        mlclient.search_experiments(max_results=1)  # opens the tracking store: tables, migrations
+        mlclient.search_registered_models(max_results=1)  # and the registry's
 
 
 def experiment_name(name: str | None = None) -> str:

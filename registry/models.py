@@ -11,6 +11,9 @@ Every version carries these tags (strings; all of them data, none ever imported 
 ``kiln.content_hash``      the package manifest's ``content_hash``: registering equal content returns
                            the existing version, never a second one (versions registered before this
                            name carry ``content_hash``; look-ups read both)
+``kiln.meaning_hash``      the package's meaning (``compiler.package.meaning_hash``: the manifest without
+                           what the compile measured): what makes registration idempotent across
+                           workers, whose equal packages differ only in measured latencies
 ``model``                  the model's name (the compile request's)
 ``backend``                ``onnxruntime``, ``tensorrt``, ...; ``backend_version`` its library version
 ``engine_target``          ``cpu``, ``cuda:sm_90``, ... (older versions: ``target_device``)
@@ -68,6 +71,7 @@ PREVIOUS = "previous"
 # One content-hash tag on runs, logged models and versions; versions registered before carry the old.
 TAG_CONTENT_HASH = "kiln.content_hash"
 LEGACY_TAG_CONTENT_HASH = "content_hash"
+TAG_MEANING = "kiln.meaning_hash"
 TAG_REJECTED = "rejected"
 TAG_RELEASE_REPORT = "release_report"
 TAG_ROLLED_BACK = "rolled_back"
@@ -128,11 +132,13 @@ def engine_target_of(tags: Mapping[str, str]) -> str:
 def version_tags(manifest: Manifest, model: str, request: Mapping[str, Any] | None = None) -> dict[str, str]:
     """The tags a version of this package carries (all strings, all data). ``request``: the compile
     request as plain data (``registry.payload.request_data``)."""
+    from compiler.package import meaning_hash
     from compiler.specs import specs_to_json
 
     specs = list(manifest.input_specs)
     tags = {
         TAG_CONTENT_HASH: manifest.content_hash,
+        TAG_MEANING: meaning_hash(manifest.to_json()),
         "model": model,
         "backend": manifest.backend,
         "backend_version": manifest.backend_version,
@@ -273,6 +279,24 @@ def versions_with_hash(
     return sorted(hits, key=lambda v: int(v.version))
 
 
+def versions_with_meaning(
+    mlclient: MlflowClient, name: str, meaning: str, policy: RetryPolicy | None = None
+) -> list[ModelVersion]:
+    """Versions of ``name`` tagged with this meaning hash, lowest number first (the canonical one)."""
+    hits = [v for v in all_versions(mlclient, name, policy) if v.tags.get(TAG_MEANING) == meaning]
+    return sorted(hits, key=lambda v: int(v.version))
+
+
+def _same_package(
+    mlclient: MlflowClient, name: str, tags: Mapping[str, str], policy: RetryPolicy | None
+) -> list[ModelVersion]:
+    """Versions that hold this package: by meaning when the tags carry it, else by content hash."""
+    meaning = tags.get(TAG_MEANING)
+    if meaning:
+        return versions_with_meaning(mlclient, name, meaning, policy)
+    return versions_with_hash(mlclient, name, tags[TAG_CONTENT_HASH], policy)
+
+
 def get_aliases(mlclient: MlflowClient, name: str, policy: RetryPolicy | None = None) -> dict[str, str]:
     """alias -> version number for a registered model ({} when it does not exist).
 
@@ -360,7 +384,8 @@ def register_version(
     policy: RetryPolicy | None = None,
     description: str | None = None,
 ) -> Registered:
-    """Create a version unless one with the same ``content_hash`` tag exists; return the canonical one.
+    """Create a version unless one of the same package exists (same ``kiln.meaning_hash``: equal but for
+    measured latencies; versions without it: same ``content_hash``); return the canonical one.
 
     ``description``: the new version's description (markdown; an existing version keeps its own).
 
@@ -372,7 +397,7 @@ def register_version(
     ensure_registered_model(mlclient, name, policy)
     created = None
     with registry_lock(mlclient, name):
-        if not versions_with_hash(mlclient, name, content_hash, policy):
+        if not _same_package(mlclient, name, tags, policy):
             created = call_with_retry(
                 lambda: mlclient.create_model_version(
                     name,
@@ -387,7 +412,7 @@ def register_version(
                 policy,
             )
     # Converge (also when nothing was created here: a writer elsewhere may have left a duplicate).
-    same = versions_with_hash(mlclient, name, content_hash, policy)
+    same = _same_package(mlclient, name, tags, policy)
     canonical = same[0] if same else created
     if len(same) > 1:
         aliased = set(get_aliases(mlclient, name, policy).values())
@@ -395,7 +420,7 @@ def register_version(
             if str(duplicate.version) not in aliased:
                 _delete_version(mlclient, name, str(duplicate.version), policy)
     is_new = created is not None and str(canonical.version) == str(created.version)
-    return Registered(name, str(canonical.version), is_new, content_hash)
+    return Registered(name, str(canonical.version), is_new, content_hash_of(canonical.tags) or content_hash)
 
 
 def _delete_version(mlclient: MlflowClient, name: str, version: str, policy: RetryPolicy | None) -> None:

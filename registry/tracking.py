@@ -40,11 +40,13 @@ from registry.errors import RegistryUnavailableError
 from registry.models import (
     TAG_CONTENT_HASH,
     Registered,
+    content_hash_of,
     lineage_tags,
     register_version,
     registered_model_name,
     version_tags,
     versions_with_hash,
+    versions_with_meaning,
 )
 from registry.pyfunc import PACKAGE_ARTIFACT, KilnPackageModel
 
@@ -127,6 +129,7 @@ def record_package(
     logged as ``pipeline_report.json``.
     """
     import compiler.package as package
+    from compiler.package import meaning_hash
 
     package_dir = Path(package_dir).resolve()
     # Verify before touching MLflow: a corrupt package must never be registered.
@@ -169,6 +172,21 @@ def record_package(
                 resumed=False,
                 already_recorded=True,
             )
+    # The same package from another worker (equal but for its measured latencies) is registered
+    # already: that version is this package's, and nothing is uploaded again.
+    same = versions_with_meaning(mlclient, registered, meaning_hash(manifest.to_json()), policy)
+    if same:
+        version = same[0]
+        return RecordResult(
+            version.run_id or "",
+            version.source,
+            registered,
+            str(version.version),
+            content_hash_of(version.tags),
+            created=False,
+            resumed=False,
+            already_recorded=True,
+        )
     resumable = [r for r in previous if r.info.status in ("RUNNING", "FAILED", "KILLED")]
     resumed = bool(resumable)
     if resumed:
