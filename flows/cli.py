@@ -15,6 +15,7 @@ import yaml
 from pydantic import ValidationError
 from rich.markup import escape
 
+from flows.cache_cli import register_commands as register_cache_commands
 from flows.cli_options import JsonOut, Verbose, bad_input, quiet_prefect
 from flows.ops_cli import register_commands as register_ops_commands
 from flows.render import (
@@ -551,6 +552,7 @@ else:
     register_commands(app)
 
 register_ops_commands(app)
+register_cache_commands(app)
 
 
 def main() -> None:

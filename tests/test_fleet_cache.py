@@ -210,3 +210,47 @@ def test_file_url_shares_a_directory(tmp_path: Path) -> None:
     reader = EngineCache(shared, local_dir=tmp_path / "b")
     assert reader.backend == "file" and reader.get(key("file")) == b"on the shared disk"
     assert reader.stats.remote_hits == 1
+
+
+def test_kiln_cache_ls_verify_gc_on_both_layers(s3_server: MotoServer, tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    location = url("cli")
+    with scoped_environ({"KILN_CACHE_LOCAL_DIR": str(tmp_path / "local")}):
+        cache = EngineCache(location)
+        cache.put(key("cli-a"), b"a" * 3000, meta={"partition": "p0"})
+        cache.put(key("cli-b"), b"b" * 2000)
+        runner = CliRunner()
+
+        listed = runner.invoke(app, ["cache", "ls", location, "--json"])
+        assert listed.exit_code == 0, listed.output
+        rows = json.loads(listed.output)["entries"]
+        assert sorted((r["backend"], r["bytes"]) for r in rows) == [
+            ("local", 2000), ("local", 3000), ("s3", 2000), ("s3", 3000)
+        ]  # fmt: skip
+
+        s3 = s3_server.client("s3")
+        record = json.loads(cache.remote.store.read(f"entries/{key('cli-a')}.json"))
+        blob = f"cli/blobs/{record['sha256']}"
+        s3.put_object(Bucket=BUCKET, Key=blob, Body=b"a" * 10)  # truncated on the store
+        bad = runner.invoke(app, ["cache", "verify", location])
+        assert bad.exit_code == 1 and "1 bad" in bad.output and "s3" in bad.output
+        assert runner.invoke(app, ["cache", "verify", location, "--evict"]).exit_code == 1
+        assert runner.invoke(app, ["cache", "verify", location]).exit_code == 0  # evicted: 3 good left
+
+        gc = runner.invoke(app, ["cache", "gc", location, "--max-bytes", "2500", "--json"])
+        assert gc.exit_code == 0, gc.output
+        assert json.loads(gc.output)["removed"] == {"local": 1}  # the oldest local entry; s3 holds 2000
+        assert runner.invoke(app, ["cache", "gc", location, "--older-than", "0s"]).exit_code == 0
+        after = json.loads(runner.invoke(app, ["cache", "ls", location, "--json"]).output)["entries"]
+        assert after == []
+
+        assert runner.invoke(app, ["cache", "gc", location]).exit_code == 2  # nothing asked
+        assert runner.invoke(app, ["cache", "gc", location, "--older-than", "soon"]).exit_code == 2
+    with scoped_environ({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}):
+        down = runner.invoke(app, ["cache", "ls", location])
+        assert down.exit_code == 2 and "unreachable" in down.output

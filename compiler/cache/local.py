@@ -262,6 +262,20 @@ class EngineCache:
                 path.unlink()
         return removed
 
+    def evict(self, key: str) -> None:
+        """Delete one entry from memory and this disk (the object store keeps its copy)."""
+        key = check_key(key)
+        with self._mutex:
+            old = self._memory.pop(key, None)
+            self._memory_bytes -= len(old) if old is not None else 0
+        for path in (self._meta_path(key), self._payload_path(key)):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+
+    def verify_entry(self, key: str) -> str | None:
+        """Why the entry on this disk is bad, or None (good, or absent)."""
+        return self._read_verified(check_key(key))[1]
+
     def lock_path(self, key: str) -> Path:
         return self.directory / "locks" / f"{check_key(key)}.lock"
 

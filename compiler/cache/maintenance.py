@@ -1,0 +1,163 @@
+"""Looking after a cache: list its entries, verify every checksum, collect garbage (``kiln cache``).
+
+Works on both layers of an :class:`EngineCache`: the local disk, and the object store when the cache's
+location is a URL. Ages come from each store's own clock (file mtime, the object's LastModified); a
+wrong age only makes ``gc`` keep or drop an entry early, which costs a rebuild, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+from compiler.cache.entry import KEY_RE, CacheEntryInfo, verify
+from compiler.cache.local import EngineCache
+from compiler.errors import CacheError
+
+_DURATION = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+# A blob no entry names is a publisher that stopped between its two writes (or lost a race); it may
+# still be published by a live writer, so it goes only when older than this (or --older-than).
+ORPHAN_GRACE_SECONDS = 86400
+
+
+@dataclass(frozen=True)
+class BadEntry:
+    key: str
+    backend: str  # "local" or the store's protocol
+    problem: str
+
+
+@dataclass
+class GcResult:
+    removed: dict[str, int] = field(default_factory=dict)  # backend -> entries removed
+    freed_bytes: dict[str, int] = field(default_factory=dict)  # backend -> payload bytes freed
+    orphan_blobs: int = 0
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``30m``, ``12h``, ``7d``, ``2w`` -> seconds; a CacheError naming the text otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text or "")
+    if not match:
+        raise CacheError(f"--older-than {text!r} is not a duration; expected e.g. 90s, 30m, 12h, 7d, 2w")
+    return float(match[1]) * _DURATION[match[2] or "s"]
+
+
+def entries(cache: EngineCache) -> list[CacheEntryInfo]:
+    """Every entry of both layers, most recently used first."""
+    found = list(cache.entries())
+    if cache.remote is not None:
+        protocol = cache.remote.store.protocol
+        for obj, record in cache.remote.records():
+            record = record if isinstance(record, dict) else {}
+            found.append(
+                CacheEntryInfo(
+                    key=obj.name.rsplit("/", 1)[-1].removesuffix(".json"),
+                    bytes=int(record.get("bytes") or 0),
+                    last_used=obj.modified,
+                    meta=record.get("meta") or {},
+                    fields=record.get("fields"),
+                    created=str(record.get("created", "")),
+                    backend=protocol,
+                )
+            )
+    return sorted(found, key=lambda e: e.last_used, reverse=True)
+
+
+def verify_all(cache: EngineCache, *, evict: bool = False) -> tuple[int, list[BadEntry]]:
+    """(entries checked, bad entries) over both layers; ``evict`` deletes the bad ones."""
+    checked, bad = 0, []
+    for info in cache.entries():
+        checked += 1
+        problem = cache.verify_entry(info.key)
+        if problem is not None:
+            bad.append(BadEntry(info.key, "local", problem))
+            if evict:
+                cache.evict(info.key)
+    remote = cache.remote
+    if remote is not None:
+        for obj, record in remote.records():
+            key = obj.name.rsplit("/", 1)[-1].removesuffix(".json")
+            checked += 1
+            blob = record.get("sha256") if isinstance(record, dict) else None
+            try:
+                stored = (
+                    remote.store.read(f"blobs/{blob}")
+                    if isinstance(blob, str) and KEY_RE.fullmatch(blob)
+                    else None
+                )
+            except Exception as exc:
+                raise remote._error(exc, "read") from None
+            _, problem = verify(stored, record)
+            if problem is None and isinstance(record, dict) and record.get("key") != key:
+                problem = f"entry names key {record.get('key')!r}"
+            if problem is not None:
+                bad.append(BadEntry(key, remote.store.protocol, problem))
+                if evict:
+                    remote.evict(key, blob if stored is not None else None)
+    return checked, bad
+
+
+def collect_garbage(
+    cache: EngineCache, *, max_bytes: int | None = None, older_than: float | None = None
+) -> GcResult:
+    """Remove entries last used more than ``older_than`` seconds ago, then the least recently used
+    beyond ``max_bytes`` (per layer), and blobs on the store that no entry names."""
+    result = GcResult()
+    now = time.time()
+    local = sorted(cache.entries(), key=lambda e: e.last_used)  # oldest first
+    _collect(local, "local", max_bytes, older_than, now, cache.evict, result)
+    remote = cache.remote
+    if remote is not None:
+        protocol = remote.store.protocol
+        records = remote.records()
+        listed = [
+            CacheEntryInfo(
+                o.name.rsplit("/", 1)[-1].removesuffix(".json"),
+                int(r.get("bytes") or 0) if isinstance(r, dict) else 0,
+                o.modified,
+                {},
+                None,
+                "",
+                protocol,
+            )
+            for o, r in records
+        ]
+        blobs = {o.name.rsplit("/", 1)[-1]: r.get("sha256") for o, r in records if isinstance(r, dict)}
+        by_key = {o.name.rsplit("/", 1)[-1].removesuffix(".json"): r for o, r in records}
+
+        def evict(key: str) -> None:
+            record = by_key.get(key)
+            remote.evict(key)
+            blob = record.get("sha256") if isinstance(record, dict) else None
+            still_named = [b for name, b in blobs.items() if b == blob and name != f"{key}.json"]
+            if blob and not still_named:
+                remote.store.delete(f"blobs/{blob}")
+            blobs.pop(f"{key}.json", None)
+
+        _collect(
+            sorted(listed, key=lambda e: e.last_used), protocol, max_bytes, older_than, now, evict, result
+        )
+        named = set(blobs.values())
+        grace = older_than if older_than is not None else ORPHAN_GRACE_SECONDS
+        for obj in remote.blobs():
+            name = obj.name.rsplit("/", 1)[-1]
+            if name not in named and obj.modified and now - obj.modified > grace:
+                remote.store.delete(obj.name)
+                result.orphan_blobs += 1
+        if remote.problem or remote.write_problem:
+            raise CacheError(remote.problem or remote.write_problem or "")
+    return result
+
+
+def _collect(ordered, backend, max_bytes, older_than, now, evict, result: GcResult) -> None:
+    total = sum(e.bytes for e in ordered)
+    for info in ordered:
+        too_old = older_than is not None and now - info.last_used > older_than
+        too_big = max_bytes is not None and total > max_bytes
+        if not (too_old or too_big):
+            continue
+        evict(info.key)
+        total -= info.bytes
+        result.removed[backend] = result.removed.get(backend, 0) + 1
+        result.freed_bytes[backend] = result.freed_bytes.get(backend, 0) + info.bytes

@@ -1,0 +1,119 @@
+"""A fleet of two workers against real servers on 127.0.0.1: moto (S3), MLflow with its artifacts on
+moto (``--artifacts-destination s3://...``), Prefect.
+
+Two ``kiln zoo`` processes with separate local caches and workspaces compile overlapping zoos at the
+same time through one engine cache on S3. What it proves:
+- each unique engine is built once in the whole fleet (built engines == entries on S3);
+- a model both workers compiled has one registered version (it once got one per worker, identical
+  but for the measured latencies);
+- the registered package's artifacts live on S3, and a look-up downloads them through the tracking
+  server and verifies every checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.fixtures.mlflow_server import MlflowServer, client_env
+from tests.fixtures.s3_server import BUCKET, MotoServer
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE_URL = f"s3://{BUCKET}/engines"
+REP3 = {
+    "name": "rep3",
+    "factory": "zoo.models:repeated_fallback",
+    "factory_kwargs": {"depth": 3, "width": 32},
+}
+REP4 = {
+    "name": "rep4",
+    "factory": "zoo.models:repeated_fallback",
+    "factory_kwargs": {"depth": 4, "width": 32},
+}
+MLP = {"name": "mlp", "factory": "zoo.models:mlp_with_fallback", "factory_kwargs": {"width": 32}}
+
+
+@pytest.fixture(scope="module")
+def s3_mlflow(s3_server: MotoServer, tmp_path_factory: pytest.TempPathFactory):
+    server = MlflowServer(
+        tmp_path_factory.mktemp("mlflow-s3"),
+        artifacts_destination=f"s3://{BUCKET}/mlflow",
+        env=s3_server.env(),
+    ).start()
+    try:
+        with client_env(server):
+            yield server
+    finally:
+        server.stop()
+
+
+def _zoo(path: Path, models: list[dict]) -> Path:
+    settings = {
+        "workspace": str(path.parent / "workspace"),
+        "engine_cache": CACHE_URL,
+        "tracking": True,
+        "parallel_models": 1,
+        "validation": {"samples": 1, "warmup": 1, "runs": 2},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"settings": settings, "models": models}))
+    return path
+
+
+def test_two_workers_build_each_engine_once_and_register_one_version(
+    s3_server: MotoServer, s3_mlflow: MlflowServer, prefect_api, tmp_path: Path
+) -> None:
+    workers = []
+    for name, models in (("w1", [REP3, MLP]), ("w2", [REP3, REP4])):
+        zoo = _zoo(tmp_path / name / "zoo.yaml", models)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "KILN_CACHE_LOCAL_DIR": str(tmp_path / name / "local")}
+        workers.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "flows.cli",
+                    "zoo",
+                    str(zoo),
+                    "--out",
+                    str(tmp_path / name / "out"),
+                    "--json",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outputs = [w.communicate(timeout=400) for w in workers]
+    for worker, (out, err) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, err[-3000:] + out[-2000:]
+    summaries = [json.loads((tmp_path / n / "out" / "summary.json").read_text()) for n in ("w1", "w2")]
+    assert all(s["engine_cache"]["path"] == CACHE_URL for s in summaries)
+    assert not [w for s in summaries for w in s["warnings"] if "engine cache" in w]
+
+    s3 = s3_server.client("s3")
+    listed = s3.list_objects_v2(Bucket=BUCKET, Prefix="engines/entries/").get("Contents", [])
+    built = sum(s["engines_built"] for s in summaries)
+    reused = sum(s["engines_reused"] for s in summaries)
+    assert built == len(listed) > 0  # every unique engine built once in the fleet, and published
+    assert reused >= built  # rep3 twice, rep4's blocks are rep3's
+
+    from registry import config
+    from registry.lookup import fetch_version
+    from registry.models import all_versions
+
+    mlclient = config.client()
+    for model in ("rep3", "rep4", "mlp"):
+        assert len(all_versions(mlclient, f"kiln.{model}.cpu")) == 1, model
+    package_dir, manifest, tags = fetch_version(mlclient, "kiln.rep3.cpu", "1", dst=tmp_path / "fetched")
+    assert (package_dir / "manifest.json").is_file() and manifest.content_hash == tags["kiln.content_hash"]
+    artifacts = s3.list_objects_v2(Bucket=BUCKET, Prefix="mlflow/").get("Contents", [])
+    assert any(o["Key"].endswith("manifest.json") for o in artifacts)  # the package lives on S3
