@@ -1,0 +1,300 @@
+"""A fleet recompiling one zoo: a local engine cache per worker vs one shared cache on S3 (moto).
+
+The example zoo (deploy/zoo.yaml) plus repeated-block encoders (split per block, so their blocks
+recur across models) is split round-robin over 2 and 4 worker processes, each with a cold cache of
+its own; side by side, the same workers share one cache on an S3 server (moto, 127.0.0.1) with a
+cold local layer each. Per configuration: engine builds in the fleet, cache hits, wall time of the
+whole fleet. All workers of a configuration run at once, so the wall times are for this machine's
+cores (named in the JSON), not a fleet's.
+
+Then the projection docs/scaling.md quotes: a nightly recompile of a 1,000-model zoo on 4 device
+classes, from these dedup ratios and the H100 TensorRT-RTX build times and engine sizes in
+benchmarks/results/ (tensorrt_rtx_build_proof.json, gpu_runtime_h100.json).
+
+Run: python3 -m benchmarks.fleet_cache [--workers 2,4]
+Writes benchmarks/results/fleet_cache.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+# Repeated-block models: their blocks share fingerprints across models and depths.
+EXTRA = [
+    {
+        "name": "enc4",
+        "factory": "zoo.models:bert_encoder",
+        "factory_kwargs": {"num_layers": 4},
+        "split": "auto",
+    },
+    {
+        "name": "enc6",
+        "factory": "zoo.models:bert_encoder",
+        "factory_kwargs": {"num_layers": 6},
+        "split": "auto",
+    },
+    {
+        "name": "rep6",
+        "factory": "zoo.models:repeated_fallback",
+        "factory_kwargs": {"depth": 6},
+        "split": None,
+    },
+]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def model_list() -> list[dict]:
+    import yaml
+
+    zoo = yaml.safe_load((ROOT / "deploy" / "zoo.yaml").read_text())
+    models = [
+        {
+            "name": m["name"],
+            "factory": m["factory"],
+            "factory_kwargs": m.get("factory_kwargs", {}),
+            "split": None,
+        }
+        for m in zoo["models"]
+        if "factory" in m
+    ]
+    return models + EXTRA
+
+
+def worker(spec: dict) -> dict:
+    """One worker: compile its models through its cache; report builds, hits, seconds."""
+    import importlib
+
+    import compiler
+
+    cache = compiler.EngineCache(spec["cache"], local_dir=spec["local"])
+    start = time.perf_counter()
+    for model in spec["models"]:
+        module, name = model["factory"].split(":")
+        case = getattr(importlib.import_module(module), name)(**model["factory_kwargs"])
+        program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+        options = {"split_modules": model["split"]} if model["split"] else {}
+        compiler.compile(program, cache=cache, **options)
+    stats = cache.stats
+    return {
+        "models": [m["name"] for m in spec["models"]],
+        "builds": stats.builds,
+        "hits": stats.hits,
+        "remote_hits": stats.remote_hits,
+        "published": stats.remote_publishes,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def fleet(n: int, shared: bool, models: list[dict], tmp: Path, endpoint: str) -> dict:
+    run = f"{'shared' if shared else 'local'}-{n}"
+    specs = [
+        {
+            "cache": f"s3://kiln/{run}" if shared else str(tmp / run / f"w{i}" / "cache"),
+            "local": str(tmp / run / f"w{i}" / "local"),
+            "models": models[i::n],
+        }
+        for i in range(n)
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "OMP_NUM_THREADS": "1",
+    }
+    start = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.fleet_cache", "--worker", json.dumps(s)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for s in specs
+    ]
+    workers = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{run}: a worker failed ({proc.returncode})")
+        workers.append(json.loads(out.strip().splitlines()[-1]))
+    return {
+        "workers": n,
+        "cache": "shared (S3, moto)" if shared else "local per worker",
+        "builds": sum(w["builds"] for w in workers),
+        "hits": sum(w["hits"] for w in workers),
+        "wall_s": round(time.perf_counter() - start, 2),
+        "per_worker": workers,
+    }
+
+
+def projection(dedup_local: float, dedup_shared: float) -> dict:
+    """1,000 models x 4 device classes, nightly, from the H100 measurements."""
+    proof = json.loads((RESULTS / "tensorrt_rtx_build_proof.json").read_text())
+    builds, full_bytes, stripped_bytes = [], [], []
+    for model in proof["models"].values():
+        for blocks in (model.get("blocks") or {}).values():
+            for record in (blocks.get("fingerprints") or {}).values():
+                if record.get("built") and record.get("full"):
+                    builds.append(record["full"]["seconds"])
+                    full_bytes.append(record["full"]["engine_bytes"])
+                    if record.get("stripped"):
+                        stripped_bytes.append(record["stripped"]["engine_bytes"])
+    gpu = json.loads((RESULTS / "gpu_runtime_h100.json").read_text())
+    ratios = [
+        r["trt_rtx_dedup_over_no_dedup"] for r in gpu["compile_seconds"] if "trt_rtx_dedup_over_no_dedup" in r
+    ]
+    mean_build = statistics.mean(builds)
+    mean_bytes = statistics.mean(full_bytes)
+    mean_stripped = statistics.mean(stripped_bytes) if stripped_bytes else 0.0
+    models, classes = 1000, 4
+    # Unique engines per model without any dedup: the proof's partitions per model (126 over 8 models).
+    partitions_per_model = proof["summary"]["partitions_total"] / len(proof["models"])
+    unique_in_model = proof["summary"]["unique_partitions"] / proof["summary"]["partitions_total"]
+    engines_none = models * partitions_per_model * classes
+    in_model = engines_none * unique_in_model  # per-model dedup only (kiln today, one worker per model)
+    # Across models and workers: the fleet-wide ratio measured here (shared builds / local builds).
+    fleet_factor = dedup_shared / dedup_local if dedup_local else 1.0
+    fleet = in_model * fleet_factor
+    hours = {
+        k: round(v * mean_build / 3600, 1)
+        for k, v in (("no_dedup", engines_none), ("per_model_dedup", in_model), ("fleet_dedup", fleet))
+    }
+    return {
+        "assumptions": {
+            "models": models,
+            "device_classes": classes,
+            "partitions_per_model": round(partitions_per_model, 2),
+            "unique_share_within_a_model": round(unique_in_model, 3),
+            "fleet_builds_over_local_builds_measured_here": round(fleet_factor, 3),
+            "mean_trt_rtx_build_s_h100": round(mean_build, 2),
+            "mean_full_engine_bytes": int(mean_bytes),
+            "mean_stripped_engine_bytes": int(mean_stripped),
+            "h100_per_block_dedup_ratio_bert_base": ratios,
+        },
+        "engine_builds": {
+            "no_dedup": int(engines_none),
+            "per_model_dedup": int(in_model),
+            "fleet_dedup": int(fleet),
+        },
+        "build_gpu_hours": hours,
+        "cache_gib_full_engines": {
+            k: round(v * mean_bytes / 1024**3, 1)
+            for k, v in (("no_dedup", engines_none), ("per_model_dedup", in_model), ("fleet_dedup", fleet))
+        },
+        "cache_gib_stripped_engines_fleet_dedup": round(fleet * mean_stripped / 1024**3, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workers", default="2,4")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    import boto3
+
+    boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="t", aws_secret_access_key="t"
+    ).create_bucket(Bucket="kiln")
+    models = model_list()
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="kiln-fleet-") as tmp:
+            for n in (int(x) for x in args.workers.split(",")):
+                for shared in (False, True):  # side by side, same model split
+                    rows.append(fleet(n, shared, models, Path(tmp), endpoint))
+                    last = rows[-1]
+                    print(
+                        f"{last['cache']:>20}  workers {n}: builds {last['builds']}, wall {last['wall_s']}s"
+                    )
+    finally:
+        server.stop()
+    local = [r for r in rows if r["cache"].startswith("local")]
+    shared = [r for r in rows if r["cache"].startswith("shared")]
+    ratio_rows = []
+    for lo, sh in zip(local, shared, strict=True):
+        ratio_rows.append(
+            {
+                "workers": lo["workers"],
+                "builds_local": lo["builds"],
+                "builds_shared": sh["builds"],
+                "builds_shared_over_local": round(sh["builds"] / lo["builds"], 3) if lo["builds"] else None,
+                "wall_local_s": lo["wall_s"],
+                "wall_shared_s": sh["wall_s"],
+                "wall_shared_over_local": round(sh["wall_s"] / lo["wall_s"], 3),
+            }
+        )
+    from benchmarks._common import print_table, write_json
+
+    print_table(
+        f"fleet recompile of {len(models)} models ({cpu_model()})",
+        [
+            "workers",
+            "builds local",
+            "builds shared",
+            "shared/local",
+            "wall local s",
+            "wall shared s",
+            "wall ratio",
+        ],
+        [list(r.values()) for r in ratio_rows],
+    )
+    worst = max(ratio_rows, key=lambda r: r["builds_local"])
+    plan = projection(worst["builds_local"], worst["builds_shared"])
+    print_table(
+        "nightly 1,000 models x 4 device classes (H100 TensorRT-RTX build times and sizes)",
+        ["", "no dedup", "per-model dedup", "fleet dedup"],
+        [
+            ["engine builds", *plan["engine_builds"].values()],
+            ["GPU build hours", *plan["build_gpu_hours"].values()],
+            ["cache GiB (full engines)", *plan["cache_gib_full_engines"].values()],
+        ],
+    )
+    write_json(
+        "fleet_cache",
+        {
+            "cpu_model": cpu_model(),
+            "models": [m["name"] for m in models],
+            "runs": rows,
+            "ratios": ratio_rows,
+            "projection_1000_models_4_classes": plan,
+            "note": "workers of one configuration run at once on this machine's cores; cold caches each run",
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
