@@ -313,7 +313,12 @@ def _log_and_register(
                 mlclient.finalize_logged_model(logged.model_id, "FAILED")
             raise
 
+    size = _package_bytes(package_dir)
+    log.info("uploading the package of %s (%.1f MB) to the artifact store", model, size / 1e6)
+    started = time.monotonic()
     info = call_with_retry(log_model, f"log the package of {model} as an MLflow model", policy)
+    seconds = max(time.monotonic() - started, 1e-6)
+    log.info("uploaded %s: %.1f MB in %.1fs (%.1f MB/s)", model, size / 1e6, seconds, size / 1e6 / seconds)
     registered_version = register_version(
         mlclient,
         registered,

@@ -78,6 +78,9 @@ def test_truncated_object_is_a_checksum_failure_evicted_and_rebuilt(
     assert (data, hit) == (b"y" * 4096, False) and reader.stats.corrupt == 1
     # Evicted and published again: a third worker reads the rebuilt entry, verified.
     assert EngineCache(url("tr"), local_dir=tmp_path / "c").get(k) == b"y" * 4096
+    # A publisher killed between its blob and its entry leaves a blob nobody names: a plain miss.
+    s3.put_object(Bucket=BUCKET, Key=f"tr/blobs/{'ab' * 32}", Body=b"half")
+    assert reader.get(key("never-published")) is None and reader.stats.corrupt == 1
 
 
 # The child loads compiler.cache alone (not compiler/__init__, which imports torch): a second per worker.
