@@ -7,7 +7,9 @@ same time through one engine cache on S3. What it proves:
 - a model both workers compiled has one registered version (it once got one per worker, identical
   but for the measured latencies);
 - the registered package's artifacts live on S3, and a look-up downloads them through the tracking
-  server and verifies every checksum.
+  server and verifies every checksum;
+- two processes opening one fresh embedded sqlite store at once both succeed (MLflow's table creation
+  raced: ``the zoo run stopped before any model ran: dimension_attributes``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ REP4 = {
     "factory": "zoo.models:repeated_fallback",
     "factory_kwargs": {"depth": 4, "width": 32},
 }
-MLP = {"name": "mlp", "factory": "zoo.models:mlp_with_fallback", "factory_kwargs": {"width": 32}}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_two_workers_build_each_engine_once_and_register_one_version(
     s3_server: MotoServer, s3_mlflow: MlflowServer, prefect_api, tmp_path: Path
 ) -> None:
     workers = []
-    for name, models in (("w1", [REP3, MLP]), ("w2", [REP3, REP4])):
+    for name, models in (("w1", [REP3]), ("w2", [REP4, REP3])):
         zoo = _zoo(tmp_path / name / "zoo.yaml", models)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "KILN_CACHE_LOCAL_DIR": str(tmp_path / name / "local")}
         workers.append(
@@ -111,9 +112,33 @@ def test_two_workers_build_each_engine_once_and_register_one_version(
     from registry.models import all_versions
 
     mlclient = config.client()
-    for model in ("rep3", "rep4", "mlp"):
+    for model in ("rep3", "rep4"):
         assert len(all_versions(mlclient, f"kiln.{model}.cpu")) == 1, model
     package_dir, manifest, tags = fetch_version(mlclient, "kiln.rep3.cpu", "1", dst=tmp_path / "fetched")
     assert (package_dir / "manifest.json").is_file() and manifest.content_hash == tags["kiln.content_hash"]
     artifacts = s3.list_objects_v2(Bucket=BUCKET, Prefix="mlflow/").get("Contents", [])
     assert any(o["Key"].endswith("manifest.json") for o in artifacts)  # the package lives on S3
+
+
+def test_two_processes_open_a_fresh_sqlite_store_at_once(tmp_path: Path) -> None:
+    code = (
+        "import sys; from registry import config; print(config.ensure_experiment(config.client(sys.argv[1])))"
+    )
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, uri],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-2000:]
+    assert outputs[0][0].strip() == outputs[1][0].strip()  # one experiment, the same id
