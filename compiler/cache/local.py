@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import threading
@@ -55,6 +54,7 @@ from compiler.cache.entry import (
     resolve_max_bytes,
     verify,
 )
+from compiler.cache.paths import fsync_directory, local_dir_for, resolve_directory
 from compiler.cache.remote import RemoteEntries, is_url
 from compiler.errors import CacheError
 
@@ -82,8 +82,8 @@ class EngineCache:
         # An object-store URL: entries are shared through it, and kept hot on this worker's disk.
         self.remote = RemoteEntries(location, lease_seconds=lease_seconds) if is_url(location) else None
         if self.remote is not None:
-            directory = local_dir or os.environ.get(LOCAL_DIR_ENV) or _local_dir_for(self.remote.url)
-        self.directory = _resolve_directory(directory)
+            directory = local_dir or os.environ.get(LOCAL_DIR_ENV) or local_dir_for(self.remote.url)
+        self.directory = resolve_directory(directory)
         self._warned: set[str] = set()
         self.max_bytes = resolve_max_bytes(max_bytes)
         if compression not in CODECS:
@@ -416,7 +416,7 @@ class EngineCache:
             write_bytes_atomic(self._payload_path(key), stored)
             # Metadata last: a crash in between leaves a payload without metadata, which reads detect.
             write_bytes_atomic(self._meta_path(key), record_bytes(record))
-            _fsync_directory(self.directory)
+            fsync_directory(self.directory)
         except OSError as exc:
             for path in (self._meta_path(key), self._payload_path(key)):
                 with contextlib.suppress(OSError):
@@ -500,43 +500,3 @@ class EngineCache:
             CacheWarning,
             stacklevel=4,
         )
-
-
-def _user_cache_dir() -> Path:
-    # platformdirs knows every OS's convention; GPU images may lack it, where XDG's default serves.
-    try:
-        import platformdirs
-    except ImportError:
-        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln"
-    return Path(platformdirs.user_cache_dir("kiln"))
-
-
-def _local_dir_for(url: str) -> Path:
-    """The worker-side layer of an object-store cache: one folder per URL in the user's cache."""
-    return _user_cache_dir() / "remote" / hashlib.sha256(url.encode()).hexdigest()[:16]
-
-
-def _resolve_directory(directory: str | os.PathLike[str] | None) -> Path:
-    if directory is None:
-        directory = os.environ.get("KILN_CACHE_DIR") or _user_cache_dir() / "engines"
-    path = Path(directory).expanduser().absolute()
-    if path.exists() and not path.is_dir():
-        raise CacheError(f"cache directory {path} exists but is not a directory; expected a directory")
-    for parent in path.parents:  # the nearest existing ancestor must be a directory too, or mkdir cannot work
-        if parent.exists():
-            if not parent.is_dir():
-                raise CacheError(
-                    f"cache directory {path} is under {parent}, which is a file, not a directory"
-                )
-            break
-    return path
-
-
-def _fsync_directory(directory: Path) -> None:
-    # Makes the renames durable; some filesystems refuse fsync on a directory, which is harmless here.
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
