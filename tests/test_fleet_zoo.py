@@ -142,3 +142,21 @@ def test_two_processes_open_a_fresh_sqlite_store_at_once(tmp_path: Path) -> None
     for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err[-2000:]
     assert outputs[0][0].strip() == outputs[1][0].strip()  # one experiment, the same id
+
+
+def test_meaning_hash_ignores_what_a_compile_measured_and_nothing_else() -> None:
+    from compiler.package import content_hash, meaning_hash
+
+    manifest = {
+        "format_version": 2,
+        "files": {"engines/a.engine": {"sha256": "1" * 64, "bytes": 10}},
+        "plan": {"options": {"precision": "fp32"}},
+        "report": {"stage_seconds": {"build": 1.5}, "cache_hits": 0},
+        "validation": {"latency": {"median_ms": 2.0}},
+    }
+    other_worker = {**manifest, "report": {"stage_seconds": {"build": 0.1}, "cache_hits": 3}}
+    other_worker["validation"] = {"latency": {"median_ms": 2.7}}
+    assert meaning_hash(manifest) == meaning_hash(other_worker)
+    assert content_hash(manifest) != content_hash(other_worker)  # the bytes still differ, and say so
+    rebuilt = {**manifest, "files": {"engines/a.engine": {"sha256": "2" * 64, "bytes": 10}}}
+    assert meaning_hash(rebuilt) != meaning_hash(manifest)
