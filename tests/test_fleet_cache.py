@@ -257,3 +257,34 @@ def test_kiln_cache_ls_verify_gc_on_both_layers(s3_server: MotoServer, tmp_path:
     with scoped_environ({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}):
         down = runner.invoke(app, ["cache", "ls", location])
         assert down.exit_code == 2 and "unreachable" in down.output
+
+
+def test_zoo_check_names_the_url_and_the_variable(tmp_path: Path) -> None:
+    import importlib.util
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    def zoo(cache: str) -> str:
+        path = tmp_path / f"zoo-{abs(hash(cache))}.yaml"
+        models = [{"name": "mlp", "factory": "zoo.models:mlp_with_fallback"}]
+        path.write_text(
+            yaml.safe_dump({"settings": {"engine_cache": cache, "tracking": False}, "models": models})
+        )
+        return str(path)
+
+    runner = CliRunner()
+    dead = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+        "AWS_ACCESS_KEY_ID": "a",
+        "AWS_SECRET_ACCESS_KEY": "b",
+    }
+    with scoped_environ({**dead, "KILN_CACHE_LOCAL_DIR": str(tmp_path / "local")}):
+        result = runner.invoke(app, ["zoo", zoo("s3://kiln/engines"), "--check"])
+    assert result.exit_code == 1
+    assert "s3://kiln/engines is unreachable" in result.output and "AWS_ENDPOINT_URL" in result.output
+    if importlib.util.find_spec("gcsfs") is None:
+        result = runner.invoke(app, ["zoo", zoo("gs://kiln/engines")])
+        assert result.exit_code == 2 and "gcsfs" in result.output  # before anything runs
