@@ -12,8 +12,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.fingerprint import fingerprint
-from compiler.partition import Partition, PartitionPlan
+from compiler.partition import QUANTIZED_PREFIX, Partition, PartitionPlan
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,19 @@ def canonical_weights(partition: Partition) -> dict[str, str]:
     return {f"w{i}": key for i, key in enumerate(partition.weight_keys)}
 
 
+def instance_weights(plan: PartitionPlan, partition: Partition) -> dict[str, str]:
+    """Canonical name -> weight key: the partition's own quantized tensors when it is quantized and
+    ``compiler.quantize`` made them, else its program weights."""
+    if plan.options.precision_of(partition.name) in QUANTIZED_PRECISIONS:
+        prefix = f"{QUANTIZED_PREFIX}{partition.name}/"
+        names = sorted(
+            (k[len(prefix) :] for k in plan.quantized if k.startswith(prefix)), key=lambda n: int(n[1:])
+        )
+        if names:
+            return {name: f"{prefix}{name}" for name in names}
+    return canonical_weights(partition)
+
+
 def partition_fingerprint(plan: PartitionPlan, partition: Partition) -> str:
     kinds = tuple(i.kind for i in partition.inputs)
     settings = plan.options.build_settings(partition.name).to_dict()
@@ -77,5 +91,5 @@ def dedup(plan: PartitionPlan, *, share: bool = True) -> DedupPlan:
         if not share:
             fp = hashlib.sha256(f"{fp}:{part.name}".encode()).hexdigest()
         unique.setdefault(fp, part.name)
-        instances.append(EngineInstance(part.name, fp, canonical_weights(part)))
+        instances.append(EngineInstance(part.name, fp, instance_weights(plan, part)))
     return DedupPlan(unique, tuple(instances), time.perf_counter() - start)

@@ -120,3 +120,17 @@ class PackageSignatureError(PackageCorruptError):
 class CudaGraphError(KilnError, ValueError):
     """CUDA graphs were required (``cuda_graphs="on"``) where they cannot run: a CPU device, a backend
     whose engines run outside PyTorch's CUDA stream, or a module the capture check refused."""
+
+
+class CalibrationError(ValidationDataError):
+    """Calibration data for a quantized compile is missing, random without ``allow_random``, or does
+    not fit the model's inputs (names, dtypes, shapes, NaN/inf): the message names the field."""
+
+
+class QuantizationError(KilnError):
+    """ONNX Runtime's quantizer failed on a partition (that partition then stays in float precision,
+    named in the report)."""
+
+
+class CalibrationWarning(UserWarning):
+    """Calibration went ahead on less than asked for (fewer samples than ``calibration.samples``)."""

@@ -24,7 +24,7 @@ from onnx import numpy_helper
 from torch.export import Dim
 
 from compiler.backends.base import EngineIO, pack_torch_graph, to_numpy
-from compiler.dedup import DedupPlan, EngineInstance
+from compiler.dedup import DedupPlan, EngineInstance, canonical_weights
 from compiler.errors import LoweringError
 from compiler.export import TRACING
 from compiler.partition import Partition, PartitionPlan
@@ -73,12 +73,13 @@ def engine_io(plan: PartitionPlan, partition: Partition) -> EngineIO:
 def engine_weights(plan: PartitionPlan, instance: EngineInstance) -> dict[str, torch.Tensor]:
     """Canonical name -> tensor for one instance, in the engine's precision."""
     weights = plan.weights()
-    target = PRECISION_DTYPES[plan.options.precision_of(instance.partition)]
+    # Quantized partitions' tensors (int8 weights, float scales) are stored as the engine takes them.
+    target = PRECISION_DTYPES.get(plan.options.precision_of(instance.partition))
     # Canonical order (w0, w1, ..., w10), whatever order the mapping arrived in (JSON may sort keys):
     # the engine graph takes its weight inputs by position.
     ordered = sorted(instance.weights.items(), key=lambda item: int(item[0][1:]))
     return {
-        name: (weights[key].to(target) if weights[key].is_floating_point() else weights[key])
+        name: (weights[key].to(target) if target and weights[key].is_floating_point() else weights[key])
         .detach()
         .contiguous()
         for name, key in ordered
@@ -86,17 +87,35 @@ def engine_weights(plan: PartitionPlan, instance: EngineInstance) -> dict[str, t
 
 
 def lower(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
-    """ONNX bytes for the representative partition of fingerprint ``fp``, weights as initializers."""
-    start = time.perf_counter()
+    """ONNX bytes for the representative partition of fingerprint ``fp``, weights as initializers.
+
+    A quantized partition's graph was made by ``compiler.quantize`` (from :func:`lower_float`): it is
+    taken from the plan."""
     partition = next(p for p in plan.partitions if p.name == dedup.unique[fp])
+    precision = plan.options.precision_of(partition.name)
+    if precision in PRECISION_DTYPES:
+        return lower_float(plan, partition, precision, fp)
+    graph = plan.quantized_graphs.get(fp)
+    if graph is None:
+        raise LoweringError(
+            f"{partition.name} ({fp[:12]}) is {precision} but the plan holds no quantized graph for it; "
+            "run compiler.quantize(plan) before building"
+        )
+    return LoweredPartition(fp, graph, engine_io(plan, partition), 0.0)
+
+
+def lower_float(plan: PartitionPlan, partition: Partition, precision: str, fp: str = "") -> LoweredPartition:
+    """ONNX bytes for ``partition`` in float ``precision`` with its own weights as initializers."""
+    start = time.perf_counter()
     io_spec = engine_io(plan, partition)
-    weights = engine_weights(plan, dedup.instance(partition.name))
-    module = _EngineGraph(
-        plan.submodule(partition.name),
-        partition,
-        plan.options.precision_of(partition.name),
-        io_spec.output_dtypes,
-    )
+    every = plan.weights()
+    dtype = PRECISION_DTYPES[precision]
+    ordered = sorted(canonical_weights(partition).items(), key=lambda item: int(item[0][1:]))
+    weights = {
+        name: (every[key].to(dtype) if every[key].is_floating_point() else every[key]).detach().contiguous()
+        for name, key in ordered
+    }
+    module = _EngineGraph(plan.submodule(partition.name), partition, precision, io_spec.output_dtypes)
     sub = plan.submodule(partition.name)
     act_nodes = [
         n for n, s in zip(_placeholders(sub), partition.inputs, strict=True) if s.kind == "activation"

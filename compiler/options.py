@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from compiler.backends.base import PRECISIONS, BuildSettings
+from compiler.backends.base import PRECISIONS, QUANTIZED_PRECISIONS, BuildSettings
 from compiler.cudagraphs import check_mode
 from compiler.errors import PartitionError
 from compiler.profiles import normalize
@@ -19,6 +19,42 @@ ON_ACCURACY_FAILURE = ("repair", "error")
 # What one partition may be set to (CompileOptions.partition_precision): a precision, or "torch".
 PARTITION_LEVELS = (*PRECISIONS, "torch")
 DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+# How a quantized partition is quantized: "static" (activation scales calibrated on data, QDQ graph)
+# or "dynamic" (weights quantized ahead, activations at run time; no calibration data).
+QUANTIZATION_MODES = ("static", "dynamic")
+CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
+# Backends that build int8 engines here (ONNX Runtime's own quantizer); others are refused by name.
+QUANTIZING_BACKENDS = ("onnxruntime",)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Where a static int8 compile's activation ranges come from (``compiler.quantize``).
+
+    ``data``: recorded inputs in the validation-data formats (``.safetensors``/``.npz``, one array
+    per model input with a leading sample axis); ``None`` means random inputs, which give meaningless
+    scales and are refused unless ``allow_random``. ``samples``: how many (the first N); fewer is a
+    warning naming the count. ``method``: ONNX Runtime's calibrator (``minmax``, ``entropy``,
+    ``percentile``). The samples used are never validated on (``compiler.quantize.held_out``).
+    """
+
+    data: str | None = None
+    samples: int = 16
+    method: str = "minmax"
+    allow_random: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in CALIBRATION_METHODS:
+            raise PartitionError(
+                f"calibration.method {self.method!r} is not supported; expected one of {CALIBRATION_METHODS}"
+            )
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise PartitionError(f"calibration.samples must be an integer >= 1, got {self.samples!r}")
+        if self.data is not None:
+            object.__setattr__(self, "data", str(self.data))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -54,6 +90,10 @@ class CompileOptions:
     {"batch": 8})``), checked against the input specs at partition time; on CUDA their graphs are
     captured when the module is assembled, and each profile's latency is in the report. See
     :mod:`compiler.profiles`. Not a build setting.
+
+    ``quantization`` and ``calibration``: how ``int8`` partitions are quantized (``compiler.quantize``):
+    ``"static"`` (QDQ, activation scales calibrated on ``calibration.data``) or ``"dynamic"``.
+    Only the ``onnxruntime`` backend builds int8 here; others are refused by name.
     """
 
     backend: str = "onnxruntime"
@@ -72,8 +112,16 @@ class CompileOptions:
     partition_precision: Mapping[str, str] = field(default_factory=dict)
     cuda_graphs: str = "auto"
     profiles: tuple[Mapping[str, int], ...] = ()
+    quantization: str = "static"
+    calibration: Calibration = field(default_factory=Calibration)
 
     def __post_init__(self) -> None:
+        if isinstance(self.calibration, Mapping):
+            object.__setattr__(self, "calibration", Calibration(**dict(self.calibration)))
+        if self.quantization not in QUANTIZATION_MODES:
+            raise PartitionError(
+                f"quantization {self.quantization!r} is not supported; expected one of {QUANTIZATION_MODES}"
+            )
         if self.on_accuracy_failure not in ON_ACCURACY_FAILURE:
             raise PartitionError(
                 f"on_accuracy_failure {self.on_accuracy_failure!r} is not supported; expected one of "
@@ -94,6 +142,12 @@ class CompileOptions:
         if self.precision not in PRECISIONS:
             raise PartitionError(
                 f"precision {self.precision!r} is not supported; expected one of {PRECISIONS}"
+            )
+        if self.quantized and self.backend not in QUANTIZING_BACKENDS:
+            raise PartitionError(
+                f"precision int8 is not built by backend {self.backend!r} here: int8 engines come from "
+                f"ONNX Runtime's quantizer ({', '.join(QUANTIZING_BACKENDS)}); use backend 'onnxruntime' "
+                "or a float precision"
             )
         if self.on_build_failure not in ON_BUILD_FAILURE:
             raise PartitionError(
@@ -121,16 +175,31 @@ class CompileOptions:
         change every other engine's fingerprint and cache key."""
         # on_build_failure / on_accuracy_failure are left out on purpose: they decide what happens
         # after a build, not its bytes.
+        precision = self.precision_of(partition) if partition is not None else self.precision
         return BuildSettings(
-            precision=self.precision_of(partition) if partition is not None else self.precision,
+            precision=precision,
             strip_weights=self.strip_weights,
             workspace_bytes=self.workspace_bytes,
             optimization_level=self.optimization_level,
             options=dict(self.backend_options),
+            quantization=self.quantization_settings() if precision in QUANTIZED_PRECISIONS else None,
         )
 
+    def quantization_settings(self) -> dict[str, Any]:
+        """What decides a quantized graph's structure (where Q/DQ nodes go), so it enters fingerprints.
+        The calibration data does not: its values reach engines by refit (docs/compiler-api.md)."""
+        if self.quantization == "dynamic":
+            return {"mode": "dynamic", "per_channel": True}
+        return {"mode": "static", "method": self.calibration.method, "per_channel": True}
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any partition is quantized (the compile's precision or a partition's exception)."""
+        levels = {self.precision, *self.partition_precision.values()}
+        return any(level in QUANTIZED_PRECISIONS for level in levels)
+
     def precision_of(self, partition: str) -> str:
-        """``"fp32"``, ``"fp16"``, ``"bf16"`` or ``"torch"`` (no engine) for one partition."""
+        """``"fp32"``, ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"torch"`` (no engine) for one partition."""
         return self.partition_precision.get(partition, self.precision)
 
     def to_dict(self) -> dict:
@@ -142,6 +211,7 @@ class CompileOptions:
         )
         data["backend_options"] = dict(self.backend_options)
         data["profiles"] = [dict(p) for p in self.profiles]
+        data["calibration"] = self.calibration.to_dict()
         return data
 
     @classmethod
@@ -150,4 +220,6 @@ class CompileOptions:
         if isinstance(data.get("split_modules"), list):
             data["split_modules"] = tuple(data["split_modules"])
         data["torch_executed_ops"] = tuple(data.get("torch_executed_ops", ()))
+        if isinstance(data.get("calibration"), Mapping):
+            data["calibration"] = Calibration(**data["calibration"])
         return cls(**data)

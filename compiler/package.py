@@ -73,7 +73,7 @@ from compiler.manifest import (
     check_layout,
     engine_file,
 )
-from compiler.partition import program_weights, replay
+from compiler.partition import QUANTIZED_PREFIX, program_weights, replay
 from compiler.runtime import CompiledModule, assemble, with_weights
 from compiler.validate import ValidationReport
 from compiler.version import kiln_version
@@ -270,6 +270,7 @@ def load(
         ) from exc
     _check_dedup(dedup, plan, manifest, path)
     plan.input_weights = {k: weights[k] for k in manifest.input_weights}
+    plan.quantized = {k: v for k, v in weights.items() if k.startswith(QUANTIZED_PREFIX)}
     engines = {
         fp: EngineArtifact(
             fp,

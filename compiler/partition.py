@@ -35,6 +35,9 @@ from compiler.options import CompileOptions
 from compiler.profiles import check_profiles
 from compiler.specs import InputSpec
 
+# Weight keys of quantized partitions' own tensors: "kiln.int8/<partition>/w<k>" (PartitionPlan.quantized).
+QUANTIZED_PREFIX = "kiln.int8/"
+
 ENGINE_PREFIX = "engine_"
 _WEIGHT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 _DROPPED_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
@@ -87,20 +90,31 @@ class PartitionPlan:
     seconds: float = 0.0
     # User inputs that are really weights (the torch.compile path lifts parameters to inputs).
     input_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Quantized partitions (compiler.quantize): each instance's own engine tensors (quantized weights,
+    # scales, zero points) under "<QUANTIZED_PREFIX><partition>/w<k>", refitted like weights; the
+    # quantized graph of each int8 fingerprint (what its engine is built from; not saved in packages,
+    # whose engines hold it); and what quantization did (QuantizationRecord.to_dict()).
+    quantized: dict[str, torch.Tensor] = field(default_factory=dict)
+    quantized_graphs: dict[str, bytes] = field(default_factory=dict)
+    quantization: dict | None = None
 
     def submodule(self, name: str) -> torch.fx.GraphModule:
         return getattr(self.graph_module, name)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Every weight by key: the program's lifted weights and user inputs flagged as weights."""
-        return {**program_weights(self.program), **self.input_weights}
+        """Every weight by key: the program's lifted weights, user inputs flagged as weights and the
+        quantized partitions' own tensors."""
+        return {**program_weights(self.program), **self.input_weights, **self.quantized}
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "options": self.options.to_dict(),
             "partitions": [p.to_dict() for p in self.partitions],
             "fallback_ops": dict(self.fallback_ops),
         }
+        if self.quantization is not None:
+            data["quantization"] = self.quantization
+        return data
 
 
 def partition(
@@ -147,6 +161,7 @@ def replay(program: ExportedProgram, plan: Mapping[str, Any]) -> PartitionPlan:
         groups.append([by_name[name] for name in saved["nodes"]])
         blocks[saved["nodes"][0]] = saved.get("block")
     replayed = _fuse(program, specs, options, gm, groups, blocks, time.perf_counter() - start)
+    replayed.quantization = plan.get("quantization")
     for saved, part in zip(plan["partitions"], replayed.partitions, strict=True):
         if [vars(i) for i in part.inputs] != saved["inputs"] or part.num_outputs != saved["num_outputs"]:
             raise PartitionError(

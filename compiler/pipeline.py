@@ -14,6 +14,8 @@ from compiler.dedup import dedup
 from compiler.device import program_on, resolve
 from compiler.options import CompileOptions
 from compiler.partition import partition
+from compiler.quantize import quantize
+from compiler.validation_data import ValidationData
 from compiler.runtime import CompiledModule, assemble
 
 
@@ -33,9 +35,12 @@ def compile(
     options: CompileOptions | None = None,
     *,
     cache: EngineCache | str | os.PathLike | bool | None = None,
+    calibration_data: str | os.PathLike | ValidationData | None = None,
     **settings: Any,
 ) -> CompiledModule:
-    """Partition, dedup, build (through the engine cache), refit and assemble; no inputs needed.
+    """Partition, quantize (int8 partitions only), dedup, build (through the engine cache), refit and
+    assemble; no inputs needed. ``calibration_data`` overrides ``options.calibration.data`` (e.g. a
+    ``compiler.validation_hf.dataset_data`` result).
 
     ``settings`` override fields of ``options`` (``backend="onnxruntime"``, ``precision="fp16"``,
     ``strip_weights=True``, ``min_block_size=3``, ``torch_executed_ops=("aten.gelu",)``,
@@ -46,7 +51,7 @@ def compile(
     # The program runs where the options say: a program exported elsewhere is moved (weights and the
     # devices its ops name); better to export on the device (compiler.device.to_device).
     program = program_on(program, resolve(options.device))
-    plan = partition(program, options)
+    plan = quantize(partition(program, options), calibration_data)
     unique = dedup(plan)
     engines = {fp: build_engine(plan, unique, fp, cache=engine_cache) for fp in unique.fingerprints}
     return assemble(plan, unique, engines)

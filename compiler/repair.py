@@ -37,8 +37,16 @@ from compiler.dedup import dedup
 from compiler.errors import AccuracyError
 from compiler.pipeline import resolve_cache
 from compiler.runtime import CompiledModule, assemble
-from compiler.validate import Latency, Tolerances, ValidationReport, measure_accuracy, nan_as_worst, validate
-from compiler.validation_data import ValidationData, validation_data
+from compiler.validate import (
+    Latency,
+    Tolerances,
+    ValidationReport,
+    measure_accuracy,
+    nan_as_worst,
+    validate,
+    validation_inputs,
+)
+from compiler.validation_data import ValidationData
 
 # One step up in accuracy for a partition at each level; "torch" (its PyTorch submodule) is the top.
 STEP_UP = {"fp16": "fp32", "bf16": "fp32", "fp32": "torch"}
@@ -185,7 +193,7 @@ def repair(
     """
     start = time.perf_counter()
     gate = dataclasses.replace(tolerances, max_latency_ratio=None)
-    dataset = validation_data(compiled.input_specs, data, samples=samples, seed=seed)
+    dataset = validation_inputs(compiled, data, samples=samples, seed=seed)
     before = current = _accuracy(original, compiled, dataset, gate)
     steps: list[RepairStep] = []
     built = from_cache = rounds = 0
@@ -301,7 +309,7 @@ def ensure_accuracy(
     report; raises :class:`AccuracyError` with every reason when the tolerances still do not hold.
     ``tolerances`` are resolved against the compile's precision (an unset rel L2 gets its default)."""
     tolerances = tolerances.resolved(compiled.plan.options.precision)
-    dataset = validation_data(compiled.input_specs, data, samples=samples, seed=seed)
+    dataset = validation_inputs(compiled, data, samples=samples, seed=seed)
     settings = {"warmup": warmup, "runs": runs, "seed": seed}
     report = validate(original, compiled, data=dataset, **settings)
     failures = report.failures(tolerances)

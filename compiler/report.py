@@ -32,6 +32,12 @@ class CompileReport:
     # One per shape profile (CompileOptions.profiles), measured at compile: the profile, its input
     # shapes, its median latency and what served it ("dispatch").
     profiles: list[dict] | None = None
+    # Set when partitions are int8: compiler.quantize.QuantizationRecord.to_dict() (calibration data,
+    # sample digests, quantized partitions, float fallbacks with their reasons).
+    quantization: dict | None = None
+    # The final precision of every partition with its own error and latency share (rows of
+    # compiler.compare.PartitionComparison), for compiles with reduced-precision partitions.
+    precision_plan: list[dict] | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -78,6 +84,9 @@ class CompileReport:
             text += f"; accuracy repair: {raised}"
         if self.cuda_graphs and not self.cuda_graphs.get("capturable"):
             text += f"; CUDA graphs off: {self.cuda_graphs.get('reason')}"
+        if self.quantization and self.quantization.get("fallbacks"):
+            names = ", ".join(sorted(self.quantization["fallbacks"]))
+            text += f"; quantization failed, kept in fp32: {names}"
         if fell_back:
             noun = "partition" if len(fell_back) == 1 else "partitions"
             text += f"; {len(fell_back)} {noun} fell back after build failures: {', '.join(fell_back)}"

@@ -256,6 +256,11 @@ class CompiledModule(torch.nn.Module):
 
     def refit(self, state: Mapping[str, torch.Tensor]) -> CompiledModule:
         """The same engines with new weights (a fine-tuned checkpoint): no lowering, no build."""
+        if self.plan.quantized:
+            raise RefitError(
+                "this model has int8 partitions whose quantized weights and scales were calibrated for "
+                "its weights: new weights need a new compile (quantization), not a refit"
+            )
         current = self.plan.weights()
         # New weights live where the model runs (fallback ops read them from the program).
         state = {k: v.to(self.device) for k, v in state.items()}
@@ -392,8 +397,10 @@ def _report(
         refits=refits,
         engine_bytes=sum(a.bytes for a in built),
         build_failures=failures,
+        quantization=plan.quantization,
         stage_seconds={
             "partition": round(plan.seconds, 4),
+            **({"quantize": plan.quantization["seconds"]} if plan.quantization else {}),
             "dedup": round(dedup.seconds, 4),
             "lower": round(sum(a.lower_seconds for a in engines.values()), 4),
             "build": round(sum(a.seconds - a.lower_seconds for a in engines.values()), 4),

@@ -255,3 +255,34 @@ def _mapping_digest(arrays: Mapping[str, torch.Tensor]) -> str:
         digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)};".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
+
+
+def sample_digest(sample: Sequence[torch.Tensor]) -> str:
+    """The sha256 of one sample (every input's dtype, shape and bytes): equal samples, equal digests."""
+    digest = hashlib.sha256()
+    for tensor in sample:
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{tensor.dtype}:{list(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def held_out(data: ValidationData, used: Sequence[str], why: str = "used for calibration") -> ValidationData:
+    """``data`` without the samples whose :func:`sample_digest` is in ``used`` (each named in
+    ``skipped``): a sample a quantized model was calibrated on must not also validate it. An error
+    when nothing is left."""
+    if not used or not data.samples:
+        return data
+    used = set(used)
+    kept, skipped = [], list(data.skipped)
+    for index, sample in enumerate(data.samples):
+        if sample_digest(sample) in used:
+            skipped.append(f"sample {index}: {why}, held out of validation")
+        else:
+            kept.append(sample)
+    if not kept:
+        raise ValidationDataError(
+            f"{data.source}: every one of its {len(data.samples)} samples was {why}; validate on other "
+            "samples (more recorded samples than calibration.samples, or a separate file)"
+        )
+    return ValidationData(data.source, tuple(kept), tuple(skipped))

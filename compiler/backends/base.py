@@ -21,7 +21,10 @@ import torch
 
 from compiler.specs import InputSpec
 
-PRECISIONS = ("fp32", "fp16", "bf16")
+FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")
+# Integer precisions: weights and activations quantized (compiler.quantize), per partition.
+QUANTIZED_PRECISIONS = ("int8",)
+PRECISIONS = (*FLOAT_PRECISIONS, *QUANTIZED_PRECISIONS)
 
 # Lowering names every weight initializer ``w<position>``; other initializers are graph constants.
 WEIGHT_NAME = re.compile(r"^w\d+$")
@@ -64,15 +67,21 @@ class BuildSettings:
     workspace_bytes: int | None = None
     optimization_level: int | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    # Quantized partitions only: how the graph is quantized (mode, calibration method, per-channel),
+    # which decides where Q/DQ nodes go. Left out of to_dict when None, so float engines keep their keys.
+    quantization: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "precision": self.precision,
             "strip_weights": self.strip_weights,
             "workspace_bytes": self.workspace_bytes,
             "optimization_level": self.optimization_level,
             "options": dict(sorted(self.options.items())),
         }
+        if self.quantization is not None:
+            data["quantization"] = dict(sorted(self.quantization.items()))
+        return data
 
 
 def check_backend_options(settings: BuildSettings, allowed: frozenset[str] | set[str], library: str) -> None:

@@ -1,0 +1,342 @@
+"""Quantize: int8 partitions through ONNX Runtime's own quantizer, calibrated on the user's data.
+
+Runs after partitioning, before dedup and the engine builds (``compiler.compile`` and the partition
+task call it); a plan without int8 partitions passes through unchanged.
+
+1. Calibration inputs: the first ``calibration.samples`` samples of ``calibration.data`` (read by
+   ``compiler.validation_data``: names, dtypes and ranks checked there; NaN and inf refused here).
+   Random inputs give meaningless scales: refused unless ``calibration.allow_random``. Dynamic
+   quantization needs none.
+2. One fp32 pass of the partitioned graph (every partition in PyTorch) over them captures the
+   activations arriving at each partition: each instance is calibrated on its own inputs.
+3. Each partition is lowered to fp32 ONNX (once per fingerprint; other instances get their weights
+   put in) and quantized by ``onnxruntime.quantization``: ``quantize_static`` (QDQ, per-channel int8
+   weights, int8 activations, the calibration method asked for) or ``quantize_dynamic``.
+4. The quantized graph is canonicalized: every initializer (quantized weights, scales, zero points,
+   int32 biases) is named ``w<k>`` by position, every other value ``v<n>``. Instances of one
+   fingerprint give the same graph apart from those values, so the fingerprint still builds one
+   engine and each instance's values are its refit tensors (``PartitionPlan.quantized``), stored in
+   packages with the weights. An instance whose quantized graph differs, or a quantizer failure, puts
+   every partition of that fingerprint back in fp32 (named in the record); nothing is cached for it.
+
+The samples used are recorded by digest; validation never uses them
+(``compiler.validation_data.held_out``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+from torch.export.graph_signature import InputKind
+
+from compiler.backends.base import QUANTIZED_PRECISIONS, to_numpy
+from compiler.errors import CalibrationError, CalibrationWarning, QuantizationError, ValidationDataError
+from compiler.partition import QUANTIZED_PREFIX, PartitionPlan
+from compiler.validation_data import ValidationData, random_data, sample_digest, validation_data
+
+# The float precision a partition falls back to when quantizing it fails.
+FALLBACK_PRECISION = "fp32"
+
+
+@dataclass(frozen=True)
+class QuantizationRecord:
+    """What quantization did: on which data, which samples (by digest), which partitions, and which
+    fell back to float (partition -> reason)."""
+
+    mode: str
+    method: str | None
+    per_channel: bool
+    data_source: str | None  # None: dynamic (no calibration)
+    samples: int
+    sample_digests: tuple[str, ...]
+    partitions: tuple[str, ...]
+    fallbacks: Mapping[str, str] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["sample_digests"] = list(self.sample_digests)
+        data["partitions"] = list(self.partitions)
+        data["warnings"] = list(self.warnings)
+        data["fallbacks"] = dict(self.fallbacks)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> QuantizationRecord:
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        for key in ("sample_digests", "partitions", "warnings"):
+            values[key] = tuple(values.get(key, ()))
+        return cls(**values)
+
+
+def quantize(
+    plan: PartitionPlan,
+    data: str | os.PathLike | Mapping[str, object] | ValidationData | None = None,
+    *,
+    seed: int = 0,
+) -> PartitionPlan:
+    """``plan`` with its int8 partitions quantized (see the module docstring). ``data`` overrides
+    ``options.calibration.data`` (e.g. a ``compiler.validation_hf.dataset_data`` result)."""
+    options = plan.options
+    names = [p.name for p in plan.partitions if options.precision_of(p.name) in QUANTIZED_PRECISIONS]
+    if not names:
+        return plan
+    from compiler.dedup import dedup  # dedup imports partition; quantize sits between them
+
+    start = time.perf_counter()
+    dataset, notes = (
+        (None, []) if options.quantization == "dynamic" else calibration_samples(plan, data, seed)
+    )
+    samples = dataset.samples if dataset is not None else ()
+    feeds = _captured(plan, samples, names) if samples else {}
+    unique = dedup(plan)
+    tensors: dict[str, torch.Tensor] = {}
+    graphs: dict[str, bytes] = {}
+    fallbacks: dict[str, str] = {}
+    for fp, representative in unique.unique.items():
+        if options.precision_of(representative) not in QUANTIZED_PRECISIONS:
+            continue
+        parts = [i.partition for i in unique.instances_of(fp)]
+        try:
+            graph, own = _quantize_fingerprint(plan, fp, parts, feeds)
+        except Exception as exc:  # ONNX Runtime's quantizer raises any type
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            fallbacks.update({name: reason for name in parts})
+            continue
+        graphs[fp] = graph
+        tensors.update(own)
+    levels = {**options.partition_precision, **dict.fromkeys(fallbacks, FALLBACK_PRECISION)}
+    settings = options.quantization_settings()
+    record = QuantizationRecord(
+        mode=options.quantization,
+        method=settings.get("method"),
+        per_channel=bool(settings["per_channel"]),
+        data_source=dataset.source if dataset is not None else None,
+        samples=len(samples),
+        sample_digests=tuple(sample_digest(s) for s in samples),
+        partitions=tuple(n for n in names if n not in fallbacks),
+        fallbacks=fallbacks,
+        warnings=tuple(notes),
+        seconds=round(time.perf_counter() - start, 4),
+    )
+    return dataclasses.replace(
+        plan,
+        options=dataclasses.replace(options, partition_precision=levels),
+        quantized=tensors,
+        quantized_graphs=graphs,
+        quantization=record.to_dict(),
+    )
+
+
+def calibration_samples(
+    plan: PartitionPlan,
+    data: str | os.PathLike | Mapping[str, object] | ValidationData | None = None,
+    seed: int = 0,
+) -> tuple[ValidationData, list[str]]:
+    """The calibration inputs and the warnings about them; a :class:`CalibrationError` naming the
+    field when they cannot be used."""
+    calibration = plan.options.calibration
+    source = data if data is not None else calibration.data
+    if source is None:
+        if not calibration.allow_random:
+            raise CalibrationError(
+                "calibration.data: precision int8 (static quantization) needs recorded inputs to set its "
+                "scales (a .safetensors or .npz file, one array per model input with a leading sample "
+                "axis); random inputs give meaningless scales. Set calibration.data, use quantization: "
+                "dynamic, or set calibration.allow_random: true (tests only)"
+            )
+        dataset = random_data(plan.specs, calibration.samples, seed)
+    else:
+        try:
+            dataset = validation_data(plan.specs, source, samples=calibration.samples, seed=seed)
+        except ValidationDataError as exc:
+            raise CalibrationError(f"calibration.data: {exc}") from exc
+    chosen = dataset.samples[: calibration.samples]
+    for index, sample in enumerate(chosen):
+        for spec, tensor in zip(plan.specs, sample, strict=True):
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise CalibrationError(
+                    f"calibration.data: input {spec.name!r} of sample {index} holds NaN or inf "
+                    f"({dataset.source}); calibration ranges must be finite"
+                )
+    notes = [f"calibration.data: {line}" for line in dataset.skipped]
+    if len(chosen) < calibration.samples:
+        note = (
+            f"calibration.data: {len(chosen)} usable sample(s) where calibration.samples asks for "
+            f"{calibration.samples}; scales from few samples may clip real inputs"
+        )
+        warnings.warn(note, CalibrationWarning, stacklevel=2)
+        notes.append(note)
+    return ValidationData(dataset.source, tuple(chosen), dataset.skipped), notes
+
+
+def _captured(
+    plan: PartitionPlan, samples: Sequence[Sequence[torch.Tensor]], names: Sequence[str]
+) -> dict[str, list[dict[str, np.ndarray]]]:
+    """Partition -> one feed (engine input name -> array) per sample: the activations reaching it when
+    the whole graph runs in fp32 PyTorch."""
+    device = plan.options.device
+    weights = plan.weights()
+    template = [
+        None if spec.kind == InputKind.USER_INPUT else weights[spec.target]
+        for spec in plan.program.graph_signature.input_specs
+    ]
+    feeds: dict[str, list[dict[str, np.ndarray]]] = {name: [] for name in names}
+    by_name = {p.name: p for p in plan.partitions}
+
+    def hook(name: str):
+        positions = [i for i, src in enumerate(by_name[name].inputs) if src.kind == "activation"]
+
+        def capture(module: torch.nn.Module, args: tuple) -> None:
+            feeds[name].append({f"x{k}": to_numpy(args[i]).copy() for k, i in enumerate(positions)})
+
+        return capture
+
+    handles = [plan.submodule(name).register_forward_pre_hook(hook(name)) for name in names]
+    try:
+        with torch.no_grad():
+            for sample in samples:
+                user = iter(t.to(device) for t in sample)
+                plan.graph_module(*[next(user) if value is None else value for value in template])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return feeds
+
+
+def _quantize_fingerprint(
+    plan: PartitionPlan, fp: str, parts: Sequence[str], feeds: Mapping[str, list]
+) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """(the canonical quantized graph, each instance's tensors) for the partitions of one fingerprint."""
+    from compiler.backends.onnxruntime import OnnxRuntimeBackend
+    from compiler.dedup import canonical_weights
+    from compiler.lower import lower_float
+
+    by_name = {p.name: p for p in plan.partitions}
+    float_graph = lower_float(plan, by_name[parts[0]], FALLBACK_PRECISION, fp).onnx
+    every = plan.weights()
+    template: bytes | None = None
+    graph = b""
+    tensors: dict[str, torch.Tensor] = {}
+    for name in parts:
+        weights = {
+            k: every[key].float() if every[key].is_floating_point() else every[key]
+            for k, key in canonical_weights(by_name[name]).items()
+        }
+        own_graph = float_graph if name == parts[0] else OnnxRuntimeBackend().refit(float_graph, weights)
+        model = onnx.load_from_string(own_graph)
+        quantized = _run_quantizer(model, feeds.get(name, []), plan.options)
+        structure, canonical, values = _canonical(quantized)
+        if template is None:
+            template, graph = structure, canonical
+        elif structure != template:
+            raise QuantizationError(
+                f"{name}: its quantized graph differs from {parts[0]}'s (same fingerprint), so the two "
+                "cannot share one engine"
+            )
+        tensors.update({f"{QUANTIZED_PREFIX}{name}/{k}": v for k, v in values.items()})
+    return graph, tensors
+
+
+_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
+
+
+def _run_quantizer(
+    model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], options: Any
+) -> onnx.ModelProto:
+    """ONNX Runtime's quantizer on ``model`` (through files: it takes paths and rewrites its input)."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.rows: Iterator[dict[str, np.ndarray]] = iter(feeds)
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.rows, None)
+
+    with tempfile.TemporaryDirectory(prefix="kiln-quantize-") as tmp, _quiet_quantizer():
+        source, target = Path(tmp) / "float.onnx", Path(tmp) / "int8.onnx"
+        onnx.save_model(model, source)
+        if options.quantization == "dynamic":
+            quantize_dynamic(source, target, per_channel=True, weight_type=QuantType.QInt8)
+        else:
+            if not feeds:
+                raise QuantizationError("no calibration inputs reached this partition")
+            quantize_static(
+                source,
+                target,
+                Reader(),
+                quant_format=QuantFormat.QDQ,
+                per_channel=True,
+                activation_type=QuantType.QInt8,
+                weight_type=QuantType.QInt8,
+                calibrate_method=getattr(CalibrationMethod, _METHODS[options.calibration.method]),
+            )
+        return onnx.load(target)
+
+
+def _canonical(model: onnx.ModelProto) -> tuple[bytes, bytes, dict[str, torch.Tensor]]:
+    """(structure: the graph without initializer values, the graph, initializer ``w<k>`` -> tensor)."""
+    graph = model.graph
+    keep = {i.name for i in graph.input} | {o.name for o in graph.output}
+    inits = {init.name: f"w{k}" for k, init in enumerate(graph.initializer)}
+    values: dict[str, str] = {}
+
+    def rename(name: str) -> str:
+        if not name or name in keep:
+            return name
+        return inits.get(name) or values.setdefault(name, f"v{len(values)}")
+
+    tensors = {}
+    for init in graph.initializer:
+        init.name = rename(init.name)
+        tensors[init.name] = torch.from_numpy(np.array(numpy_helper.to_array(init)))
+    for index, node in enumerate(graph.node):
+        node.name = f"n{index}"
+        node.input[:] = [rename(n) for n in node.input]
+        node.output[:] = [rename(n) for n in node.output]
+    for info in graph.value_info:
+        info.name = rename(info.name)
+    del model.metadata_props[:]
+    structure = copy.deepcopy(model)
+    for init in structure.graph.initializer:
+        init.ClearField("raw_data")
+        for attr in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+            init.ClearField(attr)
+    return structure.SerializeToString(), model.SerializeToString(), tensors
+
+
+@contextlib.contextmanager
+def _quiet_quantizer() -> Iterator[None]:
+    """ONNX Runtime's quantizer logs advice ("consider pre-processing") on the root logger per call."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
