@@ -15,8 +15,8 @@ from compiler.device import program_on, resolve
 from compiler.options import CompileOptions
 from compiler.partition import partition
 from compiler.quantize import quantize
-from compiler.validation_data import ValidationData
 from compiler.runtime import CompiledModule, assemble
+from compiler.validation_data import ValidationData
 
 
 def resolve_cache(cache: EngineCache | str | os.PathLike | bool | None) -> EngineCache | None:

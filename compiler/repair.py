@@ -2,8 +2,10 @@
 
 One round: attribute the error to partitions (:func:`compiler.compare.compare_partitions`: each engine
 against its own PyTorch submodule on the activations captured at its inputs, in one pass), raise the
-worst one step (fp16/bf16 -> fp32 engine -> PyTorch; every partition with a non-finite error at
-once), rebuild, re-validate. Rounds repeat until the tolerances hold or nothing is left to raise.
+worst one step (int8 -> fp16 on CUDA / fp32 on the CPU; fp16/bf16 -> fp32 engine -> PyTorch; every
+partition with a non-finite error at once), rebuild, re-validate. In an int8 compile the precision is
+chosen per partition this way, and ``partition_precision`` entries given to it are pins it keeps.
+Rounds repeat until the tolerances hold or nothing is left to raise.
 
 What changes is ``CompileOptions.partition_precision``: only the raised partitions' build settings,
 so only their fingerprints change; every other engine is reused as built (no lowering, no build, not
@@ -30,11 +32,13 @@ from typing import Any
 
 import torch
 
+from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.build import EngineArtifact, build_engine
 from compiler.cache import EngineCache
 from compiler.compare import PartitionComparison, PartitionRow, compare_partitions
 from compiler.dedup import dedup
 from compiler.errors import AccuracyError
+from compiler.partition import QUANTIZED_PREFIX
 from compiler.pipeline import resolve_cache
 from compiler.runtime import CompiledModule, assemble
 from compiler.validate import (
@@ -49,8 +53,26 @@ from compiler.validate import (
 from compiler.validation_data import ValidationData
 
 # One step up in accuracy for a partition at each level; "torch" (its PyTorch submodule) is the top.
-STEP_UP = {"fp16": "fp32", "bf16": "fp32", "fp32": "torch"}
-REDUCED = ("fp16", "bf16")
+# int8 steps to fp16 where fp16 is fast (CUDA) and straight to fp32 on the CPU, where fp16 engines run
+# through casts and would only cost one more rebuild (see step_up).
+STEP_UP = {"int8": "fp16", "fp16": "fp32", "bf16": "fp32", "fp32": "torch"}
+REDUCED = ("fp16", "bf16", "int8")
+
+
+def step_up(precision: str, device: str) -> str:
+    """The next level up from ``precision`` for a partition of a model running on ``device``."""
+    if precision == "int8" and not device.startswith("cuda"):
+        return "fp32"
+    return STEP_UP[precision]
+
+
+def pinned(options: Any) -> frozenset[str]:
+    """Partitions the search must leave as they are: in an int8 compile (precision chosen per partition)
+    every ``partition_precision`` entry given to the compile is a pin. A float compile's entries are
+    starting points the ladder may raise further (fp32 -> torch), as before int8 existed."""
+    if options.precision != "int8":
+        return frozenset()
+    return frozenset(options.partition_precision)
 
 
 @dataclass(frozen=True)
@@ -159,7 +181,13 @@ def rebuild(
     (through the engine cache); every other engine is reused as it is. Returns the new module and the
     artifacts it had to get (built or from the cache)."""
     options = dataclasses.replace(compiled.plan.options, partition_precision=dict(partition_precision))
-    plan = dataclasses.replace(compiled.plan, options=options)
+    # A partition raised out of int8 takes its float weights again: its quantized tensors go.
+    quantized = {
+        key: tensor
+        for key, tensor in compiled.plan.quantized.items()
+        if options.precision_of(key[len(QUANTIZED_PREFIX) :].split("/")[0]) in QUANTIZED_PRECISIONS
+    }
+    plan = dataclasses.replace(compiled.plan, options=options, quantized=quantized)
     unique = dedup(plan)
     engine_cache = resolve_cache(cache)
     new = {
@@ -201,6 +229,8 @@ def repair(
     note = ""
     table: PartitionComparison | None = None
     precision = compiled.plan.options.precision
+    pins = pinned(compiled.plan.options)
+    device = compiled.plan.options.device
     if current.failures and precision not in REDUCED:
         note = (
             f"not repaired: repair raises {'/'.join(REDUCED)} partitions and this compile is {precision}; "
@@ -212,13 +242,15 @@ def repair(
         if max_rounds is not None and rounds >= max_rounds:
             note = f"stopped after max_rounds={max_rounds} with the tolerances still missed"
             break
-        picks = _pick(table, per_round)
+        picks = _pick(table, per_round, pins)
         if not picks:
             note = "nothing left to raise: every partition with an error is fp32 or PyTorch already"
+            if pins:
+                note += f" or pinned by partition_precision ({', '.join(sorted(pins))})"
             break
         rounds += 1
         levels = {**compiled.plan.options.partition_precision}
-        levels.update({row.partition: STEP_UP[row.precision] for row in picks})
+        levels.update({row.partition: step_up(row.precision, device) for row in picks})
         compiled, artifacts = rebuild(compiled, levels, cache=cache)
         built += sum(1 for a in artifacts if a.is_engine and not a.cache_hit)
         from_cache += sum(1 for a in artifacts if a.is_engine and a.cache_hit)
@@ -231,7 +263,7 @@ def repair(
                     rounds,
                     row.partition,
                     row.precision,
-                    STEP_UP[row.precision],
+                    step_up(row.precision, device),
                     row.fingerprint,
                     now.fingerprint,
                     row.rel_l2,
@@ -269,10 +301,17 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def _pick(table: PartitionComparison, per_round: int) -> list[PartitionRow]:
+def _pick(
+    table: PartitionComparison, per_round: int, pins: frozenset[str] = frozenset()
+) -> list[PartitionRow]:
     """The partitions to raise this round: every one with a non-finite error (an overflow: certainly
-    broken), else the ``per_round`` worst. Partitions without error have nothing to gain."""
-    candidates = [r for r in table.worst() if r.precision in STEP_UP and nan_as_worst(r.rel_l2) > 0]
+    broken), else the ``per_round`` worst (the most sensitive, measured against its own PyTorch
+    submodule). Partitions without error have nothing to gain; pinned ones are left alone."""
+    candidates = [
+        r
+        for r in table.worst()
+        if r.precision in STEP_UP and nan_as_worst(r.rel_l2) > 0 and r.partition not in pins
+    ]
     broken = [r for r in candidates if not math.isfinite(r.rel_l2)]
     return broken or candidates[: max(1, per_round)]
 
@@ -326,4 +365,7 @@ def ensure_accuracy(
         raise AccuracyError(
             "the compiled model misses its tolerances: " + "; ".join(failures), failures=failures
         )
+    if compiled.plan.options.quantized:  # the plan the gate chose: each partition's level, error, time
+        table = compare_partitions(compiled, dataset.samples, runs=max(1, min(runs, 5)))
+        report.precision_plan = [row.to_dict() for row in table.rows]
     return compiled, report

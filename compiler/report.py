@@ -35,9 +35,6 @@ class CompileReport:
     # Set when partitions are int8: compiler.quantize.QuantizationRecord.to_dict() (calibration data,
     # sample digests, quantized partitions, float fallbacks with their reasons).
     quantization: dict | None = None
-    # The final precision of every partition with its own error and latency share (rows of
-    # compiler.compare.PartitionComparison), for compiles with reduced-precision partitions.
-    precision_plan: list[dict] | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)

@@ -155,8 +155,12 @@ class ValidationReport:
     # "<path> sha256:<hex>" for recorded data; samples: how many sets were compared.
     data_source: str = "random"
     samples: int = 0
-    # Recorded samples left out because they fall outside the compiled ranges (never clipped).
+    # Recorded samples left out because they fall outside the compiled ranges (never clipped), or
+    # because a quantized model was calibrated on them.
     skipped: list[str] = field(default_factory=list)
+    # Quantized compiles: the final precision of every partition with its own error (vs its PyTorch
+    # submodule) and latency (rows of compiler.compare.PartitionComparison), set by ensure_accuracy.
+    precision_plan: list[dict] = field(default_factory=list)
 
     @property
     def max_rel_l2(self) -> float:
