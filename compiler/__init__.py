@@ -16,6 +16,7 @@ from compiler.options import CompileOptions
 from compiler.package import PackageInfo, load, read_manifest, refit_package, save
 from compiler.partition import PartitionPlan, partition
 from compiler.pipeline import compile
+from compiler.quantize import QuantizationRecord, quantize
 from compiler.repair import RepairRecord, RepairResult, ensure_accuracy, rebuild, repair
 from compiler.report import CompileReport
 from compiler.runtime import CompiledModule, assemble
@@ -36,6 +37,7 @@ __all__ = [
     "PackageInfo",
     "PartitionComparison",
     "PartitionPlan",
+    "QuantizationRecord",
     "RepairRecord",
     "RepairResult",
     "SourceRecord",
@@ -55,6 +57,7 @@ __all__ = [
     "load_program",
     "measure_latency",
     "partition",
+    "quantize",
     "read_manifest",
     "rebuild",
     "refit_package",

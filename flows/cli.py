@@ -405,7 +405,22 @@ def compile_cmd(
         str | None,
         typer.Option("--backend", "-b", help="onnxruntime, tensorrt, tensorrt-rtx, inductor, auto"),
     ] = None,
-    precision: Annotated[str | None, typer.Option("--precision", "-p", help="fp32, fp16 or bf16")] = None,
+    precision: Annotated[
+        str | None, typer.Option("--precision", "-p", help="fp32, fp16, bf16 or int8 (onnxruntime)")
+    ] = None,
+    quantization: Annotated[
+        str | None, typer.Option("--quantization", help="int8: static (calibrated, default) or dynamic")
+    ] = None,
+    calibration_data: Annotated[
+        Path | None,
+        typer.Option("--calibration-data", help="int8 static: recorded inputs (.safetensors/.npz)"),
+    ] = None,
+    calibration_samples: Annotated[
+        int | None, typer.Option("--calibration-samples", help="int8 static: samples to calibrate on")
+    ] = None,
+    calibration_method: Annotated[
+        str | None, typer.Option("--calibration-method", help="int8 static: minmax, entropy or percentile")
+    ] = None,
     strip_weights: Annotated[
         bool | None,
         typer.Option("--strip-weights/--keep-weights", help="weight-stripped engines, refitted at load"),
@@ -453,7 +468,8 @@ def compile_cmd(
     on_accuracy_failure: Annotated[
         str | None,
         typer.Option(
-            "--on-accuracy-failure", help="fp16/bf16 missing its tolerances: repair (default) or error"
+            "--on-accuracy-failure",
+            help="int8/fp16/bf16 missing its tolerances: repair (default) or error",
         ),
     ] = None,
     cuda_graphs: Annotated[
@@ -499,6 +515,17 @@ def compile_cmd(
         "cuda_graphs": cuda_graphs,
         "profiles": _profiles(profile),
         "validation": {"data": str(validation_data.resolve())} if validation_data else None,
+        "quantization": quantization,
+        "calibration": {
+            k: v
+            for k, v in {
+                "data": str(calibration_data.resolve()) if calibration_data else None,
+                "samples": calibration_samples,
+                "method": calibration_method,
+            }.items()
+            if v is not None
+        }
+        or None,
     }
     try:
         _check_environment()

@@ -14,6 +14,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
 
+from compiler.compare import precision_summary
 from flows import progress
 from tasks.refs import EngineRef
 from tasks.reuse import PublishedRecord, remember
@@ -46,6 +47,8 @@ class ModelResult:
     engine_cache: str | None = None  # the engine cache this compile used (None: none)
     warnings: list[str] = field(default_factory=list)  # the engine cache degraded (corrupt, read-only)
     unchanged: bool = False  # nothing ran: the request's last package is in place (tasks.reuse)
+    # Its partitions' precision: "fp32", or the plan the gate chose for int8 ("int8 x11; fp32: engine_2")
+    precision: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -67,6 +70,7 @@ class ModelResult:
             latency_ratio=record.latency_ratio,
             tracking=record.tracking,
             unchanged=True,
+            precision=record.precision or request.options.precision,
         )
 
 
@@ -163,6 +167,7 @@ def compile_model(
         build_workers=sorted({e.worker for e in engines}),
         engine_cache=engine_cache,
         warnings=sorted({w for e in engines for w in e.warnings}),
+        precision=precision_summary(validation.precision_plan) or request.options.precision,
     )
     remember(
         request,
@@ -176,6 +181,7 @@ def compile_model(
             validation.max_rel_l2,
             validation.latency_ratio,
             result.tracking,
+            result.precision,
         ),
     )
     progress.emit("done", name, device, "ok")

@@ -61,6 +61,7 @@ def _summary_table(summary: dict[str, Any]) -> Table:
     table.add_column("model", overflow="fold", min_width=6)
     table.add_column("device")
     table.add_column("status")
+    table.add_column("prec")
     for column in ("parts", "built", "reused", "rel L2", "lat x", "s"):
         table.add_column(column, justify="right")
     for m in summary["models"]:
@@ -68,6 +69,7 @@ def _summary_table(summary: dict[str, Any]) -> Table:
             escape(m["name"]),
             escape(m["device"]),
             "[green]ok[/green]" if m["status"] == "ok" else "[red]failed[/red]",
+            _precision_cell(m.get("precision") or ""),
             str(m["partitions"]),
             str(m["engines_built"]),
             str(m["engines_reused"]),
@@ -76,6 +78,14 @@ def _summary_table(summary: dict[str, Any]) -> Table:
             f"{m['seconds']:.1f}",
         )
     return table
+
+
+def _precision_cell(summary: str) -> str:
+    """``int8 x11; fp32: engine_2`` -> ``int8+1`` (partitions at another precision): fits 80 columns."""
+    common, _, rest = summary.partition(";")
+    others = sum(len(part.split(":", 1)[1].split(",")) for part in rest.split(";") if ":" in part)
+    level = common.split(" x")[0].strip() or "-"
+    return f"{level}+{others}" if others else level
 
 
 def _first_line(text: str | None, limit: int = 400) -> str:

@@ -60,6 +60,7 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
+from compiler.compare import precision_summary
 from compiler.manifest import Manifest
 from compiler.specs import InputSpec
 from registry.config import RetryPolicy, call_with_retry
@@ -90,6 +91,8 @@ TAG_ACCURACY_REPAIR = "kiln.accuracy_repair"
 TAG_ALIAS_INTENT = "kiln.alias_intent"
 ALIASES = (CHAMPION, PREVIOUS)
 _VERSION_RE = re.compile(r"[0-9]{1,12}")
+TAG_PRECISION_PLAN = "kiln.precision_plan"  # int8 compiles: the precision each partition got
+TAG_CALIBRATION_DATA = "kiln.calibration_data"
 
 _UNSAFE = re.compile(r"[^a-z0-9_-]+")
 _TAG_LIMIT = 5000  # conservative: older servers cap registry tag values at 5000 characters
@@ -176,6 +179,11 @@ def lineage_tags(manifest: Manifest) -> dict[str, str]:
             for s in repair.get("steps", [])
         ]
         tags[TAG_ACCURACY_REPAIR] = _clip("; ".join(str(line) for line in lines) or "no partition raised")
+    quantization = manifest.report.quantization
+    if quantization:
+        tags[TAG_CALIBRATION_DATA] = _clip(str(quantization.get("data_source") or quantization.get("mode")))
+    if validation is not None and validation.precision_plan:
+        tags[TAG_PRECISION_PLAN] = _clip(precision_summary(validation.precision_plan))
     return {k: v for k, v in tags.items() if v != ""}
 
 

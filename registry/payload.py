@@ -143,6 +143,17 @@ def metrics_for(manifest: Manifest, package_bytes: int) -> dict[str, float]:
                 value = (repair.get(point) or {}).get(key)
                 if value is not None:
                     metrics[f"repair.{point}.{key}"] = _number(value)
+    quantization = report.quantization
+    if quantization:
+        metrics["quantization.calibration_samples"] = float(quantization.get("samples", 0))
+        metrics["quantization.partitions"] = float(len(quantization.get("partitions", ())))
+        metrics["quantization.fallbacks"] = float(len(quantization.get("fallbacks", {})))
+        metrics["quantization.seconds"] = _number(quantization.get("seconds", 0.0))
+    if validation is not None:
+        # The plan the gate chose: each partition's precision, its own error and its time.
+        for row in validation.precision_plan:
+            metrics[f"partition.{row['partition']}.rel_l2"] = _number(row["rel_l2"])
+            metrics[f"partition.{row['partition']}.latency_ms"] = _number(row["latency_ms"])
     return {k: v for k, v in metrics.items() if np.isfinite(v)}
 
 
@@ -168,6 +179,10 @@ def artifacts_for(
         files["request.json"] = request
     if manifest.report.accuracy_repair:
         files["accuracy_repair.json"] = manifest.report.accuracy_repair
+    if manifest.validation is not None and manifest.validation.precision_plan:
+        files["precision_plan.json"] = {"partitions": manifest.validation.precision_plan}
+    if manifest.report.quantization:
+        files["quantization.json"] = manifest.report.quantization
     if report is not None:
         files["pipeline_report.json"] = dict(report)
     return files
@@ -219,7 +234,11 @@ def recorded_data(validation: ValidationReport | None) -> dict[str, str] | None:
     report used random inputs or an in-memory mapping (no path to point at)."""
     if validation is None:
         return None
-    match = _RECORDED.match(validation.data_source or "")
+    return _recorded_source(validation.data_source)
+
+
+def _recorded_source(text: str | None) -> dict[str, str] | None:
+    match = _RECORDED.match(text or "")
     if match is None or match["label"] == "<mapping>":
         return None
     label, column = match["label"], ""
@@ -240,14 +259,34 @@ def dataset_input_for(manifest: Manifest) -> DatasetInput | None:
     cut to MLflow's 36 characters), source (the path, a local dataset source), schema (the input
     specs as a tensor schema), profile (full sha256, samples compared, samples skipped). None when
     validation did not use recorded data. Only metadata is logged, never the data."""
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
-    from mlflow.data.meta_dataset import MetaDataset
-    from mlflow.data.schema import TensorDatasetSchema
 
     validation = manifest.validation
     data = recorded_data(validation)
     if data is None or validation is None:
         return None
+    profile = {"sha256": data["sha256"], "samples": validation.samples, "skipped": len(validation.skipped)}
+    return _dataset_input(manifest, data, profile, "validation")
+
+
+def calibration_input_for(manifest: Manifest) -> DatasetInput | None:
+    """The calibration data of an int8 compile as an MLflow run input (context ``calibration``), like
+    :func:`dataset_input_for`; the profile counts the samples calibrated on. None without recorded
+    calibration data (dynamic quantization, random or in-memory inputs)."""
+    record = manifest.report.quantization or {}
+    data = _recorded_source(record.get("data_source"))
+    if data is None:
+        return None
+    profile = {"sha256": data["sha256"], "samples": int(record.get("samples", 0)), "skipped": 0}
+    return _dataset_input(manifest, data, profile, "calibration")
+
+
+def _dataset_input(
+    manifest: Manifest, data: dict[str, str], profile: dict[str, Any], context: str
+) -> DatasetInput:
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.schema import TensorDatasetSchema
+
     with warnings.catch_warnings():  # a local path matches MLflow's "" and "file" sources alike
         warnings.simplefilter("ignore", UserWarning)
         source = resolve_dataset_source(data["path"])
@@ -256,11 +295,6 @@ def dataset_input_for(manifest: Manifest) -> DatasetInput | None:
     schema = None
     if signature is not None:
         schema = json.dumps(TensorDatasetSchema(features=signature.inputs).to_dict())
-    profile = {
-        "sha256": data["sha256"],
-        "samples": validation.samples,
-        "skipped": len(validation.skipped),
-    }
     if data["column"]:
         profile["column"] = data["column"]
     dataset = Dataset(
@@ -273,7 +307,7 @@ def dataset_input_for(manifest: Manifest) -> DatasetInput | None:
     )
     return DatasetInput(
         dataset,
-        tags=[InputTag(MLFLOW_DATASET_CONTEXT, "validation"), InputTag(TAG_DATASET_SHA256, data["sha256"])],
+        tags=[InputTag(MLFLOW_DATASET_CONTEXT, context), InputTag(TAG_DATASET_SHA256, data["sha256"])],
     )
 
 

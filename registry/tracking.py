@@ -269,12 +269,14 @@ def _log_and_register(
         f"log params and metrics of {model}",
         policy,
     )
-    dataset = payload.dataset_input_for(manifest)
-    if dataset is not None:
+    datasets = [
+        d for d in (payload.dataset_input_for(manifest), payload.calibration_input_for(manifest)) if d
+    ]
+    if datasets:
         # Idempotent on the server (one input per dataset name + digest and run): safe on resume.
         call_with_retry(
-            lambda: mlclient.log_inputs(run_id, datasets=[dataset]),
-            f"log the validation data of {model}",
+            lambda: mlclient.log_inputs(run_id, datasets=datasets),
+            f"log the validation and calibration data of {model}",
             policy,
         )
     with tempfile.TemporaryDirectory(prefix="kiln-mlflow-") as tmp:

@@ -88,16 +88,21 @@ class PlanRef:
     fingerprints: tuple[str, ...]
     partitions: int
     fallback_ops: dict[str, int] = field(default_factory=dict)
+    # int8 partitions: their per-instance tensors and quantized graphs (safetensors, compiler.quantize)
+    quantized_path: str = ""
+    quantized_sha256: str = ""
 
     @property
     def sha256(self) -> str:
-        return f"{self.plan_sha256}-{self.dedup_sha256}"
+        sha = f"{self.plan_sha256}-{self.dedup_sha256}"
+        return f"{sha}-{self.quantized_sha256}" if self.quantized_sha256 else sha
 
     def verify(self) -> bool:
         return (
             self.program.verify()
             and _file_ok(self.plan_path, self.plan_sha256)
             and _file_ok(self.dedup_path, self.dedup_sha256)
+            and (not self.quantized_path or _file_ok(self.quantized_path, self.quantized_sha256))
         )
 
     def cache_identity(self) -> dict:

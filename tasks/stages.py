@@ -119,12 +119,40 @@ def _load_plan(ref: PlanRef) -> tuple[Any, Any]:
         if ref.sha256 not in _plans:
             program = compiler.load_program(ref.program.path, allowed_modules=ref.program.trusted_modules)
             plan = replay(program, read_json(ref.plan_path))
+            if ref.quantized_path:
+                plan.quantized, plan.quantized_graphs = unpack_quantized(
+                    Path(ref.quantized_path).read_bytes()
+                )
             dedup = compiler.DedupPlan.from_dict(read_json(ref.dedup_path))
             with _plans_lock:
                 if len(_plans) >= 8:  # a zoo run touches a handful of models at a time
                     _plans.pop(next(iter(_plans)))
                 _plans[ref.sha256] = (plan, dedup)
         return _plans[ref.sha256]
+
+
+_GRAPH = "graph/"
+
+
+def pack_quantized(plan: Any) -> bytes:
+    """A plan's quantized tensors and graphs (as uint8 arrays under ``graph/<fp>``) as safetensors."""
+    import safetensors.torch
+    import torch
+
+    graphs = {
+        f"{_GRAPH}{fp}": torch.frombuffer(bytearray(g), dtype=torch.uint8)
+        for fp, g in plan.quantized_graphs.items()
+    }
+    return safetensors.torch.save({**{k: v.cpu().contiguous() for k, v in plan.quantized.items()}, **graphs})
+
+
+def unpack_quantized(data: bytes) -> tuple[dict, dict]:
+    """(tensors, graphs) of :func:`pack_quantized`."""
+    import safetensors.torch
+
+    loaded = safetensors.torch.load(data)
+    graphs = {k[len(_GRAPH) :]: v.numpy().tobytes() for k, v in loaded.items() if k.startswith(_GRAPH)}
+    return {k: v for k, v in loaded.items() if not k.startswith(_GRAPH)}, graphs
 
 
 def store_artifact(artifact: compiler.EngineArtifact, workspace: str, worker: str = "") -> EngineRef:
@@ -217,11 +245,14 @@ def partition_program(program: ProgramRef, options: CompileOptions, workspace: s
         return found
     with torch_lock():
         loaded = compiler.load_program(program.path, allowed_modules=program.trusted_modules)
-        plan = compiler.partition(loaded, options)
+        plan = compiler.quantize(compiler.partition(loaded, options))  # int8 partitions only
         unique = compiler.dedup(plan)
         ws = Workspace(workspace)
         plan_path, plan_sha = ws.put_json("plans", plan.to_dict())
         dedup_path, dedup_sha = ws.put_json("plans", unique.to_dict())
+        quantized_path, quantized_sha = (
+            ws.put_blob("plans", pack_quantized(plan), ".safetensors") if plan.quantized else ("", "")
+        )
     get_run_logger().info(
         "%s: %d engine partitions, %d unique structures, fallback %s",
         program.model,
@@ -239,6 +270,8 @@ def partition_program(program: ProgramRef, options: CompileOptions, workspace: s
         fingerprints=tuple(unique.fingerprints),
         partitions=len(plan.partitions),
         fallback_ops=dict(plan.fallback_ops),
+        quantized_path=str(quantized_path),
+        quantized_sha256=quantized_sha,
     )
     ws.put_result("partition", key, ref.to_json())
     return ref

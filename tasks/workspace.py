@@ -137,6 +137,14 @@ class Workspace:
             write_bytes_atomic(path, blob)
         return path, sha
 
+    def put_blob(self, kind: str, data: bytes, suffix: str) -> tuple[Path, str]:
+        """Bytes named by their own sha256 (atomic; an existing equal file is kept)."""
+        sha = hashlib.sha256(data).hexdigest()
+        path = self.dir(kind) / f"{sha}{suffix}"
+        if not path.exists():
+            write_bytes_atomic(path, data)
+        return path, sha
+
     def put_engine(self, cache_key: str, engine: bytes, io: dict) -> tuple[Path, str]:
         """Engine bytes under their cache key, with the EngineIO beside them; returns (path, sha256)."""
         path = self.dir("engines") / f"{cache_key}.engine"

@@ -13,6 +13,7 @@ same schema, so a flag and a zoo field cannot mean different things.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from pydantic import (
 
 from compiler.backends import BACKENDS
 from compiler.errors import KilnError
-from compiler.options import DEVICE_RE, ON_BUILD_FAILURE, CompileOptions
+from compiler.options import DEVICE_RE, ON_BUILD_FAILURE, Calibration, CompileOptions
 from compiler.validate import Tolerances
 from zoo.errors import ZooConfigError
 from zoo.request import CompileRequest, ValidationPlan
@@ -100,7 +101,7 @@ class PartitionOptions(_Strict):
     split_modules: Literal["auto"] | list[str] | None = Field(
         default=None, description="'auto' (each repeated block its own engine) or module class names"
     )
-    precision: dict[str, Literal["fp32", "fp16", "bf16", "torch"]] = Field(
+    precision: dict[str, Literal["fp32", "fp16", "bf16", "int8", "torch"]] = Field(
         default_factory=dict, description="per-partition exceptions to the entry's precision (engine_3: fp32)"
     )
 
@@ -110,6 +111,20 @@ class EntryValidation(_Strict):
 
     data: str | None = Field(
         default=None, description="a .safetensors or .npz file, one array per input with a sample axis"
+    )
+
+
+class EntryCalibration(_Strict):
+    """What int8 (static) partitions are calibrated on (compiler.options.Calibration)."""
+
+    data: str | None = Field(
+        default=None,
+        description="a .safetensors or .npz file, one array per input with a sample axis (as validation)",
+    )
+    samples: int = Field(default=16, ge=1, description="how many samples (the first N) to calibrate on")
+    method: Literal["minmax", "entropy", "percentile"] = "minmax"
+    allow_random: bool = Field(
+        default=False, description="calibrate on random inputs when data is unset (meaningless scales)"
     )
 
 
@@ -135,7 +150,11 @@ class ZooEntry(_Strict):
         default=False, description="hf: sources: run the Python code shipped with the model"
     )
     inputs: dict[str, InputOverride] = Field(default_factory=dict)
-    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    quantization: Literal["static", "dynamic"] = Field(
+        default="static", description="int8: calibrated QDQ (static) or dynamic activation scales"
+    )
+    calibration: EntryCalibration = Field(default_factory=EntryCalibration)
     backend: str = "onnxruntime"
     # Where the model runs. ``targets`` is the older spelling of the same field.
     devices: list[str] = Field(
@@ -151,7 +170,7 @@ class ZooEntry(_Strict):
     backend_options: dict[str, Any] = Field(default_factory=dict, description="backend-specific settings")
     on_accuracy_failure: Literal["repair", "error"] = Field(
         default="repair",
-        description="fp16/bf16 missing its tolerances: raise its worst partitions' precision, or fail",
+        description="int8/fp16/bf16 missing its tolerances: raise its worst partitions' precision, or fail",
     )
     validation: EntryValidation = Field(default_factory=EntryValidation)
     cuda_graphs: Literal["auto", "on", "off"] = Field(
@@ -297,6 +316,8 @@ class ZooEntry(_Strict):
             device=device,
             cuda_graphs=self.cuda_graphs,
             profiles=tuple(self.profiles),
+            quantization=self.quantization,
+            calibration=Calibration(**self.calibration.model_dump()),
         )
 
     def package_name(self, device: str) -> str:
@@ -323,11 +344,17 @@ class ZooEntry(_Strict):
         if data is not None and zoo_dir is not None and not Path(data).is_absolute():
             data = str(Path(zoo_dir) / data)  # relative to the zoo file, like its other paths
         validation = ValidationPlan(**settings.validation.model_dump(), data=data)
+        calibration = self.calibration.data
+        if calibration is not None and zoo_dir is not None and not Path(calibration).is_absolute():
+            calibration = str(Path(zoo_dir) / calibration)
         return [
             CompileRequest(
                 name=self.name,
                 source=source,
-                options=self.compile_options(device),
+                options=dataclasses.replace(
+                    self.compile_options(device),
+                    calibration=Calibration(**{**self.calibration.model_dump(), "data": calibration}),
+                ),
                 tolerances=Tolerances.from_dict(self.tolerances).resolved(self.precision),
                 inputs=dict(self.inputs),
                 validation=validation,

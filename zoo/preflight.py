@@ -2,7 +2,8 @@
 
 The flows run it for every (model, device) before the first build, and ``kiln zoo --check`` runs
 exactly the same checks: the source resolves (and is trusted), the device exists here, the backend is
-installed and builds engines for that device, and the largest inputs the ranges allow fit in memory.
+installed and builds engines for that device, an int8 compile has calibration data, and the largest
+inputs the ranges allow fit in memory.
 """
 
 from __future__ import annotations
@@ -90,6 +91,33 @@ def check_validation_data(where: str, data: str) -> None:
         raise ZooConfigError(f"{where}.validation.data: {exc}") from None
 
 
+def check_calibration(request: CompileRequest) -> None:
+    """An int8 (static) request names calibration data that exists, or allows random inputs."""
+    options = request.options
+    if not options.quantized or options.quantization == "dynamic":
+        return
+    where = f"models[{request.name}].calibration.data"
+    data = options.calibration.data
+    if data is None and not options.calibration.allow_random:
+        raise ZooConfigError(
+            f"{where}: precision int8 (static quantization) needs recorded inputs to calibrate on "
+            "(.safetensors or .npz, one array per input with a sample axis); set it, or set quantization: "
+            "dynamic, or calibration.allow_random: true (meaningless scales: tests only)"
+        )
+    if data is not None:
+        from compiler.errors import SpecialFileError, ValidationDataError
+        from compiler.input_files import check_data_bounds
+
+        try:
+            check_data_bounds(data)  # the same bound as validation data
+        except FileNotFoundError:
+            raise ZooConfigError(
+                f"{where}: {data!r} does not exist; give the path of the recorded inputs"
+            ) from None
+        except (ValidationDataError, SpecialFileError, OSError) as exc:
+            raise ZooConfigError(f"{where}: {exc}") from None
+
+
 def memory_bytes() -> int:
     """Physical memory of this machine (what validation can use at most)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -135,5 +163,6 @@ def preflight(request: CompileRequest, *, load: bool = False) -> None:
     check_backend_available(request.options.backend, request.device)
     if request.validation.data is not None:
         check_validation_data(where, request.validation.data)
+    check_calibration(request)
     if load:
         check_memory(request.name, largest_input_bytes(request.load_case(), request.inputs))

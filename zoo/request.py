@@ -94,10 +94,12 @@ class CompileRequest:
     def cache_identity(self) -> dict[str, Any]:
         """What decides the compile's result: the request's data, the source's identity and the content
         of the recorded validation data (a file edited in place must validate again)."""
-        identity = {**self.to_dict(), "identity": self.identity().to_dict()}
-        if self.validation.data is not None:
-            from zoo.sources.common import sha256_file
+        from zoo.sources.common import sha256_file
 
-            path = Path(self.validation.data)
-            identity["validation_data_sha256"] = sha256_file(path) if path.is_file() else "missing"
+        identity = {**self.to_dict(), "identity": self.identity().to_dict()}
+        recorded = {"validation": self.validation.data, "calibration": self.options.calibration.data}
+        for use, data in recorded.items():
+            if data is not None:
+                path = Path(data)
+                identity[f"{use}_data_sha256"] = sha256_file(path) if path.is_file() else "missing"
         return identity
