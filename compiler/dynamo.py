@@ -25,7 +25,7 @@ import torch
 from compiler.build import build_engine
 from compiler.cache import EngineCache
 from compiler.dedup import dedup
-from compiler.errors import BackendError
+from compiler.errors import BackendError, PartitionError
 from compiler.export import TRACING
 from compiler.options import CompileOptions
 from compiler.partition import partition
@@ -66,6 +66,11 @@ class KilnBackend:
         # The graph runs where dynamo's inputs are: that is the engines' device.
         device = next((t.device for t in example_inputs if t.device.type != "cpu"), torch.device("cpu"))
         options = dataclasses.replace(self.options, device=str(device))
+        if options.quantized:
+            raise PartitionError(
+                "precision int8 is compiled ahead of time (compiler.compile, kiln compile), where "
+                "calibration data is given; torch.compile(backend='kiln') takes fp32, fp16 or bf16"
+            )
         plan = partition(program, options, input_weights=weights)
         unique = dedup(plan)
         engines = {fp: build_engine(plan, unique, fp, cache=self.cache) for fp in unique.fingerprints}

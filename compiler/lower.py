@@ -95,7 +95,15 @@ def lower(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
     precision = plan.options.precision_of(partition.name)
     if precision in PRECISION_DTYPES:
         return lower_float(plan, partition, precision, fp)
-    graph = plan.quantized_graphs.get(fp)
+    # Keyed by the partition quantize built it from: any instance of this structure has the same graph.
+    graph = next(
+        (
+            plan.quantized_graphs[i.partition]
+            for i in dedup.instances_of(fp)
+            if i.partition in plan.quantized_graphs
+        ),
+        None,
+    )
     if graph is None:
         raise LoweringError(
             f"{partition.name} ({fp[:12]}) is {precision} but the plan holds no quantized graph for it; "

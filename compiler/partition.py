@@ -92,7 +92,8 @@ class PartitionPlan:
     input_weights: dict[str, torch.Tensor] = field(default_factory=dict)
     # Quantized partitions (compiler.quantize): each instance's own engine tensors (quantized weights,
     # scales, zero points) under "<QUANTIZED_PREFIX><partition>/w<k>", refitted like weights; the
-    # quantized graph of each int8 fingerprint (what its engine is built from; not saved in packages,
+    # quantized graph of each int8 structure, by the partition it was made from (what its engine is
+    # built from, for every instance of that structure; not saved in packages,
     # whose engines hold it); and what quantization did (QuantizationRecord.to_dict()).
     quantized: dict[str, torch.Tensor] = field(default_factory=dict)
     quantized_graphs: dict[str, bytes] = field(default_factory=dict)

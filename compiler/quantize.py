@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import io
 import logging
 import os
 import tempfile
@@ -120,7 +121,7 @@ def quantize(
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             fallbacks.update({name: reason for name in parts})
             continue
-        graphs[fp] = graph
+        graphs[representative] = graph
         tensors.update(own)
     levels = {**options.partition_precision, **dict.fromkeys(fallbacks, FALLBACK_PRECISION)}
     settings = options.quantization_settings()
@@ -332,11 +333,13 @@ def _canonical(model: onnx.ModelProto) -> tuple[bytes, bytes, dict[str, torch.Te
 
 @contextlib.contextmanager
 def _quiet_quantizer() -> Iterator[None]:
-    """ONNX Runtime's quantizer logs advice ("consider pre-processing") on the root logger per call."""
+    """ONNX Runtime's quantizer logs advice ("consider pre-processing") on the root logger per call,
+    and its histogram calibrators print progress to stdout."""
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)
     try:
-        yield
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
     finally:
         root.setLevel(level)

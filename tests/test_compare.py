@@ -72,7 +72,7 @@ def test_partition_precision_is_checked_and_survives_a_package(mlp, tmp_path):
     with pytest.raises(PartitionError, match=r"partition_precision names \['engine_9'\]"):
         compiler.compile(program, cache=tmp_path, partition_precision={"engine_9": "fp32"})
     with pytest.raises(PartitionError, match="partition_precision"):
-        compiler.CompileOptions(partition_precision={"engine_0": "int8"})
+        compiler.CompileOptions(partition_precision={"engine_0": "int4"})
     with pytest.raises(PartitionError, match="on_accuracy_failure"):
         compiler.CompileOptions(on_accuracy_failure="ignore")
     compiled = compiler.compile(

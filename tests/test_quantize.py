@@ -1,0 +1,238 @@
+"""int8 on ONNX Runtime: calibrated on the user's data, one build per unique block, precision per
+partition chosen by the gate, and every bad input a typed error (issue 19)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import compiler
+from benchmarks.quantization import sensitive_case
+from compiler.errors import (
+    CalibrationError,
+    CalibrationWarning,
+    PartitionError,
+    RefitError,
+    ValidationDataError,
+)
+from compiler.partition import QUANTIZED_PREFIX
+from compiler.quantize import calibration_samples, quantize
+from compiler.validate import validation_inputs
+from compiler.validation_data import sample_digest
+
+HOT = 2
+INT8 = compiler.Tolerances.for_precision("int8")
+
+
+@pytest.fixture(scope="module")
+def case():
+    return sensitive_case(width=32, blocks=4, hot=HOT, batch=4, samples=24)
+
+
+@pytest.fixture(scope="module")
+def int8(case, tmp_path_factory):
+    """The sensitive model compiled int8 (one engine for the four blocks), calibrated on 12 samples."""
+    _, program, data = case
+    cache = compiler.EngineCache(tmp_path_factory.mktemp("int8-cache"))
+    options = compiler.CompileOptions(
+        precision="int8",
+        split_modules=("OutlierBlock",),
+        calibration={"samples": 16},
+        on_accuracy_failure="repair",
+    )
+    return compiler.compile(program, options, cache=cache, calibration_data=data), cache
+
+
+def test_identical_blocks_build_once_and_each_instance_runs_its_own_weights_and_scales(case, int8, tmp_path):
+    _, _, data = case
+    compiled, _ = int8
+    report = compiled.report
+    assert report.unique_fingerprints == 2 and report.engines_built == 2  # 4 blocks + head
+    assert report.quantization["partitions"] == [f"engine_{i}" for i in range(5)]
+    assert report.quantization["samples"] == 16 and report.quantization["data_source"].startswith("<mapping>")
+    blocks = [f"engine_{i}" for i in range(4)]
+    assert len({compiled.dedup.instance(b).fingerprint for b in blocks}) == 1
+    # Each instance's quantized weights and activation scales are its own refit tensors.
+    first, second = (
+        {
+            k.rsplit("/", 1)[1]: v
+            for k, v in compiled.plan.quantized.items()
+            if k.startswith(f"{QUANTIZED_PREFIX}{b}/")
+        }
+        for b in blocks[:2]
+    )
+    assert first.keys() == second.keys() and any(v.dtype == torch.int8 for v in first.values())
+    assert any(not torch.equal(first[k], second[k]) for k in first)
+    # ... and each instance computes its own block: every engine is close to its own PyTorch submodule.
+    held_out = [(x,) for x in data["x"][16:20]]
+    rows = compiler.compare_partitions(compiled, held_out, runs=0).rows
+    assert all(r.precision == "int8" for r in rows)
+    errors = {r.partition: r.rel_l2 for r in rows}
+    calm = [errors[b] for b in blocks if b != f"engine_{HOT}"]
+    assert max(calm) < 0.1 and errors[f"engine_{HOT}"] > 2 * max(calm)  # the outlier block stands out
+    # A weight-stripped package round-trips: same outputs, int8 tensors restored from the package.
+    plan = dataclasses.replace(
+        compiled.plan, options=dataclasses.replace(compiled.plan.options, strip_weights=True)
+    )
+    unique = compiler.dedup(plan)  # no new quantization: the stripped engines come from the same graphs
+    stripped = compiler.assemble(
+        plan, unique, {fp: compiler.build_engine(plan, unique, fp) for fp in unique.fingerprints}
+    )
+    assert stripped.report.strip_weights and all(a.stripped for a in stripped.engines.values())
+    compiler.save(stripped, tmp_path / "int8.kiln")
+    loaded = compiler.load(tmp_path / "int8.kiln")
+    x = data["x"][15]
+    assert torch.equal(loaded(x), stripped(x)) and loaded.report.quantization == stripped.report.quantization
+    with pytest.raises(RefitError, match="int8 partitions"):
+        loaded.refit({"head.weight": torch.zeros(10, 32)})
+
+
+def test_the_gate_raises_only_the_sensitive_block_and_records_the_plan(case, int8):
+    model, _, data = case
+    compiled, cache = int8
+    checked, report = compiler.ensure_accuracy(
+        model, compiled, INT8, data=data, warmup=0, runs=2, cache=cache
+    )
+    assert checked.plan.options.partition_precision == {f"engine_{HOT}": "fp32"}
+    record = checked.report.accuracy_repair
+    assert record["engines_built"] == 1 and [s["partition"] for s in record["steps"]] == [f"engine_{HOT}"]
+    assert record["before"]["max_rel_l2"] > INT8.rel_l2 >= report.max_rel_l2
+    # Validation never saw a calibration sample: 24 recorded, 16 calibrated on, 8 held out.
+    assert report.samples == 8 and sum("used for calibration" in s for s in report.skipped) == 16
+    plan = {row["partition"]: row["precision"] for row in report.precision_plan}
+    assert plan == {**{f"engine_{i}": "int8" for i in range(5)}, f"engine_{HOT}": "fp32"}
+    assert all(row["latency_ms"] > 0 for row in report.precision_plan)
+    assert compiler.compare.precision_summary(report.precision_plan) == f"int8 x4; fp32: engine_{HOT}"
+    # Pinned partitions are left alone: with the hot block pinned to int8, repair raises another one.
+    pinned, built = compiler.rebuild(compiled, {f"engine_{HOT}": "int8"}, cache=cache)
+    assert built == []  # a pin at the compile's own precision changes no fingerprint
+    result = compiler.repair(model, pinned, INT8, data=data, cache=cache, max_rounds=1)
+    assert [s.partition for s in result.record.steps] != [f"engine_{HOT}"]
+    assert result.compiled.plan.options.partition_precision[f"engine_{HOT}"] == "int8"
+
+
+def test_calibration_and_validation_never_share_a_sample(case, int8):
+    _, _, data = case
+    compiled, _ = int8
+    recorded = compiler.validation_data(compiled.input_specs, data)
+    used = compiled.report.quantization["sample_digests"]
+    assert used == [sample_digest(s) for s in recorded.samples[:16]]  # the first 16, in order
+    rest = validation_inputs(compiled, data)
+    assert len(rest) == 8 and not {sample_digest(s) for s in rest.samples} & set(used)
+    with pytest.raises(ValidationDataError, match="every one of its 4 samples was used for calibration"):
+        validation_inputs(compiled, {"x": data["x"][:4]})
+
+
+def test_a_quantizer_failure_keeps_that_partition_in_fp32_and_names_it():
+    class Good(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    class Bad(torch.nn.Module):  # sqrt of negative activations: NaN ranges, ONNX Runtime's quantizer fails
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.out(torch.sqrt(self.fc(x)))
+
+    model = torch.nn.Sequential(Good(), Bad()).eval()
+    program = compiler.export(model, (torch.randn(2, 8),))
+    options = compiler.CompileOptions(precision="int8", split_modules=("Good", "Bad"))
+    data = {"input": torch.randn(16, 2, 8)}
+    plan = quantize(compiler.partition(program, options), data)
+    failed = plan.quantization["fallbacks"]
+    [bad] = failed
+    assert "scale" in failed[bad] and plan.options.partition_precision == {bad: "fp32"}
+    assert plan.quantization["partitions"] and bad not in plan.quantization["partitions"]
+    assert not any(k.startswith(f"{QUANTIZED_PREFIX}{bad}/") for k in plan.quantized)
+    unique = compiler.dedup(plan)  # the fp32 engine is built for it; nothing was cached for int8
+    compiled = compiler.assemble(
+        plan, unique, {fp: compiler.build_engine(plan, unique, fp) for fp in unique.fingerprints}
+    )
+    assert {compiled.plan.options.precision_of(p.name) for p in plan.partitions} == {"int8", "fp32"}
+    assert f"quantization failed, kept in fp32: {bad}" in compiled.report.summary()
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    """One small int8 partition taking ``x`` of shape [4, 8]: bad inputs fail before any engine."""
+    program = compiler.export(_Tiny().eval(), (torch.randn(4, 8),))
+    return compiler.partition(program, compiler.CompileOptions(precision="int8"))
+
+
+@pytest.mark.parametrize(
+    ("arrays", "match"),
+    [
+        ({"y": torch.randn(4, 4, 8)}, r"calibration\.data: .*field\(s\) \['y'\] name no model input"),
+        (
+            {"x": torch.randn(4, 4, 8).double()},
+            r"calibration\.data: .*'x' has dtype float64; the model input is float32",
+        ),
+        ({"x": torch.randn(4, 8)}, r"calibration\.data: .*'x' has rank 2"),
+        ({"x": torch.randn(4, 4, 5)}, r"calibration\.data: .*input 'x': shape \(4, 5\) is outside"),
+        ({"x": torch.full((4, 4, 8), float("nan"))}, r"calibration\.data: .*'x' holds NaN"),
+        (
+            {"x": torch.full((4, 4, 8), float("inf"))},
+            r"calibration\.data: input 'x' of sample 0 holds NaN or inf",
+        ),
+    ],
+)
+def test_calibration_data_that_does_not_fit_is_a_typed_error_naming_the_input(plan, arrays, match):
+    with pytest.raises(CalibrationError, match=match):
+        quantize(plan, arrays)
+
+
+def test_no_calibration_data_is_refused_unless_random_is_allowed_or_quantization_is_dynamic(plan, tmp_path):
+    with pytest.raises(
+        CalibrationError, match=r"calibration\.data: precision int8 .*calibration\.allow_random"
+    ):
+        quantize(plan)
+    random_ok = dataclasses.replace(
+        plan,
+        options=dataclasses.replace(
+            plan.options, calibration=compiler.options.Calibration(samples=2, allow_random=True)
+        ),
+    )
+    assert calibration_samples(random_ok)[0].source == "random"
+    dynamic = dataclasses.replace(plan, options=dataclasses.replace(plan.options, quantization="dynamic"))
+    record = quantize(dynamic).quantization
+    assert record["mode"] == "dynamic" and record["samples"] == 0 and record["partitions"]
+    # A file: read by the validation-data readers; too few samples warn with the count.
+    path = tmp_path / "calib.npz"
+    np.savez(path, x=np.random.randn(3, 4, 8).astype(np.float32))
+    with pytest.warns(CalibrationWarning, match="3 usable sample.* asks for 16"):
+        found, notes = calibration_samples(plan, path)
+    assert found.source.startswith(f"{path} sha256:") and len(found) == 3 and "3 usable" in notes[0]
+    save_file({"x": torch.randn(2, 4, 8)}, str(tmp_path / "c.safetensors"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CalibrationWarning)
+        assert len(calibration_samples(plan, tmp_path / "c.safetensors")[0]) == 2
+
+
+def test_int8_on_a_backend_without_it_is_refused_by_name():
+    for backend in ("inductor", "tensorrt"):
+        with pytest.raises(
+            PartitionError, match=f"precision int8 is not built by backend '{backend}'.*onnxruntime"
+        ):
+            compiler.CompileOptions(backend=backend, precision="int8")
+    with pytest.raises(PartitionError, match=r"calibration\.method 'kl'"):
+        compiler.CompileOptions(precision="int8", calibration={"method": "kl"})
