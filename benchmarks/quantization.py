@@ -19,7 +19,13 @@ Run: python -m benchmarks.quantization [--layers 12] [--out quantization_cpu]
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
+import platform
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import compiler
+from benchmarks._common import interleaved, print_table, write_json
 
 # ---------------------------------------------------------------- the deliberately sensitive model
 
@@ -67,3 +74,237 @@ def sensitive_case(width: int = 32, blocks: int = 8, hot: int = 5, batch: int = 
     model = SensitiveModel(width, blocks, hot).eval()
     program = compiler.export(model, (torch.randn(batch, width),))
     return model, program, {"x": torch.randn(samples, batch, width)}
+
+
+# ---------------------------------------------------------------- the benchmark models
+
+
+def bert_case(layers: int, seq: int = 128, classes: int = 2, seed: int = 0):
+    """A BERT-base-sized sequence classifier (random weights), dynamic batch 1..8, sequence ``seq``."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        hidden_size=768,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        num_labels=classes,
+        attn_implementation="eager",
+    )
+    model = _Logits(BertForSequenceClassification(config).eval())
+    ids = torch.randint(0, config.vocab_size, (2, seq))
+    batch = torch.export.Dim("batch", min=1, max=8)
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    shapes = {"input_ids": {0: batch}, "attention_mask": {0: batch}}
+
+    def inputs(n: int, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        ids = torch.randint(1000, config.vocab_size, (n, batch_size, seq), generator=generator)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    return model, kwargs, shapes, ("BertLayer",), inputs
+
+
+class _Logits(nn.Module):
+    """The classifier's logits as a plain tensor (HF returns a ModelOutput)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+class SmallCNN(nn.Module):
+    """Three conv-BN-ReLU stages with residual blocks, global pooling, a 10-class head (32x32 RGB)."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+
+        def stage(cin: int, cout: int, stride: int) -> nn.Sequential:
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()
+            )
+
+        self.stem = stage(3, 32, 1)
+        self.body = nn.Sequential(stage(32, 64, 2), stage(64, 64, 1), stage(64, 128, 2), stage(128, 128, 1))
+        self.head = nn.Linear(128, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.stem(x)).mean((2, 3)))
+
+
+def cnn_case(seed: int = 0):
+    torch.manual_seed(seed)
+    model = SmallCNN().eval()
+    with torch.no_grad():  # BatchNorm statistics of a trained net, roughly: not all identity
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.1, 0.1)
+                module.running_var.uniform_(0.5, 1.5)
+    batch = torch.export.Dim("batch", min=1, max=8)
+
+    def inputs(n: int, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"x": torch.randn(n, batch_size, 3, 32, 32, generator=generator)}
+
+    return model, {"x": torch.randn(2, 3, 32, 32)}, {"x": {0: batch}}, None, inputs
+
+
+def sensitive_bench_case(seed: int = 0):
+    torch.manual_seed(seed)
+    model = SensitiveModel(width=64, blocks=8, hot=5).eval()
+    batch = torch.export.Dim("batch", min=1, max=8)
+
+    def inputs(n: int, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"x": torch.randn(n, batch_size, 64, generator=generator)}
+
+    return model, {"x": torch.randn(2, 64)}, {"x": {0: batch}}, ("OutlierBlock",), inputs
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def cpu_info() -> dict:
+    """The CPU's model name and the ISA flags that decide int8 speed (VNNI, AMX)."""
+    info = {"model": platform.processor() or "unknown", "logical_cpus": os.cpu_count()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        if line.startswith("model name") and info["model"] in ("unknown", "", "x86_64"):
+            info["model"] = line.split(":", 1)[1].strip()
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            info["isa"] = sorted(f for f in flags if f in ISA_FLAGS)
+            break
+    return info
+
+
+ISA_FLAGS = {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16"}
+
+
+def _package_bytes(compiled: compiler.CompiledModule, where: Path) -> int:
+    return compiler.save(compiled, where).bytes
+
+
+def run_model(name: str, case, args: argparse.Namespace, out: Path) -> list[dict]:
+    model, kwargs, shapes, split, inputs = case
+    generator = torch.Generator().manual_seed(1)
+    program = compiler.export(model, (), kwargs, dynamic_shapes=shapes)
+    recorded = inputs(args.calibration + args.validation, 1, generator)  # batch 1 samples
+    held_out = {k: v[args.calibration :] for k, v in recorded.items()}
+    base = compiler.CompileOptions(split_modules=split, calibration={"samples": args.calibration})
+    tolerances = compiler.Tolerances.for_precision("int8")
+    variants: dict[str, compiler.CompiledModule] = {}
+    seconds: dict[str, float] = {}
+    notes: dict[str, str] = {}
+    for variant, settings in (
+        ("fp32", {}),
+        ("int8 static", {"precision": "int8"}),
+        ("int8 dynamic", {"precision": "int8", "quantization": "dynamic"}),
+    ):
+        start = time.perf_counter()
+        variants[variant] = compiler.compile(
+            program, dataclasses.replace(base, **settings), cache=False, calibration_data=recorded
+        )
+        seconds[variant] = time.perf_counter() - start
+    # The plan the gate chose: the static compile, repaired where it misses int8's tolerance.
+    start = time.perf_counter()
+    static = variants["int8 static"]
+    mixed = compiler.repair(model, static, tolerances, data=recorded).compiled
+    seconds["mixed plan"] = seconds["int8 static"] + time.perf_counter() - start
+    variants["mixed plan"] = mixed
+    notes["mixed plan"] = compiler.compare.precision_summary(
+        compiler.compare_partitions(mixed, [tuple(v[0] for v in held_out.values())], runs=0).rows
+    )
+    rows = []
+    batches = {b: {k: v[0] for k, v in inputs(1, b, generator).items()} for b in (1, 8)}
+    latency = {
+        b: interleaved({v: (lambda c=c, x=x: c(**x)) for v, c in variants.items()}, warmup=2, runs=args.runs)
+        for b, x in batches.items()
+    }
+    for variant, compiled in variants.items():
+        report = compiler.validate(model, compiled, data=held_out, warmup=0, runs=1)
+        quantization = compiled.report.quantization or {}
+        rows.append(
+            {
+                "model": name,
+                "variant": variant,
+                "plan": notes.get(variant, compiled.plan.options.precision),
+                "latency_ms_b1": latency[1][variant]["median_ms"],
+                "latency_ms_b8": latency[8][variant]["median_ms"],
+                "package_bytes": _package_bytes(compiled, out / f"{name}-{variant.replace(' ', '-')}.kiln"),
+                "engine_bytes": compiled.report.engine_bytes,
+                "top1_agreement": report.min_top1_agreement,
+                "rel_l2": report.max_rel_l2,
+                "validation_samples": report.samples,
+                "calibration_samples": quantization.get("samples", 0),
+                "quantize_seconds": quantization.get("seconds", 0.0),
+                "compile_seconds": round(seconds[variant], 2),
+            }
+        )
+    fp32 = rows[0]
+    for row in rows:
+        for key in ("latency_ms_b1", "latency_ms_b8", "package_bytes", "engine_bytes"):
+            row[f"{key}_vs_fp32"] = row[key] / fp32[key] if fp32[key] else None
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=12, help="BERT layers (12 = BERT-base)")
+    parser.add_argument("--calibration", type=int, default=16, help="calibration samples")
+    parser.add_argument("--validation", type=int, default=32, help="held-out validation samples")
+    parser.add_argument("--runs", type=int, default=10, help="timed runs per variant and batch")
+    parser.add_argument("--models", default="bert,cnn,sensitive")
+    parser.add_argument("--out", default="quantization_cpu", help="results/<out>.json")
+    args = parser.parse_args()
+    cases = {"bert": lambda: bert_case(args.layers), "cnn": cnn_case, "sensitive": sensitive_bench_case}
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="kiln-quant-bench-") as tmp:
+        for name in args.models.split(","):
+            rows += run_model(name, cases[name](), args, Path(tmp))
+    print_table(
+        f"int8 on ONNX Runtime ({cpu_info()['model']}; BERT {args.layers} layers)",
+        ["model", "variant", "b1 x", "b8 x", "pkg x", "eng x", "top-1", "rel L2", "quant s", "plan"],
+        [
+            [
+                r["model"],
+                r["variant"],
+                r["latency_ms_b1_vs_fp32"],
+                r["latency_ms_b8_vs_fp32"],
+                r["package_bytes_vs_fp32"],
+                r["engine_bytes_vs_fp32"],
+                r["top1_agreement"],
+                r["rel_l2"],
+                r["quantize_seconds"],
+                r["plan"],
+            ]
+            for r in rows
+        ],
+    )
+    write_json(
+        args.out,
+        {
+            "cpu": cpu_info(),
+            "onnxruntime": ort_version(),
+            "bert_layers": args.layers,
+            "calibration_samples": args.calibration,
+            "validation_samples": args.validation,
+            "rows": rows,
+        },
+    )
+
+
+def ort_version() -> str:
+    import onnxruntime
+
+    return onnxruntime.__version__
+
+
+if __name__ == "__main__":
+    main()

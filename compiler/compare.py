@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from compiler.build import TORCH
+from compiler.errors import PackageError
 from compiler.runtime import CompiledModule
 from compiler.validate import compare_tensors, nan_as_worst
 
@@ -141,6 +142,12 @@ def compare_partitions(
         return hook
 
     engines = [name for name in parts if _runs_engine(compiled, name)]
+    lacking = plan.float_weights_missing(engines)
+    if lacking:
+        raise PackageError(
+            f"partitions {lacking} cannot be compared with their PyTorch submodules: their float weights "
+            "were left out of the package (saved with int8_weights_only); compare before saving"
+        )
     with _hooks({name: modules[name] for name in engines}, forward=check):
         for flat in samples:
             compiled.run_flat(list(flat))

@@ -50,6 +50,7 @@ import torch
 
 from compiler.atomic import write_bytes_atomic
 from compiler.backends import get_backend
+from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.build import EngineArtifact
 from compiler.dedup import DedupPlan
 from compiler.device import program_on, resolve
@@ -73,7 +74,7 @@ from compiler.manifest import (
     check_layout,
     engine_file,
 )
-from compiler.partition import QUANTIZED_PREFIX, program_weights, replay
+from compiler.partition import QUANTIZED_PREFIX, program_weights, replay, weight_placeholders
 from compiler.runtime import CompiledModule, assemble, with_weights
 from compiler.validate import ValidationReport
 from compiler.version import kiln_version
@@ -114,11 +115,15 @@ def save(
     *,
     validation: ValidationReport | Mapping[str, Any] | None = None,
     source: SourceRecord | None = None,
+    int8_weights_only: bool = False,
 ) -> PackageInfo:
     """Write ``compiled`` as a package directory at ``path`` (replacing an old one atomically).
 
     ``validation``: the report of :func:`compiler.validate` (or its ``to_dict``); ``source``: where the
-    model came from (lineage, recorded and hashed with the rest).
+    model came from (lineage, recorded and hashed with the rest). ``int8_weights_only``: float weights
+    that only int8 engines read are left out (the engines' int8 tensors stand for them; the program
+    keeps their shapes): the package shrinks to its int8 size, but none of its int8 partitions can be
+    raised to a float precision or compared with its float submodule again (recompile for that).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +132,12 @@ def save(
     try:
         plan = compiled.plan
         files: dict[str, bytes] = {PROGRAM: program_bytes(_hollow(plan.program), record_modules=False)}
-        weights = {k: v.detach().cpu().contiguous().clone() for k, v in sorted(compiled.weights.items())}
+        elided = set(plan.elided_weights) | (int8_only_weights(compiled) if int8_weights_only else set())
+        weights = {
+            k: v.detach().cpu().contiguous().clone()
+            for k, v in sorted(compiled.weights.items())
+            if k not in elided
+        }
         files[WEIGHTS] = safetensors.torch.save(weights)
         engines = {}
         for fp, artifact in sorted(compiled.engines.items()):
@@ -158,7 +168,7 @@ def save(
             precision=report.precision,
             strip_weights=report.strip_weights,
             input_weights=tuple(sorted(plan.input_weights)),
-            plan=plan.to_dict(),
+            plan={**plan.to_dict(), **({"elided_weights": sorted(elided)} if elided else {})},
             dedup=compiled.dedup.to_dict(),
             engines=engines,
             report=report,
@@ -253,7 +263,9 @@ def load(
         k: v.to(target) for k, v in safetensors.torch.load(_read_verified(path, WEIGHTS, manifest)).items()
     }
     own = set(program_weights(program))
-    missing = sorted((own | set(manifest.input_weights)) - set(weights))
+    # Left out by save(int8_weights_only=True): the hollow program's shapes stand in, never read.
+    elided = set(manifest.plan.get("elided_weights", ()))
+    missing = sorted((own | set(manifest.input_weights)) - set(weights) - elided)
     if missing:
         raise PackageCorruptError(f"{path}: {WEIGHTS} lacks weights {missing[:10]}")
     program = with_weights(program, {k: v for k, v in weights.items() if k in own})
@@ -271,6 +283,7 @@ def load(
     _check_dedup(dedup, plan, manifest, path)
     plan.input_weights = {k: weights[k] for k in manifest.input_weights}
     plan.quantized = {k: v for k, v in weights.items() if k.startswith(QUANTIZED_PREFIX)}
+    plan.elided_weights = frozenset(elided)
     engines = {
         fp: EngineArtifact(
             fp,
@@ -510,6 +523,27 @@ def _fallback_backends(data: Mapping[str, Any]) -> dict:
 
 
 # ---------------------------------------------------------------- writing
+
+
+def int8_only_weights(compiled: CompiledModule) -> set[str]:
+    """Program weights that only int8 engines read (every user of the weight is an int8 engine
+    partition): what ``save(int8_weights_only=True)`` leaves out."""
+    plan = compiled.plan
+    int8 = {
+        p.name
+        for p in plan.partitions
+        if plan.options.precision_of(p.name) in QUANTIZED_PRECISIONS
+        and compiled.engines[compiled.dedup.instance(p.name).fingerprint].is_engine
+    }
+    keys = weight_placeholders(plan.program)
+    return {
+        keys[node.name]
+        for node in plan.graph_module.graph.nodes
+        if node.op == "placeholder"
+        and node.name in keys
+        and node.users
+        and all(user.op == "call_module" and user.target in int8 for user in node.users)
+    }
 
 
 def _hollow(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

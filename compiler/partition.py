@@ -98,9 +98,16 @@ class PartitionPlan:
     quantized: dict[str, torch.Tensor] = field(default_factory=dict)
     quantized_graphs: dict[str, bytes] = field(default_factory=dict)
     quantization: dict | None = None
+    # Weights a package left out (compiler.save(int8_weights_only=True)): only int8 engines read them.
+    elided_weights: frozenset[str] = frozenset()
 
     def submodule(self, name: str) -> torch.fx.GraphModule:
         return getattr(self.graph_module, name)
+
+    def float_weights_missing(self, partitions: Iterable[str]) -> list[str]:
+        """Those of ``partitions`` whose float weights this plan lacks (left out of its package)."""
+        by_name = {p.name: p for p in self.partitions}
+        return [n for n in partitions if set(by_name[n].weight_keys) & self.elided_weights]
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Every weight by key: the program's lifted weights, user inputs flagged as weights and the

@@ -37,7 +37,7 @@ from compiler.build import EngineArtifact, build_engine
 from compiler.cache import EngineCache
 from compiler.compare import PartitionComparison, PartitionRow, compare_partitions
 from compiler.dedup import dedup
-from compiler.errors import AccuracyError
+from compiler.errors import AccuracyError, PackageError
 from compiler.partition import QUANTIZED_PREFIX
 from compiler.pipeline import resolve_cache
 from compiler.runtime import CompiledModule, assemble
@@ -181,6 +181,15 @@ def rebuild(
     (through the engine cache); every other engine is reused as it is. Returns the new module and the
     artifacts it had to get (built or from the cache)."""
     options = dataclasses.replace(compiled.plan.options, partition_precision=dict(partition_precision))
+    raised = [
+        p.name for p in compiled.plan.partitions if options.precision_of(p.name) not in QUANTIZED_PRECISIONS
+    ]
+    lacking = compiled.plan.float_weights_missing(raised)
+    if lacking:
+        raise PackageError(
+            f"partitions {lacking} cannot leave int8: their float weights were left out of the package "
+            "(saved with int8_weights_only); recompile from the model to change their precision"
+        )
     # A partition raised out of int8 takes its float weights again: its quantized tensors go.
     quantized = {
         key: tensor

@@ -438,9 +438,11 @@ def package_model(
             if source is not None
             else None
         )
-        info = compiler.save(compiled, mine, validation=validated.report, source=lineage)
+        # Published packages keep int8 weights only (staged ones keep float weights for repair).
+        final = {"validation": validated.report, "source": lineage, "int8_weights_only": True}
+        info = compiler.save(compiled, mine, **final)
         with FileLock(str(target.parent / f".{target.name}.lock")):
-            compiler.save(compiled, target, validation=validated.report, source=lineage)
+            compiler.save(compiled, target, **final)
     get_run_logger().info("package %s (%d bytes, %.2fs)", target, info.bytes, time.perf_counter() - start)
     return PackageRef(str(target), info.content_hash, info.bytes, str(mine))
 

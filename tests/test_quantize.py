@@ -16,6 +16,7 @@ from benchmarks.quantization import sensitive_case
 from compiler.errors import (
     CalibrationError,
     CalibrationWarning,
+    PackageError,
     PartitionError,
     RefitError,
     ValidationDataError,
@@ -84,12 +85,19 @@ def test_identical_blocks_build_once_and_each_instance_runs_its_own_weights_and_
         plan, unique, {fp: compiler.build_engine(plan, unique, fp) for fp in unique.fingerprints}
     )
     assert stripped.report.strip_weights and all(a.stripped for a in stripped.engines.values())
-    compiler.save(stripped, tmp_path / "int8.kiln")
+    full = compiler.save(stripped, tmp_path / "int8-full.kiln")
+    small = compiler.save(stripped, tmp_path / "int8.kiln", int8_weights_only=True)
+    # float weights only int8 engines read are left out: the int8 tensors (+ scales) remain
+    weights_bytes = [info.manifest.files["weights.safetensors"].bytes for info in (small, full)]
+    assert weights_bytes[0] < 0.4 * weights_bytes[1]
     loaded = compiler.load(tmp_path / "int8.kiln")
     x = data["x"][15]
     assert torch.equal(loaded(x), stripped(x)) and loaded.report.quantization == stripped.report.quantization
     with pytest.raises(RefitError, match="int8 partitions"):
         loaded.refit({"head.weight": torch.zeros(10, 32)})
+    with pytest.raises(PackageError, match="float weights were left out"):
+        compiler.rebuild(loaded, {f"engine_{HOT}": "fp32"})
+    assert compiler.save(loaded, tmp_path / "again.kiln").bytes == small.bytes  # stays small
 
 
 def test_the_gate_raises_only_the_sensitive_block_and_records_the_plan(case, int8):
@@ -236,3 +244,44 @@ def test_int8_on_a_backend_without_it_is_refused_by_name():
             compiler.CompileOptions(backend=backend, precision="int8")
     with pytest.raises(PartitionError, match=r"calibration\.method 'kl'"):
         compiler.CompileOptions(precision="int8", calibration={"method": "kl"})
+
+
+def test_the_zoo_entry_carries_int8_to_the_request_and_preflight_wants_calibration_data(tmp_path):
+    from zoo.config import ZooConfigError, parse_zoo
+    from zoo.preflight import preflight
+
+    np.savez(tmp_path / "calib.npz", x=np.zeros((2, 4, 8), np.float32))
+    entry = {
+        "name": "tiny",
+        "factory": "zoo.models:mlp_with_fallback",
+        "precision": "int8",
+        "calibration": {"data": "calib.npz", "samples": 8, "method": "percentile"},
+        "partition": {"precision": {"engine_1": "int8", "engine_2": "torch"}},
+    }
+    zoo = parse_zoo({"models": [entry]}, zoo_dir=str(tmp_path))
+    [request] = zoo.requests(zoo.entries[0])
+    calibration = request.options.calibration
+    assert (calibration.data, calibration.samples, calibration.method) == (
+        str(tmp_path / "calib.npz"),
+        8,
+        "percentile",
+    )
+    assert request.options.build_settings("engine_0").quantization == {
+        "method": "percentile",
+        "mode": "static",
+        "per_channel": True,
+    }
+    assert request.options.build_settings("engine_2").quantization is None
+    assert request.tolerances.rel_l2 == 0.1  # int8's default
+    assert "calibration_data_sha256" in request.cache_identity()
+    preflight(request)  # the file is there
+    missing = parse_zoo({"models": [{**entry, "calibration": {}}]}, zoo_dir=str(tmp_path))
+    with pytest.raises(ZooConfigError, match=r"models\[tiny\]\.calibration\.data: precision int8"):
+        preflight(missing.requests(missing.entries[0])[0])
+    dynamic = parse_zoo({"models": [{**entry, "calibration": {}, "quantization": "dynamic"}]})
+    preflight(dynamic.requests(dynamic.entries[0])[0])  # dynamic: no calibration data needed
+    wrong = parse_zoo(
+        {"models": [{**entry, "backend": "tensorrt"}, {**entry, "name": "m", "quantization": "qat"}]}
+    )
+    assert "precision int8 is not built by backend 'tensorrt'" in wrong.invalid[0].error
+    assert "quantization" in wrong.invalid[1].error
