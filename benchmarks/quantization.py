@@ -274,6 +274,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-quant-bench-") as tmp:
         for name in args.models.split(","):
             rows += run_model(name, cases[name](), args, Path(tmp))
+            report(rows, args)  # after each model: a run cut short keeps what it measured
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
     print_table(
         f"int8 on ONNX Runtime ({cpu_info()['model']}; BERT {args.layers} layers)",
         ["model", "variant", "b1 x", "b8 x", "pkg x", "wts x", "top-1", "rel L2", "quant s", "plan"],

@@ -4,6 +4,7 @@ partition chosen by the gate, and every bad input a typed error (issue 19)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 
 import numpy as np
@@ -46,7 +47,12 @@ def int8(case, tmp_path_factory):
         calibration={"samples": 16},
         on_accuracy_failure="repair",
     )
-    return compiler.compile(program, options, cache=cache, calibration_data=data), cache
+    recorded = tmp_path_factory.mktemp("data") / "recorded.npz"  # calibration reads the first 16
+    np.savez(recorded, x=data["x"].numpy())
+    options = dataclasses.replace(
+        options, calibration=dataclasses.replace(options.calibration, data=str(recorded))
+    )
+    return compiler.compile(program, options, cache=cache), cache
 
 
 def test_identical_blocks_build_once_and_each_instance_runs_its_own_weights_and_scales(case, int8, tmp_path):
@@ -55,7 +61,9 @@ def test_identical_blocks_build_once_and_each_instance_runs_its_own_weights_and_
     report = compiled.report
     assert report.unique_fingerprints == 2 and report.engines_built == 2  # 4 blocks + head
     assert report.quantization["partitions"] == [f"engine_{i}" for i in range(5)]
-    assert report.quantization["samples"] == 16 and report.quantization["data_source"].startswith("<mapping>")
+    assert (
+        report.quantization["samples"] == 16 and "recorded.npz sha256:" in report.quantization["data_source"]
+    )
     blocks = [f"engine_{i}" for i in range(4)]
     assert len({compiled.dedup.instance(b).fingerprint for b in blocks}) == 1
     # Each instance's quantized weights and activation scales are its own refit tensors.
@@ -98,9 +106,20 @@ def test_identical_blocks_build_once_and_each_instance_runs_its_own_weights_and_
     with pytest.raises(PackageError, match="float weights were left out"):
         compiler.rebuild(loaded, {f"engine_{HOT}": "fp32"})
     assert compiler.save(loaded, tmp_path / "again.kiln").bytes == small.bytes  # stays small
+    # MLflow: the calibration data is a run input (metadata only), the quantization metrics and tag
+    from registry.models import lineage_tags
+    from registry.payload import calibration_input_for, metrics_for
+
+    manifest = compiler.read_manifest(tmp_path / "int8.kiln")
+    dataset = calibration_input_for(manifest)
+    assert dataset.dataset.name == "recorded.npz" and json.loads(dataset.dataset.profile)["samples"] == 16
+    assert {(t.key, t.value) for t in dataset.tags} >= {("mlflow.data.context", "calibration")}
+    metrics = metrics_for(manifest, small.bytes)
+    assert metrics["quantization.calibration_samples"] == 16 and metrics["quantization.partitions"] == 5
+    assert "recorded.npz" in lineage_tags(manifest)["kiln.calibration_data"]
 
 
-def test_the_gate_raises_only_the_sensitive_block_and_records_the_plan(case, int8):
+def test_the_gate_raises_only_the_sensitive_block_and_records_the_plan(case, int8, tmp_path):
     model, _, data = case
     compiled, cache = int8
     checked, report = compiler.ensure_accuracy(
@@ -116,6 +135,13 @@ def test_the_gate_raises_only_the_sensitive_block_and_records_the_plan(case, int
     assert plan == {**{f"engine_{i}": "int8" for i in range(5)}, f"engine_{HOT}": "fp32"}
     assert all(row["latency_ms"] > 0 for row in report.precision_plan)
     assert compiler.compare.precision_summary(report.precision_plan) == f"int8 x4; fp32: engine_{HOT}"
+    from registry.models import lineage_tags
+    from registry.payload import artifacts_for, metrics_for
+
+    info = compiler.save(checked, tmp_path / "checked.kiln", validation=report)
+    assert lineage_tags(info.manifest)["kiln.precision_plan"] == f"int8 x4; fp32: engine_{HOT}"
+    assert metrics_for(info.manifest, info.bytes)[f"partition.engine_{HOT}.rel_l2"] < 1e-5
+    assert len(artifacts_for(info.manifest, None, None)["precision_plan.json"]["partitions"]) == 5
     # Pinned partitions are left alone: with the hot block pinned to int8, repair raises another one.
     pinned, built = compiler.rebuild(compiled, {f"engine_{HOT}": "int8"}, cache=cache)
     assert built == []  # a pin at the compile's own precision changes no fingerprint
