@@ -61,15 +61,19 @@ def _summary_table(summary: dict[str, Any]) -> Table:
     table.add_column("model", overflow="fold", min_width=6)
     table.add_column("device")
     table.add_column("status")
-    table.add_column("prec")
+    # Only when some model is not plain fp32 (int8 plans, fp16): the table must fit 80 columns.
+    mixed = any((m.get("precision") or "fp32") != "fp32" for m in summary["models"])
+    if mixed:
+        table.add_column("prec")
     for column in ("parts", "built", "reused", "rel L2", "lat x", "s"):
         table.add_column(column, justify="right")
     for m in summary["models"]:
+        precision = [_precision_cell(m.get("precision") or "fp32")] if mixed else []
         table.add_row(
             escape(m["name"]),
             escape(m["device"]),
             "[green]ok[/green]" if m["status"] == "ok" else "[red]failed[/red]",
-            _precision_cell(m.get("precision") or ""),
+            *precision,
             str(m["partitions"]),
             str(m["engines_built"]),
             str(m["engines_reused"]),
