@@ -167,7 +167,12 @@ def sensitive_bench_case(seed: int = 0):
 
 def cpu_info() -> dict:
     """The CPU's model name and the ISA flags that decide int8 speed (VNNI, AMX)."""
-    info = {"model": platform.processor() or "unknown", "logical_cpus": os.cpu_count()}
+    # The load average: on a shared machine other work skews latency ratios (say so in the results).
+    info = {
+        "model": platform.processor() or "unknown",
+        "logical_cpus": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+    }
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
