@@ -267,7 +267,14 @@ def _folded(model: onnx.ModelProto) -> onnx.ModelProto:
     import onnxscript.optimizer
 
     limit = 1 << 40
-    return onnxscript.optimizer.optimize(model, input_size_limit=limit, output_size_limit=limit)
+    # A node it cannot evaluate stays a node; it says so per node at WARNING on its own logger.
+    folding = logging.getLogger("onnxscript.optimizer._constant_folding")
+    level = folding.level
+    folding.setLevel(logging.ERROR)
+    try:
+        return onnxscript.optimizer.optimize(model, input_size_limit=limit, output_size_limit=limit)
+    finally:
+        folding.setLevel(level)
 
 
 _METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
