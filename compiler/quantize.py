@@ -258,23 +258,32 @@ def _quantize_fingerprint(
 
 
 def _folded(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with constant subgraphs folded, weights included (no size limit).
+    """``model`` with every ``Transpose`` of an initializer replaced by the transposed initializer.
 
     Lowering keeps weights as graph inputs until after export, so ``Transpose(w)`` before a MatMul
     (every ``nn.Linear`` on a 3-D input) is still a node: the quantizer would then quantize the
     transposed weight as an activation and leave the fp32 weight in the graph. Folded, the MatMul
-    reads an initializer and gets per-channel int8 weights."""
-    import onnxscript.optimizer
-
-    limit = 1 << 40
-    # A node it cannot evaluate stays a node; it says so per node at WARNING on its own logger.
-    folding = logging.getLogger("onnxscript.optimizer._constant_folding")
-    level = folding.level
-    folding.setLevel(logging.ERROR)
-    try:
-        return onnxscript.optimizer.optimize(model, input_size_limit=limit, output_size_limit=limit)
-    finally:
-        folding.setLevel(level)
+    reads an initializer and gets per-channel int8 weights. Only this one pattern is folded: a
+    general constant folder may bake traced shapes into a graph with dynamic dimensions."""
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+    users: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            users[name] = users.get(name, 0) + 1
+    keep = []
+    for node in graph.node:
+        source = node.input[0] if node.op_type == "Transpose" and node.input else ""
+        if source in inits and users.get(source) == 1:
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+            array = numpy_helper.to_array(inits[source])
+            folded = np.ascontiguousarray(np.transpose(array, perm) if perm else array.T)
+            inits[source].CopyFrom(numpy_helper.from_array(folded, node.output[0]))
+            continue
+        keep.append(node)
+    del graph.node[:]
+    graph.node.extend(keep)
+    return model
 
 
 _METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
