@@ -10,6 +10,7 @@ from typing import Any
 from compiler.backends.base import PRECISIONS, QUANTIZED_PRECISIONS, BuildSettings
 from compiler.cudagraphs import check_mode
 from compiler.errors import PartitionError
+from compiler.padding import PAD_TO_PROFILE
 from compiler.profiles import normalize
 
 # What a partition whose engine build fails becomes (see CompileOptions.on_build_failure).
@@ -89,7 +90,12 @@ class CompileOptions:
     ``profiles``: shape profiles, one ``{dynamic dimension name: size}`` per profile (``({"batch": 1},
     {"batch": 8})``), checked against the input specs at partition time; on CUDA their graphs are
     captured when the module is assembled, and each profile's latency is in the report. See
-    :mod:`compiler.profiles`. Not a build setting.
+    :mod:`compiler.profiles`. With the Inductor backend a build setting: each engine gets one
+    static-shape specialization per profile, run on an exact shape match.
+
+    ``pad_to_profile``: ``"off"`` (default) or ``"auto"``: pad a batch up to the next profile where the
+    compile-time check showed padded rows leave the real rows' outputs unchanged; refused per profile,
+    with the reason, elsewhere (:mod:`compiler.padding`). Not a build setting.
 
     ``quantization`` and ``calibration``: how ``int8`` partitions are quantized (``compiler.quantize``):
     ``"static"`` (QDQ, activation scales calibrated on ``calibration.data``) or ``"dynamic"``.
@@ -114,6 +120,7 @@ class CompileOptions:
     profiles: tuple[Mapping[str, int], ...] = ()
     quantization: str = "static"
     calibration: Calibration = field(default_factory=Calibration)
+    pad_to_profile: str = "off"
 
     def __post_init__(self) -> None:
         if isinstance(self.calibration, Mapping):
@@ -168,6 +175,12 @@ class CompileOptions:
             object.__setattr__(self, "split_modules", split)
         check_mode(self.cuda_graphs, self.device, self.backend, self.on_build_failure)
         object.__setattr__(self, "profiles", normalize(self.profiles))
+        if self.pad_to_profile not in PAD_TO_PROFILE:
+            raise PartitionError(
+                f"pad_to_profile {self.pad_to_profile!r} is not supported; expected one of {PAD_TO_PROFILE}"
+            )
+        if self.pad_to_profile == "auto" and not self.profiles:
+            raise PartitionError("pad_to_profile 'auto' needs profiles to pad to; give profiles or use 'off'")
 
     def build_settings(self, partition: str | None = None) -> BuildSettings:
         """The build settings of ``partition`` (its ``partition_precision``, else ``precision``); with
@@ -183,6 +196,9 @@ class CompileOptions:
             optimization_level=self.optimization_level,
             options=dict(self.backend_options),
             quantization=self.quantization_settings() if precision in QUANTIZED_PRECISIONS else None,
+            # Only Inductor builds per-profile specializations: other backends' engines (and cache
+            # keys) do not change with the profiles.
+            profiles=self.profiles if self.backend == "inductor" else (),
         )
 
     def quantization_settings(self) -> dict[str, Any]:

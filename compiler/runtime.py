@@ -17,6 +17,7 @@ import contextlib
 import copy
 import dataclasses
 import time
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -32,6 +33,7 @@ from compiler.device import resolve, same
 from compiler.errors import CudaGraphError, InputSpecError, RefitError
 from compiler.export import TRACING
 from compiler.lower import engine_weights
+from compiler.padding import check_padding, pad_call, pad_targets
 from compiler.partition import PartitionPlan
 from compiler.profiles import profile_inputs, profile_shapes
 from compiler.report import CompileReport
@@ -106,6 +108,8 @@ class CompiledModule(torch.nn.Module):
             mode=mode,
             max_shapes=max(DEFAULT_MAX_SHAPES, len(plan.options.profiles) + 2),
         )
+        # Profiles a call may be padded up to (pad_to_profile "auto", as the compile-time check allowed).
+        self._pad_targets = pad_targets(plan.specs, plan.options.profiles, report.profiles)
 
     @property
     def input_specs(self) -> tuple[InputSpec, ...]:
@@ -123,7 +127,21 @@ class CompiledModule(torch.nn.Module):
         """Run on the flat user inputs (the program's order); returns the flat user outputs."""
         self._check_placement(flat)
         check_inputs(self.plan.specs, flat)
+        if self._pad_targets:
+            padded = pad_call(flat, self.plan.specs, self._pad_targets)
+            if padded is not None:
+                inputs, rows = padded
+                return [y[:rows] for y in self.cuda_graphs(inputs)]
         return self.cuda_graphs(flat)
+
+    def last_dispatch(self) -> dict[str, str]:
+        """Partition -> what served its last call in an engine with static specializations (Inductor
+        with profiles): ``"static"`` (the profile's specialization) or ``"dynamic"``."""
+        return {
+            name: call.engine.last_dispatch
+            for name, call in self.graph.named_children()
+            if isinstance(call, EngineCall) and getattr(call.engine, "last_dispatch", None) is not None
+        }
 
     def _run_uncaptured(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         user = iter(flat)
@@ -171,19 +189,32 @@ class CompiledModule(torch.nn.Module):
         for index, profile in enumerate(self.plan.options.profiles):
             flat = profile_inputs(self.plan.specs, profile, self.device, seed=index)
             with torch.no_grad():
+                self._run_uncaptured(flat)  # what the engines dispatch to at this shape
+                engines = self.last_dispatch()
                 latency = measure_latency({"p": lambda f=flat: self.run_flat(f)}, warmup=2, runs=runs)["p"]
+            static = sum(1 for d in engines.values() if d == "static")
+            served = (
+                f"static specializations in {static} of {len(engines)} engines"
+                if static
+                else "the dynamic engines"
+            )
             graphs = self.cuda_graphs
             rows.append(
                 {
                     "profile": dict(profile),
                     "shapes": [list(s) for s in profile_shapes(self.plan.specs, profile, index)],
                     "latency_ms": round(latency.median_ms, 4),
-                    "dispatch": "cuda graph over the dynamic engines"
+                    "dispatch": f"cuda graph over {served}"
                     if graphs.enabled
-                    else f"dynamic engines, uncaptured ({graphs.reason})",
+                    else f"{served}, uncaptured ({graphs.reason})",
+                    "engines": engines,
                 }
             )
         return rows
+
+    def check_padding(self) -> list[dict]:
+        """pad_to_profile "auto": which profiles calls may be padded up to (see compiler.padding)."""
+        return check_padding(self._run_uncaptured, self.plan.specs, self.plan.options.profiles, self.device)
 
     def _check_placement(self, flat: list[object]) -> None:
         """Inputs are dense tensors with data, on the module's device: anything else is a typed error
@@ -360,6 +391,14 @@ def assemble(
     if plan.options.profiles and report.profiles is None:
         report.profiles = module.measure_profiles()
         report.stage_seconds["profiles_warmup"] = warmup
+        if plan.options.pad_to_profile == "auto":
+            start = time.perf_counter()
+            for row, padding in zip(report.profiles, module.check_padding(), strict=True):
+                row["padding"] = padding
+                if not padding["allowed"]:
+                    warnings.warn(f"pad_to_profile: refused for {padding['reason']}", stacklevel=2)
+            report.stage_seconds["padding_check"] = round(time.perf_counter() - start, 4)
+            module._pad_targets = pad_targets(plan.specs, plan.options.profiles, report.profiles)
     return module
 
 

@@ -480,6 +480,12 @@ def compile_cmd(
         list[str] | None,
         typer.Option("--profile", help="a shape profile DIM=SIZE[,DIM=SIZE] (repeatable), e.g. batch=8"),
     ] = None,
+    pad_to_profile: Annotated[
+        str | None,
+        typer.Option(
+            "--pad-to-profile", help="pad a batch up to the next profile where validation allows: auto, off"
+        ),
+    ] = None,
     validation_data: Annotated[
         Path | None,
         typer.Option("--validation-data", help="recorded inputs (.safetensors/.npz, one array per input)"),
@@ -514,6 +520,7 @@ def compile_cmd(
         "on_accuracy_failure": on_accuracy_failure,
         "cuda_graphs": cuda_graphs,
         "profiles": _profiles(profile),
+        "pad_to_profile": pad_to_profile,
         "validation": {"data": str(validation_data.resolve())} if validation_data else None,
         "quantization": quantization,
         "calibration": {

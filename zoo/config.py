@@ -183,6 +183,11 @@ class ZooEntry(_Strict):
         description="shape profiles, one {dimension name: size} each (e.g. [{batch: 1}, {batch: 8}]): "
         "CUDA graphs captured at load, latency per profile in the manifest",
     )
+    pad_to_profile: Literal["off", "auto"] = Field(
+        default="off",
+        description="auto: pad a batch up to the next profile where the compile-time check showed padded "
+        "rows leave the real rows' outputs unchanged (refused per profile, with the reason, elsewhere)",
+    )
     on_build_failure: Literal[ON_BUILD_FAILURE] = Field(  # type: ignore[valid-type]
         default="torch",
         description="a partition whose engine build fails: runs in PyTorch, on ONNX Runtime, or fails",
@@ -318,6 +323,7 @@ class ZooEntry(_Strict):
             profiles=tuple(self.profiles),
             quantization=self.quantization,
             calibration=Calibration(**self.calibration.model_dump()),
+            pad_to_profile=self.pad_to_profile,
         )
 
     def package_name(self, device: str) -> str:

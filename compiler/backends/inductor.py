@@ -21,6 +21,14 @@ An engine is a zip (uncompressed) of:
     weights.safetensors         the representative instance's weights; absent when stripped
     inductor_compiled.bin       the compiled graph (``CompiledArtifact.save``: Inductor's own cache
                                 entries, kernels included)
+    inductor_static_<i>.bin     one static-shape specialization per shape profile (``BuildSettings.
+                                profiles``), compiled from the same program at the profile's shapes;
+                                the header's ``specializations`` lists their activation shapes
+
+A call whose activation shapes equal a specialization's exactly runs it (no symbolic sizes, no guards);
+every other call runs the dynamic graph (``InductorEngine.last_dispatch`` says which ran last). A profile
+that does not fix every dynamic dimension of an engine's inputs by name (a derived size such as
+``batch*seq``) gets no specialization in that engine, nor does one whose compile fails (warned).
 
 Loading checks the header (:class:`EngineCompatibilityError` for another torch version, a device that
 is not here, or another CUDA index, which Inductor writes into its code) and loads the artifact; where
@@ -81,6 +89,9 @@ HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED = (
     "inductor_compiled.bin",
 )
 _ENTRIES = (HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED)
+# Static-shape specializations an engine may list (one per shape profile): an untrusted load compiles
+# each, so a header cannot ask for more.
+_MAX_SPECIALIZATIONS = 32
 # 1: torch.compile at load from cache artifacts (no longer read: rebuild). 2: standalone compiled graph.
 FORMAT = 2
 MAGIC = "kiln-inductor-engine"
@@ -111,16 +122,27 @@ class InductorEngine:
         weights: tuple[torch.Tensor, ...],
         io: EngineIO,
         constants: Mapping[int, torch.Tensor] | None = None,
+        specializations: Mapping[tuple[tuple[int, ...], ...], Callable[..., Any]] | None = None,
     ):
         self.compiled, self.weights, self.io = compiled, weights, io
         self.device = weights[0].device if weights else None
         self._constants = dict(constants or {})
+        # Activation shapes -> static-shape compiled graph (one per shape profile).
+        self.specializations: dict[tuple[tuple[int, ...], ...], Callable[..., Any]] = dict(
+            specializations or {}
+        )
+        self.last_dispatch: str | None = None  # "static" or "dynamic": what served the last call
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # The graph was compiled for contiguous activations (it asserts their strides): a transposed
         # input, or a view a fallback op returns, is copied first.
         inputs = tuple(x if x.is_contiguous() else x.contiguous() for x in inputs)
-        return tuple(self.compiled(*_graph_args(inputs, self.weights, self._constants)))
+        compiled = self.compiled
+        if self.specializations:
+            static = self.specializations.get(tuple(tuple(x.shape) for x in inputs))
+            compiled = compiled if static is None else static
+            self.last_dispatch = "dynamic" if static is None else "static"
+        return tuple(compiled(*_graph_args(inputs, self.weights, self._constants)))
 
 
 class InductorBackend:
@@ -196,13 +218,54 @@ class InductorBackend:
                         partition=partition,
                     ) from exc
                 _remember(key, compiled, artifact)
+            static = self._build_specializations(graph, io, settings, options, weights, key, partition)
+        header["specializations"] = [[list(s) for s in shapes] for shapes in static]
         files = {HEADER: json.dumps(header, sort_keys=True).encode(), PROGRAM: program}
+        for index, data in enumerate(static.values()):
+            files[_static_name(index)] = data
         if graph.constants:
             files[CONSTANTS] = _save_tensors({str(i): t for i, t in graph.constants.items()})
         if not settings.strip_weights:
             files[WEIGHTS] = weight_bytes
         files[COMPILED] = artifact
         return _pack(files)
+
+    def _build_specializations(
+        self,
+        graph: _Graph,
+        io: EngineIO,
+        settings: BuildSettings,
+        options: Mapping[str, Any],
+        weights: Mapping[str, torch.Tensor],
+        key: str,
+        partition: str | None,
+    ) -> dict[tuple[tuple[int, ...], ...], bytes]:
+        """Activation shapes -> saved static-shape compile, one per distinct profile shape of this
+        engine. A failed specialization is warned and left out: the dynamic graph serves its shapes."""
+        built: dict[tuple[tuple[int, ...], ...], bytes] = {}
+        for profile in settings.profiles:
+            shapes = engine_profile_shapes(io, profile)
+            if shapes is None or shapes in built:
+                continue
+            if len(built) == _MAX_SPECIALIZATIONS:  # what a load accepts
+                warnings.warn(f"Inductor: {_MAX_SPECIALIZATIONS} specializations at most", stacklevel=3)
+                break
+            static_key = _static_key(key, shapes)
+            artifact = _recall(static_key)[1]
+            if artifact is None:
+                try:
+                    compiled = graph.compile_static(shapes, io, options, tuple(weights.values()))
+                    artifact = _save(compiled)
+                except Exception as exc:
+                    warnings.warn(
+                        f"Inductor: no static specialization of partition {partition or '?'} for profile "
+                        f"{dict(profile)}: {_short(exc)}",
+                        stacklevel=3,
+                    )
+                    continue
+                _remember(static_key, compiled, artifact)
+            built[shapes] = artifact
+        return built
 
     # -- load, refit -----------------------------------------------------------------------------
     def load(self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None) -> InductorEngine:
@@ -222,7 +285,17 @@ class InductorBackend:
             if compiled is None:
                 compiled = self._load_compiled(options, files, io, ordered, constants)
                 _remember(key, compiled, None)
-        return InductorEngine(compiled, ordered, io, constants)
+            static = {}
+            for index, shapes in enumerate(_specializations(header, io)):
+                static_key = _static_key(key, shapes)
+                loaded = _recall(static_key)[0]
+                if loaded is None:
+                    loaded = self._load_compiled(
+                        options, files, io, ordered, constants, shapes=shapes, name=_static_name(index)
+                    )
+                    _remember(static_key, loaded, None)
+                static[shapes] = loaded
+        return InductorEngine(compiled, ordered, io, constants, static)
 
     def _compile_options(self, header: Mapping[str, Any]) -> dict[str, Any]:
         """The options this engine is compiled with here: its header's where its package is trusted,
@@ -247,10 +320,15 @@ class InductorBackend:
         engine_io: EngineIO,
         weights: tuple[torch.Tensor, ...],
         constants: Mapping[int, torch.Tensor],
+        *,
+        shapes: tuple[tuple[int, ...], ...] | None = None,
+        name: str = COMPILED,
     ) -> Callable[..., Any]:
-        """The engine's compiled graph, run once at the opt shapes; compiled again from its program
+        """The engine's compiled graph (``name``; a static specialization at ``shapes`` where given),
+        run once at its shapes (the opt shapes for the dynamic graph); compiled again from its program
         where it is not trusted, or its artifact does not load here (another build of this torch
         version, another Inductor configuration)."""
+        examples = _examples(engine_io, self.device, shapes)
         if not self.trust_engine_code:
             reason = (
                 "its compiled graph is code and its package is not trusted to run code (sign packages with "
@@ -258,21 +336,25 @@ class InductorBackend:
             )
         else:
             try:
-                compiled = _load_artifact(files[COMPILED])
+                compiled = _load_artifact(files[name])
                 with torch.no_grad():
-                    compiled(*_graph_args(_examples(engine_io, self.device), weights, constants))
+                    compiled(*_graph_args(examples, weights, constants))
                 return compiled
             except Exception as exc:  # a cache miss or a torch build mismatch: both mean compile again
                 reason = f"its compiled graph does not load here ({_short(exc)})"
         # Keyed by the options it is compiled with here (an untrusted header's are filtered already).
-        local = _LocalCompiled(files[PROGRAM], options, self.target_device())
-        compiled = local.load(engine_io, self.device, weights, constants)
+        local = _LocalCompiled(files[PROGRAM], options, self.target_device(), shapes)
+        compiled = local.load(examples, weights, constants)
         if compiled is not None:  # compiled here from this very program before: as trusted as a build
             return compiled
-        warnings.warn(f"Inductor engine: {reason}; compiling it from its program", stacklevel=3)
+        what = "it" if shapes is None else f"its static specialization at {[list(s) for s in shapes]}"
+        warnings.warn(f"Inductor engine: {reason}; compiling {what} from its program", stacklevel=3)
         graph = _Graph.load(files[PROGRAM], self.device)  # an unsafe program is its own typed error
         try:
-            compiled = graph.compile(engine_io, options, weights)
+            if shapes is None:
+                compiled = graph.compile(engine_io, options, weights)
+            else:
+                compiled = graph.compile_static(shapes, engine_io, options, weights)
         except Exception as exc:
             raise BackendError(f"Inductor could not compile a stored engine: {_short(exc)}") from exc
         local.store(compiled)
@@ -355,6 +437,30 @@ class _Graph:
                 compiled(*args)
         return compiled
 
+    def compile_static(
+        self,
+        shapes: tuple[tuple[int, ...], ...],
+        engine_io: EngineIO,
+        options: Mapping[str, Any],
+        weights: tuple[torch.Tensor, ...],
+    ) -> Callable[..., Any]:
+        """The graph specialized to one set of activation shapes (a shape profile): Inductor traces it
+        again from real inputs at those shapes, so every size is a constant (no guards, no symbolic
+        index math); run once so that a first call does no autotuning."""
+        from compiler.export import TRACING
+
+        args = _graph_args(_examples(engine_io, self.device, shapes), weights, self.constants)
+        with TRACING:
+            compiled = torch._inductor.standalone_compile(
+                self.module,
+                args,
+                dynamic_shapes="from_example_inputs",
+                options={"config_patches": inductor_config(options)},
+            )
+            with torch.no_grad():
+                compiled(*args)
+        return compiled
+
 
 class _LocalCompiled:
     """Graphs this machine compiled from stored engines' programs (untrusted packages, artifacts that do
@@ -362,8 +468,16 @@ class _LocalCompiled:
     machine built instead of compiling again. Keyed by what was compiled (the program's bytes, the
     options, torch and the device), never by the package's own compiled graph, which is not read."""
 
-    def __init__(self, program: bytes, options: Mapping[str, Any], target: str):
+    def __init__(
+        self,
+        program: bytes,
+        options: Mapping[str, Any],
+        target: str,
+        shapes: tuple[tuple[int, ...], ...] | None = None,
+    ):
         meta = {"torch": torch.__version__, "target": target, "options": options, "format": FORMAT}
+        if shapes is not None:  # a static specialization: its own entry
+            meta["static_shapes"] = [list(s) for s in shapes]
         self.key = hashlib.sha256(program + json.dumps(meta, sort_keys=True).encode()).hexdigest()
         self.meta = {"kind": "inductor-local-compile", "torch": torch.__version__, "target": target}
 
@@ -379,8 +493,7 @@ class _LocalCompiled:
 
     def load(
         self,
-        engine_io: EngineIO,
-        device: torch.device,
+        examples: Sequence[torch.Tensor],
         weights: tuple[torch.Tensor, ...],
         constants: Mapping[int, torch.Tensor],
     ) -> Callable[..., Any] | None:
@@ -391,7 +504,7 @@ class _LocalCompiled:
         try:
             compiled = _load_artifact(data)
             with torch.no_grad():
-                compiled(*_graph_args(_examples(engine_io, device), weights, constants))
+                compiled(*_graph_args(examples, weights, constants))
             return compiled
         except Exception:  # another Inductor configuration since: compile again (and overwrite)
             return None
@@ -462,8 +575,10 @@ def read_engine(engine: bytes) -> tuple[dict, dict[str, bytes]]:
             f"Inductor engine format {header['format']} (torch.compile at load) is no longer read: "
             "recompile the model (engine cache entries of the old format are not reused)"
         )
-    strange = sorted(set(files) - set(_ENTRIES))
-    if strange or PROGRAM not in files or len(files) != len(entries):
+    listed = header.get("specializations") or []
+    static = {_static_name(i) for i in range(len(listed))} if isinstance(listed, list) else set()
+    strange = sorted(set(files) - set(_ENTRIES) - static)
+    if strange or PROGRAM not in files or len(files) != len(entries) or not static <= set(files):
         raise UnsafeEngineError(
             f"not a kiln Inductor engine: entries {sorted(files)[:8]}; expected {PROGRAM}, some of {_ENTRIES}"
         )
@@ -505,15 +620,75 @@ def _device_index(device: torch.device) -> int | None:
     return (device.index or 0) if device.type == "cuda" else None
 
 
-def _examples(engine_io: EngineIO, device: torch.device) -> list[torch.Tensor]:
-    """Activations at the opt shapes: the size hints Inductor tunes for (the graph stays symbolic)."""
+def _examples(
+    engine_io: EngineIO, device: torch.device, shapes: Sequence[Sequence[int]] | None = None
+) -> list[torch.Tensor]:
+    """Activations at ``shapes``, else the opt shapes: the size hints Inductor tunes for (the dynamic
+    graph stays symbolic)."""
     tensors = []
-    for spec in engine_io.inputs:
+    for index, spec in enumerate(engine_io.inputs):
         dtype = torch_dtype(spec.dtype)
         # Zeros for integers and masks: valid indices for any embedding the partition may hold.
         make = torch.randn if dtype.is_floating_point else torch.zeros
-        tensors.append(make(spec.opt_shape, dtype=dtype, device=device))
+        shape = spec.opt_shape if shapes is None else tuple(shapes[index])
+        tensors.append(make(shape, dtype=dtype, device=device))
     return tensors
+
+
+def engine_profile_shapes(
+    engine_io: EngineIO, profile: Mapping[str, int]
+) -> tuple[tuple[int, ...], ...] | None:
+    """The engine's activation shapes under a shape profile (dimensions it leaves out at their opt
+    size); None where the profile does not apply: it names none of the engine's dimensions, or an
+    input has a derived dynamic size (``batch*seq``) that only the dynamic graph knows how to follow."""
+    shapes, named = [], False
+    for spec in engine_io.inputs:
+        shape = list(spec.opt_shape)
+        for axis, name in spec.dynamic_dims.items():
+            if not name.isidentifier():
+                return None
+            if name in profile:
+                shape[axis], named = int(profile[name]), True
+        shapes.append(tuple(shape))
+    return tuple(shapes) if named else None
+
+
+def _specializations(header: Mapping[str, Any], engine_io: EngineIO) -> list[tuple[tuple[int, ...], ...]]:
+    """The header's specialization shapes, checked before use: at most _MAX_SPECIALIZATIONS, one shape
+    per activation input, each inside that input's range (an untrusted engine compiles every one)."""
+    listed = header.get("specializations") or []
+    if not isinstance(listed, list) or len(listed) > _MAX_SPECIALIZATIONS:
+        raise UnsafeEngineError(
+            f"Inductor engine header field 'specializations': expected a list of at most "
+            f"{_MAX_SPECIALIZATIONS} shape sets"
+        )
+    result = []
+    for entry in listed:
+        ok = isinstance(entry, list) and len(entry) == len(engine_io.inputs)
+        for shape, spec in zip(entry if ok else (), engine_io.inputs, strict=False):
+            ok = ok and (
+                isinstance(shape, list)
+                and len(shape) == len(spec.min_shape)
+                and all(
+                    isinstance(d, int) and not isinstance(d, bool) and lo <= d <= hi
+                    for d, lo, hi in zip(shape, spec.min_shape, spec.max_shape, strict=True)
+                )
+            )
+        if not ok:
+            raise UnsafeEngineError(
+                f"Inductor engine header field 'specializations': {str(entry)[:200]} is not one shape per "
+                "activation input inside its range"
+            )
+        result.append(tuple(tuple(shape) for shape in entry))
+    return result
+
+
+def _static_name(index: int) -> str:
+    return f"inductor_static_{index}.bin"
+
+
+def _static_key(key: str, shapes: tuple[tuple[int, ...], ...]) -> str:
+    return hashlib.sha256(f"{key}/static/{json.dumps([list(s) for s in shapes])}".encode()).hexdigest()
 
 
 def _save_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
@@ -567,7 +742,8 @@ def _library_key(program: bytes, header: Mapping[str, Any]) -> str:
 def _pack(files: Mapping[str, bytes]) -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
-        for name in (HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED):  # header first: readable alone
+        static = sorted((n for n in files if n not in _ENTRIES), key=lambda n: int(n.split("_")[-1][:-4]))
+        for name in (*_ENTRIES, *static):  # header first: readable alone
             if name in files:
                 info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))  # equal builds, equal bytes
                 archive.writestr(info, files[name])
