@@ -196,7 +196,7 @@ class CompiledModule(torch.nn.Module):
             served = (
                 f"static specializations in {static} of {len(engines)} engines"
                 if static
-                else "the dynamic engines"
+                else "dynamic engines"
             )
             graphs = self.cuda_graphs
             rows.append(
@@ -204,7 +204,7 @@ class CompiledModule(torch.nn.Module):
                     "profile": dict(profile),
                     "shapes": [list(s) for s in profile_shapes(self.plan.specs, profile, index)],
                     "latency_ms": round(latency.median_ms, 4),
-                    "dispatch": f"cuda graph over {served}"
+                    "dispatch": f"cuda graph over {served if static else 'the dynamic engines'}"
                     if graphs.enabled
                     else f"{served}, uncaptured ({graphs.reason})",
                     "engines": engines,
