@@ -2,15 +2,17 @@
 
 For BERT-base (12 layers x 768, sequence 128, batch 1..8 dynamic) and the fallback model (12 blocks of
 1024 wide with a custom op in each, which stays in PyTorch between engines), in fp32 and fp16, at batch
-1, 8 and 5 (no profile: shape profiles are not built yet, so every batch is served by the dynamic
-engines): latency of eager PyTorch, ``torch.compile`` default and ``mode="reduce-overhead"``, kiln
-``inductor`` over the whole graph and split per block with dedup, each with CUDA graphs (the default,
-``cuda_graphs="auto"``) and without; compile times; and for BERT-base fp16 (whole graph) the fresh
-process's load to first answer, trusted, untrusted (engines compiled from their programs) and
-untrusted a second time (what the first kept in the local engine cache), with where the trusted load's
-time goes (cProfile). Timings are interleaved (``compiler.validate.measure_latency``, synchronised).
-Every compile gets a fresh Inductor cache directory, so compile times are cold on disk. Results are
-written after every step, so a run cut short leaves what it measured.
+1, 8 and 5 (with ``--profiles 1,8`` kiln compiles batch 1 and 8 as shape profiles: Inductor's static
+specialization per profile serves them, the dynamic engine serves batch 5; without, every batch is
+served by the dynamic engines): latency of eager PyTorch, ``torch.compile`` default and
+``mode="reduce-overhead"``, kiln ``inductor`` over the whole graph and split per block with dedup
+(``--skip-split``: whole only), each with CUDA graphs (the default, ``cuda_graphs="auto"``) and without;
+compile times; and for BERT-base fp16 (whole graph) the fresh process's load to first answer, trusted,
+untrusted (engines compiled from their programs) and untrusted a second time (what the first kept in the
+local engine cache), with where the trusted load's time goes (cProfile). Timings are interleaved
+(``compiler.validate.measure_latency``, synchronised). Every compile gets a fresh Inductor cache
+directory, so compile times are cold on disk. Results are written after every step, so a run cut short
+leaves what it measured.
 
     python3 benchmarks/gpu_runtime.py --out benchmarks/results/gpu_runtime_h100.json
 """
@@ -201,7 +203,8 @@ def run(args: argparse.Namespace) -> dict:
                     compile_rows[f"{label}_first_call_batch{batch}_s"] = round(seconds, 2)
         program = compiler.export(model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
         kiln = {}
-        for label, split in (("kiln_whole", None), ("kiln_split_dedup", "auto")):
+        variants = (("kiln_whole", None),) + (() if args.skip_split else (("kiln_split_dedup", "auto"),))
+        for label, split in variants:
             fresh_inductor_cache()
             start = time.perf_counter()
             module = compiler.compile(
@@ -211,19 +214,21 @@ def run(args: argparse.Namespace) -> dict:
                 precision=precision,
                 split_modules=split,
                 cache=False,
+                profiles=[{"batch": b} for b in args.profiles],
             )
             compile_rows[f"{label}_build_s"] = round(time.perf_counter() - start, 2)
             compile_rows[f"{label}_partitions"] = len(module.report.partitions)
             compile_rows[f"{label}_unique"] = module.report.unique_fingerprints
             compile_rows[f"{label}_cuda_graph_check"] = module.report.cuda_graphs
+            compile_rows[f"{label}_profiles"] = module.report.profiles  # latency and dispatch per profile
             compile_rows[f"{label}_build_failures"] = [
                 {"partitions": f["partitions"], "error": f["error"][:2000]}
                 for f in module.report.build_failures
             ]
             kiln[f"{label}_cuda_graphs"] = module
             kiln[f"{label}_no_graphs"] = without_graphs(module)
-        whole, split = compile_rows["kiln_whole_build_s"], compile_rows["kiln_split_dedup_build_s"]
-        compile_rows["split_over_whole_compile"] = round(split / whole, 3) if whole else None
+        whole, split = compile_rows["kiln_whole_build_s"], compile_rows.get("kiln_split_dedup_build_s")
+        compile_rows["split_over_whole_compile"] = round(split / whole, 3) if whole and split else None
         first = compile_rows.get(f"torch_compile_first_call_batch{args.batches[0]}_s")
         compile_rows["kiln_whole_over_torch_compile_first_call"] = round(whole / first, 3) if first else None
         results["compile_seconds"].append(compile_rows)
@@ -259,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
                 }
                 for label in kiln:
                     row[f"{label}_over_reduce_overhead"] = round(ms[label] / ro, 3)
-                for part in ("kiln_whole", "kiln_split_dedup"):
+                for part in [v for v, _ in variants]:
                     row[f"{part}_graphs_over_no_graphs"] = round(
                         ms[f"{part}_cuda_graphs"] / ms[f"{part}_no_graphs"], 3
                     )
@@ -302,6 +307,13 @@ def main() -> None:
     parser.add_argument("--cold-start-precision", default="fp16")
     parser.add_argument("--cold-start-only", action="store_true", help="only the load to first answer")
     parser.add_argument(
+        "--profiles",
+        type=lambda s: [int(b) for b in s.split(",") if b],
+        default=[],
+        help="batch sizes kiln compiles as shape profiles (Inductor static specializations), e.g. 1,8",
+    )
+    parser.add_argument("--skip-split", action="store_true", help="kiln over the whole graph only")
+    parser.add_argument(
         "--budget-s", type=float, default=480.0, help="start no new (model, precision) after this"
     )
     results = run(parser.parse_args())
@@ -326,6 +338,8 @@ def print_tables(results: dict) -> None:
             + [
                 f"{r[f'{k}_ms']:.2f}"
                 + (f" ({r[f'{k}_over_reduce_overhead']:.2f}x)" if k.startswith("kiln") else "")
+                if f"{k}_ms" in r
+                else "-"
                 for k in kinds
             ]
             for r in results["rows"]

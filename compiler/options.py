@@ -228,6 +228,8 @@ class CompileOptions:
         data["backend_options"] = dict(self.backend_options)
         data["profiles"] = [dict(p) for p in self.profiles]
         data["calibration"] = self.calibration.to_dict()
+        if self.pad_to_profile == "off":  # the default left out: requests, keys and packages stay as before
+            del data["pad_to_profile"]
         return data
 
     @classmethod

@@ -41,6 +41,7 @@ import shutil
 import stat
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ import torch
 from compiler.atomic import write_bytes_atomic
 from compiler.backends import get_backend
 from compiler.backends.base import QUANTIZED_PRECISIONS
+from compiler.backends.inductor import warm_inductor_imports
 from compiler.build import EngineArtifact
 from compiler.dedup import DedupPlan
 from compiler.device import program_on, resolve
@@ -237,6 +239,29 @@ def load(
         # The one implicit trust: a signature just verified with $KILN_SIGNING_KEY, over a format-2 hash
         # (which covers every byte a load reads; format 1's left the program out).
         trust_engine_code = _signing_key() is not None and manifest.format_version >= 2
+    # Cold start: every file is read and checked on worker threads (sha256 and file reads release the
+    # GIL) while this thread imports what the engines' runtime needs and reads the program. Imports stay
+    # on this thread: concurrent imports can hand a thread a partly initialised module.
+    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kiln-load")
+    try:
+        return _load(path, manifest, pool, allowed_modules, device, trust_engine_code, cuda_graphs)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _load(
+    path: Path,
+    manifest: Manifest,
+    pool: ThreadPoolExecutor,
+    allowed_modules: Sequence[str] | None,
+    device: str | None,
+    trust_engine_code: bool,
+    cuda_graphs: str | None,
+) -> CompiledModule:
+    reads = {
+        rel: pool.submit(_read_verified, path, rel, manifest)
+        for rel in (PROGRAM, WEIGHTS, *(r.file for r in manifest.engines.values() if r.file is not None))
+    }
     # Each engine runs on the backend that built it; only a backend some engine needs must be present.
     backends = manifest.engine_backends()
     if manifest.backend in backends.values():
@@ -246,8 +271,10 @@ def load(
                 f"{path} holds {manifest.backend} {manifest.backend_version} engines; this machine "
                 f"has {backend.library_version()}: recompile for it"
             )
+    if "inductor" in backends.values():
+        warm_inductor_imports()  # while the workers hash
     program = load_program_bytes(
-        _read_verified(path, PROGRAM, manifest),
+        reads[PROGRAM].result(),
         str(path / PROGRAM),
         # Format 1 recorded the modules inside the archive (checked bytes, read as data).
         modules=manifest.op_modules if manifest.format_version >= 2 else None,
@@ -259,9 +286,7 @@ def load(
         raise PackageCorruptError(f"{path}: the manifest's plan has no options ({exc!r})") from exc
     target = resolve(device if device is not None else recorded_device)
     program = program_on(program, target)
-    weights = {
-        k: v.to(target) for k, v in safetensors.torch.load(_read_verified(path, WEIGHTS, manifest)).items()
-    }
+    weights = {k: v.to(target) for k, v in safetensors.torch.load(reads[WEIGHTS].result()).items()}
     own = set(program_weights(program))
     # Left out by save(int8_weights_only=True): the hollow program's shapes stand in, never read.
     elided = set(manifest.plan.get("elided_weights", ()))
@@ -288,7 +313,7 @@ def load(
         fp: EngineArtifact(
             fp,
             record.cache_key,
-            b"" if record.file is None else _read_verified(path, record.file, manifest),
+            b"" if record.file is None else reads[record.file].result(),
             record.io,
             record.stripped,
             True,

@@ -9,9 +9,9 @@ What a profile buys today: on CUDA with graphs on, its CUDA graph is captured wh
 assembled (compile, load, refit), so the first call at that shape replays instead of capturing; the
 warm-up is timed (``module.cuda_graphs.warmup_seconds``). Every profile's latency and what served it
 (``dispatch``) are measured at compile and recorded in the report (``CompileReport.profiles``), so in
-the manifest. Not built yet: Inductor static-shape specializations per profile, TensorRT optimization
-profiles per range, and padding to a profile (``pad_to_profile``); every profile is served by the
-dynamic engines.
+the manifest. With the Inductor backend each engine also gets a static-shape specialization per
+profile, run on an exact shape match (:mod:`compiler.backends.inductor`); padding a batch up to a
+profile is :mod:`compiler.padding`. Not built yet: TensorRT optimization profiles per range, ranges.
 """
 
 from __future__ import annotations

@@ -106,6 +106,14 @@ _RECENT: OrderedDict[str, tuple[Callable[..., Any], bytes | None]] = OrderedDict
 _RECENT_LIMIT = 128
 
 
+def warm_inductor_imports() -> None:
+    """Import what loading a compiled graph imports lazily (Inductor's code cache, its compile_fx and
+    lowering tables): a package load runs this while its worker threads read and check files."""
+    import torch._inductor.codecache
+    import torch._inductor.compile_fx  # noqa: F401
+    from torch._inductor import CompiledArtifact  # noqa: F401
+
+
 def inductor_supports(target: Any) -> bool:
     """ATen and prims ops go to Inductor; custom ops and higher-order ops stay in PyTorch."""
     if not isinstance(target, torch._ops.OpOverload):
