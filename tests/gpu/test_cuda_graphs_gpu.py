@@ -189,7 +189,9 @@ def test_profiles_are_captured_at_compile_and_load(tmp_path):
     model, args, _, module = _compiled("mlp_with_fallback", profiles=[{"batch": 1}, {"batch": 8}])
     assert module.cuda_graphs.captured_shapes == 2  # both profiles, before any call of ours
     rows = module.report.profiles
-    assert [r["dispatch"] for r in rows] == ["cuda graph over the dynamic engines"] * 2
+    # Inductor builds a static specialization per profile: the captured graphs replay those.
+    assert all(r["dispatch"].startswith("cuda graph over static specializations in") for r in rows)
+    assert all(set(r["engines"].values()) == {"static"} for r in rows)
     compiler.save(module, tmp_path / "p.kiln")
     loaded = compiler.load(tmp_path / "p.kiln", trust_engine_code=True)
     graphs = loaded.cuda_graphs
@@ -197,3 +199,21 @@ def test_profiles_are_captured_at_compile_and_load(tmp_path):
     x = _batch(args[0], 8)
     torch.testing.assert_close(loaded(x), model(x), rtol=2e-3, atol=2e-3)
     assert graphs.captured_shapes == 2  # the first call at a profile replays, no capture
+
+
+@pytest.mark.parametrize("cuda_graphs", ["auto", "off"])
+def test_static_specializations_answer_like_the_model_on_cuda(cuda_graphs):
+    """BERT with profiles batch 1 and 8: the specializations (graphed and not) and the dynamic engine at
+    batch 5 answer like the eager model; synchronised, so a faulting kernel fails here, not later."""
+    model, _, kwargs, module = _compiled(
+        "tiny_bert", profiles=[{"batch": 1}, {"batch": 8}], cuda_graphs=cuda_graphs
+    )
+    for batch, served in ((8, "static"), (1, "static"), (5, "dynamic")):
+        inputs = {k: v.repeat(batch, 1)[:batch] for k, v in kwargs.items()}  # token ids stay in range
+        with torch.no_grad():
+            got = module(**inputs).last_hidden_state
+            torch.cuda.synchronize()
+            want = model(**inputs).last_hidden_state
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+        if cuda_graphs == "off":
+            assert set(module.last_dispatch().values()) == {served}, batch
