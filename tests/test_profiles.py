@@ -16,8 +16,8 @@ from torch import nn
 from torch.export import Dim
 
 import compiler
-from compiler.backends.inductor import read_engine
-from compiler.errors import PartitionError
+from compiler.backends.inductor import HEADER, InductorBackend, _pack, read_engine
+from compiler.errors import PartitionError, UnsafeEngineError
 from zoo.config import ZooEntry
 
 
@@ -84,6 +84,17 @@ def test_static_specialization_serves_its_profile_and_the_dynamic_engine_the_res
     x = torch.randn(2, 8)
     torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-6)
     assert set(loaded.last_dispatch().values()) == {"static"}
+
+
+def test_a_header_listing_a_specialization_outside_the_range_is_refused(inductor_profiled):
+    """An untrusted load compiles every listed specialization: the list is checked before any compile."""
+    _, module = inductor_profiled
+    (artifact,) = [a for a in module.engines.values() if a.is_engine]
+    header, files = read_engine(artifact.engine)
+    header["specializations"] = [[[99, 8]]]  # batch 99: outside the input's 1..16
+    tampered = _pack({**files, HEADER: json.dumps(header).encode()})
+    with pytest.raises(UnsafeEngineError, match="not one shape per activation input inside its range"):
+        InductorBackend(trust_engine_code=False).load(tampered, artifact.io, None)
 
 
 def test_pad_to_profile_pads_a_smaller_batch_where_the_check_allowed_it(inductor_profiled):

@@ -72,6 +72,13 @@ from compiler.backends.inductor_options import (
     inductor_config,
     untrusted_options,
 )
+from compiler.backends.inductor_static import (
+    MAX_SPECIALIZATIONS,
+    engine_profile_shapes,
+    specializations,
+    static_entry,
+    static_key,
+)
 from compiler.errors import (
     BackendError,
     EngineBuildError,
@@ -89,9 +96,6 @@ HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED = (
     "inductor_compiled.bin",
 )
 _ENTRIES = (HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED)
-# Static-shape specializations an engine may list (one per shape profile): an untrusted load compiles
-# each, so a header cannot ask for more.
-_MAX_SPECIALIZATIONS = 32
 # 1: torch.compile at load from cache artifacts (no longer read: rebuild). 2: standalone compiled graph.
 FORMAT = 2
 MAGIC = "kiln-inductor-engine"
@@ -230,7 +234,7 @@ class InductorBackend:
         header["specializations"] = [[list(s) for s in shapes] for shapes in static]
         files = {HEADER: json.dumps(header, sort_keys=True).encode(), PROGRAM: program}
         for index, data in enumerate(static.values()):
-            files[_static_name(index)] = data
+            files[static_entry(index)] = data
         if graph.constants:
             files[CONSTANTS] = _save_tensors({str(i): t for i, t in graph.constants.items()})
         if not settings.strip_weights:
@@ -255,11 +259,11 @@ class InductorBackend:
             shapes = engine_profile_shapes(io, profile)
             if shapes is None or shapes in built:
                 continue
-            if len(built) == _MAX_SPECIALIZATIONS:  # what a load accepts
-                warnings.warn(f"Inductor: {_MAX_SPECIALIZATIONS} specializations at most", stacklevel=3)
+            if len(built) == MAX_SPECIALIZATIONS:  # what a load accepts
+                warnings.warn(f"Inductor: {MAX_SPECIALIZATIONS} specializations at most", stacklevel=3)
                 break
-            static_key = _static_key(key, shapes)
-            artifact = _recall(static_key)[1]
+            shape_key = static_key(key, shapes)
+            artifact = _recall(shape_key)[1]
             if artifact is None:
                 try:
                     compiled = graph.compile_static(shapes, io, options, tuple(weights.values()))
@@ -271,7 +275,7 @@ class InductorBackend:
                         stacklevel=3,
                     )
                     continue
-                _remember(static_key, compiled, artifact)
+                _remember(shape_key, compiled, artifact)
             built[shapes] = artifact
         return built
 
@@ -294,14 +298,14 @@ class InductorBackend:
                 compiled = self._load_compiled(options, files, io, ordered, constants)
                 _remember(key, compiled, None)
             static = {}
-            for index, shapes in enumerate(_specializations(header, io)):
-                static_key = _static_key(key, shapes)
-                loaded = _recall(static_key)[0]
+            for index, shapes in enumerate(specializations(header, io)):
+                shape_key = static_key(key, shapes)
+                loaded = _recall(shape_key)[0]
                 if loaded is None:
                     loaded = self._load_compiled(
-                        options, files, io, ordered, constants, shapes=shapes, name=_static_name(index)
+                        options, files, io, ordered, constants, shapes=shapes, name=static_entry(index)
                     )
-                    _remember(static_key, loaded, None)
+                    _remember(shape_key, loaded, None)
                 static[shapes] = loaded
         return InductorEngine(compiled, ordered, io, constants, static)
 
@@ -584,7 +588,7 @@ def read_engine(engine: bytes) -> tuple[dict, dict[str, bytes]]:
             "recompile the model (engine cache entries of the old format are not reused)"
         )
     listed = header.get("specializations") or []
-    static = {_static_name(i) for i in range(len(listed))} if isinstance(listed, list) else set()
+    static = {static_entry(i) for i in range(len(listed))} if isinstance(listed, list) else set()
     strange = sorted(set(files) - set(_ENTRIES) - static)
     if strange or PROGRAM not in files or len(files) != len(entries) or not static <= set(files):
         raise UnsafeEngineError(
@@ -641,62 +645,6 @@ def _examples(
         shape = spec.opt_shape if shapes is None else tuple(shapes[index])
         tensors.append(make(shape, dtype=dtype, device=device))
     return tensors
-
-
-def engine_profile_shapes(
-    engine_io: EngineIO, profile: Mapping[str, int]
-) -> tuple[tuple[int, ...], ...] | None:
-    """The engine's activation shapes under a shape profile (dimensions it leaves out at their opt
-    size); None where the profile does not apply: it names none of the engine's dimensions, or an
-    input has a derived dynamic size (``batch*seq``) that only the dynamic graph knows how to follow."""
-    shapes, named = [], False
-    for spec in engine_io.inputs:
-        shape = list(spec.opt_shape)
-        for axis, name in spec.dynamic_dims.items():
-            if not name.isidentifier():
-                return None
-            if name in profile:
-                shape[axis], named = int(profile[name]), True
-        shapes.append(tuple(shape))
-    return tuple(shapes) if named else None
-
-
-def _specializations(header: Mapping[str, Any], engine_io: EngineIO) -> list[tuple[tuple[int, ...], ...]]:
-    """The header's specialization shapes, checked before use: at most _MAX_SPECIALIZATIONS, one shape
-    per activation input, each inside that input's range (an untrusted engine compiles every one)."""
-    listed = header.get("specializations") or []
-    if not isinstance(listed, list) or len(listed) > _MAX_SPECIALIZATIONS:
-        raise UnsafeEngineError(
-            f"Inductor engine header field 'specializations': expected a list of at most "
-            f"{_MAX_SPECIALIZATIONS} shape sets"
-        )
-    result = []
-    for entry in listed:
-        ok = isinstance(entry, list) and len(entry) == len(engine_io.inputs)
-        for shape, spec in zip(entry if ok else (), engine_io.inputs, strict=False):
-            ok = ok and (
-                isinstance(shape, list)
-                and len(shape) == len(spec.min_shape)
-                and all(
-                    isinstance(d, int) and not isinstance(d, bool) and lo <= d <= hi
-                    for d, lo, hi in zip(shape, spec.min_shape, spec.max_shape, strict=True)
-                )
-            )
-        if not ok:
-            raise UnsafeEngineError(
-                f"Inductor engine header field 'specializations': {str(entry)[:200]} is not one shape per "
-                "activation input inside its range"
-            )
-        result.append(tuple(tuple(shape) for shape in entry))
-    return result
-
-
-def _static_name(index: int) -> str:
-    return f"inductor_static_{index}.bin"
-
-
-def _static_key(key: str, shapes: tuple[tuple[int, ...], ...]) -> str:
-    return hashlib.sha256(f"{key}/static/{json.dumps([list(s) for s in shapes])}".encode()).hexdigest()
 
 
 def _save_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
