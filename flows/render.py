@@ -15,6 +15,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from registry.summary import name_width
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 console = Console(stderr=True)
@@ -55,16 +57,25 @@ def progress_bar() -> Progress:
     )
 
 
+NOT_MEASURED = "-"
+
+
 def _summary_table(summary: dict[str, Any]) -> Table:
-    table = Table(title=f"kiln: {summary['ok']} ok, {summary['failed']} failed, {summary['seconds']}s")
+    unmeasured = any(m.get("max_rel_l2") is None or m.get("latency_ratio") is None for m in summary["models"])
+    table = Table(
+        title=f"kiln: {summary['ok']} ok, {summary['failed']} failed, {summary['seconds']}s",
+        caption=f"{NOT_MEASURED}: not measured (the model failed, or was not validated)" if unmeasured else None,
+    )
     # Short headers: the table must fit 80 columns (CI logs, pipes).
-    table.add_column("model", overflow="fold", min_width=6)
-    table.add_column("device")
-    table.add_column("status")
+    table.add_column(
+        "model", no_wrap=True, overflow="ellipsis", width=name_width(m["name"] for m in summary["models"])
+    )
+    table.add_column("device", no_wrap=True, overflow="ellipsis")
+    table.add_column("status", no_wrap=True)
     # Only when some model is not plain fp32 (int8 plans, fp16): the table must fit 80 columns.
     mixed = any((m.get("precision") or "fp32") != "fp32" for m in summary["models"])
     if mixed:
-        table.add_column("prec")
+        table.add_column("prec", no_wrap=True)
     for column in ("parts", "built", "reused", "rel L2", "lat x", "s"):
         table.add_column(column, justify="right")
     for m in summary["models"]:
@@ -77,8 +88,8 @@ def _summary_table(summary: dict[str, Any]) -> Table:
             str(m["partitions"]),
             str(m["engines_built"]),
             str(m["engines_reused"]),
-            f"{m['max_rel_l2']:.1e}" if m.get("max_rel_l2") is not None else "-",
-            f"{m['latency_ratio']:.2f}" if m.get("latency_ratio") is not None else "-",
+            f"{m['max_rel_l2']:.1e}" if m.get("max_rel_l2") is not None else NOT_MEASURED,
+            f"{m['latency_ratio']:.2f}" if m.get("latency_ratio") is not None else NOT_MEASURED,
             f"{m['seconds']:.1f}",
         )
     return table

@@ -1,0 +1,72 @@
+"""The CLI's tables at 80 columns: names whole or cut with an ellipsis, never folded mid-word; no blank
+cells (issue 21)."""
+
+from __future__ import annotations
+
+import re
+
+from rich.console import Console
+
+from flows.render import _summary_table
+from registry.summary import versions_table
+
+NAMES = ["kiln.mlp-fallback.cpu", "kiln.bert.cpu", "kiln.a-model-name-far-too-long-for-any-column.cuda-sm-90"]
+
+
+def _render(table) -> list[str]:
+    console = Console(width=80, record=True, color_system=None)
+    console.print(table)
+    return console.export_text().splitlines()
+
+
+def _first_cells(lines: list[str]) -> list[str]:
+    """The first column's text of each body line (between the first two vertical bars)."""
+    return [m.group(1).strip() for line in lines if (m := re.match(r"^│([^│]*)│", line))]
+
+
+def _assert_names_whole_or_ellipsized(lines: list[str], names: list[str]) -> None:
+    assert all(len(line) <= 80 for line in lines)
+    cells = [c for c in _first_cells(lines) if c]
+    assert len(cells) == len(names), f"a name took more than one line: {cells}"
+    for cell, name in zip(cells, names, strict=True):
+        assert cell == name or (cell.endswith("…") and name.startswith(cell[:-1])), (cell, name)
+
+
+def test_versions_table_keeps_names_whole_and_says_what_empty_means():
+    rows = [
+        {
+            "name": name,
+            "version": "12",
+            "aliases": ["champion", "previous"] if i == 1 else [],
+            "backend": "onnxruntime",
+            "precision": "fp32",
+            "dims": "batch 1..8, seq 4..64" if i == 1 else "",
+            "rejected": i == 2,
+        }
+        for i, name in enumerate(NAMES)
+    ]
+    lines = _render(versions_table(rows))
+    _assert_names_whole_or_ellipsized(lines, NAMES)
+    text = "\n".join(lines)
+    assert "kiln.mlp-fallback.cpu" in text and "no alias" in text and "unknown" in text and "rejected" in text
+    assert "onnxruntime" in text  # the engine column is never cut below its widest word
+
+
+def test_summary_table_keeps_model_names_whole_and_explains_unmeasured_cells():
+    models = [
+        {
+            "name": name.removeprefix("kiln."),
+            "device": "cpu",
+            "status": "ok" if i else "failed",
+            "partitions": 2,
+            "engines_built": 1,
+            "engines_reused": 0,
+            "max_rel_l2": None if i == 0 else 1e-6,
+            "latency_ratio": None if i == 0 else 0.8,
+            "seconds": 1.5,
+        }
+        for i, name in enumerate(NAMES)
+    ]
+    lines = _render(_summary_table({"ok": 2, "failed": 1, "seconds": 3.0, "models": models}))
+    _assert_names_whole_or_ellipsized(lines, [m["name"] for m in models])
+    assert any("-: not measured" in line for line in lines)
