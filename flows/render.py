@@ -64,7 +64,7 @@ def _summary_table(summary: dict[str, Any]) -> Table:
     unmeasured = any(m.get("max_rel_l2") is None or m.get("latency_ratio") is None for m in summary["models"])
     table = Table(
         title=f"kiln: {summary['ok']} ok, {summary['failed']} failed, {summary['seconds']}s",
-        caption=f"{NOT_MEASURED}: not measured (the model failed, or was not validated)" if unmeasured else None,
+        caption=f"{NOT_MEASURED}: not measured (failed, or not validated)" if unmeasured else None,
     )
     # Short headers: the table must fit 80 columns (CI logs, pipes).
     table.add_column(
