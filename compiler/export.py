@@ -28,6 +28,8 @@ from torch.export import ExportedProgram
 
 from compiler.atomic import write_bytes_atomic
 from compiler.errors import ExportError, InputSpecError, OpModuleNotAllowedError, UnsafeProgramError
+from compiler.module_policy import ALLOWED_MODULES_ENV, allowed_module_prefixes, is_allowed_module
+from compiler.module_policy import MODULE_NAME as _MODULE_NAME
 from compiler.program_text import check_program_text
 from compiler.specs import InputSpec, dtype_name, specs_from_json, specs_to_json
 
@@ -41,9 +43,6 @@ SPEC_EXTRA_FILE = "kiln_input_specs.json"
 # transformers' ModelOutput classes) and custom ops (torch.library). torch.export.load needs them
 # imported first, so a program or package loads in a process that never imported the model.
 MODULES_EXTRA_FILE = "kiln_import_modules.json"
-# Loading imports only modules the loading process allows: these prefixes, or ones already imported.
-ALLOWED_MODULES_ENV = "KILN_ALLOWED_OP_MODULES"
-_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 def export(
@@ -296,16 +295,6 @@ def recorded_modules(data: bytes) -> list[str]:
     if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
         raise UnsafeProgramError(f"{MODULES_EXTRA_FILE} must be a list of module names")
     return modules
-
-
-def allowed_module_prefixes(allowed: Sequence[str] | None = None) -> tuple[str, ...]:
-    """The explicit allow list plus ``$KILN_ALLOWED_OP_MODULES`` (comma-separated module prefixes)."""
-    env = os.environ.get(ALLOWED_MODULES_ENV, "")
-    return tuple(p.strip() for p in [*(allowed or ()), *env.split(",")] if p and p.strip())
-
-
-def is_allowed_module(module: str, prefixes: Sequence[str]) -> bool:
-    return any(module == p or module.startswith(p.rstrip(".") + ".") for p in prefixes)
 
 
 def import_allowed_modules(

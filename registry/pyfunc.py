@@ -2,8 +2,9 @@
 
 ``load_context`` calls ``compiler.load`` on the package artifact, which verifies the format version,
 the content hash and every checksum before anything runs. The modules it may import (to register the
-package's custom ops) are the ones the verified manifest recorded when the model was logged, plus
-``$KILN_ALLOWED_OP_MODULES``: never a module named in a registry tag. The logged model carries
+package's custom ops) are the ones the verified manifest recorded when the model was logged, plus the
+process's policy (``compiler.module_policy``): never a module named in a registry tag. In the strict
+mode (``KILN_ALLOWED_OP_MODULES`` set empty) the logged list is ignored too. The logged model carries
 ``compiler``, ``registry`` and those modules' packages as ``code_paths``, so ``mlflow.pyfunc.load_model``
 works in a fresh process without kiln installed (torch, onnxruntime and safetensors must be, as the
 model's requirements say). MLflow itself unpickles this class from the logged model: whoever may write
@@ -44,9 +45,12 @@ class KilnPackageModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context: mlflow.pyfunc.PythonModelContext) -> None:
         import compiler
+        from compiler.module_policy import is_strict
 
         self.package_dir = context.artifacts[PACKAGE_ARTIFACT]
-        self.module = compiler.load(self.package_dir, allowed_modules=self.allowed_modules)
+        # The logged list was kiln's choice at log time, not this user's: strict mode drops it.
+        allowed = () if is_strict() else self.allowed_modules
+        self.module = compiler.load(self.package_dir, allowed_modules=allowed)
 
     @property
     def input_names(self) -> list[str]:

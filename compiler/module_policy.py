@@ -1,0 +1,58 @@
+"""Which modules loading a program or package may import: one policy, decided here.
+
+A program that calls a custom op or returns a custom pytree type (transformers' ``ModelOutput``) loads
+only once the module defining it is imported, and importing a module runs its code. A load imports a
+module its package names only if this process allows it:
+
+* it is already imported (importing it again runs nothing);
+* it matches, as a module prefix, the caller's ``allowed_modules`` (``--allow-op-module`` on the CLI);
+* it matches ``$KILN_ALLOWED_OP_MODULES`` (comma-separated prefixes) or, where that variable is not set
+  at all, ``DEFAULT_ALLOWED_MODULES``.
+
+``DEFAULT_ALLOWED_MODULES`` names only modules of well-known installed libraries that define the data
+types a compiled Hugging Face model's outputs are (so an ``hf:`` package loads with no argument);
+importing them defines classes and runs no user-supplied code. docs/security.md gives the reasoning.
+Setting ``KILN_ALLOWED_OP_MODULES`` replaces the defaults; setting it empty is the strict mode: nothing
+is imported on a package's word but what the caller passes, and an MLflow pyfunc model ignores the
+module list it was logged with (:func:`is_strict`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+
+ALLOWED_MODULES_ENV = "KILN_ALLOWED_OP_MODULES"
+
+# Exact modules, matched as prefixes (so their submodules too; these have none). Not "transformers":
+# that prefix would admit every model's modeling code, which a package has no business choosing.
+DEFAULT_ALLOWED_MODULES: tuple[str, ...] = (
+    "transformers.modeling_outputs",  # BaseModelOutput, SequenceClassifierOutput, ...: HF outputs
+    "transformers.cache_utils",  # DynamicCache and friends: a causal LM that returns its cache
+)
+
+MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def configured_prefixes() -> tuple[str, ...]:
+    """``$KILN_ALLOWED_OP_MODULES`` where set (empty: none, the strict mode), else the defaults."""
+    env = os.environ.get(ALLOWED_MODULES_ENV)
+    if env is None:
+        return DEFAULT_ALLOWED_MODULES
+    return tuple(p.strip() for p in env.split(",") if p.strip())
+
+
+def is_strict() -> bool:
+    """The user set ``KILN_ALLOWED_OP_MODULES`` to nothing: only the caller's own allow list counts."""
+    env = os.environ.get(ALLOWED_MODULES_ENV)
+    return env is not None and not env.strip(",").strip()
+
+
+def allowed_module_prefixes(allowed: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The caller's allow list plus :func:`configured_prefixes`."""
+    return tuple(p.strip() for p in [*(allowed or ()), *configured_prefixes()] if p and p.strip())
+
+
+def is_allowed_module(module: str, prefixes: Sequence[str]) -> bool:
+    return any(module == p or module.startswith(p.rstrip(".") + ".") for p in prefixes)
