@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -64,6 +65,9 @@ def _summary_table(summary: dict[str, Any]) -> Table:
     unmeasured = any(m.get("max_rel_l2") is None or m.get("latency_ratio") is None for m in summary["models"])
     table = Table(
         title=f"kiln: {summary['ok']} ok, {summary['failed']} failed, {summary['seconds']}s",
+        # Columns apart by one space, no rules: nine columns and a whole model name fit 80 columns.
+        box=box.SIMPLE_HEAD,
+        padding=0,
         caption=f"{NOT_MEASURED}: not measured (failed, or not validated)" if unmeasured else None,
     )
     # Short headers: the table must fit 80 columns (CI logs, pipes).
@@ -77,7 +81,7 @@ def _summary_table(summary: dict[str, Any]) -> Table:
     if mixed:
         table.add_column("prec", no_wrap=True)
     for column in ("parts", "built", "reused", "rel L2", "lat x", "s"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", no_wrap=True)
     for m in summary["models"]:
         precision = [_precision_cell(m.get("precision") or "fp32")] if mixed else []
         table.add_row(

@@ -93,9 +93,15 @@ class KilnPackageModel(mlflow.pyfunc.PythonModel):
         flat = self.module.run_flat(self._tensors(list(inputs)))
         return flat[0] if len(flat) == 1 else tuple(flat)
 
-    # No type hints here on purpose: MLflow would try to derive (and enforce) a signature from them
-    # instead of the TensorSpec signature built from the input specs.
-    def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
+    # ``np.ndarray`` is one of the hints MLflow infers no schema from (mlflow.types.type_hints:
+    # type_hints_no_signature_inference): it enforces the TensorSpec signature built from the input
+    # specs instead, and warns about nothing. A dict or list of arrays is accepted all the same.
+    def predict(
+        self,
+        context: mlflow.pyfunc.PythonModelContext | None,
+        model_input: np.ndarray,
+        params: dict[str, Any] | None = None,
+    ) -> np.ndarray | list[np.ndarray]:
         """numpy in (one array, ``{name: array}`` or a list in input order), numpy out."""
         flat = self.module.run_flat(self._tensors(self._ordered(model_input)))
         arrays = [t.detach().cpu().numpy() for t in flat]

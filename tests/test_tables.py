@@ -3,8 +3,6 @@ cells (issue 21)."""
 
 from __future__ import annotations
 
-import re
-
 from rich.console import Console
 
 from flows.render import _summary_table
@@ -19,14 +17,22 @@ def _render(table) -> list[str]:
     return console.export_text().splitlines()
 
 
-def _first_cells(lines: list[str]) -> list[str]:
-    """The first column's text of each body line (between the first two vertical bars)."""
-    return [m.group(1).strip() for line in lines if (m := re.match(r"^│([^│]*)│", line))]
+def _first_column(lines: list[str], second_header: str) -> list[str]:
+    """The first column's cell text on every body line (below the header's rule), by position."""
+    header = next(i for i, line in enumerate(lines) if f" {second_header} " in line)
+    rule = next(i for i in range(header + 1, len(lines)) if set(lines[i].strip()) <= set("━┡╇┩─"))
+    end = lines[header].index(f" {second_header} ")
+    body = []
+    for line in lines[rule + 1 :]:
+        if not line.strip() or line.startswith("└"):  # the table's end; a caption may follow
+            break
+        body.append(line[:end].strip(" │┃"))
+    return body
 
 
-def _assert_names_whole_or_ellipsized(lines: list[str], names: list[str]) -> None:
+def _assert_names_whole_or_ellipsized(lines: list[str], second_header: str, names: list[str]) -> None:
     assert all(len(line) <= 80 for line in lines)
-    cells = [c for c in _first_cells(lines) if c]
+    cells = [c for c in _first_column(lines, second_header) if c]
     assert len(cells) == len(names), f"a name took more than one line: {cells}"
     for cell, name in zip(cells, names, strict=True):
         assert cell == name or (cell.endswith("…") and name.startswith(cell[:-1])), (cell, name)
@@ -46,7 +52,7 @@ def test_versions_table_keeps_names_whole_and_says_what_empty_means():
         for i, name in enumerate(NAMES)
     ]
     lines = _render(versions_table(rows))
-    _assert_names_whole_or_ellipsized(lines, NAMES)
+    _assert_names_whole_or_ellipsized(lines, "┃", NAMES)
     text = "\n".join(lines)
     assert "kiln.mlp-fallback.cpu" in text and "no alias" in text and "unknown" in text and "rejected" in text
     assert "onnxruntime" in text  # the engine column is never cut below its widest word
@@ -68,5 +74,5 @@ def test_summary_table_keeps_model_names_whole_and_explains_unmeasured_cells():
         for i, name in enumerate(NAMES)
     ]
     lines = _render(_summary_table({"ok": 2, "failed": 1, "seconds": 3.0, "models": models}))
-    _assert_names_whole_or_ellipsized(lines, [m["name"] for m in models])
+    _assert_names_whole_or_ellipsized(lines, "device", [m["name"] for m in models])
     assert any("-: not measured" in line for line in lines)
