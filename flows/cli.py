@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-import yaml
-from pydantic import ValidationError
 from rich.markup import escape
 
 from flows.cache_cli import register_commands as register_cache_commands
@@ -26,8 +24,12 @@ from flows.render import (
     progress_bar,
     report,
 )
-from zoo.config import ZooSettings
-from zoo.config import format_errors as _format_errors
+
+if TYPE_CHECKING:
+    from zoo.config import ZooSettings
+
+# Only typer and rich at the top: `kiln --help` answers without torch, Prefect or MLflow (issue 21);
+# each command imports what it uses.
 
 app = typer.Typer(
     name="kiln",
@@ -218,7 +220,10 @@ def zoo_cmd(
     verbose: Verbose = False,
 ) -> None:
     quiet_prefect(verbose)
+    from pydantic import ValidationError
+
     from zoo.config import ZooConfigError, load_zoo
+    from zoo.config import format_errors as _format_errors
 
     try:
         _check_environment()
@@ -376,6 +381,8 @@ def _profiles(texts: list[str] | None) -> list[dict[str, Any]] | None:
 def _backend_options(pairs: list[str] | None) -> dict[str, Any] | None:
     if not pairs:
         return None
+    import yaml
+
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
@@ -499,7 +506,10 @@ def compile_cmd(
     verbose: Verbose = False,
 ) -> None:
     quiet_prefect(verbose)
+    from pydantic import ValidationError
+
     from zoo.config import ZooConfigError, ZooEntry
+    from zoo.config import format_errors as _format_errors
 
     flags = {
         "backend": backend,

@@ -16,11 +16,23 @@ run the same either way. docs/security.md says who trusts what.
 from __future__ import annotations
 
 from functools import cache
+from typing import TYPE_CHECKING, Any
 
-from compiler.backends.base import EngineBackend
 from compiler.errors import BackendError, BackendUnavailableError
 
+if TYPE_CHECKING:
+    from compiler.backends.base import EngineBackend
+
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-rtx", "inductor", "auto")
+
+
+def __getattr__(name: str) -> Any:
+    # The protocol's module imports torch: only a caller that names it pays for it.
+    if name == "EngineBackend":
+        from compiler.backends.base import EngineBackend
+
+        return EngineBackend
+    raise AttributeError(f"module 'compiler.backends' has no attribute {name!r}")
 
 
 def get_backend(name: str, device: str = "cpu", *, trust_engine_code: bool = True) -> EngineBackend:
