@@ -17,15 +17,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from compiler.backends import get_backend
+from compiler.backends import TORCH, get_backend
 from compiler.backends.base import BuildSettings, EngineBackend, EngineIO, graph_format
 from compiler.cache import CacheKey, EngineCache
 from compiler.dedup import DedupPlan
 from compiler.errors import EngineBuildError, LoweringError
 from compiler.lower import LoweredPartition, engine_io, lower, lower_program
 from compiler.partition import PartitionPlan
-
-TORCH = "torch"  # the backend of a partition that runs as its own PyTorch submodule (no engine)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from compiler.backends import TORCH  # the "backend" of a build that fell back to PyTorch: no engine file
 from compiler.backends.base import EngineIO
-from compiler.build import TORCH  # the "backend" of a build that fell back to PyTorch: no engine file
 from compiler.errors import PackageCorruptError
 from compiler.options import CompileOptions
 from compiler.report import CompileReport

@@ -10,24 +10,18 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from compiler.errors import InputSpecError
 
+if TYPE_CHECKING:
+    import torch
+
 SPEC_FORMAT_VERSION = 1
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+# Names of torch dtypes (``getattr(torch, name)``): specs read and match without importing torch, so a
+# registry listing or look-up that loads nothing does not pay for it.
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
 DTYPES = frozenset(_DTYPES)  # the dtype names kiln reads and writes
 
 
@@ -41,10 +35,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a stable dtype string."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise InputSpecError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+    import torch
+
+    return getattr(torch, _checked_dtype(name))
+
+
+def _checked_dtype(name: str) -> str:
+    if name not in _DTYPES:
+        raise InputSpecError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ class InputSpec:
         object.__setattr__(self, "dynamic_dims", {int(k): str(v) for k, v in self.dynamic_dims.items()})
         if self.value_range is not None:
             object.__setattr__(self, "value_range", tuple(self.value_range))
-        torch_dtype(self.dtype)
+        _checked_dtype(self.dtype)
         ranks = {len(self.min_shape), len(self.opt_shape), len(self.max_shape)}
         if len(ranks) != 1:
             raise InputSpecError(
@@ -117,6 +116,8 @@ class InputSpec:
 
     def check(self, value: torch.Tensor) -> None:
         """Raise InputSpecError unless ``value`` has this spec's dtype and a shape inside its ranges."""
+        import torch
+
         if not isinstance(value, torch.Tensor):
             raise InputSpecError(f"input {self.name!r}: expected a torch.Tensor, got {type(value).__name__}")
         if value.dtype != self.torch_dtype:

@@ -180,7 +180,7 @@ def _unchanged_summary(requests: list[Any], out_dir: str, settings: ZooSettings,
     """
     import time
 
-    from flows.recompile_zoo import reuse_unchanged, write_summary
+    from flows.results import reuse_unchanged, write_summary
 
     start = time.perf_counter()
     fresh, results = reuse_unchanged(requests, out_dir, settings, [])
@@ -564,8 +564,8 @@ def compile_cmd(
     if summary is not None:
         _finish(summary, as_json, settings.tracking_enabled())
 
-    from flows.compile_model import ModelResult, compile_model
-    from flows.recompile_zoo import write_summary
+    from flows.compile_model import compile_model
+    from flows.results import ModelResult, write_summary
     from flows.runners import task_runner_for
 
     def run() -> tuple[dict[str, Any], None]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task, unmapped
@@ -16,67 +15,13 @@ from prefect.cache_policies import NO_CACHE
 
 from compiler.compare import precision_summary
 from flows import progress
+from flows.results import ModelResult, package_path
 from tasks.refs import EngineRef
 from tasks.reuse import PublishedRecord, remember
 from tasks.stages import configured
 from zoo.config import ZooSettings
 from zoo.preflight import preflight as check_request
 from zoo.request import CompileRequest
-
-
-@dataclass
-class ModelResult:
-    """One row of a zoo summary: what happened to one model on one device."""
-
-    name: str
-    device: str
-    status: str  # "ok" | "failed"
-    error: str | None = None
-    package: str | None = None
-    content_hash: str | None = None
-    partitions: int = 0
-    unique_engines: int = 0
-    engines_built: int = 0
-    engines_reused: int = 0
-    fallback_ops: dict[str, int] = field(default_factory=dict)
-    max_rel_l2: float | None = None
-    latency_ratio: float | None = None
-    seconds: float = 0.0
-    tracking: dict | None = None
-    build_workers: list[str] = field(default_factory=list)
-    engine_cache: str | None = None  # the engine cache this compile used (None: none)
-    warnings: list[str] = field(default_factory=list)  # the engine cache degraded (corrupt, read-only)
-    unchanged: bool = False  # nothing ran: the request's last package is in place (tasks.reuse)
-    # Its partitions' precision: "fp32", or the plan the gate chose for int8 ("int8 x11; fp32: engine_2")
-    precision: str = ""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_record(cls, request: CompileRequest, record: PublishedRecord) -> ModelResult:
-        """The row of a request whose package is unchanged: every engine reused, nothing run."""
-        return cls(
-            name=request.name,
-            device=request.device,
-            status="ok",
-            package=record.package,
-            content_hash=record.content_hash,
-            partitions=record.partitions,
-            unique_engines=record.unique_engines,
-            engines_reused=record.unique_engines,
-            fallback_ops=dict(record.fallback_ops),
-            max_rel_l2=record.max_rel_l2,
-            latency_ratio=record.latency_ratio,
-            tracking=record.tracking,
-            unchanged=True,
-            precision=record.precision or request.options.precision,
-        )
-
-
-def package_path(out_dir: str, request: CompileRequest) -> str:
-    """``<out>/<package name>.kiln`` (the name carries the device when an entry lists several)."""
-    return str(Path(out_dir) / f"{request.package_name}.kiln")
 
 
 @task(name="preflight", cache_policy=NO_CACHE, persist_result=False)

@@ -16,21 +16,19 @@ from prefect import allow_failure, flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from compiler.atomic import write_bytes_atomic
 from compiler.errors import KilnError
 from flows import progress
-from flows.compile_model import ModelResult, compile_model, package_path, preflight
+from flows.compile_model import compile_model, preflight
+from flows.results import SUMMARY_FILE, ModelResult, reuse_unchanged, write_summary
 from flows.runners import (
     PromptThreadPoolTaskRunner,
     ensure_build_limits,
     shared_dask_cluster,
     task_runner_for,
 )
-from tasks.reuse import unchanged
 from zoo.config import ZooSettings, load_zoo
 from zoo.request import CompileRequest
 
-SUMMARY_FILE = "summary.json"
 SUMMARY_ARTIFACT = "zoo-summary"
 
 
@@ -115,23 +113,6 @@ def summary_markdown(results: list[ModelResult], seconds: float) -> str:
     return "\n".join(lines)
 
 
-def reuse_unchanged(
-    requests: list[CompileRequest], out_dir: str, settings: ZooSettings, results: list[ModelResult]
-) -> tuple[list[CompileRequest], list[ModelResult]]:
-    """(requests to compile, results with a reused row per unchanged request): see ``tasks.reuse``."""
-    workspace = str(Path(settings.workspace).resolve())
-    tracking = settings.tracking_enabled()
-    fresh = []
-    for request in requests:
-        record = unchanged(request, package_path(out_dir, request), workspace, tracking=tracking)
-        if record is None:
-            fresh.append(request)
-            continue
-        results = [*results, ModelResult.from_record(request, record)]
-        progress.emit("done", request.name, request.device, "unchanged")
-    return fresh, results
-
-
 def _open_zoo_run(settings: ZooSettings, zoo_path: str) -> str | None:
     if not settings.tracking_enabled():
         return None
@@ -140,27 +121,6 @@ def _open_zoo_run(settings: ZooSettings, zoo_path: str) -> str | None:
     from registry.tracking import start_zoo_run
 
     return start_zoo_run(f"zoo-{str(flow_run.id)[:8]}", {"zoo": str(zoo_path)})
-
-
-def write_summary(
-    results: list[ModelResult], out_dir: str, settings: ZooSettings, seconds: float, *, zoo: str
-) -> dict[str, Any]:
-    """The run's summary, written atomically to ``<out_dir>/summary.json`` (``kiln compile`` too)."""
-    summary = {
-        "zoo": zoo,
-        "out_dir": out_dir,
-        "ok": sum(r.status == "ok" for r in results),
-        "failed": sum(r.status != "ok" for r in results),
-        "engines_built": sum(r.engines_built for r in results),
-        "engines_reused": sum(r.engines_reused for r in results),
-        "seconds": round(seconds or sum(r.seconds for r in results), 2),
-        "engine_cache": dict(zip(("path", "chosen_by"), settings.engine_cache_choice(), strict=True)),
-        "models": [r.to_dict() for r in results],
-        "warnings": [f"{r.name}: {w}" for r in results for w in r.warnings],
-    }
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(Path(out_dir) / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
-    return summary
 
 
 @flow(name="recompile-zoo", log_prints=True, task_runner=PromptThreadPoolTaskRunner())

@@ -21,14 +21,13 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlflow
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from compiler.errors import PackageError
-from compiler.manifest import Manifest
 from compiler.specs import InputSpec, specs_from_json
 from registry import config
 from registry.config import RetryPolicy, call_with_retry, is_transient
@@ -47,6 +46,9 @@ from registry.models import (
     source_of,
 )
 from registry.pyfunc import PACKAGE_ARTIFACT
+
+if TYPE_CHECKING:  # the manifest's module imports torch: a look-up that loads nothing never needs it
+    from compiler.manifest import Manifest
 
 log = logging.getLogger("kiln.registry")
 

@@ -53,17 +53,18 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from filelock import FileLock
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from compiler.compare import precision_summary
-from compiler.manifest import Manifest
-from compiler.specs import InputSpec
 from registry.config import RetryPolicy, call_with_retry
+
+if TYPE_CHECKING:  # the manifest's module imports torch; a registry listing never needs it
+    from compiler.manifest import Manifest
+    from compiler.specs import InputSpec
 
 PREFIX = "kiln"
 CHAMPION = "champion"
@@ -183,6 +184,8 @@ def lineage_tags(manifest: Manifest) -> dict[str, str]:
     if quantization:
         tags[TAG_CALIBRATION_DATA] = _clip(str(quantization.get("data_source") or quantization.get("mode")))
     if validation is not None and validation.precision_plan:
+        from compiler.compare import precision_summary  # imports torch: only where a plan is tagged
+
         tags[TAG_PRECISION_PLAN] = _clip(precision_summary(validation.precision_plan))
     return {k: v for k, v in tags.items() if v != ""}
 

@@ -1,7 +1,7 @@
 """Unchanged models cost a hash: the record of what a request last published, and the check against it.
 
 After a compile publishes a package, its ``PublishedRecord`` is stored in the workspace under the
-request's compile key (the source's identity, the request, kiln's code: ``tasks.stages.compile_key``,
+request's compile key (the source's identity, the request, kiln's code: ``tasks.workspace.compile_key``,
 computed without loading the model). On the next run, a request whose key has a record, and whose
 package at the output path still verifies with the same content hash, is reused as it is: no model is
 loaded, nothing is exported, no flow runs for it. Plain functions, no Prefect: the CLI checks before it
@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from compiler.errors import PackageError
-from tasks.stages import compile_key
-from tasks.workspace import Workspace
+from tasks.workspace import Workspace, compile_key
 from zoo.request import CompileRequest
 
 STAGE = "published"

@@ -47,7 +47,7 @@ from tasks.refs import (
     ValidationFailedError,
     retry_condition,
 )
-from tasks.workspace import Workspace, code_version, content_hash, read_json
+from tasks.workspace import Workspace, code_version, compile_key, content_hash, read_json
 from zoo.preflight import check_memory, spec_sizes
 from zoo.request import CompileRequest
 from zoo.sources.base import SourceIdentity
@@ -72,11 +72,6 @@ def engine_library(options: CompileOptions) -> list[str]:
     after a library upgrade the content alone would hand back the old engine."""
     backend = get_backend(options.backend, options.device)
     return [backend.name, backend.library_version(), backend.target_device()]
-
-
-def compile_key(request: CompileRequest) -> str:
-    """The root of every stage key: the request, its source's identity and kiln's code. No model loads."""
-    return content_hash("compile", code_version(), request.cache_identity())
 
 
 def _stored(

@@ -31,10 +31,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compiler.atomic import sha256_file, write_bytes_atomic
 from compiler.version import kiln_version
+
+if TYPE_CHECKING:
+    from zoo.request import CompileRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Code whose change must invalidate cached task results: the compiler and these tasks.
@@ -165,3 +168,8 @@ class Workspace:
 
 def read_json(path: str | os.PathLike) -> Any:
     return json.loads(Path(path).read_text())
+
+
+def compile_key(request: CompileRequest) -> str:
+    """The root of every stage key: the request, its source's identity and kiln's code. No model loads."""
+    return content_hash("compile", code_version(), request.cache_identity())

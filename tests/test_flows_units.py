@@ -15,8 +15,8 @@ from compiler.errors import (
     LoweringError,
     PartitionError,
 )
-from flows.compile_model import ModelResult, package_path
 from flows.recompile_zoo import summary_markdown, summary_rows
+from flows.results import ModelResult, package_path
 from tasks.refs import EngineRef, PlanRef, ProgramRef, StagedRef, retry_condition
 from tasks.stages import build_key, build_tag, configured
 from zoo.config import ZooConfigError, ZooEntry, ZooSettings

@@ -9,8 +9,7 @@ import torch
 
 from compiler.options import CompileOptions
 from compiler.validate import Tolerances
-from tasks.stages import compile_key
-from tasks.workspace import Workspace, content_hash
+from tasks.workspace import Workspace, compile_key, content_hash
 from zoo.config import ZooConfigError, ZooEntry, ZooSettings, load_zoo, parse_zoo
 from zoo.errors import UntrustedCodeError
 from zoo.preflight import check_device, check_memory, preflight

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from compiler.backends.base import EngineBackend
 
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-rtx", "inductor", "auto")
+TORCH = "torch"  # the backend of a partition that runs as its own PyTorch submodule (no engine)
 
 
 def __getattr__(name: str) -> Any:
