@@ -1,4 +1,4 @@
-"""The ``kiln`` commands around compiling: register deployments, look inside a package, receive
+"""The ``kiln`` commands around compiling: register deployments, report on and look inside a package, receive
 registry webhooks. (Compiling is ``flows.cli``; look-ups and releases ``flows.registry_cli``.)"""
 
 from __future__ import annotations
@@ -92,6 +92,51 @@ def debug_compare(
         console.print(table.table(), highlight=False, soft_wrap=True)
 
 
+REPORT_HELP = (
+    "Write what a compile decided as one self-contained HTML page: the partitioned graph (engines vs "
+    "PyTorch fallback, fingerprint, precision, why a partition fell back), partitions, dedup map, "
+    "accuracy repair, input specs and engine profiles, validation, stage times, lineage. Opens offline.\n\n"
+    "TARGET is a package directory, or a registered model name (its champion, else newest version, "
+    "is downloaded and verified).\n\n"
+    "Example:  [bold]kiln report out/bert.kiln[/bold]    [bold]kiln report bert --version 3[/bold]"
+)
+
+
+def report_cmd(
+    target: Annotated[str, typer.Argument(help="a .kiln package directory, or a model name in the registry")],
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="the HTML file (default: <package name>.report.html)")
+    ] = None,
+    device_target: Annotated[
+        str, typer.Option("--target", help="registry: engines built for: cpu, cuda:sm_90")
+    ] = "cpu",
+    version: Annotated[str | None, typer.Option(help="registry: this version number")] = None,
+    tracking_uri: Annotated[str | None, typer.Option(help="registry: MLflow tracking URI")] = None,
+) -> None:
+    from compiler.atomic import write_bytes_atomic
+    from compiler.errors import KilnError
+    from compiler.package import read_manifest
+    from compiler.report_page import render_report
+
+    try:
+        if Path(target).is_dir():
+            package, title = Path(target), Path(target).name
+            manifest = read_manifest(package)  # verified like compiler.load: a damaged package is refused
+        else:
+            from registry.lookup import lookup
+
+            found = lookup(
+                target, None, target=device_target, version=version, load=False, tracking_uri=tracking_uri
+            )
+            manifest, title = found.manifest, f"{found.name} version {found.version}"
+            package = found.package_dir
+    except KilnError as exc:
+        raise bad_input(f"{type(exc).__name__}: {exc}") from None
+    path = out or Path(f"{Path(package).name.removesuffix('.kiln')}.report.html")
+    write_bytes_atomic(path, render_report(manifest, title).encode())
+    console.print(f"report: {path.resolve()}", soft_wrap=True)
+
+
 webhook_app = typer.Typer(help="Recompile when a source model changes in the MLflow registry.")
 
 
@@ -149,7 +194,8 @@ def webhook_register(
 
 
 def register_commands(app: typer.Typer) -> None:
-    """Add ``deploy``, ``debug`` and ``webhook`` to the kiln app."""
+    """Add ``deploy``, ``report``, ``debug`` and ``webhook`` to the kiln app."""
     app.command("deploy", help=DEPLOY_HELP)(deploy_cmd)
+    app.command("report", help=REPORT_HELP)(report_cmd)
     app.add_typer(debug_app, name="debug")
     app.add_typer(webhook_app, name="webhook")

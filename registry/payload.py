@@ -188,17 +188,29 @@ def artifacts_for(
     return files
 
 
-def description_for(manifest: Manifest) -> str | None:
-    """Markdown for the version's (and run's) description: where the compiled model came from.
+REPORT_ARTIFACT = "report.html"
+
+
+def report_link(experiment_id: str, run_id: str) -> str:
+    """Markdown linking the run's compile report (``kiln report``'s page, logged as an artifact)."""
+    route = f"#/experiments/{quote(experiment_id, safe='')}/runs/{quote(run_id, safe='')}"
+    return (
+        f"Compile report (HTML, opens offline): [{REPORT_ARTIFACT}]({route}/artifactPath/{REPORT_ARTIFACT})."
+    )
+
+
+def description_for(manifest: Manifest, report: str | None = None) -> str | None:
+    """Markdown for the version's (and run's) description: where the compiled model came from, and
+    ``report`` (:func:`report_link`) where the run has its compile report.
 
     For an MLflow source (``models:/NAME/VERSION`` or ``models:/NAME@ALIAS``) it links to the
     resolved source version (``#/models/NAME/versions/N``) and the source run (``#/runs/RUN_ID``),
-    routes of the MLflow UI relative to the page that shows them. None without a recorded source.
-    Everything in it is data from the manifest, shown as code: nothing in it is ever run.
+    routes of the MLflow UI relative to the page that shows them. None without a recorded source and
+    report. Everything in it is data from the manifest, shown as code: nothing in it is ever run.
     """
     source = manifest.source
     if source is None:
-        return None
+        return report
     uri = _code(source.uri)
     parts = models_uri_parts(source.uri) if source.kind == "mlflow" else None
     if parts is not None and source.version:
@@ -213,6 +225,8 @@ def description_for(manifest: Manifest) -> str | None:
         lines.append(f"Source run: [{_code(source.run_id)}](#/runs/{quote(source.run_id, safe='')}).")
     if source.identity:
         lines.append(f"Source identity: {_code(source.identity)}.")
+    if report:
+        lines.append(report)
     return "\n\n".join(lines)
 
 

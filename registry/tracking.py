@@ -34,6 +34,7 @@ from mlflow.models.model import Model
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
 
 from compiler.manifest import Manifest
+from compiler.report_page import render_report
 from registry import config, payload
 from registry.config import RetryPolicy, call_with_retry
 from registry.errors import RegistryUnavailableError
@@ -159,7 +160,9 @@ def record_package(
                     model_id=model_uri.removeprefix("models:/"),
                     tags=version_tags(manifest, model, request_json),
                     policy=policy,
-                    description=payload.description_for(manifest),
+                    description=payload.description_for(
+                        manifest, payload.report_link(experiment_id, run.info.run_id)
+                    ),
                 )
                 version, created = again.version, again.created
             return RecordResult(
@@ -252,7 +255,7 @@ def _log_and_register(
     params = payload.params_for(manifest, model)
     metrics = payload.metrics_for(manifest, _package_bytes(package_dir))
     tags = version_tags(manifest, model, request)
-    description = payload.description_for(manifest)
+    description = payload.description_for(manifest, payload.report_link(experiment_id, run_id))
     # The run carries the version's lineage too (source, validation data, repair), and the same
     # description (MLflow's run note), so either page leads to the source.
     run_tags = {"kiln.input_ranges": tags["input_ranges"], **lineage_tags(manifest)}
@@ -285,6 +288,9 @@ def _log_and_register(
             (tmp_path / name).write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
         title = f"{model} ({manifest.backend}, {manifest.precision}, {manifest.engine_target})"
         payload.latency_chart(manifest.validation, title, tmp_path / "latency.png")
+        # What the compile decided, as one page (kiln report): linked from the description.
+        page = render_report(manifest, f"{registered}: {model}")
+        (tmp_path / payload.REPORT_ARTIFACT).write_text(page, encoding="utf-8")
         call_with_retry(lambda: mlclient.log_artifacts(run_id, tmp), f"log artifacts of {model}", policy)
 
     def log_model() -> Any:

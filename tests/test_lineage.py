@@ -150,7 +150,7 @@ def recorded(mlflow_server, packages) -> dict:
     return results
 
 
-def test_version_and_run_carry_the_source_and_link_to_it(mlflow_server, source_model, recorded):
+def test_version_and_run_carry_the_source_and_link_to_it(mlflow_server, source_model, recorded, tmp_path):
     client = source_model["client"]
     source_run = source_model["runs"]["3"]
     prod = recorded["prod"]
@@ -172,6 +172,11 @@ def test_version_and_run_carry_the_source_and_link_to_it(mlflow_server, source_m
     assert f"[`{source_run}`](#/runs/{source_run})" in description and PROD in description
     assert run_tags["mlflow.note.content"] == description
     assert client.get_run(source_run).info.run_id == source_run  # the link names a real run
+    # The compile report (kiln report's page) is a run artifact, linked from the description.
+    experiment = client.get_run(prod.run_id).info.experiment_id
+    assert f"](#/experiments/{experiment}/runs/{prod.run_id}/artifactPath/report.html)" in description
+    page = Path(client.download_artifacts(prod.run_id, "report.html", str(tmp_path))).read_text()
+    assert page.startswith("<!DOCTYPE html>") and prod.content_hash in page and PROD in page
     other = client.get_model_version(NAME, recorded["other"].version)
     assert other.tags["kiln.source.kind"] == "hf" and "kiln.source.run_id" not in other.tags
     assert "#/models/" not in other.description and "`hf:/models/fraud-bert`" in other.description

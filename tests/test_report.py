@@ -1,0 +1,159 @@
+"""``kiln report``: one self-contained HTML page per package, checked in a real headless browser.
+
+The browser is Debian's chromium driven by Playwright (dev extra); the tests skip, saying why, where
+either is missing. The page loads from a file with no network (its Content-Security-Policy allows no
+fetch at all), and what is checked is what a reader sees: the SVG's boxes and edges, the tables' rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import compiler
+from compiler.report_page import MAX_DRAWN, MAX_ROWS, render_report
+from flows.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+FORMAT1 = ROOT / "tests" / "fixtures" / "packages" / "mlp-format1-2026-11.kiln"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+BROWSER_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--no-first-run",
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (dev extra)")
+    if CHROMIUM is None:
+        pytest.skip("no chromium binary on PATH (apt-get install chromium; the README's test command does)")
+    with sync_api.sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        yield launched
+        launched.close()
+
+
+def _open(browser, page_file: Path):
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url))
+    page.goto(page_file.as_uri())
+    assert requests == [page_file.as_uri()]  # self-contained: nothing else is fetched
+    return page
+
+
+@pytest.fixture(scope="module")
+def package(compiled_zoo, tmp_path_factory) -> Path:
+    """The MLP with a custom op left to PyTorch between two engines."""
+    return compiler.save(
+        compiled_zoo["mlp_with_fallback"][1], tmp_path_factory.mktemp("report") / "mlp.kiln"
+    ).path
+
+
+def test_cli_report_draws_engines_and_fallback_and_fills_the_tables(browser, package, tmp_path):
+    out = tmp_path / "mlp.html"
+    result = CliRunner().invoke(app, ["report", str(package), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    manifest = compiler.read_manifest(package)
+    page = _open(browser, out)
+    graph = page.locator("svg#graph")
+    assert graph.is_visible() and graph.bounding_box()["width"] > 300
+    assert page.locator("svg#graph g.node.input").count() == 1
+    assert page.locator("svg#graph g.node.engine").count() == 2
+    assert page.locator("svg#graph g.node.torch").count() == 1  # the custom op feeding engine_1
+    assert page.locator("svg#graph line.edge").count() == 2
+    fingerprints = [p["fingerprint"] for p in manifest.report.partitions]
+    engine_text = page.locator("svg#graph g.node.engine").all_text_contents()
+    assert all(any(fp[:12] in text for text in engine_text) for fp in fingerprints)
+    assert page.locator("table#partitions tbody tr").count() == 2
+    assert page.locator("table#dedup tbody tr").count() == len(manifest.engines) == 2
+    assert page.locator("table#input-specs tbody tr").count() == 1
+    assert "kiln_zoo.soft_sign_clip.default" in page.inner_text("body")
+    assert "factory:zoo.models:mlp_with_fallback" not in page.inner_text("#lineage")  # saved without one
+    assert manifest.content_hash in page.inner_text("#lineage")
+    shot = page.screenshot(full_page=True)
+    assert len(shot) > 20_000  # a rendered page, not a blank one
+
+
+def test_format1_package_renders_what_it_has(browser, tmp_path):
+    out = tmp_path / "old.html"
+    out.write_text(render_report(compiler.read_manifest(FORMAT1), FORMAT1.name))
+    page = _open(browser, out)
+    assert page.locator("svg#graph g.node.engine").count() == 2
+    assert page.locator("table#accuracy tbody tr").count() == 1  # format 1 recorded its validation
+    lineage = page.inner_text("#lineage")
+    assert "not recorded (format 1" in lineage and "1" in lineage
+
+
+def test_build_failure_and_repair_decisions_are_shown(browser, package, tmp_path):
+    manifest = compiler.read_manifest(package)
+    failure = {
+        "error": "EngineBuildError: no kernel for bf16 Gemm",
+        "node": "linear_2",
+        "fingerprint": manifest.report.partitions[1]["fingerprint"],
+        "backend": "onnxruntime",
+        "partitions": ["engine_1"],
+        "fell_back_to": "torch",
+    }
+    step = {
+        "round": 1,
+        "partition": "engine_0",
+        "precision_before": "fp16",
+        "precision_after": "fp32",
+        "fingerprint_before": "a" * 64,
+        "fingerprint_after": "b" * 64,
+        "rel_l2_before": 0.5,
+        "rel_l2_after": 1e-6,
+    }
+    repair = {"steps": [step], "lines": ["engine_0: fp16 -> fp32, its rel L2 5.0e-01 -> 1.0e-06"]}
+    report = dataclasses.replace(manifest.report, build_failures=[failure], accuracy_repair=repair)
+    out = tmp_path / "failed.html"
+    out.write_text(render_report(dataclasses.replace(manifest, report=report), "failed"))
+    page = _open(browser, out)
+    assert page.locator("svg#graph g.node.failed").count() == 1
+    assert "fell back" in page.locator("svg#graph g.node.failed").text_content()
+    assert "no kernel for bf16 Gemm" in page.inner_text("table#partitions")
+    assert page.locator("table#repair tbody tr").count() == 1
+    assert "0.5 → 1e-06" in page.inner_text("table#partitions")
+
+
+def test_a_plan_too_large_to_draw_is_summarized(browser, package, tmp_path):
+    manifest = compiler.read_manifest(package)
+    count = 5000
+    parts = [dict(manifest.plan["partitions"][0], name=f"engine_{i}") for i in range(count)]
+    reported = [dict(manifest.report.partitions[0], name=f"engine_{i}") for i in range(count)]
+    huge = dataclasses.replace(
+        manifest,
+        plan={**manifest.plan, "partitions": parts},
+        report=dataclasses.replace(manifest.report, partitions=reported),
+    )
+    out = tmp_path / "huge.html"
+    out.write_text(render_report(huge, "huge"))
+    page = _open(browser, out)
+    assert page.locator("svg#graph").count() == 0
+    assert f"more than {MAX_DRAWN}: not drawn" in page.inner_text(".too-large")
+    assert page.locator("table#partitions tbody tr").count() == MAX_ROWS
+    assert f"{count - MAX_ROWS} more rows not shown" in page.inner_text("body")
+
+
+def test_a_damaged_package_is_refused_like_load(package, tmp_path):
+    damaged = tmp_path / "damaged.kiln"
+    shutil.copytree(package, damaged)
+    weights = damaged / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    out = tmp_path / "never.html"
+    result = CliRunner().invoke(app, ["report", str(damaged), "--out", str(out)])
+    assert result.exit_code == 2
+    assert "weights.safetensors" in result.output and not out.exists()
+    with pytest.raises(compiler.errors.PackageCorruptError):
+        compiler.load(damaged)
