@@ -12,6 +12,7 @@ backend through the ``torch_dynamo_backends`` entry point (pyproject.toml), not 
 
 from __future__ import annotations
 
+import copyreg
 import importlib
 import sys
 import types
@@ -139,6 +140,12 @@ class _Package(types.ModuleType):
         super().__setattr__(name, value)
 
 
+def _reduce_package(module: types.ModuleType) -> tuple[Any, tuple[str]]:
+    # Pickled by name like any module (cloudpickle and Dask ship functions whose globals hold it).
+    return importlib.import_module, (module.__name__,)
+
+
+copyreg.pickle(_Package, _reduce_package)
 sys.modules[__name__].__class__ = _Package
 
 
