@@ -39,3 +39,13 @@ def compiled_zoo() -> dict:
         program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
         result[name] = (case, compiler.compile(program))
     return result
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop a temporary Prefect server that Prefect started on its own (a client that found no API URL),
+    while pytest's streams are still open: stopped by Prefect's atexit hook, its goodbye log met closed
+    streams and printed a "--- Logging error ---" traceback after every session."""
+    server = sys.modules.get("prefect.server.api.server")
+    if server is not None:
+        for temporary in list(server.SubprocessASGIServer._instances.values()):
+            temporary.stop()
