@@ -322,6 +322,10 @@ def run(config: dict, results_path: Path) -> None:
     # package's doing: a clean ONNX Runtime package is loaded before the hook. (Not an Inductor one: the
     # header attack must be the first Inductor compile of this process.)
     compiler.load(config["onnxruntime"], trust_engine_code=False)(inputs)
+    # `import compiler` is lazy: import what it used to import eagerly (torch.compile's front end, whose
+    # import probes /proc/stat), so only the packages' own doing is watched.
+    import compiler.dynamo
+
     watch = Watch(roots, _toolchain())
     sys.addaudithook(watch)
     for case in cases:
