@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.machine import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 # Repeated-block models: their blocks share fingerprints across models and depths.
@@ -49,18 +51,6 @@ EXTRA = [
         "split": None,
     },
 ]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
 
 
 def model_list() -> list[dict]:

@@ -34,10 +34,12 @@ import torch
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import compiler
 from benchmarks._common import print_table
+from benchmarks.machine import cpu_model
 from compiler.device import to_device
 from compiler.validate import measure_latency
 from zoo import models as zoo
@@ -132,16 +134,6 @@ def without_graphs(module: compiler.CompiledModule) -> compiler.CompiledModule:
     return compiler.assemble(plan, module.dedup, module.engines, report=module.report)
 
 
-def host_cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     device = args.device
@@ -149,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
     results: dict = {
         "machine": {
             "gpu": gpu,
-            "host_cpu": host_cpu(),
+            "host_cpu": cpu_model(),
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "cpu_count": os.cpu_count(),

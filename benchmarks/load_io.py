@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 from benchmarks._common import print_table, write_json
+from benchmarks.machine import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,23 +74,13 @@ def main() -> None:
     write_json(
         "load_io_cpu",
         {
-            "cpu": _cpu_model(),
+            "cpu": cpu_model(),
             "package_bytes": size,
             "seconds": seconds,
             "median_s": medians,
             "overlapped_over_serial": round(medians["overlapped"] / medians["serial"], 3),
         },
     )
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -27,20 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.machine import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 RUNS = int(os.environ.get("KILN_BENCH_RUNS", "5"))
 TARGETS = {"kiln --help": 1.0, "kiln versions": 4.0, "kiln lookup (no match)": 4.0, "no-op zoo re-run": 5.0}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def timed(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float]:
