@@ -34,7 +34,6 @@ import torch
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import compiler
