@@ -14,7 +14,6 @@ What each test proves:
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -187,7 +186,9 @@ def _credentials_cases(s3_server: MotoServer, tmp_path: Path) -> None:
     assert [k for k in keys if k.startswith("ro/entries/")] == [f"ro/entries/{key('ro')}.json"]
 
 
-def test_scheme_without_driver_names_the_package_and_url_setting_stays_a_url(tmp_path: Path) -> None:
+def test_scheme_without_driver_names_the_package_and_url_setting_stays_a_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import importlib.util
 
     if importlib.util.find_spec("gcsfs") is not None:
@@ -199,7 +200,7 @@ def test_scheme_without_driver_names_the_package_and_url_setting_stays_a_url(tmp
 
     from zoo.config import ZooSettings
 
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # restored after: later tests resolve paths against the checkout
     assert ZooSettings(engine_cache="s3://kiln/engines").engine_cache_choice() == (
         "s3://kiln/engines",
         "settings.engine_cache",

@@ -37,8 +37,9 @@ def test_precision_defaults_fill_only_what_is_unset():
     assert Tolerances.for_precision("bf16").rel_l2 == 5e-2
     assert Tolerances(max_abs=0.5).resolved("fp16") == Tolerances(rel_l2=2e-2, max_abs=0.5)
     assert Tolerances(rel_l2=1e-3).resolved("fp16").rel_l2 == 1e-3
-    with pytest.raises(ToleranceError, match="int8"):
-        Tolerances.for_precision("int8")
+    assert Tolerances.for_precision("int8").rel_l2 == 1e-1
+    with pytest.raises(ToleranceError, match="int4"):
+        Tolerances.for_precision("int4")
 
 
 def test_a_tolerance_name_that_does_not_exist_is_refused():
