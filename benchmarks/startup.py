@@ -27,9 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.machine import cpu_model
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script (README): python3 benchmarks/startup.py
+
+from benchmarks.machine import cpu_model  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 RUNS = int(os.environ.get("KILN_BENCH_RUNS", "5"))
 TARGETS = {"kiln --help": 1.0, "kiln versions": 4.0, "kiln lookup (no match)": 4.0, "no-op zoo re-run": 5.0}
