@@ -16,7 +16,8 @@ from torch import nn
 from torch.export import Dim
 
 import compiler
-from compiler.backends.inductor import HEADER, InductorBackend, _pack, read_engine
+from compiler.backends.inductor import InductorBackend
+from compiler.backends.inductor_format import HEADER, pack, read_engine
 from compiler.errors import PartitionError, UnsafeEngineError
 from zoo.config import ZooEntry
 
@@ -92,7 +93,7 @@ def test_a_header_listing_a_specialization_outside_the_range_is_refused(inductor
     (artifact,) = [a for a in module.engines.values() if a.is_engine]
     header, files = read_engine(artifact.engine)
     header["specializations"] = [[[99, 8]]]  # batch 99: outside the input's 1..16
-    tampered = _pack({**files, HEADER: json.dumps(header).encode()})
+    tampered = pack({**files, HEADER: json.dumps(header).encode()})
     with pytest.raises(UnsafeEngineError, match="not one shape per activation input inside its range"):
         InductorBackend(trust_engine_code=False).load(tampered, artifact.io, None)
 

@@ -50,14 +50,11 @@ switches is used (``inductor_options``), never a compiler, flag, path or environ
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import re
 import tempfile
 import threading
 import warnings
-import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -65,9 +62,21 @@ from typing import Any
 import torch
 
 from compiler.backends.base import BuildSettings, EngineIO, unpack_torch_graph
+from compiler.backends.inductor_format import (
+    COMPILED,
+    CONSTANTS,
+    FORMAT,
+    HEADER,
+    MAGIC,
+    PROGRAM,
+    WEIGHTS,
+    load_tensors,
+    pack,
+    read_engine,
+    save_tensors,
+)
 from compiler.backends.inductor_options import (
     build_options,
-    check_header,
     host_compiler,
     inductor_config,
     untrusted_options,
@@ -84,21 +93,9 @@ from compiler.errors import (
     EngineBuildError,
     EngineCompatibilityError,
     RefitError,
-    UnsafeEngineError,
 )
 from compiler.specs import dtype_name, torch_dtype
 
-HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED = (
-    "kiln_inductor_engine.json",
-    "program.pt2",
-    "constants.safetensors",
-    "weights.safetensors",
-    "inductor_compiled.bin",
-)
-_ENTRIES = (HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED)
-# 1: torch.compile at load from cache artifacts (no longer read: rebuild). 2: standalone compiled graph.
-FORMAT = 2
-MAGIC = "kiln-inductor-engine"
 # One compile at a time: Inductor's cache-artifact recording is process-wide. Always taken before the
 # compiler's tracing lock (compiler.export.TRACING, taken inside), so exports never overlap a compile
 # and the two locks are never taken in the other order.
@@ -201,7 +198,7 @@ class InductorBackend:
         options = build_options(settings)
         compiler = host_compiler(options)
         program, weight_bytes = unpack_torch_graph(onnx_model)
-        weights = _load_tensors(weight_bytes, self.device)
+        weights = load_tensors(weight_bytes, self.device)
         graph = _Graph.load(program, self.device)
         header = {
             "magic": MAGIC,
@@ -236,11 +233,11 @@ class InductorBackend:
         for index, data in enumerate(static.values()):
             files[static_entry(index)] = data
         if graph.constants:
-            files[CONSTANTS] = _save_tensors({str(i): t for i, t in graph.constants.items()})
+            files[CONSTANTS] = save_tensors({str(i): t for i, t in graph.constants.items()})
         if not settings.strip_weights:
             files[WEIGHTS] = weight_bytes
         files[COMPILED] = artifact
-        return _pack(files)
+        return pack(files)
 
     def _build_specializations(
         self,
@@ -288,9 +285,9 @@ class InductorBackend:
         if weights is None:
             if WEIGHTS not in files:
                 raise RefitError("this Inductor engine is weight-stripped: load it with its weights")
-            weights = _load_tensors(files[WEIGHTS], self.device)
+            weights = load_tensors(files[WEIGHTS], self.device)
         ordered = _ordered(header, weights, self.device)
-        constants = {int(i): t for i, t in _load_tensors(files.get(CONSTANTS), self.device).items()}
+        constants = {int(i): t for i, t in load_tensors(files.get(CONSTANTS), self.device).items()}
         key = _library_key(files[PROGRAM], {**header, "options": options})
         with _COMPILE_LOCK:
             compiled = _recall(key)[0]
@@ -375,8 +372,8 @@ class InductorBackend:
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
         header, files = read_engine(engine)
         ordered = _ordered(header, weights, torch.device("cpu"))
-        files[WEIGHTS] = _save_tensors(dict(zip(header["weights"], ordered, strict=True)))
-        return _pack(files)
+        files[WEIGHTS] = save_tensors(dict(zip(header["weights"], ordered, strict=True)))
+        return pack(files)
 
     def check_compatible(self, header: Mapping[str, Any]) -> None:
         """EngineCompatibilityError unless an engine with this header runs here, on this backend's device."""
@@ -561,43 +558,6 @@ def _drop_expression_hints(fake_inputs: Sequence[Any]) -> None:
             return  # one environment for the whole graph
 
 
-def read_engine(engine: bytes) -> tuple[dict, dict[str, bytes]]:
-    """(header, files) of an Inductor engine; BackendError when the bytes are not one."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(engine)) as archive:
-            entries = archive.infolist()
-            # kiln writes its engines uncompressed: nothing is inflated (a deflate bomb) to find out.
-            if any(e.compress_type != zipfile.ZIP_STORED for e in entries):
-                raise UnsafeEngineError("not a kiln Inductor engine: it holds compressed entries")
-            files = {e.filename: archive.read(e) for e in entries}
-        header = json.loads(files[HEADER])
-    except (zipfile.BadZipFile, KeyError, ValueError, RuntimeError, OSError) as exc:
-        raise UnsafeEngineError(f"not a kiln Inductor engine: {exc}") from exc
-    if not isinstance(header, dict) or header.get("magic") != MAGIC:
-        raise UnsafeEngineError("not a kiln Inductor engine: its header lacks the magic and format")
-    if not isinstance(header.get("format"), int) or isinstance(header["format"], bool):
-        raise UnsafeEngineError("not a kiln Inductor engine: its header lacks the magic and format")
-    if header["format"] > FORMAT:
-        raise EngineCompatibilityError(
-            f"Inductor engine format {header['format']} is newer than this kiln reads ({FORMAT}): "
-            "upgrade kiln"
-        )
-    if header["format"] < FORMAT:
-        raise EngineCompatibilityError(
-            f"Inductor engine format {header['format']} (torch.compile at load) is no longer read: "
-            "recompile the model (engine cache entries of the old format are not reused)"
-        )
-    listed = header.get("specializations") or []
-    static = {static_entry(i) for i in range(len(listed))} if isinstance(listed, list) else set()
-    strange = sorted(set(files) - set(_ENTRIES) - static)
-    if strange or PROGRAM not in files or len(files) != len(entries) or not static <= set(files):
-        raise UnsafeEngineError(
-            f"not a kiln Inductor engine: entries {sorted(files)[:8]}; expected {PROGRAM}, some of {_ENTRIES}"
-        )
-    check_header(header)
-    return header, files
-
-
 def _save(compiled: Any) -> bytes:
     with tempfile.TemporaryDirectory(prefix="kiln-inductor-") as scratch:
         path = os.path.join(scratch, "compiled.bin")
@@ -647,27 +607,6 @@ def _examples(
     return tensors
 
 
-def _save_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    import safetensors.torch
-
-    return safetensors.torch.save({name: t.detach().cpu().contiguous() for name, t in tensors.items()})
-
-
-def _load_tensors(data: bytes | None, device: torch.device) -> dict[str, torch.Tensor]:
-    if not data:
-        return {}
-    import safetensors.torch
-
-    try:
-        loaded = safetensors.torch.load(data)
-    except Exception as exc:  # safetensors raises its own SafetensorError
-        raise UnsafeEngineError(f"an Inductor engine's tensors do not read: {_short(exc)}") from exc
-    strange = [k for k in loaded if not re.fullmatch(r"w?\d{1,9}", k)]
-    if strange:
-        raise UnsafeEngineError(f"an Inductor engine's tensors are named {strange[:5]}; expected w<N> or <N>")
-    return {k: v.to(device) for k, v in sorted(loaded.items(), key=lambda kv: int(kv[0].lstrip("w")))}
-
-
 def _ordered(
     header: Mapping[str, Any], weights: Mapping[str, torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, ...]:
@@ -693,17 +632,6 @@ def _library_key(program: bytes, header: Mapping[str, Any]) -> str:
     """One compiled graph per program, device and options: what instances and rebuilds share."""
     meta = {k: header.get(k) for k in ("torch", "device", "device_index", "options")}
     return hashlib.sha256(program + json.dumps(meta, sort_keys=True).encode()).hexdigest()
-
-
-def _pack(files: Mapping[str, bytes]) -> bytes:
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
-        static = sorted((n for n in files if n not in _ENTRIES), key=lambda n: int(n.split("_")[-1][:-4]))
-        for name in (*_ENTRIES, *static):  # header first: readable alone
-            if name in files:
-                info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))  # equal builds, equal bytes
-                archive.writestr(info, files[name])
-    return buffer.getvalue()
 
 
 def _short(exc: BaseException) -> str:
