@@ -14,7 +14,14 @@ import typer
 from rich.markup import escape
 
 from flows.cache_cli import register_commands as register_cache_commands
-from flows.cli_options import JsonOut, Verbose, bad_input, quiet_prefect
+from flows.cli_options import (
+    JsonOut,
+    Verbose,
+    bad_input,
+    parse_backend_options,
+    parse_profiles,
+    quiet_prefect,
+)
 from flows.ops_cli import register_commands as register_ops_commands
 from flows.render import (
     EXIT_FAILED,
@@ -362,36 +369,6 @@ def _entry_from_flags(zoo_file: Path, model: str, flags: dict[str, Any]) -> tupl
     return entry_data, settings, zoo_dir
 
 
-def _profiles(texts: list[str] | None) -> list[dict[str, Any]] | None:
-    """``--profile batch=8,seq=128`` (repeatable) -> [{"batch": 8, "seq": 128}]; the schema checks sizes."""
-    if not texts:
-        return None
-    profiles = []
-    for text in texts:
-        profile: dict[str, Any] = {}
-        for pair in text.split(","):
-            name, sep, size = pair.partition("=")
-            if not sep or not name.strip():
-                raise bad_input(f"--profile {text!r}: use DIM=SIZE[,DIM=SIZE], e.g. batch=8")
-            profile[name.strip()] = int(size) if size.strip().isdigit() else size.strip()
-        profiles.append(profile)
-    return profiles
-
-
-def _backend_options(pairs: list[str] | None) -> dict[str, Any] | None:
-    if not pairs:
-        return None
-    import yaml
-
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep or not key:
-            raise bad_input(f"--backend-option {pair!r}: use KEY=VALUE (VALUE as YAML: 3, true, [a, b])")
-        options[key] = yaml.safe_load(text)
-    return options
-
-
 @app.command("compile", help=COMPILE_HELP)
 def compile_cmd(
     model: Annotated[
@@ -522,14 +499,14 @@ def compile_cmd(
         "split_modules": list(split_module) if split_module else None,  # ["auto"]: the zoo schema's rule
         "workspace_bytes": workspace_bytes,
         "optimization_level": optimization_level,
-        "backend_options": _backend_options(backend_option),
+        "backend_options": parse_backend_options(backend_option),
         "devices": [device] if device else None,
         "task": task,
         "revision": revision,
         "trust_remote_code": trust_remote_code,
         "on_accuracy_failure": on_accuracy_failure,
         "cuda_graphs": cuda_graphs,
-        "profiles": _profiles(profile),
+        "profiles": parse_profiles(profile),
         "pad_to_profile": pad_to_profile,
         "validation": {"data": str(validation_data.resolve())} if validation_data else None,
         "quantization": quantization,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -33,3 +33,34 @@ def quiet_prefect(verbose: bool) -> None:
 def bad_input(message: str) -> typer.Exit:
     console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False)
     return typer.Exit(EXIT_BAD_INPUT)
+
+
+# Flag values that carry structure (kiln compile): parsed here, checked by the zoo schema.
+def parse_profiles(texts: list[str] | None) -> list[dict[str, Any]] | None:
+    """``--profile batch=8,seq=128`` (repeatable) -> [{"batch": 8, "seq": 128}]; the schema checks sizes."""
+    if not texts:
+        return None
+    profiles = []
+    for text in texts:
+        profile: dict[str, Any] = {}
+        for pair in text.split(","):
+            name, sep, size = pair.partition("=")
+            if not sep or not name.strip():
+                raise bad_input(f"--profile {text!r}: use DIM=SIZE[,DIM=SIZE], e.g. batch=8")
+            profile[name.strip()] = int(size) if size.strip().isdigit() else size.strip()
+        profiles.append(profile)
+    return profiles
+
+
+def parse_backend_options(pairs: list[str] | None) -> dict[str, Any] | None:
+    if not pairs:
+        return None
+    import yaml
+
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise bad_input(f"--backend-option {pair!r}: use KEY=VALUE (VALUE as YAML: 3, true, [a, b])")
+        options[key] = yaml.safe_load(text)
+    return options
