@@ -34,7 +34,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import hmac
 import json
 import os
 import shutil
@@ -61,7 +60,6 @@ from compiler.errors import (
     KilnError,
     PackageCorruptError,
     PackageError,
-    PackageSignatureError,
     PackageVersionError,
 )
 from compiler.export import import_modules, load_program_bytes, program_bytes, recorded_modules
@@ -76,15 +74,19 @@ from compiler.manifest import (
     check_layout,
     engine_file,
 )
+from compiler.package_digest import (
+    check_signature,
+    content_hash,
+    sign,
+    signing_key,
+)
 from compiler.partition import QUANTIZED_PREFIX, program_weights, replay, weight_placeholders
 from compiler.runtime import CompiledModule, assemble, with_weights
 from compiler.validate import ValidationReport
 from compiler.version import kiln_version
 
 MANIFEST = "manifest.json"
-SIGNING_KEY_ENV = "KILN_SIGNING_KEY"
 # Not covered by the content hash: the hash itself, and the signature computed from it.
-_UNHASHED = ("content_hash", "signature")
 
 __all__ = [
     "FORMAT_VERSION",
@@ -185,7 +187,7 @@ def save(
         # Through JSON first, so the hash is of exactly what a reader will parse (int keys, tuples).
         data = json.loads(json.dumps(manifest.to_json(), sort_keys=True))
         digest = content_hash(data)
-        manifest = dataclasses.replace(manifest, content_hash=digest, signature=_sign(digest))
+        manifest = dataclasses.replace(manifest, content_hash=digest, signature=sign(digest))
         text = json.dumps(manifest.to_json(), indent=2, sort_keys=True)
         write_bytes_atomic(tmp / MANIFEST, text.encode())
         _swap_into_place(tmp, path)
@@ -238,7 +240,7 @@ def load(
     if trust_engine_code is None:
         # The one implicit trust: a signature just verified with $KILN_SIGNING_KEY, over a format-2 hash
         # (which covers every byte a load reads; format 1's left the program out).
-        trust_engine_code = _signing_key() is not None and manifest.format_version >= 2
+        trust_engine_code = signing_key() is not None and manifest.format_version >= 2
     # Cold start: every file is read and checked on worker threads (sha256 and file reads release the
     # GIL) while this thread imports what the engines' runtime needs and reads the program. Imports stay
     # on this thread: concurrent imports can hand a thread a partly initialised module.
@@ -348,35 +350,6 @@ def refit_package(
     return save(compiled.refit(state), path, validation=None, source=source)
 
 
-def content_hash(data: Mapping[str, Any]) -> str:
-    """The content hash of a manifest's JSON data (as written, or as parsed from disk).
-
-    Format 2: sha256 of the canonical JSON of every field but ``content_hash`` and ``signature``: the
-    manifest's meaning and, through ``files``, every byte of every file a load reads. Equal content,
-    equal hash: the manifest holds no timestamp and the program archive is reproducible.
-    Format 1 (kept to verify packages written before): weights, engines and the compile's meaning.
-    """
-    if int(data.get("format_version", 1)) < 2:
-        return _format1_hash(data)
-    core = {k: v for k, v in data.items() if k not in _UNHASHED}
-    return hashlib.sha256(json.dumps(core, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-# What a compile measured rather than made: two compiles of the same model (two workers, two runs)
-# differ here and nowhere else.
-_MEASURED = ("report", "validation")
-
-
-def meaning_hash(data: Mapping[str, Any]) -> str:
-    """sha256 of what the package *is*, not of what its compile measured: the manifest (format 2, as
-    JSON data) without ``report`` (timings, cache hits) and ``validation`` (latencies, errors), so two
-    workers that compiled the same model into the same bytes agree on it even though their measured
-    latencies differ. Every file's checksum is in it (``files``): different bytes, different meaning.
-    The registry registers one version per meaning (registry.models)."""
-    core = {k: v for k, v in data.items() if k not in _UNHASHED and k not in _MEASURED}
-    return hashlib.sha256(json.dumps(core, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
 # ---------------------------------------------------------------- reading and checking
 
 
@@ -411,7 +384,7 @@ def _read_manifest(path: Path, *, verify: bool) -> Manifest:
             raise PackageCorruptError(
                 f"{manifest_path} does not match its content_hash: the manifest was edited after saving"
             )
-        _check_signature(data, manifest_path)
+        check_signature(data, manifest_path)
     manifest = Manifest.from_json(data)
     if version < 2 and (path / PROGRAM).is_file() and not (path / PROGRAM).is_symlink():
         # Format 1 recorded the op modules inside the program archive (data, never imported here).
@@ -486,65 +459,6 @@ def _check_no_symlinks(path: Path) -> None:
             if os.path.islink(os.path.join(root, name)):
                 rel = os.path.relpath(os.path.join(root, name), path)
                 raise PackageCorruptError(f"{path}: {rel} is a symlink; a package holds plain files only")
-
-
-def _signing_key() -> bytes | None:
-    key = os.environ.get(SIGNING_KEY_ENV, "")
-    return key.encode() if key else None
-
-
-def _sign(digest: str, key: bytes | None = None) -> str | None:
-    key = key if key is not None else _signing_key()
-    return None if key is None else hmac.new(key, digest.encode(), hashlib.sha256).hexdigest()
-
-
-def _check_signature(data: Mapping[str, Any], where: Path) -> None:
-    """With a signing key set, only packages signed with it load (a rewritten file plus its checksum
-    and a recomputed hash is then refused too)."""
-    key = _signing_key()
-    if key is None:
-        return
-    signature = data.get("signature")
-    if not isinstance(signature, str):
-        raise PackageSignatureError(
-            f"{where} is not signed, and {SIGNING_KEY_ENV} is set: only signed packages load"
-        )
-    if not hmac.compare_digest(signature, _sign(str(data.get("content_hash", "")), key) or ""):
-        raise PackageSignatureError(
-            f"{where}: its signature does not match {SIGNING_KEY_ENV}: it was signed with another key "
-            "or changed after signing; refused"
-        )
-
-
-def _format1_hash(data: Mapping[str, Any]) -> str:
-    core = {
-        "weights": data["files"][WEIGHTS]["sha256"],
-        "engines": {rel: f["sha256"] for rel, f in data["files"].items() if rel.startswith("engines/")},
-        **_fallback_backends(data),
-        **{
-            k: data[k]
-            for k in (
-                "input_specs",
-                "backend",
-                "backend_version",
-                "target_device",
-                "precision",
-                "strip_weights",
-                "plan",
-                "dedup",
-            )
-        },
-    }
-    return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
-
-
-def _fallback_backends(data: Mapping[str, Any]) -> dict:
-    other = {
-        fp: entry["backend"]
-        for fp, entry in data["engines"].items()
-        if entry.get("backend", data["backend"]) != data["backend"]
-    }
-    return {"engine_backends": other} if other else {}
 
 
 # ---------------------------------------------------------------- writing
