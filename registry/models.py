@@ -11,8 +11,8 @@ Every version carries these tags (strings; all of them data, none ever imported 
 ``kiln.content_hash``      the package manifest's ``content_hash``: registering equal content returns
                            the existing version, never a second one (versions registered before this
                            name carry ``content_hash``; look-ups read both)
-``kiln.meaning_hash``      the package's meaning (``compiler.package.meaning_hash``: the manifest without
-                           what the compile measured): what makes registration idempotent across
+``kiln.meaning_hash``      the package's meaning (``compiler.package_digest.meaning_hash``: the
+                           manifest without what the compile measured): makes registration idempotent across
                            workers, whose equal packages differ only in measured latencies
 ``model``                  the model's name (the compile request's)
 ``backend``                ``onnxruntime``, ``tensorrt``, ...; ``backend_version`` its library version
@@ -136,7 +136,7 @@ def engine_target_of(tags: Mapping[str, str]) -> str:
 def version_tags(manifest: Manifest, model: str, request: Mapping[str, Any] | None = None) -> dict[str, str]:
     """The tags a version of this package carries (all strings, all data). ``request``: the compile
     request as plain data (``registry.payload.request_data``)."""
-    from compiler.package import meaning_hash
+    from compiler.package_digest import meaning_hash
     from compiler.specs import specs_to_json
 
     specs = list(manifest.input_specs)

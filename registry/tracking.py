@@ -130,7 +130,7 @@ def record_package(
     logged as ``pipeline_report.json``.
     """
     import compiler.package as package
-    from compiler.package import meaning_hash
+    from compiler.package_digest import meaning_hash
 
     package_dir = Path(package_dir).resolve()
     # Verify before touching MLflow: a corrupt package must never be registered.

@@ -21,7 +21,7 @@ from compiler.errors import (
     UnsafeProgramError,
 )
 from compiler.manifest import Manifest, SourceRecord
-from compiler.package import content_hash
+from compiler.package_digest import content_hash
 from compiler.validate import ValidationReport
 from zoo.models import mlp_with_fallback
 

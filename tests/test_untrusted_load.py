@@ -33,7 +33,7 @@ from compiler.errors import (
     UnsafeEngineError,
     UnsafeProgramError,
 )
-from compiler.package import content_hash
+from compiler.package_digest import content_hash
 from zoo.errors import UntrustedCodeError
 from zoo.sources.pt2 import Pt2Source
 
