@@ -32,11 +32,12 @@ load trusts it and never captures a module the check refused.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -157,12 +158,13 @@ class CudaGraphs:
         self.enabled, self.reason = decision.enabled, decision.reason
         self.max_shapes, self.static_outputs = max_shapes, static_outputs
         self.evictions, self.last_failure = 0, None
+        self.captures = 0  # every capture taken, re-captures included (``captured_shapes``: held now)
         self.warmup_seconds = 0.0  # capturing the shape profiles when the module was assembled
         self._captures: OrderedDict[tuple, _Capture] = OrderedDict()
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
         self._done: torch.cuda.Event | None = None  # the last replay's outputs copied out
-        self._mutex = threading.Lock()
+        self._mutex = threading.RLock()  # reentrant: clear() inside exclusive()
 
     # -- what a user reads ---------------------------------------------------------------------
     @property
@@ -189,6 +191,7 @@ class CudaGraphs:
             "captured_shapes": self.captured_shapes,
             "max_shapes": self.max_shapes,
             "evictions": self.evictions,
+            "captures": self.captures,
             "pool_bytes": self.pool_bytes,
             "static_outputs": self.static_outputs,
             "last_failure": self.last_failure,
@@ -199,6 +202,15 @@ class CudaGraphs:
         """Drop every capture (their pool memory goes back once nothing references it)."""
         with self._mutex:
             self._captures.clear()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Holds captured calls off and waits for the device's work: for changing, in place, tensors
+        the captures read (refit). Uncaptured calls are not held (they take no lock)."""
+        with self._mutex:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            yield
 
     # -- calls ---------------------------------------------------------------------------------
     def __call__(self, flat: list[torch.Tensor]) -> list[object]:
@@ -252,6 +264,7 @@ class CudaGraphs:
             warnings.warn(f"CUDA graphs off for this module: {self.reason}", stacklevel=4)
             return None
         self._captures[key] = capture
+        self.captures += 1
         return capture
 
     def _try_capture(self, flat: list[torch.Tensor]) -> _Capture:

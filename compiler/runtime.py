@@ -83,7 +83,7 @@ class CompiledModule(torch.nn.Module):
         program = plan.program
         self._in_spec, self._out_spec = program.call_spec.in_spec, program.call_spec.out_spec
         self._leaf_call = _leaf_call(self._in_spec)
-        # Weights are fixed for the module's life (refit builds a new module): resolve them once.
+        # The weight tensors are fixed for the module's life (refit in place copies into them): resolved once.
         weights = plan.weights()
         self._feed_template = [
             None if spec.kind == InputKind.USER_INPUT else weights[spec.target]
@@ -285,13 +285,46 @@ class CompiledModule(torch.nn.Module):
             args.append(kwargs.pop(name))
         return tuple(args), kwargs
 
-    def refit(self, state: Mapping[str, torch.Tensor]) -> CompiledModule:
-        """The same engines with new weights (a fine-tuned checkpoint): no lowering, no build."""
+    def refit(self, state: Mapping[str, torch.Tensor], *, in_place: bool = False) -> CompiledModule:
+        """The same engines with new weights (a fine-tuned checkpoint): no lowering, no build.
+
+        By default a new module with its own captures (the old one keeps its weights). ``in_place``:
+        this module takes the new weights and is returned: they are copied into the tensors its
+        fallback ops and engines already read, so captured CUDA graphs and profile warm-ups stay valid
+        (no recapture); an engine that cannot take weights in place is loaded again and the captures
+        are dropped. A module compiled in this process from a live model on the same device may share
+        those tensors with the model's parameters: they change too."""
         if self.plan.quantized:
             raise RefitError(
                 "this model has int8 partitions whose quantized weights and scales were calibrated for "
                 "its weights: new weights need a new compile (quantization), not a refit"
             )
+        state = self._checked_refit_state(state)
+        if in_place:
+            return self._refit_in_place(state)
+        plan = copy.copy(self.plan)
+        program_weights = {**self.plan.program.state_dict, **self.plan.program.constants}
+        plan.input_weights = {
+            **self.plan.input_weights,
+            **{k: v for k, v in state.items() if k not in program_weights},
+        }
+        plan.program = with_weights(
+            self.plan.program, {k: v for k, v in state.items() if k in program_weights}
+        )
+        # A new module with its own captures: the old module's graphs keep reading the old weights.
+        refitted = assemble(
+            plan,
+            self.dedup,
+            self._refitted_artifacts(plan),
+            report=self.report,
+            trust_engine_code=self.trust_engine_code,
+        )
+        refitted.cuda_graphs.max_shapes = self.cuda_graphs.max_shapes
+        refitted.cuda_graphs.static_outputs = self.cuda_graphs.static_outputs
+        return refitted
+
+    def _checked_refit_state(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` on the module's device, checked against the module's weights (RefitError)."""
         current = self.plan.weights()
         # New weights live where the model runs (fallback ops read them from the program).
         state = {k: v.to(self.device) for k, v in state.items()}
@@ -304,35 +337,51 @@ class CompiledModule(torch.nn.Module):
                     f"weight {key!r}: expected shape {tuple(current[key].shape)} dtype {current[key].dtype}, "
                     f"got shape {tuple(tensor.shape)} dtype {tensor.dtype}"
                 )
-        plan = copy.copy(self.plan)
-        program_weights = {**self.plan.program.state_dict, **self.plan.program.constants}
-        plan.input_weights = {
-            **self.plan.input_weights,
-            **{k: v for k, v in state.items() if k not in program_weights},
-        }
-        plan.program = with_weights(
-            self.plan.program, {k: v for k, v in state.items() if k in program_weights}
-        )
-        # Full engines carry their representative's weights: put the new ones in (no rebuild), with the
-        # backend that built each. PyTorch fallbacks need nothing: the graph feeds them the new weights.
-        engines = {
+        return state
+
+    def _refitted_artifacts(self, plan: PartitionPlan) -> dict[str, EngineArtifact]:
+        """Full engines carry their representative's weights: the new ones put in (no rebuild), with the
+        backend that built each. Stripped engines and PyTorch fallbacks need nothing."""
+        return {
             fp: a
             if a.stripped or not a.is_engine
             else dataclasses.replace(
                 a,
-                engine=get_backend(a.backend, device=self.plan.options.device).refit(
+                engine=get_backend(a.backend, device=plan.options.device).refit(
                     a.engine, engine_weights(plan, self.dedup.instance(self.dedup.unique[fp]))
                 ),
             )
             for fp, a in self.engines.items()
         }
-        # A new module with its own captures: the old module's graphs keep reading the old weights.
-        refitted = assemble(
-            plan, self.dedup, engines, report=self.report, trust_engine_code=self.trust_engine_code
-        )
-        refitted.cuda_graphs.max_shapes = self.cuda_graphs.max_shapes
-        refitted.cuda_graphs.static_outputs = self.cuda_graphs.static_outputs
-        return refitted
+
+    def _refit_in_place(self, state: Mapping[str, torch.Tensor]) -> CompiledModule:
+        # Serialized with calls: a replay must not read half-copied weights.
+        with self.cuda_graphs.exclusive(), torch.no_grad():
+            current = self.plan.weights()
+            for key, tensor in state.items():
+                current[key].copy_(tensor)  # what the fallback graph is fed (and the engines' source)
+            reloaded = 0
+            for name, call in self.graph.named_children():
+                if not isinstance(call, EngineCall):
+                    continue
+                weights = engine_weights(self.plan, self.dedup.instance(name))
+                if hasattr(call.engine, "refit_in_place"):
+                    call.engine.refit_in_place(weights)
+                    continue
+                artifact = self.engines[call.fingerprint]
+                backend = get_backend(
+                    artifact.backend,
+                    device=self.plan.options.device,
+                    trust_engine_code=self.trust_engine_code,
+                )
+                call.engine = backend.load(artifact.engine, artifact.io, weights)
+                reloaded += 1
+            if reloaded:  # captures of the old engines would replay their weights
+                self.cuda_graphs.clear()
+        self.engines = self._refitted_artifacts(self.plan)  # what a save of this module writes
+        if reloaded:
+            self.warm_up_profiles()
+        return self
 
 
 def _leaf_call(in_spec: pytree.TreeSpec | None) -> tuple[int, tuple[str, ...]] | None:

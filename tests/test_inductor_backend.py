@@ -120,6 +120,25 @@ def test_refit_puts_new_weights_in_without_a_build(blocks, compiled):
         get_backend("inductor").load(artifact.engine, artifact.io, bad)
 
 
+def test_refit_in_place_copies_into_the_engines_own_tensors(blocks, compiled, tmp_path):
+    case, _ = blocks
+    module, _ = compiled
+    loaded = compiler.load(compiler.save(module, tmp_path / "m.kiln").path, trust_engine_code=True)
+    calls = {name: call.engine for name, call in loaded.graph.named_children() if hasattr(call, "engine")}
+    storages = {name: [w.data_ptr() for w in engine.weights] for name, engine in calls.items()}
+    tuned = {k: v + 0.01 * torch.randn_like(v) for k, v in case.model.state_dict().items()}
+    assert loaded.refit(tuned, in_place=True) is loaded
+    reference = repeated_fallback(depth=3, width=16).model
+    reference.load_state_dict(tuned)
+    x = case.args[0]
+    torch.testing.assert_close(loaded(x), reference(x), rtol=1e-5, atol=1e-5)
+    # The same engines, the same tensors: nothing loaded again, so captures over them stay valid.
+    for name, call in loaded.graph.named_children():
+        if name in calls:
+            assert call.engine is calls[name]
+            assert [w.data_ptr() for w in call.engine.weights] == storages[name]
+
+
 def _load_in_a_fresh_process(package: Path, x: Path, env: dict) -> tuple[list[str], torch.Tensor, str]:
     """(stdout words, output, warnings) of loading ``package`` in a new process and calling it on ``x``."""
     code = textwrap.dedent(

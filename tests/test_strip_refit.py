@@ -56,6 +56,23 @@ def test_refit_of_full_engines_updates_them_in_place(program_and_case, tmp_path)
     torch.testing.assert_close(compiled.refit(tuned.state_dict())(x), tuned(x), rtol=1e-5, atol=1e-5)
 
 
+def test_refit_in_place_keeps_the_module_and_a_save_carries_the_new_weights(program_and_case, tmp_path):
+    _, program = program_and_case
+    path = compiler.save(compiler.compile(program, cache=tmp_path / "c"), tmp_path / "m.kiln").path
+    loaded = compiler.load(path)  # owns its weights (an in-process compile shares the model's)
+    tuned = repeated_fallback(depth=4, width=128, seed=5).model
+    x = torch.randn(3, 128)
+    before = loaded(x)
+    state = tuned.state_dict()
+    with pytest.raises(RefitError, match="expected shape"):
+        loaded.refit({**state, "blocks.0.fc1.weight": torch.zeros(64, 128)}, in_place=True)
+    torch.testing.assert_close(loaded(x), before)  # a refused refit changed nothing
+    assert loaded.refit(state, in_place=True) is loaded
+    torch.testing.assert_close(loaded(x), tuned(x), rtol=1e-5, atol=1e-5)
+    again = compiler.load(compiler.save(loaded, tmp_path / "again.kiln").path)
+    torch.testing.assert_close(again(x), tuned(x), rtol=1e-5, atol=1e-5)
+
+
 def test_refit_with_wrong_weights_is_refused(program_and_case, tmp_path):
     _, program = program_and_case
     compiled = compiler.compile(program, cache=tmp_path / "c")

@@ -132,8 +132,10 @@ class InductorEngine:
         io: EngineIO,
         constants: Mapping[int, torch.Tensor] | None = None,
         specializations: Mapping[tuple[tuple[int, ...], ...], Callable[..., Any]] | None = None,
+        expected_weights: Mapping[str, Any] | None = None,
     ):
         self.compiled, self.weights, self.io = compiled, weights, io
+        self._expected = dict(expected_weights or {})  # the header's {name: [shape, dtype]}
         self.device = weights[0].device if weights else None
         self._constants = dict(constants or {})
         # Activation shapes -> static-shape compiled graph (one per shape profile).
@@ -152,6 +154,14 @@ class InductorEngine:
             compiled = compiled if static is None else static
             self.last_dispatch = "dynamic" if static is None else "static"
         return tuple(compiled(*_graph_args(inputs, self.weights, self._constants)))
+
+    def refit_in_place(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """New weights copied into this engine's own tensors (checked like a load's): the compiled
+        graphs take them as inputs, so CUDA graphs captured over this engine replay with the new ones."""
+        new = _ordered({"weights": self._expected}, weights, self.device or torch.device("cpu"))
+        with torch.no_grad():
+            for mine, value in zip(self.weights, new, strict=True):
+                mine.copy_(value)
 
 
 class InductorBackend:
@@ -304,7 +314,7 @@ class InductorBackend:
                     )
                     _remember(shape_key, loaded, None)
                 static[shapes] = loaded
-        return InductorEngine(compiled, ordered, io, constants, static)
+        return InductorEngine(compiled, ordered, io, constants, static, expected_weights=header["weights"])
 
     def _compile_options(self, header: Mapping[str, Any]) -> dict[str, Any]:
         """The options this engine is compiled with here: its header's where its package is trusted,

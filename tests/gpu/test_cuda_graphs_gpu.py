@@ -147,6 +147,32 @@ def test_refit_while_graphed_changes_the_answer(mlp):
     torch.testing.assert_close(module(*args), before)  # the old module keeps its own weights
 
 
+def test_refit_in_place_while_graphed_replays_the_same_capture_with_new_weights(mlp, tmp_path):
+    model, args, _, module = mlp
+    loaded = compiler.load(compiler.save(module, tmp_path / "m.kiln").path, trust_engine_code=True)
+    before = loaded(*args).clone()
+    graphs = loaded.cuda_graphs
+    assert graphs.enabled and graphs.captured_shapes >= 1
+    captures = graphs.captures
+    tuned = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    assert loaded.refit(tuned, in_place=True) is loaded
+    after = loaded(*args)
+    assert graphs.captures == captures, "the refit must not cost a re-capture"
+    assert not torch.allclose(after, before, rtol=1e-3, atol=1e-3)
+    from zoo.models import mlp_with_fallback
+
+    reference = mlp_with_fallback().model.cuda()
+    reference.load_state_dict(tuned)
+    torch.testing.assert_close(after, reference(*args), rtol=2e-3, atol=2e-3)
+    # From another stream too: the replay reads the new weights there as well.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        other = loaded(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.testing.assert_close(other, after)
+
+
 def test_uncapturable_module_runs_uncaptured_with_the_reason():
     model = HostOpModel().cuda().eval()
     x = torch.randn(4, 16, device="cuda")
