@@ -11,7 +11,7 @@ from compiler.backends.base import PRECISIONS, QUANTIZED_PRECISIONS, BuildSettin
 from compiler.cudagraphs import check_mode
 from compiler.errors import PartitionError
 from compiler.padding import PAD_TO_PROFILE
-from compiler.profiles import normalize
+from compiler.profiles import Size, fixed_profiles, normalize, to_json
 
 # What a partition whose engine build fails becomes (see CompileOptions.on_build_failure).
 ON_BUILD_FAILURE = ("torch", "onnxruntime", "error")
@@ -87,11 +87,12 @@ class CompileOptions:
     a CPU device, an ONNX Runtime backend or fallback, or a module the check refuses) or ``"off"``.
     See :mod:`compiler.cudagraphs`. A runtime setting: not a build setting, no engine changes.
 
-    ``profiles``: shape profiles, one ``{dynamic dimension name: size}`` per profile (``({"batch": 1},
-    {"batch": 8})``), checked against the input specs at partition time; on CUDA their graphs are
-    captured when the module is assembled, and each profile's latency is in the report. See
-    :mod:`compiler.profiles`. With the Inductor backend a build setting: each engine gets one
-    static-shape specialization per profile, run on an exact shape match.
+    ``profiles``: shape profiles, one ``{dynamic dimension name: size or (min[, opt], max)}`` per
+    profile (``({"batch": 1}, {"batch": 8}, {"batch": (9, 32)})``), checked against the input specs at
+    partition time; on CUDA the fixed profiles' graphs are captured when the module is assembled, and
+    each profile's latency is in the report. See :mod:`compiler.profiles`. A build setting: with
+    Inductor each engine gets one static-shape specialization per fixed profile, run on an exact shape
+    match; with TensorRT one optimization profile per profile, beside the declared range's.
 
     ``pad_to_profile``: ``"off"`` (default) or ``"auto"``: pad a batch up to the next profile where the
     compile-time check showed padded rows leave the real rows' outputs unchanged; refused per profile,
@@ -117,7 +118,7 @@ class CompileOptions:
     on_accuracy_failure: str = "error"
     partition_precision: Mapping[str, str] = field(default_factory=dict)
     cuda_graphs: str = "auto"
-    profiles: tuple[Mapping[str, int], ...] = ()
+    profiles: tuple[Mapping[str, Size], ...] = ()
     quantization: str = "static"
     calibration: Calibration = field(default_factory=Calibration)
     pad_to_profile: str = "off"
@@ -196,10 +197,16 @@ class CompileOptions:
             optimization_level=self.optimization_level,
             options=dict(self.backend_options),
             quantization=self.quantization_settings() if precision in QUANTIZED_PRECISIONS else None,
-            # Only Inductor builds per-profile specializations: other backends' engines (and cache
-            # keys) do not change with the profiles.
-            profiles=self.profiles if self.backend == "inductor" else (),
+            profiles=self.build_profiles(),
         )
+
+    def build_profiles(self) -> tuple[Mapping[str, Size], ...]:
+        """The profiles engines are built for (so they enter engine cache keys only where they change
+        the engine): Inductor specializes for the fixed ones, TensorRT builds an optimization profile
+        for each, ONNX Runtime builds one dynamic engine."""
+        if self.backend == "inductor":
+            return tuple(fixed_profiles(self.profiles))
+        return () if self.backend == "onnxruntime" else self.profiles
 
     def quantization_settings(self) -> dict[str, Any]:
         """What decides a quantized graph's structure (where Q/DQ nodes go), so it enters fingerprints.
@@ -226,7 +233,7 @@ class CompileOptions:
             self.split_modules if isinstance(self.split_modules, str | None) else list(self.split_modules)
         )
         data["backend_options"] = dict(self.backend_options)
-        data["profiles"] = [dict(p) for p in self.profiles]
+        data["profiles"] = to_json(self.profiles)
         data["calibration"] = self.calibration.to_dict()
         if self.pad_to_profile == "off":  # the default left out: requests, keys and packages stay as before
             del data["pad_to_profile"]

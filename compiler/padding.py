@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compiler.profiles import profile_inputs
+from compiler.profiles import is_fixed, profile_inputs
 from compiler.specs import InputSpec
 
 PAD_TO_PROFILE = ("off", "auto")
@@ -65,11 +65,13 @@ def check_padding(
     batch = batch_dim(specs)
     rows = []
     for index, profile in enumerate(profiles):
-        if batch is None or batch not in profile:
+        if batch is None or batch not in profile or not is_fixed(profile):
             reason = (
                 "the inputs have no dynamic batch on axis 0"
                 if batch is None
                 else f"it does not name the batch dimension {batch!r}"
+                if batch not in profile
+                else "it is a range: calls inside it run at their own shape"
             )
             rows.append({"allowed": False, "reason": f"profile {index} {dict(profile)}: {reason}"})
             continue
@@ -115,7 +117,7 @@ def pad_targets(
             bool((row.get("padding") or {}).get("allowed")),
         )
         for p, row in zip(profiles, rows, strict=False)
-        if batch in p
+        if batch in p and is_fixed(p)
     ]
     return sorted(targets, key=lambda t: t.batch)
 
@@ -154,7 +156,10 @@ def _batches_below(
     below = [
         p[batch]
         for p in profiles
-        if batch in p and p[batch] < profile[batch] and {k: v for k, v in p.items() if k != batch} == others
+        if batch in p
+        and is_fixed(p)
+        and p[batch] < profile[batch]
+        and {k: v for k, v in p.items() if k != batch} == others
     ]
     first = max([lowest, *(b + 1 for b in below)])
     last = profile[batch] - 1

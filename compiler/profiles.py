@@ -1,9 +1,10 @@
-"""Shape profiles: the concrete input shapes a compiled model is known to serve (``batch`` 1, 8, 32).
+"""Shape profiles: the input shapes a compiled model is known to serve (``batch`` 1, 8, 32, or 1..8).
 
-``CompileOptions.profiles`` holds one mapping per profile, dynamic-dimension name -> size; dimensions a
-profile leaves out take their opt size. A profile is checked against the input specs when the model is
-partitioned (:func:`profile_shapes`: a dimension no input has, or a size outside an input's declared
-range, is an ``InputSpecError`` naming the profile), so a bad profile fails before any build.
+``CompileOptions.profiles`` holds one mapping per profile, dynamic-dimension name -> a size or a range
+``(min, max)`` / ``(min, opt, max)``; dimensions a profile leaves out take their opt size. A profile is
+checked against the input specs when the model is partitioned (:func:`profile_bounds`: a dimension no
+input has, or a size outside an input's declared range, is an ``InputSpecError`` naming the profile),
+so a bad profile fails before any build.
 
 What a profile buys today: on CUDA with graphs on, its CUDA graph is captured when the module is
 assembled (compile, load, refit), so the first call at that shape replays instead of capturing; the
@@ -11,7 +12,10 @@ warm-up is timed (``module.cuda_graphs.warmup_seconds``). Every profile's latenc
 (``dispatch``) are measured at compile and recorded in the report (``CompileReport.profiles``), so in
 the manifest. With the Inductor backend each engine also gets a static-shape specialization per
 profile, run on an exact shape match (:mod:`compiler.backends.inductor`); padding a batch up to a
-profile is :mod:`compiler.padding`. Not built yet: TensorRT optimization profiles per range, ranges.
+profile is :mod:`compiler.padding`. Those three take the fixed profiles only (a range has no one shape
+to capture, specialize or pad to: its calls run at their own shape); a range is measured at its opt
+point. With TensorRT every profile, fixed or range, is one more optimization profile of each engine it
+applies to (:mod:`compiler.backends.tensorrt.build_settings`), beside the declared range's.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ import torch
 from compiler.errors import InputSpecError
 from compiler.specs import InputSpec
 
+# A profile's value for one dimension: a size, or a range (min, max) / (min, opt, max).
+Size = int | tuple[int, ...]
 
-def normalize(profiles: object) -> tuple[dict[str, int], ...]:
-    """Profiles as a tuple of {dim name: size}; InputSpecError for anything else."""
+
+def normalize(profiles: object) -> tuple[dict[str, Size], ...]:
+    """Profiles as a tuple of {dim name: size or (min[, opt], max)}; InputSpecError for anything else."""
     if profiles is None:
         return ()
     if isinstance(profiles, Mapping) or not isinstance(profiles, Sequence) or isinstance(profiles, str):
@@ -41,23 +48,45 @@ def normalize(profiles: object) -> tuple[dict[str, int], ...]:
                 f"profile {index} {profile!r}: expected a non-empty mapping of dimension name to size, "
                 "e.g. {'batch': 8}"
             )
-        sizes = {}
-        for name, size in profile.items():
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise InputSpecError(
-                    f"profile {index} {dict(profile)}: dimension {name!r} must be an integer >= 1, got "
-                    f"{size!r} (ranges are not supported yet: list each size as its own profile)"
-                )
-            sizes[str(name)] = size
-        result.append(dict(sorted(sizes.items())))
+        result.append(dict(sorted((str(k), _size(index, profile, k, v)) for k, v in profile.items())))
     if len({tuple(p.items()) for p in result}) != len(result):
         raise InputSpecError(f"profiles {result} repeat a profile; list each once")
     return tuple(result)
 
 
-def profile_shapes(specs: Sequence[InputSpec], profile: Mapping[str, int], index: int = 0) -> list[tuple]:
-    """Every input's shape under ``profile`` (unnamed dims at their opt size); InputSpecError naming the
-    profile for a dimension no input has or a size outside an input's range."""
+def _size(index: int, profile: Mapping, name: object, value: object) -> Size:
+    def whole(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    if whole(value):
+        return value  # type: ignore[return-value]
+    if isinstance(value, Sequence) and not isinstance(value, str) and len(value) in (2, 3):
+        bounds = tuple(value)
+        if all(whole(v) for v in bounds) and list(bounds) == sorted(bounds):
+            return bounds  # type: ignore[return-value]
+    raise InputSpecError(
+        f"profile {index} {dict(profile)}: dimension {name!r} must be an integer >= 1 or a range "
+        f"[min, max] / [min, opt, max] of them in order, got {value!r}"
+    )
+
+
+def is_fixed(profile: Mapping[str, Size]) -> bool:
+    """Whether every dimension the profile names has one size (no range)."""
+    return all(isinstance(v, int) for v in profile.values())
+
+
+def fixed_profiles(profiles: Sequence[Mapping[str, Size]]) -> list[Mapping[str, int]]:
+    """The profiles that are concrete shapes: what CUDA graphs, static specializations and padding use."""
+    return [p for p in profiles if is_fixed(p)]  # type: ignore[misc]
+
+
+def profile_bounds(
+    specs: Sequence[InputSpec], profile: Mapping[str, Size], index: int = 0
+) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """Every input's (min, opt, max) shape under ``profile``: a size is min = opt = max, a range its
+    bounds (opt: the one given, else the input's own opt clipped into the range); dimensions the profile
+    leaves out at their opt size. InputSpecError naming the profile for a dimension no input has or a
+    size outside an input's declared range."""
     dims = {name for spec in specs for name in spec.dynamic_dims.values()}
     unknown = sorted(set(profile) - dims)
     if unknown:
@@ -65,31 +94,42 @@ def profile_shapes(specs: Sequence[InputSpec], profile: Mapping[str, int], index
             f"profile {index} {dict(profile)}: names dimensions {unknown} that no input has; the dynamic "
             f"dimensions are {sorted(dims)}"
         )
-    shapes = []
+    bounds = []
     for spec in specs:
-        shape = list(spec.opt_shape)
+        lo, opt, hi = list(spec.opt_shape), list(spec.opt_shape), list(spec.opt_shape)
         for axis, name in spec.dynamic_dims.items():
-            if name in profile:
-                lo, hi = spec.dim_range(axis)
-                if not lo <= profile[name] <= hi:
-                    raise InputSpecError(
-                        f"profile {index} {dict(profile)}: {name} = {profile[name]} is outside input "
-                        f"{spec.name!r}'s declared range [{lo}, {hi}]"
-                    )
-                shape[axis] = profile[name]
-        shapes.append(tuple(shape))
-    return shapes
+            if name not in profile:
+                continue
+            value = profile[name]
+            first, last = (value, value) if isinstance(value, int) else (value[0], value[-1])
+            declared_lo, declared_hi = spec.dim_range(axis)
+            if not declared_lo <= first <= last <= declared_hi:
+                raise InputSpecError(
+                    f"profile {index} {dict(profile)}: {name} = {value} is outside input "
+                    f"{spec.name!r}'s declared range [{declared_lo}, {declared_hi}]"
+                )
+            middle = value[1] if isinstance(value, tuple) and len(value) == 3 else opt[axis]
+            lo[axis], opt[axis], hi[axis] = first, min(max(middle, first), last), last
+        bounds.append((tuple(lo), tuple(opt), tuple(hi)))
+    return bounds
 
 
-def check_profiles(specs: Sequence[InputSpec], profiles: Sequence[Mapping[str, int]]) -> None:
+def profile_shapes(specs: Sequence[InputSpec], profile: Mapping[str, Size], index: int = 0) -> list[tuple]:
+    """Every input's shape under ``profile`` (a range at its opt point; unnamed dims at their opt size);
+    InputSpecError naming the profile for a dimension no input has or a size outside an input's range."""
+    return [opt for _, opt, _ in profile_bounds(specs, profile, index)]
+
+
+def check_profiles(specs: Sequence[InputSpec], profiles: Sequence[Mapping[str, Size]]) -> None:
     for index, profile in enumerate(profiles):
-        profile_shapes(specs, profile, index)
+        profile_bounds(specs, profile, index)
 
 
 def profile_inputs(
-    specs: Sequence[InputSpec], profile: Mapping[str, int], device: torch.device, seed: int = 0
+    specs: Sequence[InputSpec], profile: Mapping[str, Size], device: torch.device, seed: int = 0
 ) -> list[torch.Tensor]:
-    """Random inputs at the profile's shapes (integer inputs inside their recorded value range)."""
+    """Random inputs at the profile's shapes (a range's opt point; integer inputs inside their recorded
+    value range)."""
     from compiler.validation_data import random_tensor
 
     generator = torch.Generator().manual_seed(seed)
@@ -99,5 +139,5 @@ def profile_inputs(
     ]
 
 
-def to_json(profiles: Sequence[Mapping[str, int]]) -> list[dict[str, Any]]:
-    return [dict(p) for p in profiles]
+def to_json(profiles: Sequence[Mapping[str, Size]]) -> list[dict[str, Any]]:
+    return [{k: list(v) if isinstance(v, tuple) else v for k, v in p.items()} for p in profiles]

@@ -35,7 +35,7 @@ from compiler.export import TRACING
 from compiler.lower import engine_weights
 from compiler.padding import check_padding, pad_call, pad_targets
 from compiler.partition import PartitionPlan
-from compiler.profiles import profile_inputs, profile_shapes
+from compiler.profiles import fixed_profiles, is_fixed, profile_inputs, profile_shapes
 from compiler.report import CompileReport
 from compiler.specs import InputSpec, check_inputs
 
@@ -171,11 +171,12 @@ class CompiledModule(torch.nn.Module):
     def warm_up_profiles(self) -> float:
         """Capture every shape profile's CUDA graph now (part of compile and load); the seconds it took.
         Nothing to do where graphs are off."""
-        if not self.cuda_graphs.enabled or not self.plan.options.profiles:
+        profiles = fixed_profiles(self.plan.options.profiles)  # a range has no one shape to capture
+        if not self.cuda_graphs.enabled or not profiles:
             return 0.0
         start = time.perf_counter()
         with torch.no_grad():
-            for profile in self.plan.options.profiles:
+            for profile in profiles:
                 self.cuda_graphs(profile_inputs(self.plan.specs, profile, self.device))
         torch.cuda.synchronize(self.device)
         self.cuda_graphs.warmup_seconds = round(time.perf_counter() - start, 4)
@@ -201,7 +202,9 @@ class CompiledModule(torch.nn.Module):
             graphs = self.cuda_graphs
             rows.append(
                 {
-                    "profile": dict(profile),
+                    "profile": {k: list(v) if isinstance(v, tuple) else v for k, v in profile.items()},
+                    # A range is measured at its opt point.
+                    "kind": "fixed" if is_fixed(profile) else "range",
                     "shapes": [list(s) for s in profile_shapes(self.plan.specs, profile, index)],
                     "latency_ms": round(latency.median_ms, 4),
                     "dispatch": f"cuda graph over {served if static else 'the dynamic engines'}"
@@ -444,7 +447,7 @@ def assemble(
             start = time.perf_counter()
             for row, padding in zip(report.profiles, module.check_padding(), strict=True):
                 row["padding"] = padding
-                if not padding["allowed"]:
+                if not padding["allowed"] and row["kind"] == "fixed":  # a range is never a target
                     warnings.warn(f"pad_to_profile: refused for {padding['reason']}", stacklevel=2)
             report.stage_seconds["padding_check"] = round(time.perf_counter() - start, 4)
             module._pad_targets = pad_targets(plan.specs, plan.options.profiles, report.profiles)

@@ -37,7 +37,8 @@ def bad_input(message: str) -> typer.Exit:
 
 # Flag values that carry structure (kiln compile): parsed here, checked by the zoo schema.
 def parse_profiles(texts: list[str] | None) -> list[dict[str, Any]] | None:
-    """``--profile batch=8,seq=128`` (repeatable) -> [{"batch": 8, "seq": 128}]; the schema checks sizes."""
+    """``--profile batch=8,seq=128`` (repeatable) -> [{"batch": 8, "seq": 128}]; a range ``batch=9:32``
+    (min:max) or ``batch=9:16:32`` (min:opt:max) -> [9, 32]; the schema checks sizes."""
     if not texts:
         return None
     profiles = []
@@ -46,8 +47,10 @@ def parse_profiles(texts: list[str] | None) -> list[dict[str, Any]] | None:
         for pair in text.split(","):
             name, sep, size = pair.partition("=")
             if not sep or not name.strip():
-                raise bad_input(f"--profile {text!r}: use DIM=SIZE[,DIM=SIZE], e.g. batch=8")
-            profile[name.strip()] = int(size) if size.strip().isdigit() else size.strip()
+                raise bad_input(f"--profile {text!r}: use DIM=SIZE[,DIM=SIZE], e.g. batch=8 or batch=9:32")
+            parts = [p.strip() for p in size.split(":")]
+            sizes = [int(p) if p.isdigit() else p for p in parts]
+            profile[name.strip()] = sizes[0] if len(sizes) == 1 else sizes
         profiles.append(profile)
     return profiles
 

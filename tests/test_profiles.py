@@ -18,7 +18,8 @@ from torch.export import Dim
 import compiler
 from compiler.backends.inductor import InductorBackend
 from compiler.backends.inductor_format import HEADER, pack, read_engine
-from compiler.errors import PartitionError, UnsafeEngineError
+from compiler.errors import InputSpecError, PartitionError, UnsafeEngineError
+from compiler.profiles import normalize, profile_bounds
 from zoo.config import ZooEntry
 
 
@@ -140,4 +141,60 @@ def test_pad_to_profile_is_checked_where_options_are_made():
     with pytest.raises(ValidationError, match="pad_to_profile"):
         ZooEntry.model_validate(
             {"name": "m", "factory": "zoo.models:mlp_with_fallback", "pad_to_profile": "x"}
+        )
+
+
+def test_ranges_are_profiles_measured_at_their_opt_point_and_never_padded_to():
+    assert normalize([{"batch": [2, 8]}, {"batch": (9, 12, 16)}]) == (
+        {"batch": (2, 8)},
+        {"batch": (9, 12, 16)},
+    )
+    for bad in ([8, 2], [0, 4], [1, 2, 3, 4], "4", [1.5, 3], True):
+        with pytest.raises(InputSpecError, match=r"profile 0 .*'batch' must be an integer >= 1 or a range"):
+            normalize([{"batch": bad}])
+    program = _program(RowWise().eval())
+    specs = compiler.partition(program, compiler.CompileOptions()).specs
+    assert profile_bounds(specs, {"batch": (2, 8)}) == [((2, 8), (4, 8), (8, 8))]  # opt 4 lies inside
+    with pytest.raises(InputSpecError, match=r"profile 1 .*batch = \(9, 40\) is outside input 'x'"):
+        compiler.compile(program, cache=False, profiles=[{"batch": 2}, {"batch": (9, 40)}])
+    torch.manual_seed(0)
+    model = RowWise().eval()
+    module = compiler.compile(
+        _program(model), cache=False, profiles=[{"batch": (9, 16)}, {"batch": 4}], pad_to_profile="auto"
+    )
+    ranged, fixed = module.report.profiles
+    assert ranged["kind"] == "range" and ranged["profile"] == {"batch": [9, 16]}
+    assert ranged["shapes"] == [[9, 8]]  # the input's opt (4) clipped into the range
+    assert not ranged["padding"]["allowed"] and "a range" in ranged["padding"]["reason"]
+    assert fixed["kind"] == "fixed" and fixed["padding"]["allowed"]
+    for batch in (3, 12):  # 3 pads to 4; 12 lies in the range and runs as it is
+        x = torch.randn(batch, 8)
+        torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-6)
+    entry = ZooEntry.model_validate(
+        {"name": "m", "factory": "zoo.models:mlp_with_fallback", "profiles": [{"batch": [2, 8]}]}
+    )
+    assert entry.requests()[0].options.profiles == ({"batch": (2, 8)},)
+
+
+def test_the_cli_reads_sizes_and_ranges_and_names_a_malformed_profile():
+    import typer
+
+    from flows.cli_options import parse_profiles
+
+    assert parse_profiles(["batch=8,seq=128", "batch=9:32", "batch=9:16:32"]) == [
+        {"batch": 8, "seq": 128},
+        {"batch": [9, 32]},
+        {"batch": [9, 16, 32]},
+    ]
+    with pytest.raises(typer.Exit) as refused:  # the message is printed, the exit code says bad input
+        parse_profiles(["batch"])
+    assert refused.value.exit_code != 0
+    # What the flag cannot judge (a size that is no number) the schema refuses, naming it.
+    with pytest.raises(ValidationError, match="profiles"):
+        ZooEntry.model_validate(
+            {
+                "name": "m",
+                "factory": "zoo.models:mlp_with_fallback",
+                "profiles": parse_profiles(["batch=x:4"]),
+            }
         )

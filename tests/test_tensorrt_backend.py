@@ -40,6 +40,7 @@ from compiler.backends.tensorrt import (
     unfold_batch_norm,
     unsupported_reason,
 )
+from compiler.backends.tensorrt.build_settings import choose_profile, optimization_profiles
 from compiler.backends.tensorrt.builder import _error_node
 from compiler.backends.tensorrt.support import _BOOL_BITWISE
 from compiler.errors import (
@@ -144,6 +145,27 @@ def test_profile_rejects_duplicate_input_names():
     spec = _io().inputs[0]
     with pytest.raises(InputSpecError, match="listed twice"):
         profile_shapes(EngineIO((spec, spec), ("y0",), ("float32",)))
+
+
+def test_each_shape_profile_is_one_more_optimization_profile_after_the_declared_range():
+    ids = InputSpec("x0", "int64", (1, 4), (2, 16), (32, 64), {0: "batch", 1: "seq"})
+    io = EngineIO((ids,), ("y0",), ("float32",))
+    settings = BuildSettings(profiles=({"batch": 1}, {"batch": (2, 8)}, {"batch": (9, 12, 32), "seq": 64}))
+    profiles = optimization_profiles(io, settings)
+    assert profiles[0] == {"x0": ((1, 4), (2, 16), (32, 64))}  # every declared shape still runs
+    assert profiles[1] == {"x0": ((1, 16), (1, 16), (1, 16))}  # a size: min = opt = max, seq at its opt
+    assert profiles[2] == {"x0": ((2, 16), (2, 16), (8, 16))}  # a range: opt clipped into it
+    assert profiles[3] == {"x0": ((9, 64), (12, 64), (32, 64))}
+    # The narrowest profile holding the call's shapes runs it; the declared range takes the rest.
+    assert choose_profile(profiles, {"x0": (1, 16)}) == 1
+    assert choose_profile(profiles, {"x0": (5, 16)}) == 2
+    assert choose_profile(profiles, {"x0": (20, 64)}) == 3
+    assert choose_profile(profiles, {"x0": (20, 32)}) == 0
+    with pytest.raises(ValueError, match="no optimization profile"):
+        choose_profile(profiles, {"x0": (64, 16)})
+    # A repeat adds nothing; a profile over a dimension the engine lacks does not apply to it.
+    again = BuildSettings(profiles=({"batch": 1}, {"batch": (1, 1)}, {"other": 3}))
+    assert len(optimization_profiles(io, again)) == 2
 
 
 @pytest.mark.parametrize(
@@ -586,6 +608,22 @@ def test_stripped_builds_lose_their_weights_and_are_stored_compressed(buildable)
     weight_bytes = sum(w.nbytes for w in weights.values())
     assert len(full_plan) - len(plan) >= 0.99 * weight_bytes  # stripping removed the weights
     assert len(stripped) <= 0.02 * len(full)  # the 2% target, on the bytes kiln stores
+
+
+@pytest.mark.gpu
+def test_shape_profiles_build_into_one_engine_with_an_optimization_profile_each(buildable):
+    onnx_bytes, _ = _mlp_onnx(width=64, out=64)
+    io = _io(64, 64)
+    settings = BuildSettings(profiles=({"batch": 1}, {"batch": 8}, {"batch": (2, 16)}))
+    header, plan = decode_engine(buildable.build(onnx_bytes, io, settings))
+    assert header["profiles"] == [
+        {"x0": [[1, 64], [4, 64], [16, 64]]},  # the declared range, first
+        {"x0": [[1, 64], [1, 64], [1, 64]]},
+        {"x0": [[8, 64], [8, 64], [8, 64]]},
+        {"x0": [[2, 64], [4, 64], [16, 64]]},
+    ]
+    single = decode_engine(buildable.build(onnx_bytes, io, BuildSettings()))
+    assert "profiles" not in single[0] and len(plan) > len(single[1])  # more kernels, one per profile
 
 
 @pytest.mark.gpu

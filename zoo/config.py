@@ -178,10 +178,11 @@ class ZooEntry(_Strict):
         description="replay the whole model as CUDA graphs: auto (CUDA devices, where capture works), on "
         "(required), off",
     )
-    profiles: list[dict[str, int]] = Field(
+    profiles: list[dict[str, int | list[int]]] = Field(
         default_factory=list,
-        description="shape profiles, one {dimension name: size} each (e.g. [{batch: 1}, {batch: 8}]): "
-        "CUDA graphs captured at load, latency per profile in the manifest",
+        description="shape profiles, one {dimension name: size or [min, max] / [min, opt, max]} each "
+        "(e.g. [{batch: 1}, {batch: 8}, {batch: [9, 32]}]): CUDA graphs captured at load for the sizes, "
+        "a TensorRT optimization profile for each, latency per profile in the manifest",
     )
     pad_to_profile: Literal["off", "auto"] = Field(
         default="off",

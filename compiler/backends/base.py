@@ -70,9 +70,10 @@ class BuildSettings:
     # Quantized partitions only: how the graph is quantized (mode, calibration method, per-channel),
     # which decides where Q/DQ nodes go. Left out of to_dict when None, so float engines keep their keys.
     quantization: Mapping[str, Any] | None = None
-    # Shape profiles ({dimension name: size} each) a backend specializes engines for (Inductor: one
-    # static-shape compile per profile); empty for backends that build one dynamic engine.
-    profiles: tuple[Mapping[str, int], ...] = ()
+    # Shape profiles ({dimension name: size or (min[, opt], max)} each) a backend builds engines for
+    # (Inductor: one static-shape compile per fixed profile; TensorRT: one optimization profile each);
+    # empty for backends that build one dynamic engine.
+    profiles: tuple[Mapping[str, Any], ...] = ()
 
     def to_dict(self) -> dict:
         data = {
@@ -85,7 +86,10 @@ class BuildSettings:
         if self.quantization is not None:
             data["quantization"] = dict(sorted(self.quantization.items()))
         if self.profiles:  # left out when empty: engines without profiles keep their cache keys
-            data["profiles"] = [dict(sorted(p.items())) for p in self.profiles]
+            data["profiles"] = [
+                {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(p.items())}
+                for p in self.profiles
+            ]
         return data
 
 

@@ -263,6 +263,8 @@ class InductorBackend:
         engine. A failed specialization is warned and left out: the dynamic graph serves its shapes."""
         built: dict[tuple[tuple[int, ...], ...], bytes] = {}
         for profile in settings.profiles:
+            if not all(isinstance(v, int) for v in profile.values()):
+                continue  # a range: the dynamic graph serves it
             shapes = engine_profile_shapes(io, profile)
             if shapes is None or shapes in built:
                 continue

@@ -1,5 +1,5 @@
 """What a TensorRT build sets, derived from kiln's build settings and engine IO: the optimization
-profile, the refit mode and the builder flags.
+profiles, the refit mode and the builder flags; and which profile a call's shapes run under.
 
 Guarantees: pure functions of :class:`BuildSettings` / :class:`EngineIO` (no TensorRT, no GPU), so a
 settings mistake is a :class:`BuildSettingsError` or :class:`InputSpecError` before any build starts
@@ -9,11 +9,18 @@ same flags in the same order.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from compiler.backends.base import BuildSettings, EngineIO, check_backend_options
 from compiler.errors import BuildSettingsError, InputSpecError
 
 REFIT_MODES = ("weights", "all", "identical", "none")
 BACKEND_OPTIONS = frozenset({"refit"})  # the keys of CompileOptions.backend_options TensorRT reads
+# Optimization profiles an engine is built with: the declared range's and at most this many more.
+MAX_SHAPE_PROFILES = 16
+
+Bounds = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
 def profile_shapes(io: EngineIO) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
@@ -33,6 +40,62 @@ def profile_shapes(io: EngineIO) -> dict[str, tuple[tuple[int, ...], tuple[int, 
                 )
         shapes[spec.name] = (lo, opt, hi)
     return shapes
+
+
+def optimization_profiles(io: EngineIO, settings: BuildSettings) -> list[dict[str, Bounds]]:
+    """Every optimization profile the engine is built with: the declared range first (every shape the
+    model takes runs), then one per shape profile that names a dimension of this engine's inputs (a
+    size: min = opt = max; a range: its bounds; dimensions it leaves out at their opt size), in order,
+    without repeats. A profile over a derived dimension (``batch*seq``) does not apply to the engine."""
+    declared = profile_shapes(io)
+    result = [declared]
+    for profile in settings.profiles:
+        bounds = _engine_bounds(io, profile, declared)
+        if bounds is not None and bounds not in result:
+            if len(result) > MAX_SHAPE_PROFILES:
+                raise BuildSettingsError(
+                    f"more than {MAX_SHAPE_PROFILES} shape profiles apply to one TensorRT engine"
+                )
+            result.append(bounds)
+    return result
+
+
+def _engine_bounds(
+    io: EngineIO, profile: Mapping[str, Any], declared: Mapping[str, Bounds]
+) -> dict[str, Bounds] | None:
+    bounds, named = {}, False
+    for spec in io.inputs:
+        point = list(declared[spec.name][1])
+        lo, hi = list(point), list(point)
+        for axis, name in spec.dynamic_dims.items():
+            if not name.isidentifier():
+                return None
+            if name in profile:
+                value = profile[name]
+                sizes = (value,) if isinstance(value, int) else tuple(value)
+                lo[axis], hi[axis], named = sizes[0], sizes[-1], True
+                point[axis] = sizes[1] if len(sizes) == 3 else min(max(point[axis], sizes[0]), sizes[-1])
+        bounds[spec.name] = (tuple(lo), tuple(point), tuple(hi))
+    return bounds if named else None
+
+
+def choose_profile(profiles: Sequence[Mapping[str, Bounds]], shapes: Mapping[str, Sequence[int]]) -> int:
+    """The index of the narrowest profile whose bounds hold every input's shape (the first on a tie);
+    the declared range's (0) where no narrower one does. ValueError where none holds them."""
+    best, best_width = None, None
+    for index, profile in enumerate(profiles):
+        fits = all(
+            len(shapes[name]) == len(lo)
+            and all(a <= d <= c for a, d, c in zip(lo, shapes[name], hi, strict=True))
+            for name, (lo, _opt, hi) in profile.items()
+        )
+        if fits:
+            width = sum(c - a for lo, _opt, hi in profile.values() for a, c in zip(lo, hi, strict=True))
+            if best_width is None or width < best_width:
+                best, best_width = index, width
+    if best is None:
+        raise ValueError(f"no optimization profile holds shapes {dict(shapes)}")
+    return best
 
 
 def refit_mode(settings: BuildSettings) -> str:

@@ -29,7 +29,12 @@ import torch
 from compiler.atomic import write_bytes_atomic
 from compiler.backends.base import BuildSettings, EngineIO
 from compiler.backends.onnx_inline import check_self_contained
-from compiler.backends.tensorrt.build_settings import builder_flag_names, profile_shapes, refit_mode
+from compiler.backends.tensorrt.build_settings import (
+    builder_flag_names,
+    optimization_profiles,
+    profile_shapes,
+    refit_mode,
+)
 from compiler.backends.tensorrt.engine_format import (
     HEADER_FORMAT,
     EngineTarget,
@@ -184,7 +189,7 @@ class TensorRTBackend:
         partition = partition or model.graph.name or None
         node_names = [n.name for n in model.graph.node]
         flag_names = builder_flag_names(settings)
-        shapes = profile_shapes(io)
+        profiles = optimization_profiles(io, settings)
         weights = canonical_weights(model)
         trt = self.trt
         # TensorRT-RTX compiles ahead of time without a GPU, except refittable engines (its Myelin
@@ -196,10 +201,15 @@ class TensorRTBackend:
         logger, builder, network, _parser = self._parsed(onnx_model, io, partition)
 
         config = builder.create_builder_config()
-        profile = builder.create_optimization_profile()
-        for name, (lo, opt, hi) in shapes.items():
-            profile.set_shape(name, lo, opt, hi)
-        config.add_optimization_profile(profile)
+        for shapes in profiles:  # the declared range's first: the default a context starts with
+            profile = builder.create_optimization_profile()
+            for name, (lo, opt, hi) in shapes.items():
+                profile.set_shape(name, lo, opt, hi)
+            if config.add_optimization_profile(profile) < 0:
+                raise EngineBuildError(
+                    f"{self.name} refused optimization profile {shapes} for partition {partition}",
+                    partition=partition,
+                )
         if settings.workspace_bytes is not None:
             if settings.workspace_bytes <= 0:
                 raise BuildSettingsError(f"workspace_bytes must be positive, got {settings.workspace_bytes}")
@@ -256,6 +266,8 @@ class TensorRTBackend:
             "inputs": [s.name for s in io.inputs],
             "outputs": list(io.output_names),
         }
+        if len(profiles) > 1:  # the runtime picks one per call (build_settings.choose_profile)
+            header["profiles"] = [{n: [list(b) for b in bounds] for n, bounds in p.items()} for p in profiles]
         return encode_engine(header, bytes(memoryview(plan)), compress=bool(settings.strip_weights))
 
     def parse(self, onnx_model: bytes, io: EngineIO, *, partition: str | None = None) -> int:
@@ -343,7 +355,7 @@ class TensorRTBackend:
             raise RefitError(
                 f"this engine is weight-stripped; load it with its weights {list(header['weights'])}"
             )
-        return TensorRTEngine(self.trt, runtime, cuda_engine, io)
+        return TensorRTEngine(self.trt, runtime, cuda_engine, io, profiles=header.get("profiles"))
 
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
         header, _runtime, cuda_engine, logger = self._deserialize(engine)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from compiler.backends.base import EngineIO
+from compiler.backends.tensorrt.build_settings import choose_profile
 from compiler.backends.tensorrt.engine_format import check_refit_weights
 from compiler.backends.tensorrt.library import LogWindow, log_collector
 from compiler.errors import BackendError, EngineCompatibilityError, InputSpecError, RefitError
@@ -105,8 +106,20 @@ class TensorRTEngine:
     """A deserialized engine with one execution context: CUDA tensors in, CUDA tensors out, on the
     current torch CUDA stream."""
 
-    def __init__(self, trt: Any, runtime: Any, cuda_engine: Any, io: EngineIO) -> None:
+    def __init__(
+        self, trt: Any, runtime: Any, cuda_engine: Any, io: EngineIO, *, profiles: list | None = None
+    ) -> None:
         self._runtime = runtime  # the engine must not outlive its runtime
+        # The header's optimization profiles ({input: [min, opt, max]} each; absent: the one declared).
+        self._profiles = [
+            {name: tuple(tuple(s) for s in bounds) for name, bounds in p.items()} for p in profiles or ()
+        ]
+        if self._profiles and len(self._profiles) != cuda_engine.num_optimization_profiles:
+            raise EngineCompatibilityError(
+                f"engine header lists {len(self._profiles)} optimization profiles, the plan has "
+                f"{cuda_engine.num_optimization_profiles}"
+            )
+        self._active = 0  # a new context starts in profile 0
         self._engine = cuda_engine
         self.io = io
         names = [cuda_engine.get_tensor_name(i) for i in range(cuda_engine.num_io_tensors)]
@@ -130,6 +143,18 @@ class TensorRTEngine:
             )
         device = torch.device("cuda", torch.cuda.current_device())
         ctx = self._context
+        stream = torch.cuda.current_stream(device)
+        if self._profiles:
+            try:
+                chosen = choose_profile(
+                    self._profiles, {s.name: tuple(v.shape) for s, v in zip(specs, inputs, strict=True)}
+                )
+            except ValueError as exc:
+                raise InputSpecError(str(exc)) from None
+            if chosen != self._active:
+                if not ctx.set_optimization_profile_async(chosen, stream.cuda_stream):
+                    raise BackendError(f"TensorRT could not switch to optimization profile {chosen}")
+                self._active = chosen
         bound = []
         for spec, value in zip(specs, inputs, strict=True):
             spec.check(value)
@@ -149,7 +174,6 @@ class TensorRTEngine:
             out = torch.empty(shape, dtype=self._out_dtypes[name], device=device)
             ctx.set_tensor_address(name, out.data_ptr())
             outputs.append(out)
-        stream = torch.cuda.current_stream(device)
         if not ctx.execute_async_v3(stream.cuda_stream):
             raise BackendError("TensorRT failed to enqueue the engine (execute_async_v3 returned False)")
         return tuple(outputs)
