@@ -63,3 +63,25 @@ class DataDependent(torch.nn.Module):
 def test_untraceable_model_raises_export_error_naming_the_model():
     with pytest.raises(ExportError, match="DataDependent"):
         compiler.export(DataDependent(), (torch.randn(3),))
+
+
+def test_the_deserializer_gets_typing_answers_once_per_schema_class(tmp_path):
+    import dataclasses
+    import typing
+
+    from torch._export.serde import schema, serialize
+
+    from compiler.export import _SchemaTyping
+
+    program = compiler.export(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
+    loaded = compiler.load_program(compiler.save_program(program, tmp_path / "p.pt2"))
+    assert isinstance(serialize.typing, _SchemaTyping)  # installed by the load
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(loaded.module()(x), program.module()(x))
+    classes = [c for c in vars(schema).values() if isinstance(c, type) and dataclasses.is_dataclass(c)]
+    assert len(classes) > 20
+    for cls in classes:  # the same answers as typing's own, twice (the second from the cache)
+        for _ in range(2):
+            assert serialize.typing.get_type_hints(cls, globalns=vars(schema)) == typing.get_type_hints(
+                cls, globalns=vars(schema)
+            )
