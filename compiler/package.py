@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import stat
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -236,7 +237,9 @@ def load(
     check recorded at compile is trusted: a module it refused runs uncaptured (``"on"``: CudaGraphError).
     """
     path = Path(path)
+    start = time.perf_counter()
     manifest = _read_manifest(path, verify=True)
+    manifest_s = time.perf_counter() - start
     if trust_engine_code is None:
         # The one implicit trust: a signature just verified with $KILN_SIGNING_KEY, over a format-2 hash
         # (which covers every byte a load reads; format 1's left the program out).
@@ -246,7 +249,10 @@ def load(
     # on this thread: concurrent imports can hand a thread a partly initialised module.
     pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kiln-load")
     try:
-        return _load(path, manifest, pool, allowed_modules, device, trust_engine_code, cuda_graphs)
+        compiled = _load(path, manifest, pool, allowed_modules, device, trust_engine_code, cuda_graphs)
+        compiled.load_seconds = {"manifest": round(manifest_s, 4), **compiled.load_seconds}
+        compiled.load_seconds["total"] = round(time.perf_counter() - start, 4)
+        return compiled
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -273,8 +279,16 @@ def _load(
                 f"{path} holds {manifest.backend} {manifest.backend_version} engines; this machine "
                 f"has {backend.library_version()}: recompile for it"
             )
+    stages, mark = {}, time.perf_counter()
+
+    def lap(stage: str) -> None:  # where a load's seconds go (CompiledModule.load_seconds)
+        nonlocal mark
+        now = time.perf_counter()
+        stages[stage], mark = round(now - mark, 4), now
+
     if "inductor" in backends.values():
         warm_inductor_imports()  # while the workers hash
+    lap("imports")
     program = load_program_bytes(
         reads[PROGRAM].result(),
         str(path / PROGRAM),
@@ -288,6 +302,7 @@ def _load(
         raise PackageCorruptError(f"{path}: the manifest's plan has no options ({exc!r})") from exc
     target = resolve(device if device is not None else recorded_device)
     program = program_on(program, target)
+    lap("program")
     weights = {k: v.to(target) for k, v in safetensors.torch.load(reads[WEIGHTS].result()).items()}
     own = set(program_weights(program))
     # Left out by save(int8_weights_only=True): the hollow program's shapes stand in, never read.
@@ -307,6 +322,7 @@ def _load(
         raise PackageCorruptError(
             f"{path}: the manifest's plan or dedup is malformed ({exc!r:.200})"
         ) from exc
+    lap("weights_and_replay")
     _check_dedup(dedup, plan, manifest, path)
     plan.input_weights = {k: weights[k] for k in manifest.input_weights}
     plan.quantized = {k: v for k, v in weights.items() if k.startswith(QUANTIZED_PREFIX)}
@@ -332,6 +348,8 @@ def _load(
     compiled.report.stage_seconds.clear()
     compiled.report.stage_seconds.update(manifest.report.stage_seconds)
     compiled.validation = manifest.validation
+    lap("engines_and_warmup")
+    compiled.load_seconds = stages
     return compiled
 
 

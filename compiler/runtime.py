@@ -78,6 +78,7 @@ class CompiledModule(torch.nn.Module):
             report,
         )
         self.validation: dict | None = None  # set by package.load from the manifest
+        self.load_seconds: dict[str, float] = {}  # set by package.load: where its seconds went
         # Where inputs, engines, fallback ops and outputs live (CompileOptions.device).
         self.device = resolve(plan.options.device)
         program = plan.program
