@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import compiler
 from benchmarks._common import print_table
+from benchmarks.gpu_cold_start import RUNS
 from benchmarks.machine import cpu_model
 from compiler.device import to_device
 from compiler.validate import measure_latency
@@ -166,7 +167,8 @@ def run(args: argparse.Namespace) -> dict:
         module = compiler.compile(
             program, backend="inductor", device=device, precision=args.cold_start_precision, cache=False
         )
-        results["load_to_first_answer_s"] = load_to_first_answer(module, case, out.parent, device)
+        runs = tuple(args.cold_start_runs.split(","))
+        results["load_to_first_answer_s"] = load_to_first_answer(module, case, out.parent, device, runs)
         write()
         return results
     plan = [(m, p) for m in args.models for p in args.precisions]
@@ -297,6 +299,11 @@ def main() -> None:
     )
     parser.add_argument("--cold-start-precision", default="fp16")
     parser.add_argument("--cold-start-only", action="store_true", help="only the load to first answer")
+    parser.add_argument(
+        "--cold-start-runs",
+        default=",".join(RUNS),
+        help=f"which fresh-process loads --cold-start-only measures (comma-separated, of {RUNS})",
+    )
     parser.add_argument(
         "--profiles",
         type=lambda s: [int(b) for b in s.split(",") if b],

@@ -8,7 +8,7 @@
 # Results land in $OUT (the device tool brings them back): copy gpu_runtime_h100.json to
 # benchmarks/results/ and write what the run found into its "notes".
 set -uo pipefail
-step=${1:?usage: run_on_device.sh tests|bench|graphs|bench20 [model]|aoti}
+step=${1:?usage: run_on_device.sh tests|bench|graphs|bench20 [model]|round3|aoti}
 out=${OUT:-/tmp/kiln-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONDONTWRITEBYTECODE=1
@@ -28,6 +28,12 @@ bench20)  # issue 20's table for the models named (default both), BERT-base with
   python3 benchmarks/gpu_runtime.py --out "$out/gpu_runtime_${2:-all}.json" --budget-s 420 \
     ${2:+--models $2} --cold-start 2>&1 | grep -v Warning | tee "$out/bench.log" | tail -40
   ;;
+round3)  # refit in place while graphed, TensorRT profiles built, then BERT-base's trusted cold start
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda_graphs_gpu.py \
+    tests/test_tensorrt_backend.py -k "refit or shape_profiles_build or specialization" 2>&1 \
+    | tee "$out/tests.log" | tail -15
+  timeout 330 python3 benchmarks/gpu_runtime.py --out "$out/gpu_cold.json" --models bert_base \
+    --cold-start-only --cold-start-runs trusted,trusted_second 2>&1 | grep -v Warning | tail -15 ;;
 aoti)  # AOTInductor once more, with the system compiler instead of /opt/gcc (the segfault's suspect)
   CXX=/usr/bin/g++ timeout 560 python3 tests/gpu/probe_inductor_aoti.py "$out/probe_aoti.json" \
     2>&1 | tail -30 ;;
