@@ -22,14 +22,17 @@ _FILE_READING_OPS = frozenset({"EPContext"})
 _SESSION_CONFIG_KEYS = frozenset({"ort_config"})
 
 
-def check_self_contained(model: onnx.ModelProto) -> None:
+def check_self_contained(model: onnx.ModelProto, *, supplied: frozenset[str] = frozenset()) -> None:
     """UnsafeEngineError unless the model carries all its data inline and asks ONNX Runtime to read no
     file: no tensor (initializer, sparse initializer, node attribute, in any subgraph or function) stored
-    as external data, no EPContext node, no session configuration. Weight-stripped initializers are
-    filled before this check (they are external with no location: data from refit, not from a file)."""
+    as external data, no EPContext node, no session configuration. ``supplied``: the main graph's
+    initializers whose data the loader hands ONNX Runtime itself (weights, from memory): those may be
+    external with no location at all, which names no file."""
     problems = []
 
     def tensor(t: onnx.TensorProto, where: str) -> None:
+        if t.name in supplied and where == "graph initializer" and not len(t.external_data):
+            return
         if t.data_location == onnx.TensorProto.EXTERNAL or len(t.external_data):
             location = next((e.value for e in t.external_data if e.key == "location"), None)
             problems.append(f"{where} {t.name!r} is external data (location {location!r})")
