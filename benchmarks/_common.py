@@ -23,7 +23,7 @@ def interleaved(fns: dict[str, Callable[[], object]], warmup: int = 3, runs: int
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     cells = [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(columns)]
+    widths = [max([len(str(h)), *(len(r[i]) for r in cells)]) for i, h in enumerate(columns)]
     print(f"\n{title}")
     print("  ".join(str(h).ljust(w) for h, w in zip(columns, widths, strict=True)))
     print("  ".join("-" * w for w in widths))

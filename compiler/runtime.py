@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import time
 import warnings
+from collections import Counter
 from collections.abc import Mapping
 
 import torch
@@ -378,7 +379,11 @@ class CompiledModule(torch.nn.Module):
                     device=self.plan.options.device,
                     trust_engine_code=self.trust_engine_code,
                 )
-                call.engine = backend.load(artifact.engine, artifact.io, weights)
+                siblings = sum(
+                    isinstance(c, EngineCall) and self.engines[c.fingerprint].backend == artifact.backend
+                    for c in self.graph.children()
+                )
+                call.engine = backend.load(artifact.engine, artifact.io, weights, siblings=siblings - 1)
                 reloaded += 1
             if reloaded:  # captures of the old engines would replay their weights
                 self.cuda_graphs.clear()
@@ -414,6 +419,11 @@ def assemble(
     start = time.perf_counter()
     graph = copy.copy(plan.graph_module)
     refits = 0
+    per_backend = Counter(
+        engines[dedup.instance(p.name).fingerprint].backend
+        for p in plan.partitions
+        if engines[dedup.instance(p.name).fingerprint].is_engine
+    )
     for part in plan.partitions:
         instance = dedup.instance(part.name)
         artifact = engines[instance.fingerprint]
@@ -424,7 +434,9 @@ def assemble(
         backend = get_backend(
             artifact.backend, device=plan.options.device, trust_engine_code=trust_engine_code
         )
-        engine = backend.load(artifact.engine, artifact.io, weights)
+        engine = backend.load(
+            artifact.engine, artifact.io, weights, siblings=per_backend[artifact.backend] - 1
+        )
         refits += int(shared or artifact.stripped)
         positions = tuple(i for i, src in enumerate(part.inputs) if src.kind == "activation")
         setattr(graph, part.name, EngineCall(engine, artifact.io, positions, instance.fingerprint))

@@ -145,9 +145,12 @@ class EngineBackend(Protocol):
         caches (TensorRT's timing cache)."""
         ...
 
-    def load(self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None) -> Engine:
+    def load(
+        self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None, *, siblings: int = 0
+    ) -> Engine:
         """A callable engine. Stripped engines need ``weights`` (canonical name -> tensor); for full
-        engines, given weights replace the built-in ones (refit)."""
+        engines, given weights replace the built-in ones (refit). ``siblings``: how many other engines
+        of this backend the same module runs (a backend may size its threads for sharing the CPU)."""
         ...
 
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:

@@ -289,7 +289,9 @@ class InductorBackend:
         return built
 
     # -- load, refit -----------------------------------------------------------------------------
-    def load(self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None) -> InductorEngine:
+    def load(
+        self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None, *, siblings: int = 0
+    ) -> InductorEngine:
         header, files = read_engine(engine)
         self.check_compatible(header)
         options = self._compile_options(header)

@@ -92,7 +92,7 @@ class OnnxRuntimeBackend:
         return model.SerializeToString()
 
     def load(
-        self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None
+        self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None, *, siblings: int = 0
     ) -> OnnxRuntimeEngine:
         model = _parse(engine)
         supplied: dict[str, np.ndarray] = {}
@@ -113,7 +113,7 @@ class OnnxRuntimeBackend:
                 f"ONNX engine takes {takes} and gives {len(gives)} outputs; its record says "
                 f"{[s.name for s in io.inputs]} and {len(io.output_names)}"
             )
-        return OnnxRuntimeEngine(self._session(model.SerializeToString(), supplied), io)
+        return OnnxRuntimeEngine(self._session(model.SerializeToString(), supplied, spin=siblings == 0), io)
 
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
         model = _parse(engine)
@@ -121,14 +121,21 @@ class OnnxRuntimeBackend:
         return model.SerializeToString()
 
     def _session(
-        self, model_bytes: bytes, weights: Mapping[str, np.ndarray] | None = None
+        self, model_bytes: bytes, weights: Mapping[str, np.ndarray] | None = None, *, spin: bool = True
     ) -> ort.InferenceSession:
         """A session for the model; ``weights`` (name -> array) fill its weight-stripped initializers from
         memory: ONNX Runtime copies them in before optimizing, as if they were in the model, without a
-        serialize and parse of the whole model (BERT-base: 2.5 s -> 0.5 s on a 2-core CPU)."""
+        serialize and parse of the whole model (BERT-base: 2.5 s -> 0.5 s on a 2-core CPU).
+
+        ``spin``: whether the session's idle intra-op threads busy-wait for the next call. Alone in a
+        module that wins (BERT-base at batch 1: 0.82x the latency of sleeping threads on 2 cores); where
+        a module runs several sessions one after another, each one's spinning threads take the cores
+        from the next (BERT split per layer: 1.8x slower at batch 1), so engines with siblings sleep."""
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
+        if not spin:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if weights:
             names = list(weights)
             options.add_external_initializers(

@@ -347,7 +347,9 @@ class TensorRTBackend:
         check_engine_compatible(header, self.name, self.library_version(), sm)
         return (header, *deserialize(self.trt, self.name, plan, sm))
 
-    def load(self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None) -> TensorRTEngine:
+    def load(
+        self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None, *, siblings: int = 0
+    ) -> TensorRTEngine:
         header, runtime, cuda_engine, logger = self._deserialize(engine)
         if weights:
             refit_in_place(self.trt, self.name, header, cuda_engine, logger, weights)
