@@ -17,12 +17,13 @@ profile is :mod:`compiler.padding`. Not built yet: TensorRT optimization profile
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from compiler.errors import InputSpecError
 from compiler.specs import InputSpec
+
+if TYPE_CHECKING:  # CompileOptions normalize profiles here without torch
+    import torch
 
 
 def normalize(profiles: object) -> tuple[dict[str, int], ...]:
@@ -90,6 +91,8 @@ def profile_inputs(
     specs: Sequence[InputSpec], profile: Mapping[str, int], device: torch.device, seed: int = 0
 ) -> list[torch.Tensor]:
     """Random inputs at the profile's shapes (integer inputs inside their recorded value range)."""
+    import torch
+
     from compiler.validation_data import random_tensor
 
     generator = torch.Generator().manual_seed(seed)

@@ -43,7 +43,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 from compiler.manifest import Manifest
 from compiler.specs import InputSpec
-from compiler.validate import ValidationReport
+from compiler.validation_report import ValidationReport
 from registry.errors import RegistryError
 from registry.models import models_uri_parts
 
