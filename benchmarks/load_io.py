@@ -29,17 +29,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import compiler
 from compiler.backends.inductor import warm_inductor_imports
-from compiler.package import PROGRAM, WEIGHTS, _read_manifest, _read_verified
+from compiler.manifest import PROGRAM, WEIGHTS
+from compiler.package_check import checked_manifest, read_verified
 path, mode = Path(sys.argv[1]), sys.argv[2]
-manifest = _read_manifest(path, verify=True)
+manifest = checked_manifest(path, verify=True)
 rels = [PROGRAM, WEIGHTS, *(r.file for r in manifest.engines.values() if r.file)]
 start = time.perf_counter()
 if mode == "serial":
-    data = [_read_verified(path, rel, manifest) for rel in rels]
+    data = [read_verified(path, rel, manifest) for rel in rels]
     warm_inductor_imports()
 else:
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(_read_verified, path, rel, manifest) for rel in rels]
+        futures = [pool.submit(read_verified, path, rel, manifest) for rel in rels]
         warm_inductor_imports()
         data = [f.result() for f in futures]
 print(json.dumps({"seconds": time.perf_counter() - start, "bytes": sum(map(len, data))}))

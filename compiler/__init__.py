@@ -39,7 +39,7 @@ _EXPORTS: dict[str, str] = {
     "CompileOptions": "compiler.options",
     "PackageInfo": "compiler.package",
     "load": "compiler.package",
-    "read_manifest": "compiler.package",
+    "read_manifest": "compiler.package_check",
     "refit_package": "compiler.package",
     "save": "compiler.package",
     "PartitionPlan": "compiler.partition",
@@ -56,9 +56,9 @@ _EXPORTS: dict[str, str] = {
     "CompiledModule": "compiler.runtime",
     "assemble": "compiler.runtime",
     "InputSpec": "compiler.specs",
-    "Latency": "compiler.validate",
-    "Tolerances": "compiler.validate",
-    "ValidationReport": "compiler.validate",
+    "Latency": "compiler.validation_report",
+    "Tolerances": "compiler.validation_report",
+    "ValidationReport": "compiler.validation_report",
     "measure_latency": "compiler.validate",
     "validate": "compiler.validate",
     "ValidationData": "compiler.validation_data",
@@ -159,7 +159,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from compiler.export import export, input_specs, load_program, save_program
     from compiler.manifest import Manifest, SourceRecord
     from compiler.options import CompileOptions
-    from compiler.package import PackageInfo, load, read_manifest, refit_package, save
+    from compiler.package import PackageInfo, load, refit_package, save
+    from compiler.package_check import read_manifest
     from compiler.partition import PartitionPlan, partition
     from compiler.pipeline import compile
     from compiler.quantize import QuantizationRecord, quantize
@@ -167,5 +168,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from compiler.report import CompileReport
     from compiler.runtime import CompiledModule, assemble
     from compiler.specs import InputSpec
-    from compiler.validate import Latency, Tolerances, ValidationReport, measure_latency, validate
+    from compiler.validate import measure_latency, validate
     from compiler.validation_data import ValidationData, validation_data
+    from compiler.validation_report import Latency, Tolerances, ValidationReport

@@ -6,7 +6,8 @@ kernel launches and Python dispatches per call, and every engine boundary adds i
 launches them all at once. ``CompileOptions.cuda_graphs`` is ``"auto"`` (on for CUDA devices when the
 compile-time capture check passed), ``"on"`` (required: a typed error where it cannot be) or
 ``"off"``. :func:`decide` is the one place that turns the mode, the device, the engines' backends and
-the check recorded in the report into "graphed or not, and why".
+the check recorded in the report into "graphed or not, and why"; it lives with the modes and
+:class:`CaptureCheck` in :mod:`compiler.cudagraph_policy` (no torch), re-exported here.
 
 The runtime (:class:`CudaGraphs`, the module's ``cuda_graphs`` attribute):
 
@@ -37,96 +38,38 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from compiler.errors import CudaGraphError
+from compiler.cudagraph_policy import (  # re-exported: the policy half, readable without torch
+    CAPTURABLE_BACKENDS,
+    CUDA_GRAPH_MODES,
+    CaptureCheck,
+    Decision,
+    check_mode,
+    decide,
+)
 
-CUDA_GRAPH_MODES = ("auto", "on", "off")
-# Backends whose engines run on PyTorch's current CUDA stream, so a stream capture records them.
-# ONNX Runtime launches on its own streams (and its CPU provider on the host): never captured.
-CAPTURABLE_BACKENDS = ("inductor", "tensorrt", "tensorrt-rtx", "auto")
+__all__ = [
+    "CAPTURABLE_BACKENDS",
+    "CUDA_GRAPH_MODES",
+    "DEFAULT_MAX_SHAPES",
+    "CaptureCheck",
+    "CudaGraphs",
+    "Decision",
+    "check_capture",
+    "check_mode",
+    "decide",
+    "signature",
+]
+
 DEFAULT_MAX_SHAPES = 8
 # Uncaptured runs before a capture: Triton autotuning, cuBLAS handles and lazy inits happen here.
 _WARMUP_RUNS = 2
 # The capture check's tolerance: a replay runs the very kernels of an uncaptured run.
 _CHECK_REL_L2 = 1e-3
-
-
-def check_mode(mode: str, device: str, backend: str, on_build_failure: str) -> None:
-    """CudaGraphError unless ``mode`` is a mode and, when it is ``"on"``, the compile can be graphed."""
-    if mode not in CUDA_GRAPH_MODES:
-        raise CudaGraphError(f"cuda_graphs {mode!r} is not supported; expected one of {CUDA_GRAPH_MODES}")
-    if mode != "on":
-        return
-    if not str(device).startswith("cuda"):
-        raise CudaGraphError(
-            f"cuda_graphs 'on' needs a CUDA device; this model runs on {device!r} (CUDA graphs replay GPU "
-            "work only): use device 'cuda', or cuda_graphs 'auto' or 'off'"
-        )
-    for role, name in (("backend", backend), ("on_build_failure", on_build_failure)):
-        if name == "onnxruntime":
-            raise CudaGraphError(
-                f"cuda_graphs 'on' with {role} 'onnxruntime': ONNX Runtime runs its engines on its own "
-                "streams, outside a PyTorch capture; use backend 'inductor' or 'tensorrt' (and "
-                "on_build_failure 'torch'), or cuda_graphs 'auto'"
-            )
-
-
-@dataclass(frozen=True)
-class CaptureCheck:
-    """The compile-time capture check: whether the module captures and replays correctly, and why not."""
-
-    capturable: bool
-    reason: str | None = None
-    shapes: tuple[tuple[int, ...], ...] = ()
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        data["shapes"] = [list(s) for s in self.shapes]
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CaptureCheck:
-        return cls(
-            bool(data["capturable"]),
-            data.get("reason"),
-            tuple(tuple(int(d) for d in s) for s in data.get("shapes", ())),
-            float(data.get("seconds", 0.0)),
-        )
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Whether a module replays CUDA graphs, and why not."""
-
-    enabled: bool
-    reason: str | None
-
-
-def decide(
-    mode: str, device: torch.device, engine_backends: Iterable[str], check: CaptureCheck | None
-) -> Decision:
-    """The one policy: graphs where the mode allows, the device is CUDA, every engine runs on PyTorch's
-    stream and the compile-time check (when recorded) passed. ``"on"`` where that fails: CudaGraphError."""
-    if mode == "off":
-        return Decision(False, "cuda_graphs is 'off'")
-    reason = None
-    if device.type != "cuda":
-        reason = f"the model runs on {device}"
-    else:
-        outside = sorted({b for b in engine_backends if b not in CAPTURABLE_BACKENDS})
-        if outside:
-            reason = f"engines of {outside} run outside PyTorch's CUDA stream"
-        elif check is not None and not check.capturable:
-            reason = f"the compile-time capture check failed: {check.reason}"
-    if reason is not None and mode == "on":
-        raise CudaGraphError(f"cuda_graphs 'on', but this module cannot be graphed: {reason}")
-    return Decision(reason is None, reason)
 
 
 def signature(flat: Sequence[object]) -> tuple:

@@ -22,8 +22,6 @@ import struct
 import zipfile
 from pathlib import Path
 
-import numpy as np
-
 from compiler.errors import SpecialFileError, ValidationDataError
 
 DATA_MAX_BYTES_ENV = "KILN_DATA_MAX_BYTES"
@@ -121,6 +119,7 @@ def _npz_bytes(resolved: Path, path: Path, limit: int) -> int:
 
 def _npy_bytes(handle: object, path: Path, name: str) -> int:
     """The array size an npy member's header declares (only the header is read)."""
+    import numpy as np  # here: the CLI checks this module's limits before any data is read
     from numpy.lib import format as npy
 
     try:

@@ -8,7 +8,8 @@ the volatile ``created`` stamp is dropped and ``op_modules`` come from the progr
 
 The layout rules (:func:`check_layout`) are pure: every path the manifest names is relative, inside
 the package and listed in ``files``, and an engine's file is exactly ``engines/<fingerprint>.engine``.
-Hashing and checksums of the bytes on disk live in :mod:`compiler.package`.
+Hashing lives in :mod:`compiler.package_digest`, checksums of the bytes on disk in
+:mod:`compiler.package_check`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from compiler.errors import PackageCorruptError
 from compiler.options import CompileOptions
 from compiler.report import CompileReport
 from compiler.specs import InputSpec
-from compiler.validate import ValidationReport
+from compiler.validation_report import ValidationReport
 
 FORMAT_VERSION = 2
 PROGRAM = "program.pt2"

@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# Options are built wherever a zoo file is read (a no-op re-run included): these imports need no torch.
 from compiler.backends.base import PRECISIONS, QUANTIZED_PRECISIONS, BuildSettings
-from compiler.cudagraphs import check_mode
+from compiler.cudagraph_policy import check_mode
 from compiler.errors import PartitionError
-from compiler.padding import PAD_TO_PROFILE
 from compiler.profiles import Size, fixed_profiles, normalize, to_json
 
 # What a partition whose engine build fails becomes (see CompileOptions.on_build_failure).
@@ -26,6 +26,8 @@ QUANTIZATION_MODES = ("static", "dynamic")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 # Backends that build int8 engines here (ONNX Runtime's own quantizer); others are refused by name.
 QUANTIZING_BACKENDS = ("onnxruntime",)
+# Whether a batch between profiles is padded up to the next one (compiler.padding).
+PAD_TO_PROFILE = ("off", "auto")
 
 
 @dataclass(frozen=True)

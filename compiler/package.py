@@ -24,6 +24,9 @@ What loading guarantees (docs/security.md says why):
 * With ``$KILN_SIGNING_KEY`` set, saves sign the content hash (HMAC-SHA256) and loads refuse a package
   whose signature is missing or wrong.
 
+The reading and checking (manifest, file checksums, symlinks) is :mod:`compiler.package_check`, which
+needs no torch: :func:`read_manifest` is its function, re-exported here.
+
 Saving writes into a temporary directory beside the target and renames it into place, so a failed
 save leaves the previous package (or nothing) at the path, never half of one. Equal compiles give
 equal bytes and an equal content hash (no timestamps; the program archive is reproducible).
@@ -37,7 +40,6 @@ import hashlib
 import json
 import os
 import shutil
-import stat
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -56,14 +58,8 @@ from compiler.backends.inductor import warm_inductor_imports
 from compiler.build import EngineArtifact
 from compiler.dedup import DedupPlan
 from compiler.device import program_on, resolve
-from compiler.errors import (
-    EngineCompatibilityError,
-    KilnError,
-    PackageCorruptError,
-    PackageError,
-    PackageVersionError,
-)
-from compiler.export import import_modules, load_program_bytes, program_bytes, recorded_modules
+from compiler.errors import EngineCompatibilityError, KilnError, PackageCorruptError, PackageError
+from compiler.export import import_modules, load_program_bytes, program_bytes
 from compiler.manifest import (
     FORMAT_VERSION,
     PROGRAM,
@@ -72,22 +68,14 @@ from compiler.manifest import (
     FileRecord,
     Manifest,
     SourceRecord,
-    check_layout,
     engine_file,
 )
-from compiler.package_digest import (
-    check_signature,
-    content_hash,
-    sign,
-    signing_key,
-)
+from compiler.package_check import MANIFEST, checked_manifest, read_manifest, read_verified
+from compiler.package_digest import content_hash, sign, signing_key
 from compiler.partition import QUANTIZED_PREFIX, program_weights, replay, weight_placeholders
 from compiler.runtime import CompiledModule, assemble, with_weights
-from compiler.validate import ValidationReport
+from compiler.validation_report import ValidationReport
 from compiler.version import kiln_version
-
-MANIFEST = "manifest.json"
-# Not covered by the content hash: the hash itself, and the signature computed from it.
 
 __all__ = [
     "FORMAT_VERSION",
@@ -199,17 +187,6 @@ def save(
     return PackageInfo(path, manifest, total)
 
 
-def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> Manifest:
-    """The package's manifest, after checking its format version and (by default) its content hash,
-    signature (when ``$KILN_SIGNING_KEY`` is set), layout and every file's checksum."""
-    path = Path(path)
-    manifest = _read_manifest(path, verify=verify)
-    if verify:
-        for rel in manifest.files:
-            _read_verified(path, rel, manifest)
-    return manifest
-
-
 def load(
     path: str | os.PathLike,
     *,
@@ -238,7 +215,7 @@ def load(
     """
     path = Path(path)
     start = time.perf_counter()
-    manifest = _read_manifest(path, verify=True)
+    manifest = checked_manifest(path, verify=True)
     manifest_s = time.perf_counter() - start
     if trust_engine_code is None:
         # The one implicit trust: a signature just verified with $KILN_SIGNING_KEY, over a format-2 hash
@@ -267,7 +244,7 @@ def _load(
     cuda_graphs: str | None,
 ) -> CompiledModule:
     reads = {
-        rel: pool.submit(_read_verified, path, rel, manifest)
+        rel: pool.submit(read_verified, path, rel, manifest)
         for rel in (PROGRAM, WEIGHTS, *(r.file for r in manifest.engines.values() if r.file is not None))
     }
     # Each engine runs on the backend that built it; only a backend some engine needs must be present.
@@ -363,77 +340,12 @@ def refit_package(
 
     The old validation no longer describes these weights, so it is dropped; validate again.
     """
-    source = _read_manifest(Path(path), verify=True).source  # lineage stays: same model, new weights
+    source = checked_manifest(Path(path), verify=True).source  # lineage stays: same model, new weights
     compiled = load(path, allowed_modules=allowed_modules)
     return save(compiled.refit(state), path, validation=None, source=source)
 
 
-# ---------------------------------------------------------------- reading and checking
-
-
-def _read_manifest(path: Path, *, verify: bool) -> Manifest:
-    """The typed manifest: version checked; with ``verify``, hash, signature, layout and no symlinks.
-
-    File checksums are checked where each file is read (:func:`_read_verified`).
-    """
-    manifest_path = path / MANIFEST
-    if manifest_path.is_symlink():
-        raise PackageCorruptError(f"{manifest_path} is a symlink; a package holds plain files only")
-    if not manifest_path.is_file():
-        raise PackageCorruptError(f"{path} is not a kiln package: {MANIFEST} is missing")
-    try:
-        data = json.loads(manifest_path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise PackageCorruptError(f"{manifest_path} is not valid JSON: {exc}") from exc
-    version = data.get("format_version") if isinstance(data, dict) else None
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise PackageCorruptError(f"{manifest_path} has no integer format_version")
-    if version > FORMAT_VERSION:
-        raise PackageVersionError(
-            f"{path} was written by package format {version} (kiln {data.get('kiln_version')}); this kiln "
-            f"({kiln_version()}) reads formats <= {FORMAT_VERSION}: upgrade kiln to load it"
-        )
-    if verify:
-        try:
-            expected = content_hash(data)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise PackageCorruptError(f"{manifest_path} lacks a field every package has: {exc}") from exc
-        if data.get("content_hash") != expected:
-            raise PackageCorruptError(
-                f"{manifest_path} does not match its content_hash: the manifest was edited after saving"
-            )
-        check_signature(data, manifest_path)
-    manifest = Manifest.from_json(data)
-    if version < 2 and (path / PROGRAM).is_file() and not (path / PROGRAM).is_symlink():
-        # Format 1 recorded the op modules inside the program archive (data, never imported here).
-        manifest = dataclasses.replace(
-            manifest, op_modules=tuple(recorded_modules((path / PROGRAM).read_bytes()))
-        )
-    if verify:
-        check_layout(manifest, str(path))
-        _check_no_symlinks(path)
-    return manifest
-
-
-def _read_verified(path: Path, rel: str, manifest: Manifest) -> bytes:
-    """The bytes of a listed file, read once and checked against the manifest's checksum."""
-    record = manifest.files.get(rel)
-    if record is None:
-        raise PackageCorruptError(f"{path}: {rel} is not listed in the manifest; refused")
-    file = path / rel
-    try:
-        info = file.lstat()
-    except FileNotFoundError:
-        raise PackageCorruptError(f"{path}: file {rel} listed in the manifest is missing") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise PackageCorruptError(f"{path}: {rel} is not a plain file (a symlink?); refused")
-    data = file.read_bytes()
-    if len(data) != record.bytes or hashlib.sha256(data).hexdigest() != record.sha256:
-        raise PackageCorruptError(
-            f"{path}: file {rel} does not match its checksum (expected sha256 {record.sha256[:16]}..., "
-            f"{record.bytes} bytes); the package is corrupt or was modified"
-        )
-    return data
+# ---------------------------------------------------------------- checking a loaded plan
 
 
 def _check_dedup(dedup: DedupPlan, plan: Any, manifest: Manifest, path: Path) -> None:
@@ -469,14 +381,6 @@ def _check_dedup(dedup: DedupPlan, plan: Any, manifest: Manifest, path: Path) ->
         raise PackageCorruptError(
             f"{path}: the manifest's dedup does not fit its plan: {'; '.join(problems[:3])}"
         )
-
-
-def _check_no_symlinks(path: Path) -> None:
-    for root, dirs, names in os.walk(path, followlinks=False):
-        for name in dirs + names:
-            if os.path.islink(os.path.join(root, name)):
-                rel = os.path.relpath(os.path.join(root, name), path)
-                raise PackageCorruptError(f"{path}: {rel} is a symlink; a package holds plain files only")
 
 
 # ---------------------------------------------------------------- writing

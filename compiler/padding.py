@@ -25,7 +25,6 @@ import torch
 from compiler.profiles import is_fixed, profile_inputs
 from compiler.specs import InputSpec
 
-PAD_TO_PROFILE = ("off", "auto")
 # Padded rows must leave the real rows' outputs as they were, up to kernel rounding (the padded call
 # may run a static specialization, the real one the dynamic graph).
 _RTOL = {"float32": 1e-4, "float64": 1e-6}

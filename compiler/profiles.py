@@ -21,12 +21,13 @@ applies to (:mod:`compiler.backends.tensorrt.build_settings`), beside the declar
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from compiler.errors import InputSpecError
 from compiler.specs import InputSpec
+
+if TYPE_CHECKING:  # CompileOptions normalize profiles here without torch
+    import torch
 
 # A profile's value for one dimension: a size, or a range (min, max) / (min, opt, max).
 Size = int | tuple[int, ...]
@@ -130,6 +131,8 @@ def profile_inputs(
 ) -> list[torch.Tensor]:
     """Random inputs at the profile's shapes (a range's opt point; integer inputs inside their recorded
     value range)."""
+    import torch
+
     from compiler.validation_data import random_tensor
 
     generator = torch.Generator().manual_seed(seed)

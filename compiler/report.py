@@ -55,7 +55,7 @@ class CompileReport:
             if data.get(name) is not None and not isinstance(data[name], dict):
                 raise TypeError(f"report field {name!r} must be a mapping or null, got {data[name]!r:.60}")
         if data.get("cuda_graphs") is not None:
-            from compiler.cudagraphs import CaptureCheck
+            from compiler.cudagraph_policy import CaptureCheck
 
             CaptureCheck.from_dict(data["cuda_graphs"])  # KeyError, TypeError, ValueError: malformed
         return cls(**{k: v for k, v in data.items() if k in fields})

@@ -115,7 +115,7 @@ def report_cmd(
 ) -> None:
     from compiler.atomic import write_bytes_atomic
     from compiler.errors import KilnError
-    from compiler.package import read_manifest
+    from compiler.package_check import read_manifest
     from compiler.report_page import render_report
 
     try:

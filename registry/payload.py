@@ -19,8 +19,9 @@ Pure: no MLflow server is contacted here (:mod:`registry.tracking` does that). A
 * a description (markdown) naming the source, with links to an MLflow source's version and run
   (:func:`description_for`);
 * the logged model's signature (``TensorSpec``, ``-1`` for dynamic dims; the ranges are in the spec
-  JSON), its pip requirements (pinned; the engine library at the version that built the engines) and
-  its code paths (the loader, and the packages of the package's recorded op modules).
+  JSON), an input example at the smallest shapes the specs allow, its pip requirements (pinned; the
+  engine library at the version that built the engines) and its code paths (the loader, and the
+  packages of the package's recorded op modules).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 from compiler.manifest import Manifest
 from compiler.specs import InputSpec
-from compiler.validate import ValidationReport
+from compiler.validation_report import ValidationReport
 from registry.errors import RegistryError
 from registry.models import models_uri_parts
 
@@ -367,6 +368,28 @@ def signature_for(specs: Iterable[InputSpec]) -> ModelSignature | None:
         shape = tuple(-1 if axis in spec.dynamic_dims else size for axis, size in enumerate(spec.max_shape))
         inputs.append(TensorSpec(dtype, shape, spec.name))
     return ModelSignature(inputs=Schema(inputs))
+
+
+def input_example_for(specs: Iterable[InputSpec]) -> dict[str, np.ndarray] | None:
+    """The logged model's ``input_example``, one valid array per input: the smallest shape the ranges
+    allow (at least 1 on a dynamic axis), filled with the low end of an integer input's recorded value
+    range (token ids stay inside the vocabulary, masks keep their value), else zeros.
+
+    MLflow checks it against :func:`signature_for` and serves it once when the model is logged (load +
+    predict: the logged model is known to answer); without one it warns on every log. None where there
+    is no signature (bfloat16)."""
+    example = {}
+    for spec in specs:
+        try:
+            dtype = np.dtype(spec.dtype)
+        except TypeError:
+            return None
+        shape = tuple(
+            lo if lo >= 1 else min(1, hi) for lo, hi in zip(spec.min_shape, spec.max_shape, strict=True)
+        )
+        fill = spec.value_range[0] if spec.value_range is not None else 0
+        example[spec.name] = np.full(shape, fill, dtype=dtype)
+    return example
 
 
 def requirement_names(backends: Iterable[str]) -> list[str]:

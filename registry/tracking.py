@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -301,6 +302,7 @@ def _log_and_register(
             params=params,
             tags={TAG_CONTENT_HASH: manifest.content_hash},
         )
+        before = set(sys.path)
         try:
             return Model.log(
                 artifact_path=None,
@@ -313,6 +315,7 @@ def _log_and_register(
                 artifacts={PACKAGE_ARTIFACT: str(package_dir)},
                 code_paths=payload.code_paths(manifest.op_modules),
                 signature=payload.signature_for(manifest.input_specs),
+                input_example=payload.input_example_for(manifest.input_specs),
                 pip_requirements=payload.requirements_for(manifest),
                 metadata={"kiln_content_hash": manifest.content_hash, "kiln_model": model},
             )
@@ -320,6 +323,11 @@ def _log_and_register(
             with contextlib.suppress(Exception):
                 mlclient.finalize_logged_model(logged.model_id, "FAILED")
             raise
+        finally:
+            # MLflow serves the input example once by loading the logged copy, which puts that copy's
+            # code folder (a temporary directory, gone now) first on sys.path: drop what it left.
+            for gone in {p for p in sys.path if p not in before and not os.path.exists(p)}:
+                sys.path.remove(gone)
 
     size = _package_bytes(package_dir)
     log.info("uploading the package of %s (%.1f MB) to the artifact store", model, size / 1e6)

@@ -30,7 +30,7 @@ from compiler.errors import (
 from compiler.options import CompileOptions
 from compiler.report import CompileReport
 from compiler.specs import InputSpec
-from compiler.validate import ValidationReport
+from compiler.validation_report import ValidationReport
 
 
 class ValidationFailedError(KilnError):

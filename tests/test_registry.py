@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -90,12 +91,17 @@ def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def recorded(mlflow_server, packages) -> dict:
-    """A recorded under a zoo run (nested), and its result."""
+    """A recorded under a zoo run (nested), its result and the warnings recording raised."""
     from registry.tracking import record_package, zoo_run
 
-    with zoo_run("zoo-test", {"zoo": "test"}) as parent:
-        result = record_package(packages["a"], "mlp", _request(), {"status": "ok"})
-    return {"a": result, "parent": parent}
+    path = list(sys.path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # even if an earlier test in this process raised the same one
+        with zoo_run("zoo-test", {"zoo": "test"}) as parent:
+            result = record_package(packages["a"], "mlp", _request(), {"status": "ok"})
+    raised = [f"{w.category.__name__}: {w.message}" for w in caught]
+    added = [p for p in sys.path if p not in path]
+    return {"a": result, "parent": parent, "warnings": raised, "added_to_path": added}
 
 
 def test_record_registers_a_version_with_tags_params_metrics_and_artifacts(mlflow_server, packages, recorded):
@@ -228,6 +234,24 @@ def test_duplicate_from_another_host_converges_to_the_lowest_version(mlflow_serv
     assert (result.version, result.created) == ("1", False)
     remaining = [v.version for v in versions_with_hash(client, NAME, original.tags[TAG_CONTENT_HASH])]
     assert remaining == ["1"] and str(duplicate.version) not in remaining
+
+
+def test_logged_model_has_an_input_example_that_fits_its_signature(mlflow_server, recorded):
+    """MLflow warned on every log without one; the example is derived from the input specs, checked
+    against the signature and served once by MLflow when the model is logged."""
+    import mlflow
+    from mlflow.models import Model
+
+    assert not [w for w in recorded["warnings"] if "input example" in w.lower()], recorded["warnings"]
+    local = mlflow.artifacts.download_artifacts(recorded["a"].model_uri)
+    logged = Model.load(local)
+    example = logged.load_input_example(local)
+    spec = logged.signature.inputs.inputs[0]
+    assert list(example) == ["x"] and spec.name == "x"
+    assert example["x"].dtype == spec.type and example["x"].shape == (1, 64)  # the spec's smallest batch
+    assert list(spec.shape) == [-1, 64]
+    # MLflow served the example from a temporary copy of the model and put its code folder on sys.path.
+    assert recorded["added_to_path"] == []
 
 
 def test_logged_model_loads_in_a_fresh_process_and_matches_eager(mlflow_server, recorded, tmp_path):

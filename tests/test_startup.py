@@ -3,7 +3,9 @@ benchmark's job (benchmarks/startup.py); these check which heavy libraries a fre
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -47,3 +49,60 @@ def test_registry_listings_need_no_torch_and_the_no_op_path_no_prefect():
         """
     )
     assert out.split() == ["False", "False"]
+
+
+def test_an_unchanged_model_is_reused_without_importing_torch(tmp_path):
+    """The CLI's no-op path end to end (issue 21): the zoo file, the request's compile key, the published
+    record and the package's checks (content hash, every listed file's checksum) decide "reuse" with
+    torch, the compile stages and MLflow left unimported. A pt2: source's identity is a file hash; a
+    factory's imports the factory's own module, whose torch is then the user's import, not kiln's."""
+    package = tmp_path / "out" / "mlp.kiln"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "packages" / "mlp-cuda-inductor.kiln", package)
+    shutil.copy(package / "program.pt2", tmp_path / "mlp.pt2")
+    zoo_file = tmp_path / "zoo.yaml"
+    settings = {"workspace": str(tmp_path / "ws"), "engine_cache": False, "tracking": False}
+    zoo = {"settings": settings, "models": [{"name": "mlp", "source": "pt2:mlp.pt2", "devices": ["cuda"]}]}
+    zoo_file.write_text(json.dumps(zoo))  # JSON is YAML
+    out = _fresh(
+        f"""
+        import sys
+        from compiler.package_check import read_manifest
+        from tasks.reuse import PublishedRecord, remember, unchanged
+        from zoo.config import load_zoo
+
+        # What the compile that published this package recorded.
+        zoo = load_zoo({str(zoo_file)!r})
+        request = zoo.requests(zoo.entries[0])[0]
+        package = {str(package)!r}
+        record = PublishedRecord(package, read_manifest(package).content_hash, 2, 2)
+        remember(request, zoo.settings.workspace, record)
+
+        from flows.cli import main
+        sys.argv = ["kiln", "zoo", {str(zoo_file)!r}, "--out", {str(package.parent)!r}, "--json"]
+        try:
+            main()
+        except SystemExit as exc:
+            print("exit", exc.code)
+        heavy = ("torch", "sympy", "onnx", "onnxruntime", "mlflow", "prefect", "compiler.export")
+        print("imported", [m for m in heavy if m in sys.modules])
+        # The same check refuses a package changed on disk, still without torch.
+        with open(package + "/weights.safetensors", "r+b") as f:
+            f.write(b"x")
+        print("tampered", unchanged(request, package, zoo.settings.workspace, tracking=False))
+        print("imported", [m for m in heavy if m in sys.modules])
+        """
+    )
+    lines = out.splitlines()
+    summary = json.loads("\n".join(lines[: lines.index("exit 0")]))
+    assert [(m["name"], m["status"], m["engines_built"]) for m in summary["models"]] == [("mlp", "ok", 0)]
+    assert lines[lines.index("exit 0") + 1 :] == ["imported []", "tampered None", "imported []"]
+
+
+def test_source_identities_name_the_torch_version_torch_reports():
+    """Identities read torch's version from its metadata (no import): the string must be torch's own, or
+    every compile key would silently change meaning."""
+    import torch
+
+    from zoo.sources.base import torch_version
+
+    assert torch_version() == torch.__version__

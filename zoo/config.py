@@ -34,7 +34,7 @@ from pydantic import (
 from compiler.backends import BACKENDS
 from compiler.errors import KilnError
 from compiler.options import DEVICE_RE, ON_BUILD_FAILURE, Calibration, CompileOptions
-from compiler.validate import Tolerances
+from compiler.validation_report import Tolerances
 from zoo.errors import ZooConfigError
 from zoo.request import CompileRequest, ValidationPlan
 from zoo.sources import HF_TASKS, SOURCE_KINDS, source_for, source_kind

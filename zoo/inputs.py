@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
-
-import torch
-from torch.export import Dim
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from zoo.errors import ZooConfigError
 from zoo.sources.base import LoadedCase
+
+if TYPE_CHECKING:  # requests carry overrides as data; torch only where a loaded model's inputs change
+    import torch
 
 
 @runtime_checkable
@@ -45,6 +45,9 @@ def apply_overrides(case: LoadedCase, overrides: Mapping[str, InputOverrideLike]
     """``case`` with its dynamic shapes replaced where ``overrides`` say (see the module docstring)."""
     if not overrides:
         return case
+    import torch
+    from torch.export import Dim
+
     inputs = bound_inputs(case.model, case.args, case.kwargs)
     names = list(inputs)
     given = case.dynamic_shapes
@@ -85,6 +88,8 @@ def apply_overrides(case: LoadedCase, overrides: Mapping[str, InputOverrideLike]
 
 def largest_input_bytes(case: LoadedCase, overrides: Mapping[str, InputOverrideLike]) -> dict[str, int]:
     """Bytes of each tensor input at the top of its ranges (overrides, else the example's own size)."""
+    import torch
+
     inputs = bound_inputs(case.model, case.args, case.kwargs)
     top = {d.name: d.max for o in overrides.values() for d in o.dims}
     sizes: dict[str, int] = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from compiler.options import CompileOptions
-from compiler.validate import Tolerances
+from compiler.validation_report import Tolerances
 from zoo.errors import ZooConfigError
 from zoo.inputs import InputOverrideLike, apply_overrides
 from zoo.sources.base import LoadedCase, ModelSource, SourceIdentity

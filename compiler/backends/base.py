@@ -14,12 +14,13 @@ import re
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from compiler.specs import InputSpec
+
+if TYPE_CHECKING:  # the settings and records here are read without torch (zoo files, manifests)
+    import numpy as np
+    import torch
 
 FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")
 # Integer precisions: weights and activations quantized (compiler.quantize), per partition.
@@ -190,6 +191,8 @@ def unpack_torch_graph(graph: bytes) -> tuple[bytes, bytes]:
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU copy of ``tensor``; bfloat16 through ml_dtypes (numpy has none)."""
+    import torch
+
     tensor = tensor.detach().cpu().contiguous()
     if tensor.dtype == torch.bfloat16:
         import ml_dtypes

@@ -25,7 +25,7 @@ from typing import Any
 from zoo.errors import ZooConfigError
 from zoo.sources.base import LoadedCase, ModelSource, SourceIdentity
 from zoo.sources.factory import FACTORY_RE, FactoryPolicy, FactorySource
-from zoo.sources.hf import HF_TASKS, HfSource
+from zoo.sources.hf_tasks import HF_TASKS, check_task
 from zoo.sources.mlflow_registry import MlflowSource, parse_models_uri
 from zoo.sources.pt2 import Pt2Source
 
@@ -102,7 +102,7 @@ def source_for(
         policy = policy or FactoryPolicy(zoo_dir=base_dir)
         return FactorySource(rest, dict(factory_kwargs or {}), seed, policy)
     if kind == "hf":
-        from zoo.sources.hf import check_task
+        from zoo.sources.hf import HfSource  # here: its module imports torch for the models it wraps
 
         return HfSource(rest, check_task(task), revision, trust_remote_code, dict(inputs or {}), base_dir)
     if kind == "pt2":

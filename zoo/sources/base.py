@@ -14,11 +14,14 @@ from the entry's ``source:`` string.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, runtime_checkable
+from functools import cache
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # identities are computed without torch (an unchanged zoo's re-run never needs it)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -61,3 +64,15 @@ def digest_of(*parts: Any) -> str:
     """sha256 of the canonical JSON of ``parts`` (str() for what JSON cannot say)."""
     text = json.dumps(list(parts), sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+@cache
+def torch_version() -> str:
+    """``torch.__version__``, read from torch's installed metadata (the same string) so that an identity
+    that names the torch version turning a model into a graph does not import torch for it."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # a torch without metadata (a source tree on the path)
+        import torch
+
+        return torch.__version__

@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from zoo.errors import UntrustedCodeError, ZooConfigError
-from zoo.sources.base import LoadedCase, SourceIdentity, digest_of
+from zoo.sources.base import LoadedCase, SourceIdentity, digest_of, torch_version
 
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 DEFAULT_FACTORY_PACKAGES = ("zoo",)
@@ -166,12 +164,12 @@ class FactorySource:
         if spec is None or not spec.origin or not Path(spec.origin).is_file():
             raise ZooConfigError(f"factory: cannot find the source of module {module!r}")
         source_sha = hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
-        digest = digest_of(
-            "factory", self.factory, dict(self.kwargs), self.seed, source_sha, torch.__version__
-        )
+        digest = digest_of("factory", self.factory, dict(self.kwargs), self.seed, source_sha, torch_version())
         return SourceIdentity("factory", self.uri, source_sha[:16], digest)
 
     def load(self) -> LoadedCase:
+        import torch
+
         fn = resolve_factory(self.factory, self.policy)
         kwargs = dict(self.kwargs)
         try:

@@ -37,40 +37,16 @@ from torch.export import Dim
 from compiler.errors import SpecialFileError
 from compiler.input_files import regular_file
 from zoo.errors import UntrustedCodeError, ZooConfigError
-from zoo.sources.base import LoadedCase, SourceIdentity, digest_of
+from zoo.sources.base import LoadedCase, SourceIdentity, digest_of, torch_version
 from zoo.sources.common import example_size, fit_example_shape, override_dims, resolve_path, sha256_file
+from zoo.sources.hf_tasks import HF_TASKS, check_task
 
-# task -> (transformers Auto class, the modeling_auto table naming the model types that have it)
-HF_TASKS: dict[str, tuple[str, str]] = {
-    "feature-extraction": ("AutoModel", "MODEL_MAPPING_NAMES"),
-    "sequence-classification": (
-        "AutoModelForSequenceClassification",
-        "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
-    ),
-    "token-classification": (
-        "AutoModelForTokenClassification",
-        "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
-    ),
-    "image-classification": (
-        "AutoModelForImageClassification",
-        "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
-    ),
-    "causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
-}
 MAX_BATCH = 8
 MAX_SEQ = 512
 DEFAULT_IMAGE_SIZE = 224
 EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 16
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _TRUE = ("1", "ON", "YES", "TRUE")
-
-
-def check_task(task: str | None) -> str:
-    """The task, or a ZooConfigError naming the field and the tasks there are."""
-    if task not in HF_TASKS:
-        got = "none given" if task is None else repr(task)
-        raise ZooConfigError(f"task: {got} is not a task kiln loads; use one of {', '.join(HF_TASKS)}")
-    return task
 
 
 def hub_offline() -> bool:
@@ -127,7 +103,7 @@ class HfSource:
             self.trust_remote_code,
             files,
             _transformers_version(),
-            torch.__version__,
+            torch_version(),
         )
         return SourceIdentity("hf", self.uri, revision, digest)
 

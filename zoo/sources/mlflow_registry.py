@@ -33,15 +33,16 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch.export import Dim
+from typing import TYPE_CHECKING, Any
 
 from compiler.errors import KilnError, OpModuleNotAllowedError, UnsafeProgramError
 from zoo.errors import SourceUnavailableError, UntrustedCodeError, ZooConfigError
-from zoo.sources.base import LoadedCase, SourceIdentity, digest_of
+from zoo.sources.base import LoadedCase, SourceIdentity, digest_of, torch_version
 from zoo.sources.common import example_size, fit_example_shape, override_dims
+
+if TYPE_CHECKING:  # torch where a signature is read or a model loads, not on import
+    import torch
+    from torch.export import Dim
 
 MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>[1-9]\d*)|@(?P<alias>[A-Za-z0-9_-]+))$")
 DEFAULT_BATCH = (1, 8)  # the range of a -1 axis 0 that the entry's inputs: do not give
@@ -96,7 +97,7 @@ class MlflowSource:
             self.name,
             version,
             hashlib.sha256(json.dumps(mlmodel.to_dict(), sort_keys=True, default=str).encode()).hexdigest(),
-            torch.__version__,
+            torch_version(),
         )
         return SourceIdentity("mlflow", self.uri, version["version"], digest, version["run_id"])
 
@@ -130,6 +131,8 @@ class MlflowSource:
 
     def tensor_inputs(self, mlmodel: Any) -> list[TensorInput]:
         """The signature's tensor inputs, after the checks that need no model (see the module docstring)."""
+        import torch
+
         flavors = sorted(mlmodel.flavors)
         if "pytorch" not in flavors:
             raise ZooConfigError(
@@ -183,6 +186,8 @@ class MlflowSource:
         return self._case(model, specs, example)
 
     def _model(self, local: Path, mlmodel: Any) -> torch.nn.Module:
+        import torch
+
         data = local / mlmodel.flavors["pytorch"].get("model_data", "data")
         program_file = data / "model.pt2" if data.is_dir() else None
         if program_file is not None and program_file.is_file():
@@ -212,6 +217,8 @@ class MlflowSource:
         return model.eval()  # (a program's module has no train mode to leave)
 
     def _case(self, model: torch.nn.Module, specs: list[TensorInput], example: Any) -> LoadedCase:
+        from torch.export import Dim
+
         params = [
             p.name
             for p in inspect.signature(model.forward).parameters.values()
@@ -267,6 +274,7 @@ def _np_zeros(dtype: Any) -> Any:
 def _example_list(example: Any, specs: list[TensorInput]) -> list[torch.Tensor] | None:
     """The logged input example as one tensor per input (None: none logged, or not tensors)."""
     import numpy as np
+    import torch
 
     if example is None:
         return None
@@ -288,6 +296,8 @@ def _fit(
 ) -> torch.Tensor:
     """The example for one input: the logged one (resized on dynamic axes to sizes inside their ranges,
     at least 2), else drawn from the spec."""
+    import torch
+
     base = list(given.shape) if given is not None and given.dim() == len(spec.shape) else None
     shape = []
     for axis, size in enumerate(spec.shape):

@@ -19,17 +19,18 @@ import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch.export import Dim
+from typing import TYPE_CHECKING, Any
 
 from compiler.errors import KilnError, OpModuleNotAllowedError, SpecialFileError, UnsafeProgramError
 from compiler.input_files import regular_file
 from compiler.specs import InputSpec
 from zoo.errors import UntrustedCodeError, ZooConfigError
-from zoo.sources.base import LoadedCase, SourceIdentity, digest_of
+from zoo.sources.base import LoadedCase, SourceIdentity, digest_of, torch_version
 from zoo.sources.common import example_size, fit_example_shape, override_dims, resolve_path, sha256_file
+
+if TYPE_CHECKING:  # the identity is a file hash: torch only where the program loads
+    import torch
+    from torch.export import Dim
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Pt2Source:
                 "truncated or another format); save it again with torch.export.save"
             )
         sha = sha256_file(path)
-        return SourceIdentity("pt2", self.uri, sha[:16], digest_of("pt2", sha, torch.__version__))
+        return SourceIdentity("pt2", self.uri, sha[:16], digest_of("pt2", sha, torch_version()))
 
     def load(self) -> LoadedCase:
         import compiler
@@ -88,6 +89,9 @@ class Pt2Source:
 def program_case(program: Any, specs: Sequence[InputSpec], inputs: Mapping[str, Any] | None) -> LoadedCase:
     """``program.module()`` with example inputs and dynamic shapes from ``specs`` (see the module
     docstring); ``inputs``: the entry's ranges, which the examples are moved inside."""
+    import torch
+    from torch.export import Dim
+
     model = program.module()
     flat = [_example(spec, override_dims(inputs, spec.name)) for spec in specs]
     dims: dict[str, Dim] = {}
@@ -112,6 +116,8 @@ def program_case(program: Any, specs: Sequence[InputSpec], inputs: Mapping[str, 
 def _example(spec: InputSpec, override: list[Any] | None) -> torch.Tensor:
     """A deterministic example for ``spec`` at its opt shape (dynamic sizes at least 2: export would
     specialize 0 or 1), inside the override's ranges; integers span the spec's value range."""
+    import torch
+
     shape = list(spec.opt_shape)
     for axis in spec.dynamic_dims:
         lo, hi = spec.dim_range(axis)
