@@ -366,9 +366,9 @@ class CompiledModule(torch.nn.Module):
             for key, tensor in state.items():
                 current[key].copy_(tensor)  # what the fallback graph is fed (and the engines' source)
             reloaded = 0
-            for name, call in self.graph.named_children():
-                if not isinstance(call, EngineCall):
-                    continue
+            calls = [(n, c) for n, c in self.graph.named_children() if isinstance(c, EngineCall)]
+            per_backend = Counter(self.engines[c.fingerprint].backend for _, c in calls)
+            for name, call in calls:
                 weights = engine_weights(self.plan, self.dedup.instance(name))
                 if hasattr(call.engine, "refit_in_place"):
                     call.engine.refit_in_place(weights)
@@ -379,11 +379,8 @@ class CompiledModule(torch.nn.Module):
                     device=self.plan.options.device,
                     trust_engine_code=self.trust_engine_code,
                 )
-                siblings = sum(
-                    isinstance(c, EngineCall) and self.engines[c.fingerprint].backend == artifact.backend
-                    for c in self.graph.children()
-                )
-                call.engine = backend.load(artifact.engine, artifact.io, weights, siblings=siblings - 1)
+                siblings = per_backend[artifact.backend] - 1
+                call.engine = backend.load(artifact.engine, artifact.io, weights, siblings=siblings)
                 reloaded += 1
             if reloaded:  # captures of the old engines would replay their weights
                 self.cuda_graphs.clear()

@@ -178,7 +178,8 @@ def _credentials_cases(s3_server: MotoServer, tmp_path: Path) -> None:
     with scoped_environ(s3_server.env(s3_server.reader)):
         reader = EngineCache(url("ro"), local_dir=tmp_path / "reader")
         assert reader.remote.check() == "read-only" and "read-only" in reader.remote.write_problem
-        assert reader.get(key("ro")) == b"published"  # read-only use still reads
+        with pytest.warns(CacheWarning, match="read-only for these credentials"):
+            assert reader.get(key("ro")) == b"published"  # read-only use still reads, and says so
         fresh = EngineCache(url("ro"), local_dir=tmp_path / "reader")  # finds out at its first write
         with pytest.warns(CacheWarning, match="read-only for these credentials.*none is published"):
             assert fresh.get_or_build(key("ro-new"), lambda: b"mine") == (b"mine", False)

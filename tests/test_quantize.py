@@ -162,6 +162,8 @@ def test_calibration_and_validation_never_share_a_sample(case, int8):
         validation_inputs(compiled, {"x": data["x"][:4]})
 
 
+# The bad partition's NaN ranges are the point: ONNX Runtime's calibrator says so before its quantizer fails.
+@pytest.mark.filterwarnings("ignore:All-NaN axis encountered:RuntimeWarning")
 def test_a_quantizer_failure_keeps_that_partition_in_fp32_and_names_it():
     class Good(torch.nn.Module):
         def __init__(self):

@@ -128,9 +128,10 @@ class OnnxRuntimeBackend:
         serialize and parse of the whole model (BERT-base: 2.5 s -> 0.5 s on a 2-core CPU).
 
         ``spin``: whether the session's idle intra-op threads busy-wait for the next call. Alone in a
-        module that wins (BERT-base at batch 1: 0.82x the latency of sleeping threads on 2 cores); where
-        a module runs several sessions one after another, each one's spinning threads take the cores
-        from the next (BERT split per layer: 1.8x slower at batch 1), so engines with siblings sleep."""
+        module that wins a little (0.92x the latency of sleeping threads at batch 1 on 2 cores); where a
+        module runs several sessions one after another, each one's spinning threads take the cores from
+        the next (BERT split per layer: 3.1x slower at batch 1), so engines with siblings sleep
+        (benchmarks/ort_threads.py)."""
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
