@@ -97,13 +97,15 @@ class OnnxRuntimeBackend:
         model = _parse(engine)
         supplied: dict[str, np.ndarray] = {}
         if weights is not None or _is_stripped(model):
-            supplied = _checked_weights(model, weights or {})
-            if any(a.dtype.name == "bfloat16" for a in supplied.values()):
-                _fill(model, weights or {})  # ONNX Runtime takes no bfloat16 arrays from numpy
-                supplied = {}
-            else:
-                for init in _weights(model):
+            arrays = _checked_weights(model, weights or {})
+            # Float weights come from memory; integer ones (index buffers, which shape inference may
+            # read) and bfloat16 (no numpy type ONNX Runtime takes) are written into the model.
+            supplied = {n: a for n, a in arrays.items() if a.dtype.kind == "f" and a.dtype.name != "bfloat16"}
+            for init in _weights(model):
+                if init.name in supplied:
                     _strip(init)
+                else:
+                    init.CopyFrom(numpy_helper.from_array(arrays[init.name], init.name))
         check_self_contained(model, supplied=frozenset(supplied))
         constants = {init.name for init in model.graph.initializer}
         takes = [i.name for i in model.graph.input if i.name not in constants]
@@ -113,7 +115,16 @@ class OnnxRuntimeBackend:
                 f"ONNX engine takes {takes} and gives {len(gives)} outputs; its record says "
                 f"{[s.name for s in io.inputs]} and {len(io.output_names)}"
             )
-        return OnnxRuntimeEngine(self._session(model.SerializeToString(), supplied, spin=siblings == 0), io)
+        try:
+            session = self._session(model.SerializeToString(), supplied, spin=siblings == 0)
+        except Exception:  # a weight some shape inference reads: every weight written in, as before
+            if not supplied:
+                raise
+            for init in _weights(model):
+                if init.name in supplied:
+                    init.CopyFrom(numpy_helper.from_array(supplied[init.name], init.name))
+            session = self._session(model.SerializeToString(), spin=siblings == 0)
+        return OnnxRuntimeEngine(session, io)
 
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
         model = _parse(engine)
