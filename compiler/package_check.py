@@ -22,7 +22,6 @@ from compiler.package_digest import check_signature, content_hash
 from compiler.version import kiln_version
 
 MANIFEST = "manifest.json"
-# Not covered by the content hash: the hash itself, and the signature computed from it.
 
 
 def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> Manifest:
