@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import threading
 import time
 import uuid
@@ -281,8 +282,10 @@ class RemoteEntries:
                 url=self.url,
                 reason="credentials",
             )
-        if isinstance(exc, PermissionError) or any(
-            word in lowered for word in ("accessdenied", "access denied", "forbidden", "403")
+        # 403 as a status code only: the text also holds the endpoint URL, whose port may contain "403".
+        if isinstance(exc, PermissionError) or (
+            any(word in lowered for word in ("accessdenied", "access denied", "forbidden"))
+            or re.search(r"(?<![\w:.])403(?!\w)", lowered)
         ):
             if doing == "write":
                 return CacheStoreError(
