@@ -10,7 +10,8 @@ task call it); a plan without int8 partitions passes through unchanged.
 2. One fp32 pass of the partitioned graph (every partition in PyTorch) over them captures the
    activations arriving at each partition: each instance is calibrated on its own inputs.
 3. Each partition is lowered to fp32 ONNX (once per fingerprint; other instances get their weights
-   put in) and quantized by ``onnxruntime.quantization``: ``quantize_static`` (QDQ, per-channel int8
+   put in), its constant subgraphs folded (``Transpose(w)`` becomes a transposed weight), and
+   quantized by ``onnxruntime.quantization``: ``quantize_static`` (QDQ, per-channel int8
    weights, int8 activations, the calibration method asked for) or ``quantize_dynamic``.
 4. The quantized graph is canonicalized: every initializer (quantized weights, scales, zero points,
    int32 biases) is named ``w<k>`` by position, every other value ``v<n>``. Instances of one
@@ -242,7 +243,7 @@ def _quantize_fingerprint(
             for k, key in canonical_weights(by_name[name]).items()
         }
         own_graph = float_graph if name == parts[0] else OnnxRuntimeBackend().refit(float_graph, weights)
-        model = onnx.load_from_string(own_graph)
+        model = _folded(onnx.load_from_string(own_graph))
         quantized = _run_quantizer(model, feeds.get(name, []), plan.options)
         structure, canonical, values = _canonical(quantized)
         if template is None:
@@ -254,6 +255,35 @@ def _quantize_fingerprint(
             )
         tensors.update({f"{QUANTIZED_PREFIX}{name}/{k}": v for k, v in values.items()})
     return graph, tensors
+
+
+def _folded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every ``Transpose`` of an initializer replaced by the transposed initializer.
+
+    Lowering keeps weights as graph inputs until after export, so ``Transpose(w)`` before a MatMul
+    (every ``nn.Linear`` on a 3-D input) is still a node: the quantizer would then quantize the
+    transposed weight as an activation and leave the fp32 weight in the graph. Folded, the MatMul
+    reads an initializer and gets per-channel int8 weights. Only this one pattern is folded: a
+    general constant folder may bake traced shapes into a graph with dynamic dimensions."""
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+    users: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            users[name] = users.get(name, 0) + 1
+    keep = []
+    for node in graph.node:
+        source = node.input[0] if node.op_type == "Transpose" and node.input else ""
+        if source in inits and users.get(source) == 1:
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+            array = numpy_helper.to_array(inits[source])
+            folded = np.ascontiguousarray(np.transpose(array, perm) if perm else array.T)
+            inits[source].CopyFrom(numpy_helper.from_array(folded, node.output[0]))
+            continue
+        keep.append(node)
+    del graph.node[:]
+    graph.node.extend(keep)
+    return model
 
 
 _METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
