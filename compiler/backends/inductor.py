@@ -45,6 +45,10 @@ code (``trust_engine_code``: engines this process built or took from its engine 
 ``compiler.load`` trusts); otherwise the engine is compiled here from its program, which is read as a
 package's program is, with kiln's own settings: of the header's options only a checked list of tuning
 switches is used (``inductor_options``), never a compiler, flag, path or environment (docs/security.md).
+
+Here: the backend (build, load, refit, compatibility) and the loaded engine. The compile of a program
+and the compiled graph's bytes are :mod:`compiler.backends.inductor_graph`; the engine file format is
+:mod:`compiler.backends.inductor_format`; static specializations :mod:`compiler.backends.inductor_static`.
 """
 
 from __future__ import annotations
@@ -52,11 +56,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -75,10 +78,18 @@ from compiler.backends.inductor_format import (
     read_engine,
     save_tensors,
 )
+from compiler.backends.inductor_graph import (
+    LocalCompiled,
+    ProgramGraph,
+    example_inputs,
+    graph_args,
+    load_artifact,
+    save_artifact,
+    short_error,
+)
 from compiler.backends.inductor_options import (
     build_options,
     host_compiler,
-    inductor_config,
     untrusted_options,
 )
 from compiler.backends.inductor_static import (
@@ -94,7 +105,7 @@ from compiler.errors import (
     EngineCompatibilityError,
     RefitError,
 )
-from compiler.specs import dtype_name, torch_dtype
+from compiler.specs import dtype_name
 
 # One compile at a time: Inductor's cache-artifact recording is process-wide. Always taken before the
 # compiler's tracing lock (compiler.export.TRACING, taken inside), so exports never overlap a compile
@@ -153,7 +164,7 @@ class InductorEngine:
             static = self.specializations.get(tuple(tuple(x.shape) for x in inputs))
             compiled = compiled if static is None else static
             self.last_dispatch = "dynamic" if static is None else "static"
-        return tuple(compiled(*_graph_args(inputs, self.weights, self._constants)))
+        return tuple(compiled(*graph_args(inputs, self.weights, self._constants)))
 
     def refit_in_place(self, weights: Mapping[str, torch.Tensor]) -> None:
         """New weights copied into this engine's own tensors (checked like a load's): the compiled
@@ -209,7 +220,7 @@ class InductorBackend:
         compiler = host_compiler(options)
         program, weight_bytes = unpack_torch_graph(onnx_model)
         weights = load_tensors(weight_bytes, self.device)
-        graph = _Graph.load(program, self.device)
+        graph = ProgramGraph.load(program, self.device)
         header = {
             "magic": MAGIC,
             "format": FORMAT,
@@ -230,10 +241,10 @@ class InductorBackend:
             if artifact is None:  # else this process built the same graph (a stripped or full twin)
                 try:
                     compiled = graph.compile(io, options, tuple(weights.values()))
-                    artifact = _save(compiled)
+                    artifact = save_artifact(compiled)
                 except Exception as exc:  # Inductor raises many types; the report needs the cause
                     raise EngineBuildError(
-                        f"Inductor could not compile partition {partition or '?'}: {_short(exc)}",
+                        f"Inductor could not compile partition {partition or '?'}: {short_error(exc)}",
                         partition=partition,
                     ) from exc
                 _remember(key, compiled, artifact)
@@ -251,7 +262,7 @@ class InductorBackend:
 
     def _build_specializations(
         self,
-        graph: _Graph,
+        graph: ProgramGraph,
         io: EngineIO,
         settings: BuildSettings,
         options: Mapping[str, Any],
@@ -276,11 +287,11 @@ class InductorBackend:
             if artifact is None:
                 try:
                     compiled = graph.compile_static(shapes, io, options, tuple(weights.values()))
-                    artifact = _save(compiled)
+                    artifact = save_artifact(compiled)
                 except Exception as exc:
                     warnings.warn(
                         f"Inductor: no static specialization of partition {partition or '?'} for profile "
-                        f"{dict(profile)}: {_short(exc)}",
+                        f"{dict(profile)}: {short_error(exc)}",
                         stacklevel=3,
                     )
                     continue
@@ -351,7 +362,7 @@ class InductorBackend:
         run once at its shapes (the opt shapes for the dynamic graph); compiled again from its program
         where it is not trusted, or its artifact does not load here (another build of this torch
         version, another Inductor configuration)."""
-        examples = _examples(engine_io, self.device, shapes)
+        examples = example_inputs(engine_io, self.device, shapes)
         if not self.trust_engine_code:
             reason = (
                 "its compiled graph is code and its package is not trusted to run code (sign packages with "
@@ -359,27 +370,27 @@ class InductorBackend:
             )
         else:
             try:
-                compiled = _load_artifact(files[name])
+                compiled = load_artifact(files[name])
                 with torch.no_grad():
-                    compiled(*_graph_args(examples, weights, constants))
+                    compiled(*graph_args(examples, weights, constants))
                 return compiled
             except Exception as exc:  # a cache miss or a torch build mismatch: both mean compile again
-                reason = f"its compiled graph does not load here ({_short(exc)})"
+                reason = f"its compiled graph does not load here ({short_error(exc)})"
         # Keyed by the options it is compiled with here (an untrusted header's are filtered already).
-        local = _LocalCompiled(files[PROGRAM], options, self.target_device(), shapes)
+        local = LocalCompiled(files[PROGRAM], options, self.target_device(), shapes)
         compiled = local.load(examples, weights, constants)
         if compiled is not None:  # compiled here from this very program before: as trusted as a build
             return compiled
         what = "it" if shapes is None else f"its static specialization at {[list(s) for s in shapes]}"
         warnings.warn(f"Inductor engine: {reason}; compiling {what} from its program", stacklevel=3)
-        graph = _Graph.load(files[PROGRAM], self.device)  # an unsafe program is its own typed error
+        graph = ProgramGraph.load(files[PROGRAM], self.device)  # an unsafe program is its own typed error
         try:
             if shapes is None:
                 compiled = graph.compile(engine_io, options, weights)
             else:
                 compiled = graph.compile_static(shapes, engine_io, options, weights)
         except Exception as exc:
-            raise BackendError(f"Inductor could not compile a stored engine: {_short(exc)}") from exc
+            raise BackendError(f"Inductor could not compile a stored engine: {short_error(exc)}") from exc
         local.store(compiled)
         return compiled
 
@@ -411,136 +422,6 @@ class InductorBackend:
             )
 
 
-class _Graph:
-    """A partition's exported program as Inductor compiles it: the flat ATen graph, its placeholders
-    in order (activations, then weights), with lifted constants at their positions."""
-
-    def __init__(self, exported: torch.export.ExportedProgram, device: torch.device):
-        self.module, self.device = exported.graph_module, device
-        tensors = {**exported.state_dict, **exported.constants}
-        self.constants = {
-            position: tensors[spec.target].detach().to(device)
-            for position, spec in enumerate(exported.graph_signature.input_specs)
-            if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT
-        }
-
-    @classmethod
-    def load(cls, program: bytes, device: torch.device) -> _Graph:
-        """The program read as a package's is: nothing unpickled, no module imported (ATen only)."""
-        from compiler.export import TRACING, load_program_bytes
-
-        with TRACING:
-            return cls(load_program_bytes(program, "Inductor engine program", modules=()), device)
-
-    def compile(
-        self, engine_io: EngineIO, options: Mapping[str, Any], weights: tuple[torch.Tensor, ...]
-    ) -> Callable[..., Any]:
-        """The graph compiled once, symbolic in its dynamic dims (the export's ranges), then run once at
-        the opt shapes so that a first call does no autotuning."""
-        from compiler.export import TRACING
-
-        # Inductor takes the export's own fake inputs and shape environment: exactly its dynamic dims,
-        # with their ranges. (Given real tensors it would mark every dim dynamic and give equal sizes one
-        # symbol: a batch of 2 and a 2-row embedding table would then have to stay equal.)
-        fake_inputs = [n.meta["val"] for n in self.module.graph.nodes if n.op == "placeholder"]
-        _drop_expression_hints(fake_inputs)
-        output = next(iter(reversed(self.module.graph.nodes)))
-        for node in output.args[0] if isinstance(output.args[0], list | tuple) else (output.args[0],):
-            if isinstance(node, torch.fx.Node) and "val" in node.meta:
-                node.meta["example_value"] = node.meta["val"]  # where "from_graph" finds the fake mode
-        args = _graph_args(_examples(engine_io, self.device), weights, self.constants)
-        with TRACING:
-            compiled = torch._inductor.standalone_compile(
-                self.module,
-                fake_inputs,
-                dynamic_shapes="from_graph",
-                options={"config_patches": inductor_config(options)},
-            )
-            with torch.no_grad():
-                compiled(*args)
-        return compiled
-
-    def compile_static(
-        self,
-        shapes: tuple[tuple[int, ...], ...],
-        engine_io: EngineIO,
-        options: Mapping[str, Any],
-        weights: tuple[torch.Tensor, ...],
-    ) -> Callable[..., Any]:
-        """The graph specialized to one set of activation shapes (a shape profile): Inductor traces it
-        again from real inputs at those shapes, so every size is a constant (no guards, no symbolic
-        index math); run once so that a first call does no autotuning."""
-        from compiler.export import TRACING
-
-        args = _graph_args(_examples(engine_io, self.device, shapes), weights, self.constants)
-        with TRACING:
-            compiled = torch._inductor.standalone_compile(
-                self.module,
-                args,
-                dynamic_shapes="from_example_inputs",
-                options={"config_patches": inductor_config(options)},
-            )
-            with torch.no_grad():
-                compiled(*args)
-        return compiled
-
-
-class _LocalCompiled:
-    """Graphs this machine compiled from stored engines' programs (untrusted packages, artifacts that do
-    not load here), kept in the local engine cache: the second load of the same engine loads what this
-    machine built instead of compiling again. Keyed by what was compiled (the program's bytes, the
-    options, torch and the device), never by the package's own compiled graph, which is not read."""
-
-    def __init__(
-        self,
-        program: bytes,
-        options: Mapping[str, Any],
-        target: str,
-        shapes: tuple[tuple[int, ...], ...] | None = None,
-    ):
-        meta = {"torch": torch.__version__, "target": target, "options": options, "format": FORMAT}
-        if shapes is not None:  # a static specialization: its own entry
-            meta["static_shapes"] = [list(s) for s in shapes]
-        self.key = hashlib.sha256(program + json.dumps(meta, sort_keys=True).encode()).hexdigest()
-        self.meta = {"kind": "inductor-local-compile", "torch": torch.__version__, "target": target}
-
-    @staticmethod
-    def _cache() -> Any:
-        from compiler.cache import EngineCache
-        from compiler.errors import CacheError
-
-        try:
-            return EngineCache()  # KILN_CACHE_DIR, else the user's cache: trusted input (docs/security.md)
-        except CacheError:
-            return None
-
-    def load(
-        self,
-        examples: Sequence[torch.Tensor],
-        weights: tuple[torch.Tensor, ...],
-        constants: Mapping[int, torch.Tensor],
-    ) -> Callable[..., Any] | None:
-        cache = self._cache()
-        data = cache.get(self.key) if cache is not None else None
-        if data is None:
-            return None
-        try:
-            compiled = _load_artifact(data)
-            with torch.no_grad():
-                compiled(*_graph_args(examples, weights, constants))
-            return compiled
-        except Exception:  # another Inductor configuration since: compile again (and overwrite)
-            return None
-
-    def store(self, compiled: Any) -> None:
-        cache = self._cache()
-        if cache is not None:
-            try:
-                cache.put(self.key, _save(compiled), self.meta)
-            except Exception as exc:  # never fail a load because the cache cannot take an entry
-                warnings.warn(f"Inductor engine: not kept in the local cache ({_short(exc)})", stacklevel=4)
-
-
 def _recall(key: str) -> tuple[Callable[..., Any] | None, bytes | None]:
     if key not in _RECENT:
         return None, None
@@ -555,70 +436,8 @@ def _remember(key: str, compiled: Callable[..., Any], artifact: bytes | None) ->
         _RECENT.popitem(last=False)
 
 
-def _drop_expression_hints(fake_inputs: Sequence[Any]) -> None:
-    """torch.export.load gives its shape environment hints for expressions (``32*s85: 256``) beside
-    those of its symbols; Inductor's passes expect symbols only (``expected sympy.Symbol``). The
-    symbols' hints determine the rest, so the others go."""
-    import sympy
-
-    for value in fake_inputs:
-        shape_env = getattr(getattr(value, "fake_mode", None), "shape_env", None)
-        if shape_env is not None:
-            # torch 2.13 calls the table backed_var_to_val (var_to_val is its deprecated alias); 2.11 not.
-            hints = getattr(shape_env, "backed_var_to_val", None)
-            hints = shape_env.var_to_val if hints is None else hints
-            for key in [k for k in hints if not isinstance(k, sympy.Symbol)]:
-                del hints[key]
-            return  # one environment for the whole graph
-
-
-def _save(compiled: Any) -> bytes:
-    with tempfile.TemporaryDirectory(prefix="kiln-inductor-") as scratch:
-        path = os.path.join(scratch, "compiled.bin")
-        compiled.save(path=path, format="binary")
-        with open(path, "rb") as file:
-            return file.read()
-
-
-def _load_artifact(data: bytes) -> Callable[..., Any]:
-    from torch._inductor import CompiledArtifact
-
-    with tempfile.TemporaryDirectory(prefix="kiln-inductor-") as scratch:
-        path = os.path.join(scratch, "compiled.bin")
-        with open(path, "wb") as file:
-            file.write(data)
-        return CompiledArtifact.load(path=path, format="binary")
-
-
-def _graph_args(
-    activations: Sequence[torch.Tensor],
-    weights: Sequence[torch.Tensor],
-    constants: Mapping[int, torch.Tensor],
-) -> list[torch.Tensor]:
-    """The compiled graph's inputs: activations, then weights, with lifted constants at their positions."""
-    args = [*activations, *weights]
-    for position, tensor in sorted(constants.items()):
-        args.insert(position, tensor)
-    return args
-
-
 def _device_index(device: torch.device) -> int | None:
     return (device.index or 0) if device.type == "cuda" else None
-
-
-def _examples(
-    engine_io: EngineIO, device: torch.device, shapes: Sequence[Sequence[int]] | None = None
-) -> list[torch.Tensor]:
-    """Activations at ``shapes``, else the opt shapes: the size hints Inductor tunes for (the dynamic
-    graph stays symbolic)."""
-    tensors = []
-    for index, spec in enumerate(engine_io.inputs):
-        dtype = torch_dtype(spec.dtype)
-        # Zeros for integers and masks: valid indices for any embedding the partition may hold.
-        make = torch.randn if dtype.is_floating_point else torch.zeros
-        shape = spec.opt_shape if shapes is None else tuple(shapes[index])
-        tensors.append(make(shape, dtype=dtype, device=device))
-    return tensors
 
 
 def _ordered(
@@ -646,9 +465,3 @@ def _library_key(program: bytes, header: Mapping[str, Any]) -> str:
     """One compiled graph per program, device and options: what instances and rebuilds share."""
     meta = {k: header.get(k) for k in ("torch", "device", "device_index", "options")}
     return hashlib.sha256(program + json.dumps(meta, sort_keys=True).encode()).hexdigest()
-
-
-def _short(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    lines = [line for line in text.splitlines() if line.strip()]
-    return " ".join(lines[:6])[:1500]
