@@ -334,27 +334,25 @@ class EngineCache:
                     path.unlink(missing_ok=True)
                 except OSError as exc:  # read-only disk: still never returned, just not deleted
                     outcome = f"not deletable ({exc.strerror})"
+        self._corrupt(key, self.directory, problem, outcome, stacklevel=5)
+        return None
+
+    def _corrupt(self, key: str, where: object, problem: str, outcome: str, *, stacklevel: int) -> None:
+        """Count a corrupt entry and say what became of it (the caller's caller is warned)."""
         with self._mutex:
             self._stats.corrupt += 1
         warnings.warn(
-            f"cache entry {key} in {self.directory} is corrupt ({problem}); {outcome}, will be rebuilt",
+            f"cache entry {key} in {where} is corrupt ({problem}); {outcome}, will be rebuilt",
             CacheWarning,
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
-        return None
 
     def _read_remote(self, key: str) -> bytes | None:
         remote = self.remote
         assert remote is not None
         data, problem, meta = remote.get(key)
         if problem is not None:
-            with self._mutex:
-                self._stats.corrupt += 1
-            warnings.warn(
-                f"cache entry {key} in {remote.url} is corrupt ({problem}); evicted, will be rebuilt",
-                CacheWarning,
-                stacklevel=5,
-            )
+            self._corrupt(key, remote.url, problem, "evicted", stacklevel=6)
         self._note_remote()
         if data is None:
             return None
