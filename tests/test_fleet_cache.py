@@ -82,6 +82,22 @@ def test_truncated_object_is_a_checksum_failure_evicted_and_rebuilt(
     assert reader.get(key("never-published")) is None and reader.stats.corrupt == 1
 
 
+def test_a_lost_publish_race_leaves_other_keys_blobs_alone(s3_server: MotoServer, tmp_path: Path) -> None:
+    # Blobs are named by their bytes, so two keys whose engines are equal share one. A worker that
+    # loses the race for key A with those bytes must not delete the blob key B's entry names.
+    EngineCache(url("race"), local_dir=tmp_path / "b").put(key("race-b"), b"same engine" * 50)
+    EngineCache(url("race"), local_dir=tmp_path / "a1").put(key("race-a"), b"first build" * 50)
+    loser = EngineCache(url("race"), local_dir=tmp_path / "a2")
+    loser.put(key("race-a"), b"same engine" * 50)  # a nondeterministic second build of A, published late
+    assert loser.stats.remote_publishes == 0
+    reader = EngineCache(url("race"), local_dir=tmp_path / "reader")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)  # a missing blob would be a corrupt entry
+        assert reader.get(key("race-b")) == b"same engine" * 50
+        assert reader.get(key("race-a")) == b"first build" * 50  # the winner's, everywhere
+    assert reader.stats.corrupt == 0
+
+
 # The child loads compiler.cache alone (not compiler/__init__, which imports torch): a second per worker.
 WORKER = """
 import sys, json, time, types

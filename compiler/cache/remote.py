@@ -18,7 +18,8 @@ botocore >= 1.35.20). So:
 - a blob is written first, under its own content hash: two workers writing the same bytes write the
   same object, and different bytes go to different objects, so a blob write never harms a reader;
 - the entry is published by a conditional PUT of ``entries/<key>.json``: the first publisher wins and
-  every worker then reads the winner's entry (a loser deletes its own blob if it differs);
+  every worker then reads the winner's entry (a loser's blob is left for ``kiln cache gc``: another
+  key may name the same bytes);
 - a build is announced by a conditional PUT of ``leases/<key>``: other workers wait for the entry
   instead of building it too, so a fleet builds each key once. The holder rewrites the lease every
   few seconds while it builds; a waiter that sees the same lease content for ``lease_seconds`` of its
@@ -360,9 +361,8 @@ class RemoteEntries:
             self.store.create(f"blobs/{blob}", stored)  # already there: the same bytes, by its name
             if self.store.create(f"entries/{key}.json", record_bytes(record)):
                 return True
-            winner = parse_record(self.store.read(f"entries/{key}.json"))
-            if isinstance(winner, dict) and winner.get("sha256") != blob:
-                self.store.delete(f"blobs/{blob}")  # ours lost and nobody names it
+            # Ours lost. Its blob stays: another key's entry may name the same bytes (blobs are shared
+            # by content), and ``kiln cache gc`` removes blobs that no entry names.
         except Exception as exc:
             self._failed(exc, "write")
         return False
