@@ -294,6 +294,33 @@ def test_kiln_cache_ls_verify_gc_on_both_layers(s3_server: MotoServer, tmp_path:
         assert down.exit_code == 2 and "unreachable" in down.output
 
 
+def test_gc_on_a_worker_whose_clock_runs_ahead_keeps_fresh_objects(
+    s3_server: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+    import types
+
+    from compiler.cache import maintenance
+
+    cache = EngineCache(url("skew"), local_dir=tmp_path / "local")
+    cache.put(key("skew"), b"fresh" * 100)
+    s3 = s3_server.client("s3")
+    # A publisher between its two writes: its blob is named by no entry yet, and must survive.
+    s3.put_object(Bucket=BUCKET, Key=f"skew/blobs/{'cd' * 32}", Body=b"in flight")
+    # This worker's clock is two days ahead of the store's (and of every other worker's).
+    ahead = types.SimpleNamespace(time=lambda: time.time() + 2 * 86400)
+    monkeypatch.setattr(maintenance, "time", ahead)
+    result = maintenance.collect_garbage(cache, older_than=86400)
+    assert "s3" not in result.removed and result.orphan_blobs == 0
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="skew/")["Contents"]}
+    assert f"skew/entries/{key('skew')}.json" in keys and f"skew/blobs/{'cd' * 32}" in keys
+    assert not any(k.startswith("skew/probes/") for k in keys)  # the clock probe is gone
+    assert EngineCache(url("skew"), local_dir=tmp_path / "other").get(key("skew")) == b"fresh" * 100
+    # Ages still count on the store's clock: an entry older than asked goes.
+    time.sleep(2.1)
+    assert maintenance.collect_garbage(cache, older_than=1).removed.get("s3") == 1
+
+
 def test_zoo_check_names_the_url_and_the_variable(tmp_path: Path) -> None:
     import importlib.util
 

@@ -1,8 +1,10 @@
 """Looking after a cache: list its entries, verify every checksum, collect garbage (``kiln cache``).
 
 Works on both layers of an :class:`EngineCache`: the local disk, and the object store when the cache's
-location is a URL. Ages come from each store's own clock (file mtime, the object's LastModified); a
-wrong age only makes ``gc`` keep or drop an entry early, which costs a rebuild, never a wrong answer.
+location is a URL. Ages come from each store's own clock: a local file's mtime against this machine's
+clock, an object's LastModified against the store's clock (read from a probe object it stamps now), so
+a worker whose clock is skewed does not see fresh objects as old. A wrong age only makes ``gc`` keep or
+drop an entry early, which costs a rebuild, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -110,6 +112,10 @@ def collect_garbage(
     remote = cache.remote
     if remote is not None:
         protocol = remote.store.protocol
+        try:
+            now = remote.store.now()  # the store's clock, which stamped its objects' ages
+        except Exception as exc:
+            raise remote._error(exc, "write") from None
         records = remote.records()
         listed = [
             CacheEntryInfo(

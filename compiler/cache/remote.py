@@ -183,6 +183,22 @@ class ObjectStore:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(name))
 
+    def now(self) -> float:
+        """The store's own clock (epoch seconds): the time it stamps on a probe object written now.
+
+        Ages of objects are measured against this, never against this machine's clock, which may be
+        skewed from the store's (and from the other workers')."""
+        probe = f"probes/{uuid.uuid4().hex}"
+        self.write(probe, b"kiln cache clock probe")
+        try:
+            self.fs.invalidate_cache(self.path(probe))
+            stamped = _modified(self.fs.info(self.path(probe)))
+        finally:
+            self.delete(probe)
+        if not stamped:
+            raise OSError(f"{self.url}: the store gives no modification time for {probe}")
+        return stamped
+
     def list(self, folder: str) -> list[StoredObject]:
         try:
             found = self.fs.ls(self.path(folder), detail=True, refresh=True)
