@@ -101,6 +101,8 @@ def test_a_lost_publish_race_leaves_other_keys_blobs_alone(s3_server: MotoServer
 # The child loads compiler.cache alone (not compiler/__init__, which imports torch): a second per worker.
 WORKER = """
 import sys, json, time, types
+_wall = time.time
+time.time = lambda: _wall() + {skew}  # this worker's wall clock, off by the skew from everyone's
 compiler = types.ModuleType("compiler")
 compiler.__path__ = [{repo!r} + "/compiler"]
 sys.modules["compiler"] = compiler
@@ -117,10 +119,12 @@ print(json.dumps(result), flush=True)
 """
 
 
-def _worker(tmp: Path, name: str, cache_url: str, fields: dict, sleep: float, lease: float = 30.0):
+def _worker(
+    tmp: Path, name: str, cache_url: str, fields: dict, sleep: float, lease: float = 30.0, skew: float = 0.0
+):
     import json
 
-    script = WORKER.format(repo=str(REPO), url=cache_url, lease=lease)
+    script = WORKER.format(repo=str(REPO), url=cache_url, lease=lease, skew=skew)
     return subprocess.Popen(
         [
             sys.executable,
@@ -156,6 +160,22 @@ def test_two_machines_build_a_key_once_and_a_killed_builder_is_taken_over(
     survivor = _worker(tmp_path, "survivor", url("cc"), fields, 0.1, lease=1.0)
     out = json.loads(survivor.communicate(timeout=60)[0].strip().splitlines()[-1])
     assert out == {"builds": 1, "data": "engine:survi", "bytes": 7 + 8 * 1000}
+
+
+def test_workers_with_skewed_clocks_still_build_a_key_once(s3_server: MotoServer, tmp_path: Path) -> None:
+    import json
+
+    # A lease is judged by whether its content changes on the waiter's own monotonic clock, never by
+    # comparing wall times: a builder a day ahead is not "stale" to a waiter a day behind, nor the
+    # reverse, though the build outlasts the lease period several times over.
+    fields = {**FIELDS, "fingerprint": "fp-skew"}
+    workers = [
+        _worker(tmp_path, name, url("skew-lease"), fields, 6.0, lease=2.0, skew=skew)
+        for name, skew in (("ahead", 86400.0), ("behind", -86400.0))
+    ]
+    results = [json.loads(w.communicate(timeout=60)[0].strip().splitlines()[-1]) for w in workers]
+    assert sum(r["builds"] for r in results) == 1
+    assert results[0]["data"] == results[1]["data"]
 
 
 def _free_port_containing_403() -> int:
