@@ -8,6 +8,8 @@ same time through one engine cache on S3. What it proves:
   but for the measured latencies);
 - the registered package's artifacts live on S3, and a look-up downloads them through the tracking
   server and verifies every checksum;
+- an unreachable cache store is a warning in the summary and a run on the local layer, never a
+  failed run;
 - two processes opening one fresh embedded sqlite store at once both succeed (MLflow's table creation
   raced: ``the zoo run stopped before any model ran: dimension_attributes``).
 """
@@ -118,6 +120,36 @@ def test_two_workers_build_each_engine_once_and_register_one_version(
     assert (package_dir / "manifest.json").is_file() and manifest.content_hash == tags["kiln.content_hash"]
     artifacts = s3.list_objects_v2(Bucket=BUCKET, Prefix="mlflow/").get("Contents", [])
     assert any(o["Key"].endswith("manifest.json") for o in artifacts)  # the package lives on S3
+
+
+def test_an_unreachable_cache_store_is_a_summary_warning(prefect_api, tmp_path: Path) -> None:
+    from tests.fixtures.server_process import free_port
+
+    zoo = _zoo(tmp_path / "zoo.yaml", [REP2])
+    zoo.write_text(zoo.read_text().replace("tracking: true", "tracking: false"))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "KILN_CACHE_LOCAL_DIR": str(tmp_path / "local"),
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",  # nothing listens there
+        "AWS_ACCESS_KEY_ID": "a",
+        "AWS_SECRET_ACCESS_KEY": "b",
+    }
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "zoo", str(zoo), "--out", str(out), "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["models"][0]["status"] == "ok" and summary["engines_built"] > 0
+    said = [w for w in summary["warnings"] if f"{CACHE_URL} is unreachable" in w]
+    assert said and all("local cache" in w and "AWS_ENDPOINT_URL" in w for w in said), summary["warnings"]
+    assert list((tmp_path / "local").glob("*.bin"))  # the engines were kept on the local layer
 
 
 def test_two_processes_open_a_fresh_sqlite_store_at_once(tmp_path: Path) -> None:
