@@ -121,6 +121,19 @@ def test_two_workers_build_each_engine_once_and_register_one_version(
     artifacts = s3.list_objects_v2(Bucket=BUCKET, Prefix="mlflow/").get("Contents", [])
     assert any(o["Key"].endswith("manifest.json") for o in artifacts)  # the package lives on S3
 
+    # A store that serves a damaged engine: the download is verified against the manifest and refused.
+    from registry.errors import ArtifactVerificationError
+
+    engines = [o["Key"] for o in artifacts if "/engines/" in o["Key"]]
+    assert engines
+    for name in engines:
+        s3.put_object(
+            Bucket=BUCKET, Key=name, Body=s3.get_object(Bucket=BUCKET, Key=name)["Body"].read()[:-1]
+        )
+    with pytest.raises(ArtifactVerificationError, match=r"kiln\.rep3\.cpu failed verification"):
+        fetch_version(mlclient, "kiln.rep3.cpu", "1", dst=tmp_path / "fetched-damaged")
+    assert not (tmp_path / "fetched-damaged").exists()  # nothing unverified is left to load
+
 
 def test_an_unreachable_cache_store_is_a_summary_warning(prefect_api, tmp_path: Path) -> None:
     from tests.fixtures.server_process import free_port
