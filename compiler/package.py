@@ -263,7 +263,12 @@ def _load(
         now = time.perf_counter()
         stages[stage], mark = round(now - mark, 4), now
 
-    if "inductor" in backends.values():
+    # Engines with AOTInductor packages (backend_options aot) load natively where trusted: nothing of
+    # Inductor's to import then.
+    options = manifest.plan.get("options") if isinstance(manifest.plan, dict) else None
+    backend_options = options.get("backend_options") if isinstance(options, dict) else None
+    native = trust_engine_code and isinstance(backend_options, dict) and backend_options.get("aot") is True
+    if "inductor" in backends.values() and not native:
         warm_inductor_imports()  # while the workers hash
     lap("imports")
     program = load_program_bytes(

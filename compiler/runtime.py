@@ -137,8 +137,9 @@ class CompiledModule(torch.nn.Module):
         return self.cuda_graphs(flat)
 
     def last_dispatch(self) -> dict[str, str]:
-        """Partition -> what served its last call in an engine with static specializations (Inductor
-        with profiles): ``"static"`` (the profile's specialization) or ``"dynamic"``."""
+        """Partition -> what served its last call in an Inductor engine with static specializations
+        (profiles): ``"static"`` (the profile's specialization) or ``"dynamic"``; or ``"aot"`` for one
+        loaded as its AOTInductor package, which serves every shape."""
         return {
             name: call.engine.last_dispatch
             for name, call in self.graph.named_children()

@@ -65,7 +65,9 @@ from typing import Any
 import torch
 
 from compiler.backends.base import BuildSettings, EngineIO, unpack_torch_graph
+from compiler.backends.inductor_aot import AotGraph, build_aot
 from compiler.backends.inductor_format import (
+    AOT,
     COMPILED,
     CONSTANTS,
     FORMAT,
@@ -90,6 +92,7 @@ from compiler.backends.inductor_graph import (
 from compiler.backends.inductor_options import (
     build_options,
     host_compiler,
+    inductor_config,
     untrusted_options,
 )
 from compiler.backends.inductor_static import (
@@ -116,6 +119,9 @@ _COMPILE_LOCK = threading.RLock()
 # (engines keep their own graph alive).
 _RECENT: OrderedDict[str, tuple[Callable[..., Any], bytes | None]] = OrderedDict()
 _RECENT_LIMIT = 128
+# Per process, by library key: the AOTInductor package built for it (or None) and its compiler (or why
+# there is none), so a stripped or full twin does not compile it again.
+_AOT: dict[str, tuple[bytes | None, str | None]] = {}
 
 
 def warm_inductor_imports() -> None:
@@ -249,8 +255,15 @@ class InductorBackend:
                     ) from exc
                 _remember(key, compiled, artifact)
             static = self._build_specializations(graph, io, settings, options, weights, key, partition)
+            aot_bytes, aot_note = self._build_aot(
+                program, io, options, settings, weights, graph.constants, key, partition
+            )
         header["specializations"] = [[list(s) for s in shapes] for shapes in static]
+        if aot_note is not None:  # its compiler, or why there is none
+            header["aot" if aot_bytes is not None else "aot_skipped"] = aot_note
         files = {HEADER: json.dumps(header, sort_keys=True).encode(), PROGRAM: program}
+        if aot_bytes is not None:
+            files[AOT] = aot_bytes
         for index, data in enumerate(static.values()):
             files[static_entry(index)] = data
         if graph.constants:
@@ -259,6 +272,46 @@ class InductorBackend:
             files[WEIGHTS] = weight_bytes
         files[COMPILED] = artifact
         return pack(files)
+
+    def _build_aot(
+        self,
+        program: bytes,
+        io: EngineIO,
+        options: Mapping[str, Any],
+        settings: BuildSettings,
+        weights: Mapping[str, torch.Tensor],
+        constants: Mapping[int, torch.Tensor],
+        key: str,
+        partition: str | None,
+    ) -> tuple[bytes | None, str | None]:
+        """(the AOTInductor package, its compiler) where ``backend_options`` ask for one; (None, why)
+        where it could not be built or did not pass its fresh-process check (warned: the engine keeps
+        its standalone graph); (None, None) where not asked for. Once per process per compiled graph."""
+        if not options.get("aot"):
+            return None, None
+        if key not in _AOT:
+            graph = ProgramGraph.load(program, self.device)  # its own copy: the compile above used the other
+            activations = example_inputs(io, self.device)
+            with torch.no_grad():
+                expected = _recall(key)[0](*graph_args(activations, tuple(weights.values()), constants))
+            built, note = build_aot(
+                graph.exported,
+                [*activations, *weights.values()],
+                list(expected),
+                inductor_config(options),
+                self.device,
+                settings.precision,
+            )
+            if built is None:
+                warnings.warn(
+                    f"Inductor: no AOTInductor package for partition {partition or '?'}: {note}; its engine "
+                    "loads through its standalone graph",
+                    stacklevel=3,
+                )
+            _AOT[key] = built, note
+            while len(_AOT) > 16:
+                _AOT.pop(next(iter(_AOT)))
+        return _AOT[key]
 
     def _build_specializations(
         self,
@@ -306,13 +359,18 @@ class InductorBackend:
         header, files = read_engine(engine)
         self.check_compatible(header)
         options = self._compile_options(header)
-        host_compiler(options)
         if weights is None:
             if WEIGHTS not in files:
                 raise RefitError("this Inductor engine is weight-stripped: load it with its weights")
             weights = load_tensors(files[WEIGHTS], self.device)
         ordered = _ordered(header, weights, self.device)
         constants = {int(i): t for i, t in load_tensors(files.get(CONSTANTS), self.device).items()}
+        aot = self._load_aot(files, header)
+        if aot is not None:  # serves every shape: no Inductor, no Triton imported
+            engine = InductorEngine(aot, ordered, io, constants, expected_weights=header["weights"])
+            engine.last_dispatch = "aot"
+            return engine
+        host_compiler(options)
         key = _library_key(files[PROGRAM], {**header, "options": options})
         with _COMPILE_LOCK:
             compiled = _recall(key)[0]
@@ -330,6 +388,22 @@ class InductorBackend:
                     _remember(shape_key, loaded, None)
                 static[shapes] = loaded
         return InductorEngine(compiled, ordered, io, constants, static, expected_weights=header["weights"])
+
+    def _load_aot(self, files: Mapping[str, bytes], header: Mapping[str, Any]) -> AotGraph | None:
+        """The engine's AOTInductor package, loaded, where it has one and engine code is trusted (it is
+        native code); None otherwise, or when it does not load here (warned: the standalone graph
+        serves)."""
+        if AOT not in files or not self.trust_engine_code:
+            return None
+        try:
+            return AotGraph(files[AOT], self.device, header["constants"])
+        except Exception as exc:  # the loader raises RuntimeError with the cause
+            warnings.warn(
+                f"Inductor engine: its AOTInductor package does not load here ({short_error(exc)}); "
+                "loading its standalone graph",
+                stacklevel=3,
+            )
+            return None
 
     def _compile_options(self, header: Mapping[str, Any]) -> dict[str, Any]:
         """The options this engine is compiled with here: its header's where its package is trusted,

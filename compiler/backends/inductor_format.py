@@ -16,14 +16,15 @@ from compiler.backends.inductor_options import check_header
 from compiler.backends.inductor_static import static_entry
 from compiler.errors import EngineCompatibilityError, UnsafeEngineError
 
-HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED = (
+HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED, AOT = (
     "kiln_inductor_engine.json",
     "program.pt2",
     "constants.safetensors",
     "weights.safetensors",
     "inductor_compiled.bin",
+    "aot_inductor.pt2",  # backend_options aot: the AOTInductor package (compiler.backends.inductor_aot)
 )
-_ENTRIES = (HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED)
+_ENTRIES = (HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED, AOT)
 # 1: torch.compile at load from cache artifacts (no longer read: rebuild). 2: standalone compiled graph.
 FORMAT = 2
 MAGIC = "kiln-inductor-engine"

@@ -32,7 +32,7 @@ class ProgramGraph:
     in order (activations, then weights), with lifted constants at their positions."""
 
     def __init__(self, exported: torch.export.ExportedProgram, device: torch.device):
-        self.module, self.device = exported.graph_module, device
+        self.exported, self.module, self.device = exported, exported.graph_module, device
         tensors = {**exported.state_dict, **exported.constants}
         self.constants = {
             position: tensors[spec.target].detach().to(device)

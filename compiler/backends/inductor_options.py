@@ -26,8 +26,9 @@ from compiler.errors import BackendUnavailableError, BuildSettingsError, UnsafeE
 from compiler.specs import DTYPES
 
 # backend_options keys: "mode" (torch.compile's mode names, as Inductor config), "compile_options"
-# (Inductor config, torch.compile's ``options``).
-BACKEND_OPTIONS = frozenset({"mode", "compile_options"})
+# (Inductor config, torch.compile's ``options``), "aot" (also an AOTInductor package per engine, for
+# fast loads: compiler.backends.inductor_aot).
+BACKEND_OPTIONS = frozenset({"mode", "compile_options", "aot"})
 # CUDA graphs ("reduce-overhead", "max-autotune") need a runtime that replays captured graphs on static
 # buffers; a standalone compiled graph is a plain function, so those modes are refused.
 MODES = ("default", "max-autotune-no-cudagraphs")
@@ -106,7 +107,11 @@ def build_options(settings: BuildSettings) -> dict[str, Any]:
             "workspace_bytes and optimization_level are TensorRT settings; Inductor takes backend_options "
             "mode and compile_options"
         )
-    return {"mode": mode, "compile_options": dict(sorted(compile_options.items()))}
+    aot = settings.options.get("aot", False)
+    if not isinstance(aot, bool):
+        raise BuildSettingsError(f"backend_options aot must be true or false, not {aot!r}")
+    built = {"mode": mode, "compile_options": dict(sorted(compile_options.items()))}
+    return {**built, "aot": True} if aot else built  # absent when off: engine cache keys stay
 
 
 def untrusted_options(options: Any) -> tuple[dict[str, Any], list[str]]:
@@ -199,6 +204,9 @@ def check_header(header: Mapping[str, Any]) -> None:
     constants = header.get("constants")
     if not isinstance(constants, list) or not all(_int_in(0, 1 << 20)(c) for c in constants):
         raise bad("constants", "a list of input positions")
+    for field in ("aot", "aot_skipped"):  # the AOTInductor package's compiler, or why there is none
+        if field in header and not isinstance(header[field], str):
+            raise bad(field, "a string")
 
 
 def _shown(value: Any) -> str:
