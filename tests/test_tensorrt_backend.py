@@ -391,6 +391,10 @@ def test_every_tampered_header_field_is_a_typed_refusal_before_tensorrt():
     assert not wrong, wrong
     assert len(outcomes) > 60 and set(outcomes.values()) == {"refused", "same"}, outcomes
     assert outcomes["targets: type"] == outcomes["targets.0: huge"] == "refused"
+    unhashable = json.loads(json.dumps(clean))
+    unhashable["weights"]["w0"]["dtype"] = ["float32"]
+    with pytest.raises(KilnError, match="header field 'weights'"):
+        _header_checks(encode_engine(unhashable, b"plan"), weights)
 
 
 def test_engines_run_only_with_their_library_version_and_device():

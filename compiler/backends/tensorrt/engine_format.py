@@ -178,7 +178,8 @@ def check_header(header: Mapping[str, Any]) -> None:
         isinstance(name, str)
         and isinstance(entry, Mapping)
         and _ints(entry.get("shape"))
-        and entry.get("dtype") in DTYPES
+        and isinstance(entry.get("dtype"), str)
+        and entry["dtype"] in DTYPES
         for name, entry in weights.items()
     ):
         raise bad("weights", "a mapping of weight names to {shape: [int], dtype: a dtype name}")
