@@ -89,6 +89,35 @@ def test_unusable_input_exits_2_with_the_reason(tmp_path: Path, args: tuple[str,
     assert message in " ".join(proc.stderr.split()), proc.stderr
 
 
+def _read_only_mount_works(where: Path) -> bool:
+    probe = 'mount -t tmpfs -o ro none "$0" && ! touch "$0/x" 2>/dev/null'
+    try:
+        return subprocess.run(["unshare", "-rm", "sh", "-c", probe, str(where)], timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def test_an_out_dir_on_a_read_only_filesystem_is_exit_2_naming_it(tmp_path: Path) -> None:
+    """A real read-only filesystem (a tmpfs mounted ro in a user and mount namespace) as --out, the
+    directory already there: exit 2 naming it and the errno, before anything is built (was an OSError
+    traceback, exit 1)."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if not _read_only_mount_works(mount):
+        pytest.skip("no user namespaces here to mount a read-only filesystem (unshare -rm)")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update({"PYTHONPATH": str(ROOT), "COLUMNS": "200"})
+    script = 'mount -t tmpfs -o ro none "$0" && exec "$1" -m flows.cli zoo deploy/zoo.yaml --out "$0"'
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, str(mount), sys.executable],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    text = " ".join(proc.stderr.split())
+    assert f"--out '{mount}': packages cannot be written there (Read-only file system)" in text, text
+    assert "Traceback" not in proc.stderr
+
+
 def test_unusable_environment_or_file_encoding_is_exit_code_2(tmp_path: Path) -> None:
     bad_size = _kiln("zoo", "deploy/zoo.yaml", "--check", env={"KILN_CACHE_MAX_BYTES": "ten gigs"})
     assert bad_size.returncode == 2, bad_size.stderr

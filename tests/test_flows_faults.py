@@ -69,27 +69,30 @@ def test_a_killed_build_frees_its_slot_on_a_real_and_on_a_temporary_server(
     # The temporary server's runs share one PREFECT_HOME (database and leases), as on a user's machine.
     temporary = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
     temporary["PREFECT_HOME"] = str(tmp_path / "home")
+    # Another user's machine, whose run is ended by SIGKILL (the issue's case: no exit path runs at all).
+    killed_home = {**temporary, "PREFECT_HOME": str(tmp_path / "home-killed")}
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD_SLOT], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
     )
-    run = subprocess.Popen(
-        [sys.executable, "-c", HOLD_SLOT_IN_A_FLOW],
-        cwd=ROOT,
-        env=temporary,
-        stdout=subprocess.PIPE,
-        text=True,
+    run, killed_run = (
+        subprocess.Popen(
+            [sys.executable, "-c", HOLD_SLOT_IN_A_FLOW], cwd=ROOT, env=e, stdout=subprocess.PIPE, text=True
+        )
+        for e in (temporary, killed_home)
     )
     try:
         assert holder.stdout.readline().strip() == "held"
         assert run.stdout.readline().strip() == "held"
+        assert killed_run.stdout.readline().strip() == "held"
         with (
             pytest.raises(BuildSlotTimeoutError, match=r"engine-build:cpu:slot-test.*prefect gcl"),
             build_slot("cpu:slot-test", timeout=2),
         ):
             pass
     finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
+        for process in (holder, killed_run):
+            process.send_signal(signal.SIGKILL)
+            process.wait()
         # SIGTERM ends the run promptly although its build thread holds the slot (it hung for minutes);
         # the slot is left taken, as by a kill.
         run.send_signal(signal.SIGTERM)
@@ -98,15 +101,19 @@ def test_a_killed_build_frees_its_slot_on_a_real_and_on_a_temporary_server(
         assert time.monotonic() - start < 30
     # The next run on a fresh temporary server, and a waiter on the real one, both get the slot once
     # the dead holders' leases (60 s, Prefect's minimum) expire; nobody resets anything by hand.
-    waiter = subprocess.Popen(
-        [sys.executable, "-c", WAIT_FOR_SLOT], cwd=ROOT, env=temporary, stdout=subprocess.PIPE, text=True
-    )
+    waiters = [
+        subprocess.Popen(
+            [sys.executable, "-c", WAIT_FOR_SLOT], cwd=ROOT, env=e, stdout=subprocess.PIPE, text=True
+        )
+        for e in (temporary, killed_home)
+    ]
     start = time.monotonic()
     with build_slot("cpu:slot-test", timeout=150):
         waited = time.monotonic() - start
     assert waited < 150
-    out, _ = waiter.communicate(timeout=240)
-    assert waiter.returncode == 0 and out.startswith("waited"), out
+    for waiter in waiters:
+        out, _ = waiter.communicate(timeout=240)
+        assert waiter.returncode == 0 and out.startswith("waited"), out
 
 
 def _server_children(pid: int) -> list[psutil.Process]:

@@ -555,3 +555,7 @@ def test_check_refuses_validation_data_that_would_expand_past_the_bound(tmp_path
     entry = {"name": "m", "factory": "zoo.models:mlp_with_fallback", "validation": {"data": "claims.npz"}}
     error = _preflight_error(entry, tmp_path)
     assert error.startswith("models[m].validation.data:") and "its arrays take 4096.0 MiB" in error, error
+    # Calibration data is bounded alike: int8's --check said ready for the same 4 GiB claim.
+    entry = {"name": "q", "factory": "zoo.models:mlp_with_fallback", "precision": "int8"}
+    error = _preflight_error({**entry, "calibration": {"data": "claims.npz"}}, tmp_path)
+    assert error.startswith("models[q].calibration.data:") and "its arrays take 4096.0 MiB" in error, error

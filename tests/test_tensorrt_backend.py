@@ -31,6 +31,7 @@ from compiler.backends.tensorrt import (
     builder_flag_names,
     canonical_weights,
     check_engine_compatible,
+    check_header,
     check_refit_weights,
     decode_engine,
     encode_engine,
@@ -50,6 +51,7 @@ from compiler.errors import (
     EngineBuildError,
     EngineCompatibilityError,
     InputSpecError,
+    KilnError,
     RefitError,
 )
 from compiler.specs import InputSpec
@@ -335,6 +337,64 @@ def test_foreign_or_corrupt_engine_bytes_are_a_compatibility_error(data):
 def test_newer_header_format_is_refused():
     with pytest.raises(EngineCompatibilityError, match="header format 2; this kiln reads 1"):
         decode_engine(encode_engine(_header(format=2), b"plan"))
+
+
+def _header_checks(engine: bytes, weights: dict) -> tuple[bytes, list, int]:
+    """What a load checks of an engine's header before TensorRT reads its plan (TensorRTBackend._deserialize,
+    refit_in_place, TensorRTEngine's profiles on a plan with two): the plan, the profiles and the one a
+    (4, 8) input runs under, or an error."""
+    header, plan = decode_engine(engine)
+    check_header(header)
+    check_engine_compatible(header, "tensorrt-rtx", "1.7.1.116", "sm_120")
+    if header.get("refit", "none") == "none":
+        raise RefitError("built without refit")  # refit_in_place's refusal
+    check_refit_weights(
+        header["weights"], weights, require_all=header["refit"] != "all" or header["stripped"]
+    )
+    profiles = [{n: tuple(tuple(s) for s in b) for n, b in p.items()} for p in header.get("profiles", [])]
+    if (len(profiles) or 1) != 2:  # the plan has two
+        raise EngineCompatibilityError("profiles")
+    try:
+        chosen = choose_profile(profiles, {"x0": (4, 8)})
+    except ValueError as exc:  # TensorRTEngine.__call__
+        raise InputSpecError(str(exc)) from None
+    return bytes(plan), profiles, chosen
+
+
+def test_every_tampered_header_field_is_a_typed_refusal_before_tensorrt():
+    """Issue 23's tamper pass for the TensorRT engine header (no GPU needed: these checks come first).
+    Each field changed in turn (type, hostile string, dropped, huge): a KilnError, or the same plan and
+    profiles as the original; never a crash (a targets string or an empty list was a ValueError)."""
+    from tests.untrusted_probe import MUTATIONS, _mutate, _paths
+
+    clean = _header(
+        targets=["sm_86", "sm_120"],
+        profiles=[{"x0": [[1, 8], [4, 8], [8, 8]]}, {"x0": [[9, 8], [16, 8], [32, 8]]}],
+    )
+    weights = {"w0": torch.zeros(8, 8), "w1": torch.zeros(8, dtype=torch.float16)}
+    original = _header_checks(encode_engine(clean, b"plan" * 64, compress=True), weights)
+    outcomes: dict[str, str] = {}
+    for path in _paths(clean, limit=6):
+        for how in MUTATIONS:
+            header = json.loads(json.dumps(clean))
+            if not _mutate(header, path, how):
+                continue
+            name = f"{'.'.join(map(str, path))}: {how}"
+            try:
+                same = _header_checks(encode_engine(header, b"plan" * 64, compress=True), weights) == original
+                outcomes[name] = "same" if same else "different"
+            except KilnError:
+                outcomes[name] = "refused"
+            except Exception as exc:
+                outcomes[name] = f"crashed: {type(exc).__name__}: {exc}"
+    wrong = {k: v for k, v in outcomes.items() if v not in ("refused", "same")}
+    assert not wrong, wrong
+    assert len(outcomes) > 60 and set(outcomes.values()) == {"refused", "same"}, outcomes
+    assert outcomes["targets: type"] == outcomes["targets.0: huge"] == "refused"
+    unhashable = json.loads(json.dumps(clean))
+    unhashable["weights"]["w0"]["dtype"] = ["float32"]
+    with pytest.raises(KilnError, match="header field 'weights'"):
+        _header_checks(encode_engine(unhashable, b"plan"), weights)
 
 
 def test_engines_run_only_with_their_library_version_and_device():

@@ -163,6 +163,22 @@ def test_untrusted_options_keep_only_checked_tuning_switches():
     }
 
 
+def test_an_inductor_header_weight_dtype_that_is_a_list_is_a_typed_refusal():
+    """The probe's mutations never turn a string into a list; a dtype ["float32"] raised TypeError
+    (unhashable) from the dtype lookup instead of the header's typed refusal."""
+    from compiler.backends.inductor_options import check_header
+
+    header = {
+        "torch": torch.__version__, "library": "inductor", "device": "cpu", "compiler": "g++",
+        "precision": "fp32", "stripped": False, "options": {}, "constants": [],
+        "weights": {"w0": [[16, 8], "float32"]},
+    }  # fmt: skip
+    check_header(header)
+    header["weights"]["w0"][1] = ["float32"]
+    with pytest.raises(UnsafeEngineError, match="'weights'"):
+        check_header(header)
+
+
 # ---------------------------------------------------------------- defect 23.2
 
 

@@ -197,6 +197,7 @@ def check_header(header: Mapping[str, Any]) -> None:
                 isinstance(shape, list)
                 and len(shape) <= 16
                 and all(_int_in(0, _DIM_LIMIT)(d) for d in shape)
+                and isinstance(dtype, str)
                 and dtype in DTYPES
             )
         if not ok:

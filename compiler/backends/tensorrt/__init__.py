@@ -34,6 +34,7 @@ from compiler.backends.tensorrt.builder import TensorRTBackend
 from compiler.backends.tensorrt.engine_format import (
     EngineTarget,
     check_engine_compatible,
+    check_header,
     check_refit_weights,
     decode_engine,
     encode_engine,
@@ -62,6 +63,7 @@ __all__ = [
     "builder_flag_names",
     "canonical_weights",
     "check_engine_compatible",
+    "check_header",
     "check_refit_weights",
     "decode_engine",
     "encode_engine",

@@ -39,6 +39,7 @@ from compiler.backends.tensorrt.engine_format import (
     HEADER_FORMAT,
     EngineTarget,
     check_engine_compatible,
+    check_header,
     decode_engine,
     encode_engine,
 )
@@ -343,6 +344,7 @@ class TensorRTBackend:
 
     def _deserialize(self, engine: bytes) -> tuple[dict[str, Any], Any, Any, LogWindow]:
         header, plan = decode_engine(engine)
+        check_header(header)  # a tampered header is a typed refusal before the checks that read it
         sm = self._require_gpu("running an engine")
         check_engine_compatible(header, self.name, self.library_version(), sm)
         return (header, *deserialize(self.trt, self.name, plan, sm))

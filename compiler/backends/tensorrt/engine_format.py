@@ -12,13 +12,15 @@ before compression (no ``plan_encoding``: raw); the header's keys on disk never 
 (the engine target is stored under ``targets`` / ``targets_and_later``, read and written only by
 :class:`EngineTarget`); foreign, corrupt or newer bytes are an :class:`EngineCompatibilityError`, a
 wrong library, version or GPU too, and wrong weights a :class:`RefitError`, all before TensorRT
-sees them.
+sees them. :func:`check_header` types every field a load acts on (an untrusted package's header is
+attacker-chosen): a malformed one is an :class:`UnsafeEngineError`, never a crash in the checks after it.
 """
 
 from __future__ import annotations
 
 import json
 import lzma
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,8 +28,9 @@ from typing import Any
 
 import torch
 
-from compiler.errors import EngineCompatibilityError, RefitError
-from compiler.specs import dtype_name
+from compiler.backends.tensorrt.build_settings import REFIT_MODES
+from compiler.errors import EngineCompatibilityError, RefitError, UnsafeEngineError
+from compiler.specs import DTYPES, dtype_name
 
 _MAGIC = b"KILNTRT1"
 HEADER_FORMAT = 1
@@ -128,6 +131,82 @@ def decode_engine(engine: bytes) -> tuple[dict[str, Any], memoryview]:
         what = "is truncated" if decompressor.needs_input else f"expands beyond {limit} bytes"
         raise EngineCompatibilityError(f"kiln TensorRT engine plan {what} (xz); rebuild the engine")
     return header, memoryview(plan)
+
+
+_SM = re.compile(r"^sm_\d{1,4}$")
+_DIM_LIMIT = 1 << 40
+
+
+def _ints(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= 16
+        and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _DIM_LIMIT for d in value)
+    )
+
+
+def check_header(header: Mapping[str, Any]) -> None:
+    """UnsafeEngineError unless every header field a load reads has its type and range: the library
+    and its version, the engine target, ``stripped``, the refit mode, the weights' shapes and dtypes
+    and the optimization profiles (``inputs`` and ``outputs``, only shown, must be lists of names)."""
+
+    def bad(field: str, expected: str) -> UnsafeEngineError:
+        shown = repr(header.get(field))
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        return UnsafeEngineError(
+            f"kiln TensorRT engine header field {field!r} is {shown}; expected {expected}; rebuild the engine"
+        )
+
+    for field in ("backend", "library_version"):
+        if not isinstance(header.get(field), str):
+            raise bad(field, "a string")
+    targets = header.get("targets")
+    if not (
+        isinstance(targets, list)
+        and 0 < len(targets) <= 64
+        and all(isinstance(t, str) and _SM.match(t) for t in targets)
+    ):
+        raise bad("targets", "a list of compute capabilities like 'sm_86'")
+    if not isinstance(header.get("targets_and_later", False), bool):
+        raise bad("targets_and_later", "true or false")
+    if not isinstance(header.get("stripped"), bool):
+        raise bad("stripped", "true or false")
+    if header.get("refit", "none") not in REFIT_MODES:
+        raise bad("refit", f"one of {REFIT_MODES}")
+    weights = header.get("weights")
+    if not isinstance(weights, Mapping) or not all(
+        isinstance(name, str)
+        and isinstance(entry, Mapping)
+        and _ints(entry.get("shape"))
+        and isinstance(entry.get("dtype"), str)
+        and entry["dtype"] in DTYPES
+        for name, entry in weights.items()
+    ):
+        raise bad("weights", "a mapping of weight names to {shape: [int], dtype: a dtype name}")
+    for field in ("inputs", "outputs"):
+        names = header.get(field, [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise bad(field, "a list of tensor names")
+    profiles = header.get("profiles", [])
+    names = set(header.get("inputs") or []) or None  # every profile bounds every input
+    if not (
+        isinstance(profiles, list)
+        and len(profiles) <= 64
+        and all(
+            isinstance(p, Mapping)
+            and set(p) == (names or set(profiles[0]))
+            and all(
+                isinstance(name, str)
+                and isinstance(b, list)
+                and len(b) == 3
+                and all(_ints(s) for s in b)
+                and len({len(s) for s in b}) == 1
+                for name, b in p.items()
+            )
+            for p in profiles
+        )
+    ):
+        raise bad("profiles", "a list of {input: [min, opt, max] shapes}")
 
 
 def check_engine_compatible(

@@ -114,7 +114,8 @@ class TensorRTEngine:
         self._profiles = [
             {name: tuple(tuple(s) for s in bounds) for name, bounds in p.items()} for p in profiles or ()
         ]
-        if self._profiles and len(self._profiles) != cuda_engine.num_optimization_profiles:
+        # No list: the engine's one profile (a header that drops the list of a multi-profile plan is refused).
+        if (len(self._profiles) or 1) != cuda_engine.num_optimization_profiles:
             raise EngineCompatibilityError(
                 f"engine header lists {len(self._profiles)} optimization profiles, the plan has "
                 f"{cuda_engine.num_optimization_profiles}"
