@@ -34,12 +34,16 @@ class _Mlp(torch.nn.Module):
         return torch.tanh(self.fc2(torch.relu(self.fc1(x))))
 
 
+def _program(device: str = "cpu") -> tuple[torch.nn.Module, torch.export.ExportedProgram]:
+    torch.manual_seed(0)
+    model = _Mlp().eval().to(device)
+    x = torch.randn(4, 12, device=device)
+    return model, compiler.export(model, (x,), dynamic_shapes=({0: Dim("batch", min=1, max=16)},))
+
+
 @pytest.fixture(scope="module")
 def program():
-    torch.manual_seed(0)
-    model = _Mlp().eval()
-    x = torch.randn(4, 12)
-    return model, compiler.export(model, (x,), dynamic_shapes=({0: Dim("batch", min=1, max=16)},))
+    return _program()
 
 
 def _engine_files(module: compiler.CompiledModule) -> dict[str, bytes]:
@@ -48,17 +52,18 @@ def _engine_files(module: compiler.CompiledModule) -> dict[str, bytes]:
         return {name: archive.read(name) for name in archive.namelist()}
 
 
-def _fresh_load(package: Path, env: dict) -> dict:
+def _fresh_load(package: Path, env: dict, device: str = "cpu") -> dict:
     code = textwrap.dedent(
         f"""
         import json, sys, warnings, torch, compiler
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             m = compiler.load({str(package)!r})
-            torch.manual_seed(1)
-            outs = {{b: m(torch.randn(b, 12)).tolist() for b in (1, 3, 16)}}
+            for _ in range(2):  # the second round replays what the first captured (CUDA)
+                torch.manual_seed(1)
+                outs = {{b: m(torch.randn(b, 12).to({device!r})).tolist() for b in (1, 3, 16)}}
         print(json.dumps({{
-            "dispatch": m.last_dispatch(), "outs": outs,
+            "dispatch": m.last_dispatch(), "outs": outs, "graphs": m.cuda_graphs.to_dict(),
             # torch.export's deserializer imports part of torch._inductor; its compiler is what a
             # standalone graph's load needs, and a native one must not.
             "inductor": "torch._inductor.compile_fx" in sys.modules,
@@ -73,14 +78,27 @@ def _fresh_load(package: Path, env: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_aot_engine_loads_natively_where_trusted_and_never_where_not(program, tmp_path, monkeypatch):
-    model, exported = program
-    module = compiler.compile(exported, backend="inductor", backend_options={"aot": True}, cache=False)
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)"),
+        ),
+    ],
+)
+def test_aot_engine_loads_natively_where_trusted_and_never_where_not(device, tmp_path, monkeypatch):
+    model, exported = _program(device)
+    module = compiler.compile(
+        exported, backend="inductor", device=device, backend_options={"aot": True}, cache=False
+    )
     files = _engine_files(module)
     header = json.loads(files[HEADER])
     assert AOT in files and os.path.basename(header["aot"]).startswith(("g++", "c++")), header
     torch.manual_seed(1)
-    expected = {b: model(torch.randn(b, 12)) for b in (1, 3, 16)}
+    with torch.no_grad():
+        expected = {b: model(torch.randn(b, 12).to(device)).cpu() for b in (1, 3, 16)}
 
     env = {k: v for k, v in os.environ.items() if k != "KILN_SIGNING_KEY"}
     monkeypatch.setenv("KILN_SIGNING_KEY", "release-key")
@@ -88,11 +106,13 @@ def test_aot_engine_loads_natively_where_trusted_and_never_where_not(program, tm
     monkeypatch.delenv("KILN_SIGNING_KEY")
     compiler.save(module, tmp_path / "unsigned.kiln")
 
-    signed = _fresh_load(tmp_path / "signed.kiln", {**env, "KILN_SIGNING_KEY": "release-key"})
+    signed = _fresh_load(tmp_path / "signed.kiln", {**env, "KILN_SIGNING_KEY": "release-key"}, device)
     # Every batch in range answered by the native package, with Inductor's compiler not imported.
     assert set(signed["dispatch"].values()) == {"aot"} and not signed["inductor"], signed
     assert not signed["warnings"], signed["warnings"]
-    unsigned = _fresh_load(tmp_path / "unsigned.kiln", env)
+    if device == "cuda":  # captured once per shape, then replayed
+        assert signed["graphs"]["enabled"] and signed["graphs"]["captures"] == 3, signed["graphs"]
+    unsigned = _fresh_load(tmp_path / "unsigned.kiln", env, device)
     # Not trusted: the native package is never loaded; the engine is compiled here from its program.
     assert "aot" not in set(unsigned["dispatch"].values()), unsigned
     assert any("not trusted to run code" in w for w in unsigned["warnings"]), unsigned["warnings"]
