@@ -4,23 +4,35 @@ What it proves:
 - an upload and a download report running progress, file by file as the bytes land (each report's
   bytes are on the store, or on disk, when it arrives), ending at the total; a log that nobody
   watches live gets throttled lines, a terminal a progress bar;
+- a ``kiln zoo`` killed (SIGKILL) while it uploads a package leaves nothing that anyone reads: no
+  version is registered, the partial upload is not even a model (``MLmodel`` goes up last), a version
+  pointed at it by hand is refused with a typed error and loads nothing, and a re-run registers
+  exactly one good version that ``kiln lookup`` verifies and loads.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from mlflow.entities import LoggedModelStatus
 from rich.console import Console
 from torch.export import Dim
 
 import compiler
 from registry import config
-from registry.lookup import fetch_version
+from registry.errors import ArtifactMissingError, ArtifactVerificationError, NoMatchingVersionError
+from registry.lookup import fetch_version, lookup
 from registry.models import all_versions, content_hash_of
 from registry.tracking import record_package
 from registry.transfer import LogLines, Progress, reporting
@@ -28,6 +40,7 @@ from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.s3_server import BUCKET, MotoServer
 from zoo.models import mlp_with_fallback
 
+ROOT = Path(__file__).resolve().parents[1]
 REQUEST = {"name": "mlp_progress", "source": "factory:zoo.models:mlp_with_fallback"}
 
 
@@ -143,3 +156,97 @@ def test_a_terminal_gets_a_progress_bar() -> None:
         report(Progress("upload", "mlp_progress", "b", 2_000_000, 2_000_000, 2, 2))
     shown = screen.getvalue()
     assert "upload mlp_progress" in shown and "2.0/2.0 MB" in shown
+
+
+BIG = {  # about 100 MB of package: uploading it takes long enough to be caught in the middle
+    "name": "big",
+    "factory": "zoo.models:mlp_with_fallback",
+    "factory_kwargs": {"width": 2048},
+}
+
+
+def test_a_zoo_killed_mid_upload_leaves_nothing_that_is_read_and_a_rerun_registers_one_version(
+    s3_server: MotoServer, s3_mlflow: MlflowServer, prefect_api, tmp_path: Path
+) -> None:
+    zoo = tmp_path / "zoo.yaml"
+    settings = {
+        "workspace": str(tmp_path / "workspace"),
+        "engine_cache": str(tmp_path / "engines"),
+        "tracking": True,
+        "parallel_models": 1,
+        "validation": {"samples": 1, "warmup": 1, "runs": 2},
+    }
+    zoo.write_text(yaml.safe_dump({"settings": settings, "models": [BIG]}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "flows.cli", "zoo", str(zoo), "--out", str(tmp_path / "out"), "--json"]
+    s3 = s3_server.client("s3")
+    mlclient = config.client()
+    before = set(_model_objects(s3))
+
+    worker = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: the kill takes everything it started
+    )
+    deadline = time.monotonic() + 120
+    try:
+        while not set(_model_objects(s3)) - before:
+            assert worker.poll() is None, f"the zoo ended before its upload was seen: {worker.stderr.read()}"
+            assert time.monotonic() < deadline, "no package object appeared on S3 within 120 s"
+            time.sleep(0.02)
+        os.killpg(worker.pid, signal.SIGKILL)  # the first package object is on the store: mid-publish
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=30)
+    assert worker.returncode == -signal.SIGKILL
+    print("PARTIAL", sorted(_model_objects(s3).items()))
+
+    partial = {k for k in _model_objects(s3) if k not in before}
+    assert partial and not any(k.endswith("/artifacts/MLmodel") for k in partial)  # cut off mid-upload
+    assert all_versions(mlclient, "kiln.big.cpu") == []  # nothing registered points at it
+    with pytest.raises(NoMatchingVersionError):
+        lookup("big", load=False)
+
+    # Even a version pointed at the partial upload by hand is refused, typed, and nothing is loaded.
+    model_id = next(iter(partial)).split("/models/", 1)[1].split("/", 1)[0]
+    mlclient.create_registered_model("kiln.big-partial.cpu")
+    mlclient.create_model_version("kiln.big-partial.cpu", f"models:/{model_id}", model_id=model_id)
+    with pytest.raises((ArtifactMissingError, ArtifactVerificationError)):
+        lookup("big-partial", dst=tmp_path / "partial", allowed_modules=["zoo.models"])
+    assert not (tmp_path / "partial").exists()
+
+    rerun = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["models"][0]["status"] == "ok" and summary["models"][0]["tracking"]["created"]
+    versions = all_versions(mlclient, "kiln.big.cpu")
+    assert [str(v.version) for v in versions] == ["1"]
+
+    looked = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "lookup",
+            "big",
+            "--shape",
+            "4,2048",
+            "--allow-op-module",
+            "zoo.models",
+            "--json",
+        ],
+        cwd=ROOT,
+        env={**env, "KILN_REGISTRY_CACHE": str(tmp_path / "lookups")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert looked.returncode == 0, looked.stderr[-3000:]
+    found = json.loads(looked.stdout)
+    assert found["version"] == "1" and found["content_hash"] == content_hash_of(versions[0].tags)
+    assert Path(found["package_dir"], "manifest.json").is_file()
