@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
@@ -22,6 +23,9 @@ from tasks.stages import configured
 from zoo.config import ZooSettings
 from zoo.preflight import preflight as check_request
 from zoo.request import CompileRequest
+
+if TYPE_CHECKING:  # mlflow is imported only where tracking is on
+    from registry.transfer import Progress
 
 
 @task(name="preflight", cache_policy=NO_CACHE, persist_result=False)
@@ -84,7 +88,14 @@ def compile_model(
 
     tracking = None
     if settings.tracking_enabled():
-        tracking = _tracking_task()(package.run_copy, request, parent_run_id=parent_run_id)
+        progress.emit("model", name, device, "upload")
+
+        def uploading(p: Progress) -> None:  # the CLI's row for this model shows the bytes as they go
+            progress.emit("model", name, device, f"upload {p.done / 1e6:.1f}/{p.total / 1e6:.1f} MB")
+
+        tracking = _tracking_task()(
+            package.run_copy, request, parent_run_id=parent_run_id, on_progress=uploading
+        )
     shutil.rmtree(Path(package.run_copy).parent, ignore_errors=True)  # recorded (or not wanted): done
 
     # Reused: from the workspace or the persistent engine cache. A build that fell back to PyTorch built

@@ -8,8 +8,6 @@ refused, server unreachable, bad arguments).
 from __future__ import annotations
 
 import json
-import os
-import sys
 from typing import Annotated
 
 import typer
@@ -107,10 +105,7 @@ def lookup_cmd(
 
     # A source alone selects the version; a shape alone (or both) still has to fit the ranges.
     shapes = parse_shapes(shape or []) if shape or not source else None
-    if sys.stderr.isatty() and not as_json:
-        # A person waits for a package of hundreds of MB: MLflow's own per-file progress bars (batch
-        # runs keep them off, registry.config); a choice already in the environment stands.
-        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "true")
+    # A package of hundreds of MB: a terminal shows a progress bar as the files come (registry.transfer).
     try:
         result = lookup(
             model,

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import mlflow
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
@@ -46,6 +45,7 @@ from registry.models import (
     source_of,
 )
 from registry.pyfunc import PACKAGE_ARTIFACT
+from registry.transfer import ProgressCallback, download_model_dir
 
 if TYPE_CHECKING:  # the manifest's module imports torch: a look-up that loads nothing never needs it
     from compiler.manifest import Manifest
@@ -228,12 +228,15 @@ def fetch_version(
     *,
     dst: str | os.PathLike | None = None,
     policy: RetryPolicy | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> tuple[Path, Manifest, dict[str, str]]:
     """Download version ``version`` of ``name`` and verify it: (package dir, manifest, version tags).
 
     The download always goes to a fresh directory (then replaces ``dst``), so a tampered or stale
     earlier copy is never reused. Raises ArtifactMissingError when the artifact is gone and
     ArtifactVerificationError when it does not match its manifest or its registry entry.
+    The download goes file by file and reports each to ``on_progress`` (see
+    :func:`registry.transfer.download_model_dir`); verification follows the last file.
     """
     import compiler.package as package
 
@@ -243,12 +246,11 @@ def fetch_version(
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = root.parent / f".{root.name}.{uuid.uuid4().hex[:8]}"
 
-    def download() -> str:
-        uri = mlclient.get_model_version_download_uri(name, version)
-        return mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(staging))
-
     try:
-        local = Path(call_with_retry(download, f"download {name}/{version}", policy))
+        uri = call_with_retry(
+            lambda: mlclient.get_model_version_download_uri(name, version), f"locate {name}/{version}", policy
+        )
+        local = download_model_dir(uri, staging, f"{name} v{version}", on_progress=on_progress, policy=policy)
         package_dir = _package_in(local)
     except Exception as exc:
         shutil.rmtree(staging, ignore_errors=True)
@@ -302,6 +304,7 @@ def lookup(
     allowed_modules: Sequence[str] | None = None,
     tracking_uri: str | None = None,
     policy: RetryPolicy | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> LookupResult:
     """The ``champion`` (else newest) version of ``kiln.<model>.<target>`` that fits; verified and loaded.
 
@@ -314,6 +317,7 @@ def lookup(
     ``source``: only versions compiled from that source (``models:/fraud-bert@production``,
     ``hf:...``): the exact URI, or for ``models:/NAME@ALIAS`` the version compiled from the model
     version the alias points at now (resolved here). ``result.source_match`` says which.
+    ``on_progress``: see :func:`fetch_version`.
     """
     mlclient = config.client(tracking_uri)
     name = registered_model_name(model, target)
@@ -358,7 +362,7 @@ def lookup(
     for chosen in fitting:
         try:
             package_dir, manifest, tags = fetch_version(
-                mlclient, name, chosen["version"], dst=dst, policy=policy
+                mlclient, name, chosen["version"], dst=dst, policy=policy, on_progress=on_progress
             )
             module = load_package(package_dir, allowed_modules=allowed_modules) if load else None
         except (ArtifactVerificationError, ArtifactMissingError) as exc:

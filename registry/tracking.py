@@ -30,7 +30,7 @@ from typing import Any
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric, Param, RunTag
 from mlflow.models.model import Model
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
 
@@ -51,6 +51,7 @@ from registry.models import (
     versions_with_meaning,
 )
 from registry.pyfunc import PACKAGE_ARTIFACT, KilnPackageModel
+from registry.transfer import ProgressCallback, upload_model_dir
 
 log = logging.getLogger("kiln.registry")
 
@@ -122,13 +123,16 @@ def record_package(
     experiment: str | None = None,
     tracking_uri: str | None = None,
     policy: RetryPolicy | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> RecordResult:
     """Log a validated package as a run + logged model and register it; idempotent and resumable.
 
     ``model`` names the registered model (``kiln.<model>.<engine target>``). ``request``: the compile
     request (``zoo.request.CompileRequest``, or anything with ``to_dict()``, or a mapping), recorded as
     data (a tag and ``request.json``), never imported or called. ``report``: the pipeline's report,
-    logged as ``pipeline_report.json``.
+    logged as ``pipeline_report.json``. ``on_progress``: called after each uploaded file with the bytes
+    done and total (:class:`registry.transfer.Progress`); without it a terminal shows a progress bar.
+    Either way ``kiln.registry`` logs the progress every 10 % or 5 s.
     """
     import compiler.package as package
     from compiler.package_digest import meaning_hash
@@ -225,6 +229,7 @@ def record_package(
             report,
             registered,
             policy,
+            on_progress,
         )
     except BaseException as exc:
         _mark_failed(mlclient, run_id, exc)
@@ -252,6 +257,7 @@ def _log_and_register(
     report: Mapping[str, Any] | None,
     registered: str,
     policy: RetryPolicy,
+    on_progress: ProgressCallback | None = None,
 ) -> tuple[str, Registered]:
     params = payload.params_for(manifest, model)
     metrics = payload.metrics_for(manifest, _package_bytes(package_dir))
@@ -294,22 +300,30 @@ def _log_and_register(
         (tmp_path / payload.REPORT_ARTIFACT).write_text(page, encoding="utf-8")
         call_with_retry(lambda: mlclient.log_artifacts(run_id, tmp), f"log artifacts of {model}", policy)
 
-    def log_model() -> Any:
-        logged = mlclient.create_logged_model(
+    def create_logged_model() -> Any:
+        return mlclient.create_logged_model(
             experiment_id,
             name=MODEL_ARTIFACT,
             source_run_id=run_id,
             params=params,
             tags={TAG_CONTENT_HASH: manifest.content_hash},
         )
-        before = set(sys.path)
-        try:
-            return Model.log(
-                artifact_path=None,
-                name=MODEL_ARTIFACT,
-                flavor=mlflow.pyfunc,
-                run_id=run_id,
-                model_id=logged.model_id,
+
+    logged = call_with_retry(create_logged_model, f"create the logged model of {model}", policy)
+    # What MLflow's Model.log does, with the upload done file by file so that it reports progress:
+    # save the pyfunc model locally, upload it (MLmodel last), link it to the run, mark it READY.
+    before = set(sys.path)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kiln-model-") as tmp:
+            local = Path(tmp) / MODEL_ARTIFACT
+            mlflow.pyfunc.save_model(
+                path=str(local),
+                mlflow_model=Model(
+                    artifact_path=logged.artifact_location,
+                    model_uuid=logged.model_id,
+                    run_id=run_id,
+                    model_id=logged.model_id,
+                ),
                 # The loader may import the modules the verified manifest records, and only those.
                 python_model=KilnPackageModel(allowed_modules=manifest.op_modules),
                 artifacts={PACKAGE_ARTIFACT: str(package_dir)},
@@ -319,28 +333,38 @@ def _log_and_register(
                 pip_requirements=payload.requirements_for(manifest),
                 metadata={"kiln_content_hash": manifest.content_hash, "kiln_model": model},
             )
-        except BaseException:
-            with contextlib.suppress(Exception):
-                mlclient.finalize_logged_model(logged.model_id, "FAILED")
-            raise
-        finally:
-            # MLflow serves the input example once by loading the logged copy, which puts that copy's
-            # code folder (a temporary directory, gone now) first on sys.path: drop what it left.
-            for gone in {p for p in sys.path if p not in before and not os.path.exists(p)}:
-                sys.path.remove(gone)
-
-    size = _package_bytes(package_dir)
-    log.info("uploading the package of %s (%.1f MB) to the artifact store", model, size / 1e6)
-    started = time.monotonic()
-    info = call_with_retry(log_model, f"log the package of {model} as an MLflow model", policy)
-    seconds = max(time.monotonic() - started, 1e-6)
+            started = time.monotonic()
+            size = upload_model_dir(
+                mlclient, logged.model_id, local, model, on_progress=on_progress, policy=policy
+            )
+            seconds = max(time.monotonic() - started, 1e-6)
+        call_with_retry(
+            lambda: mlclient.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)]),
+            f"link the model of {model} to its run",
+            policy,
+        )
+        call_with_retry(
+            lambda: mlclient.finalize_logged_model(logged.model_id, LoggedModelStatus.READY),
+            f"finalize the model of {model}",
+            policy,
+        )
+    except BaseException:
+        with contextlib.suppress(Exception):
+            mlclient.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
+        raise
+    finally:
+        # Loading the model's input example may put the saved copy's code folder (a temporary
+        # directory, gone now) first on sys.path: drop what it left.
+        for gone in {p for p in sys.path if p not in before and not os.path.exists(p)}:
+            sys.path.remove(gone)
     log.info("uploaded %s: %.1f MB in %.1fs (%.1f MB/s)", model, size / 1e6, seconds, size / 1e6 / seconds)
+    model_uri = f"models:/{logged.model_id}"
     registered_version = register_version(
         mlclient,
         registered,
-        source=info.model_uri,
+        source=model_uri,
         run_id=run_id,
-        model_id=info.model_id,
+        model_id=logged.model_id,
         tags=tags,
         policy=policy,
         description=description,
@@ -352,14 +376,14 @@ def _log_and_register(
             tags=[
                 RunTag(TAG_REGISTERED, registered),
                 RunTag(TAG_VERSION, registered_version.version),
-                RunTag("kiln.model_uri", info.model_uri),
+                RunTag("kiln.model_uri", model_uri),
                 RunTag(TAG_COMPLETE, "true"),
             ],
         )
         mlclient.set_terminated(run_id, "FINISHED")
 
     call_with_retry(finish, f"finish the run of {model}", policy)
-    return info.model_uri, registered_version
+    return model_uri, registered_version
 
 
 def _mark_failed(mlclient: MlflowClient, run_id: str, exc: BaseException) -> None:

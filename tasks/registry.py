@@ -27,6 +27,7 @@ from registry.models import CHAMPION, TAG_REJECTED, all_versions, get_aliases
 from registry.release import GateReport, ReleaseOutcome, apply_decision
 from registry.tracking import current_zoo_run, end_run, zoo_run_for
 from registry.tracking import record_package as _record_package
+from registry.transfer import ProgressCallback
 from zoo.request import CompileRequest
 
 
@@ -41,20 +42,29 @@ def _prefect_zoo_parent() -> str | None:
 
 
 @task(name="record-package", cache_policy=NO_CACHE, persist_result=False, tags=["mlflow"])
-def record_package(package_dir: str, request: CompileRequest, *, parent_run_id: str | None = None) -> dict:
+def record_package(
+    package_dir: str,
+    request: CompileRequest,
+    *,
+    parent_run_id: str | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> dict:
     """Log ``package_dir`` to MLflow and register it (idempotent; a re-run completes an interrupted one).
 
     The run nests under ``parent_run_id``, else the :func:`registry.tracking.zoo_run` of this context,
     else the zoo run of the enclosing Prefect flow run (found or created by its id). Raises
     ``RegistryUnavailableError`` when the server stays away: the package stays on disk and the run is
-    marked failed; calling again later completes it.
+    marked failed; calling again later completes it. ``on_progress`` sees the upload file by file
+    (:mod:`registry.transfer`); the task's log gets a line every 10 % or 5 s either way.
     """
     parent = parent_run_id or current_zoo_run()
     automatic = False
     if parent is None:
         parent = _prefect_zoo_parent()
         automatic = parent is not None
-    result = _record_package(package_dir, model=request.name, request=request, parent_run_id=parent).to_dict()
+    result = _record_package(
+        package_dir, model=request.name, request=request, parent_run_id=parent, on_progress=on_progress
+    ).to_dict()
     if automatic:
         # Nobody else ends a zoo run found this way: it ends with its latest model (set again by each).
         end_run(parent, "FINISHED")

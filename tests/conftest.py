@@ -14,7 +14,7 @@ if str(ROOT) not in sys.path:
 
 # Real servers on 127.0.0.1, for every test module that asks (one Prefect server per session, one MLflow
 # server per module): defined once here, so test modules neither import nor shadow them.
-from tests.fixtures.mlflow_server import mlflow_server  # noqa: E402, F401
+from tests.fixtures.mlflow_server import mlflow_server, s3_mlflow  # noqa: E402, F401
 from tests.fixtures.prefect_server import prefect_api, prefect_server  # noqa: E402, F401
 from tests.fixtures.s3_server import s3_server  # noqa: E402, F401
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fixtures.mlflow_server import MlflowServer, client_env
+from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.s3_server import BUCKET, MotoServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,20 +40,6 @@ REP2 = {  # rep3's blocks, one fewer
     "factory": "zoo.models:repeated_fallback",
     "factory_kwargs": {"depth": 2, "width": 32},
 }
-
-
-@pytest.fixture(scope="module")
-def s3_mlflow(s3_server: MotoServer, tmp_path_factory: pytest.TempPathFactory):
-    server = MlflowServer(
-        tmp_path_factory.mktemp("mlflow-s3"),
-        artifacts_destination=f"s3://{BUCKET}/mlflow",
-        env=s3_server.env(),
-    ).start()
-    try:
-        with client_env(server):
-            yield server
-    finally:
-        server.stop()
 
 
 def _zoo(path: Path, models: list[dict]) -> Path:
