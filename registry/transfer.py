@@ -180,6 +180,8 @@ def download_model_dir(
     Nothing here is verified: the caller verifies the result before using any of it.
     """
     files = _list_files(artifact_uri, policy)
+    if not files:  # deleted from the store, or never uploaded: nothing to download is an error
+        raise FileNotFoundError(f"no files under {artifact_uri}")
     total, done = sum(size for _, size in files), 0
     with reporting("download", name, total, on_progress) as report:
         for index, (rel, size) in enumerate(files, 1):
