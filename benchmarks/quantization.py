@@ -273,7 +273,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10, help="timed runs per variant and batch")
     parser.add_argument("--models", default="bert,cnn,sensitive")
     parser.add_argument("--out", default="quantization_cpu", help="results/<out>.json")
+    parser.add_argument(
+        "--ort-threads", type=int, default=0, help="threads per ONNX Runtime session (KILN_ORT_THREADS)"
+    )
     args = parser.parse_args()
+    os.environ["KILN_ORT_THREADS"] = str(args.ort_threads)
     cases = {"bert": lambda: bert_case(args.layers), "cnn": cnn_case, "sensitive": sensitive_bench_case}
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kiln-quant-bench-") as tmp:
@@ -310,6 +314,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
             "bert_layers": args.layers,
             "calibration_samples": args.calibration,
             "validation_samples": args.validation,
+            "ort_threads": args.ort_threads or "ONNX Runtime's default (one per physical core)",
             "rows": rows,
         },
     )

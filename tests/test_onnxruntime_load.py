@@ -5,10 +5,12 @@ ones take the cores from the next engine: benchmarks/ort_threads.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.export import Dim
 
 import compiler
+from compiler.errors import BuildSettingsError
 from compiler.runtime import EngineCall
 from zoo.models import repeated_fallback
 
@@ -65,3 +67,17 @@ def test_weights_from_memory_answer_like_the_model_beside_an_integer_buffer(tmp_
         for batch in (1, 2, 8):
             y = torch.randn(batch, 10, 16)
             torch.testing.assert_close(loaded(y), model(y), rtol=1e-5, atol=1e-5)
+
+
+def test_sessions_take_their_thread_count_from_the_operator(monkeypatch):
+    lone = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()
+    program = compiler.export(lone, (torch.randn(3, 8),))
+    monkeypatch.setenv("KILN_ORT_THREADS", "1")
+    module = compiler.compile(program, cache=False)
+    (call,) = [c for c in module.graph.children() if isinstance(c, EngineCall)]
+    assert call.engine.session.get_session_options().intra_op_num_threads == 1
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(module(x), lone(x), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("KILN_ORT_THREADS", "four")
+    with pytest.raises(BuildSettingsError, match="KILN_ORT_THREADS='four'"):
+        compiler.compile(program, cache=False)

@@ -22,7 +22,13 @@ from onnx import numpy_helper
 
 from compiler.backends.base import BuildSettings, EngineIO, is_weight_name, to_numpy
 from compiler.backends.onnx_inline import check_self_contained
-from compiler.errors import EngineBuildError, InputSpecError, RefitError, UnsafeEngineError
+from compiler.errors import (
+    BuildSettingsError,
+    EngineBuildError,
+    InputSpecError,
+    RefitError,
+    UnsafeEngineError,
+)
 from compiler.onnx_support import onnx_exportable
 
 
@@ -146,6 +152,7 @@ class OnnxRuntimeBackend:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
+        options.intra_op_num_threads = intra_op_threads()
         if not spin:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if weights:
@@ -154,6 +161,20 @@ class OnnxRuntimeBackend:
                 names, [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names]
             )
         return ort.InferenceSession(model_bytes, options, providers=self.providers)
+
+
+def intra_op_threads() -> int:
+    """``$KILN_ORT_THREADS``: threads per ONNX Runtime session (0, the default: one per physical core,
+    ONNX Runtime's own choice). On a many-core host small graphs can lose more to waking threads for
+    each node than they gain (benchmarks/quantization.py --ort-threads)."""
+    text = os.environ.get("KILN_ORT_THREADS", "").strip()
+    if not text:
+        return 0
+    if not text.isdigit() or int(text) > 4096:
+        raise BuildSettingsError(
+            f"KILN_ORT_THREADS={text!r}: expected a thread count (0: ONNX Runtime's choice)"
+        )
+    return int(text)
 
 
 def _parse(engine: bytes) -> onnx.ModelProto:
