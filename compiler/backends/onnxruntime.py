@@ -83,6 +83,7 @@ class OnnxRuntimeBackend:
         cache_dir: str | os.PathLike | None = None,  # ONNX Runtime keeps no build-time cache
     ) -> bytes:
         model = onnx.load_from_string(onnx_model)
+        intra_op_threads()  # a bad setting is the operator's error, not this partition's
         try:
             self._session(model.SerializeToString())
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
