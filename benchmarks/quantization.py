@@ -5,7 +5,7 @@ Models (random weights, built from code):
     ``--layers`` layers, sequence 128), split per ``BertLayer`` so dedup builds one engine per level;
   * ``cnn``: a small ResNet-like CNN (32x32 images, 10 classes);
   * ``sensitive``: 8 residual MLP blocks of one structure, one of which carries an outlier channel
-    (x1e4 before a ReLU, undone after it) that per-tensor int8 activations cannot represent: the gate
+    (x1e4 before a ReLU, undone after it) that per-tensor 8-bit activations cannot represent: the gate
     must raise exactly that block (a benchmark row and ``tests/test_quantize.py``).
 
 Per model and variant: latency at batch 1 and 8 (median, interleaved in one run), package bytes

@@ -12,7 +12,7 @@ task call it); a plan without int8 partitions passes through unchanged.
 3. Each partition is lowered to fp32 ONNX (once per fingerprint; other instances get their weights
    put in), its constant subgraphs folded (``Transpose(w)`` becomes a transposed weight), and
    quantized by ``onnxruntime.quantization``: ``quantize_static`` (QDQ, per-channel int8
-   weights, int8 activations, the calibration method asked for) or ``quantize_dynamic``.
+   weights, uint8 activations, the calibration method asked for) or ``quantize_dynamic``.
 4. The quantized graph is canonicalized: every initializer (quantized weights, scales, zero points,
    int32 biases) is named ``w<k>`` by position, every other value ``v<n>``. Instances of one
    fingerprint give the same graph apart from those values, so the fingerprint still builds one
