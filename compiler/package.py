@@ -263,16 +263,16 @@ def _load(
         now = time.perf_counter()
         stages[stage], mark = round(now - mark, 4), now
 
-    # Engines with AOTInductor packages (backend_options aot) load natively where trusted: nothing of
-    # Inductor's to import then.
-    options = manifest.plan.get("options") if isinstance(manifest.plan, dict) else None
-    backend_options = options.get("backend_options") if isinstance(options, dict) else None
-    native = trust_engine_code and isinstance(backend_options, dict) and backend_options.get("aot") is True
     try:
-        recorded_device = manifest.plan["options"].get("device", "cpu")
+        options = manifest.plan["options"]
+        recorded_device = options.get("device", "cpu")
     except (KeyError, TypeError, AttributeError) as exc:
         raise PackageCorruptError(f"{path}: the manifest's plan has no options ({exc!r})") from exc
     target = resolve(device if device is not None else recorded_device)
+    # Engines with AOTInductor packages (backend_options aot) load natively where trusted: nothing of
+    # Inductor's to import then.
+    backend_options = options.get("backend_options")
+    native = trust_engine_code and isinstance(backend_options, dict) and backend_options.get("aot") is True
     # The weights are decoded and put on the device (a GPU's context created on the way) by a worker,
     # while this thread reads the program: both take about a second for a BERT-base.
     placed = pool.submit(_weights_on, reads[WEIGHTS], target)
@@ -298,7 +298,7 @@ def _load(
     program = with_weights(program, {k: v for k, v in weights.items() if k in own})
     runtime = {"device": str(target), **({"cuda_graphs": cuda_graphs} if cuda_graphs is not None else {})}
     try:  # the plan and dedup records are decoded here: malformed ones are the package's fault
-        plan_data = {**manifest.plan, "options": {**manifest.plan["options"], **runtime}}
+        plan_data = {**manifest.plan, "options": {**options, **runtime}}
         plan = replay(program, plan_data)
         dedup = DedupPlan.from_dict(manifest.dedup)
     except KilnError:  # a typed answer already (a partition that does not replay, a CUDA graph mode)
