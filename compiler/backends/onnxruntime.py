@@ -108,11 +108,10 @@ class OnnxRuntimeBackend:
             # Float weights come from memory; integer ones (index buffers, which shape inference may
             # read) and bfloat16 (no numpy type ONNX Runtime takes) are written into the model.
             supplied = {n: a for n, a in arrays.items() if a.dtype.kind == "f" and a.dtype.name != "bfloat16"}
+            _write(model, {n: a for n, a in arrays.items() if n not in supplied})
             for init in _weights(model):
                 if init.name in supplied:
                     _strip(init)
-                else:
-                    init.CopyFrom(numpy_helper.from_array(arrays[init.name], init.name))
         check_self_contained(model, supplied=frozenset(supplied))
         constants = {init.name for init in model.graph.initializer}
         takes = [i.name for i in model.graph.input if i.name not in constants]
@@ -127,9 +126,7 @@ class OnnxRuntimeBackend:
         except Exception:  # a weight some shape inference reads: every weight written in, as before
             if not supplied:
                 raise
-            for init in _weights(model):
-                if init.name in supplied:
-                    init.CopyFrom(numpy_helper.from_array(supplied[init.name], init.name))
+            _write(model, supplied)
             session = self._session(model.SerializeToString(), spin=siblings == 0)
         return OnnxRuntimeEngine(session, io)
 
@@ -253,8 +250,13 @@ def _checked_weights(model: onnx.ModelProto, weights: Mapping[str, torch.Tensor]
 
 def _fill(model: onnx.ModelProto, weights: Mapping[str, torch.Tensor]) -> None:
     """Put weights into the model's initializers, checking names, shapes and dtypes first."""
-    inits = {init.name: init for init in _weights(model)}
-    for name, array in _checked_weights(model, weights).items():
-        filled = numpy_helper.from_array(array, name)
-        inits[name].Clear()
-        inits[name].CopyFrom(filled)
+    _write(model, _checked_weights(model, weights))
+
+
+def _write(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write ``arrays`` (checked already) into the weight initializers of those names."""
+    for init in _weights(model):
+        if init.name in arrays:
+            filled = numpy_helper.from_array(arrays[init.name], init.name)
+            init.Clear()
+            init.CopyFrom(filled)
