@@ -134,21 +134,13 @@ def upload_model_dir(
     Each file is retried on its own (:func:`registry.config.call_with_retry`); a file sent again
     replaces itself.
     """
-    files = _upload_order(local_dir)
-    sizes = [p.stat().st_size for p in files]
-    total, done = sum(sizes), 0
-    with reporting("upload", name, total, on_progress) as report:
-        for index, (path, size) in enumerate(zip(files, sizes, strict=True), 1):
-            rel = path.relative_to(local_dir)
-            folder = rel.parent.as_posix() if rel.parent != Path(".") else None
-            call_with_retry(
-                lambda path=path, folder=folder: mlclient.log_model_artifact(model_id, str(path), folder),
-                f"upload {rel} of {name}",
-                policy,
-            )
-            done += size
-            report(Progress("upload", name, rel.as_posix(), done, total, index, len(files)))
-    return total
+
+    def send(rel: str) -> None:
+        folder = PurePosixPath(rel).parent.as_posix()
+        mlclient.log_model_artifact(model_id, str(local_dir / rel), None if folder == "." else folder)
+
+    files = [(p.relative_to(local_dir).as_posix(), p.stat().st_size) for p in _upload_order(local_dir)]
+    return _transfer("upload", name, files, send, on_progress, policy)
 
 
 def _list_files(artifact_uri: str, policy: RetryPolicy | None, prefix: str = "") -> list[tuple[str, int]]:
@@ -182,19 +174,32 @@ def download_model_dir(
     files = _list_files(artifact_uri, policy)
     if not files:  # deleted from the store, or never uploaded: nothing to download is an error
         raise FileNotFoundError(f"no files under {artifact_uri}")
-    total, done = sum(size for _, size in files), 0
-    with reporting("download", name, total, on_progress) as report:
-        for index, (rel, size) in enumerate(files, 1):
-            folder = dst / PurePosixPath(rel).parent
-            folder.mkdir(parents=True, exist_ok=True)
-            uri = f"{artifact_uri.rstrip('/')}/{rel}"
-            call_with_retry(
-                lambda uri=uri, folder=folder: mlflow.artifacts.download_artifacts(
-                    artifact_uri=uri, dst_path=str(folder)
-                ),
-                f"download {rel} of {name}",
-                policy,
-            )
-            done += size
-            report(Progress("download", name, rel, done, total, index, len(files)))
+
+    def fetch(rel: str) -> None:
+        folder = dst / PurePosixPath(rel).parent
+        folder.mkdir(parents=True, exist_ok=True)
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=f"{artifact_uri.rstrip('/')}/{rel}", dst_path=str(folder)
+        )
+
+    _transfer("download", name, files, fetch, on_progress, policy)
     return dst
+
+
+def _transfer(
+    direction: str,
+    name: str,
+    files: list[tuple[str, int]],
+    move: Callable[[str], None],
+    on_progress: ProgressCallback | None,
+    policy: RetryPolicy | None,
+) -> int:
+    """``move`` each of ``files`` ((relative path, bytes)) in turn, each retried on its own, reporting
+    after each; the bytes moved."""
+    total, done = sum(size for _, size in files), 0
+    with reporting(direction, name, total, on_progress) as report:
+        for index, (rel, size) in enumerate(files, 1):
+            call_with_retry(lambda rel=rel: move(rel), f"{direction} {rel} of {name}", policy)
+            done += size
+            report(Progress(direction, name, rel, done, total, index, len(files)))
+    return total
