@@ -22,9 +22,8 @@ import typing
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import sympy
 import torch
 from torch.export import ExportedProgram
 
@@ -34,6 +33,9 @@ from compiler.module_policy import ALLOWED_MODULES_ENV, allowed_module_prefixes,
 from compiler.module_policy import MODULE_NAME as _MODULE_NAME
 from compiler.program_text import check_program_text
 from compiler.specs import InputSpec, dtype_name, specs_from_json, specs_to_json
+
+if TYPE_CHECKING:  # sympy itself costs ~0.3 s at import, which a package load does not need
+    import sympy
 
 # torch.export and the ONNX exporter built on it are not thread-safe (two traces in one process corrupt
 # each other's dispatch state): every trace in kiln holds this lock, so callers may use threads.

@@ -13,7 +13,6 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import sympy
 import torch
 
 from compiler.onnx_support import op_name
@@ -23,6 +22,8 @@ class ShapeNames:
     """Renders symbolic shapes with dimension names and ranges instead of program-local symbols."""
 
     def __init__(self, symbols: Mapping[str, tuple[str, int, int, int]]):
+        import sympy  # here, not at import: a package load never fingerprints, and sympy costs ~0.3 s
+
         self._subs = {
             sympy.Symbol(sym, integer=True, positive=True): sympy.Symbol(f"{name}[{lo}:{opt}:{hi}]")
             for sym, (name, lo, opt, hi) in symbols.items()

@@ -18,7 +18,6 @@ import warnings
 from dataclasses import dataclass
 
 import onnx
-import sympy
 import torch
 from onnx import numpy_helper
 from torch.export import Dim
@@ -310,7 +309,7 @@ def _dynamic_axes(shape: torch.Size, symbols: dict, dims: dict[str, Dim]) -> dic
         if not _is_dynamic(size):
             continue
         expr = size.node.expr
-        if isinstance(expr, sympy.Symbol) and str(expr) in symbols:
+        if expr.is_Symbol and str(expr) in symbols:
             name, lo, _, hi = symbols[str(expr)]
             dims.setdefault(
                 str(expr), Dim(f"{name}_{expr}".replace("[", "_").replace("]", "_"), min=lo, max=hi)

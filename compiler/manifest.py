@@ -31,6 +31,7 @@ from compiler.validation_report import ValidationReport
 FORMAT_VERSION = 2
 PROGRAM = "program.pt2"
 WEIGHTS = "weights.safetensors"
+RUNTIME_GRAPH = "runtime_graph.json"  # optional: the split graph as data (compiler/runtime_graph.py)
 ENGINE_DIR = "engines"
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -260,8 +261,9 @@ def safe_relative(rel: str) -> bool:
 def check_layout(manifest: Manifest, where: str) -> None:
     """Refuse a manifest whose paths leave the package or are not the ones a package may hold.
 
-    Listed files are exactly ``program.pt2``, ``weights.safetensors`` and one
-    ``engines/<fingerprint>.engine`` per engine that has a file; each engine's file is its own.
+    Listed files are exactly ``program.pt2``, ``weights.safetensors``, optionally
+    ``runtime_graph.json``, and one ``engines/<fingerprint>.engine`` per engine that has a file; each
+    engine's file is its own.
     Raises PackageCorruptError naming the bad path.
     """
     for rel in manifest.files:
@@ -270,7 +272,7 @@ def check_layout(manifest: Manifest, where: str) -> None:
     for required in (PROGRAM, WEIGHTS):
         if required not in manifest.files:
             raise PackageCorruptError(f"{where}: the manifest does not list {required}")
-    expected = {PROGRAM, WEIGHTS}
+    expected = {PROGRAM, WEIGHTS, *({RUNTIME_GRAPH} & set(manifest.files))}
     for fp, record in manifest.engines.items():
         if not _FINGERPRINT.match(fp):
             raise PackageCorruptError(f"{where}: engine fingerprint {fp!r} is not a fingerprint")

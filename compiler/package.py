@@ -4,6 +4,9 @@
                              plan, report, validation, op modules, lineage, file checksums, content hash
     program.pt2              the exported program (torch.export format), weights left hollow
     weights.safetensors      every weight, once
+    runtime_graph.json       the split graph as data, what a load runs (compiler/runtime_graph.py); the
+                             program is read only when asked for (absent where the graph holds
+                             anything that form cannot: such packages load from the program)
     engines/<fp>.engine      one engine per unique fingerprint (weight-stripped or full); none for a
                              fingerprint whose build fell back to PyTorch (the program runs it)
 
@@ -14,7 +17,8 @@ What loading guarantees (docs/security.md says why):
   is refused. Each file is read once, checked, and those same bytes are used.
 * Every path is relative, inside the package and listed; an engine's file is ``engines/<fp>.engine``;
   symlinks are refused.
-* Nothing is unpickled: the program archive is refused if torch would unpickle any part of it
+* Nothing is unpickled or evaluated: the runtime graph is JSON whose calls name operators; the
+  program archive is refused if torch would unpickle any part of it
   (``compiler.export.check_archive``); safetensors and engines are plain bytes. The one engine that
   is code, an Inductor compiled graph, runs as stored only from a trusted package
   (``trust_engine_code``, or a signature verified with ``$KILN_SIGNING_KEY``); otherwise it is
@@ -51,18 +55,26 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from compiler import runtime_graph
 from compiler.atomic import write_bytes_atomic
 from compiler.backends import get_backend
 from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.backends.inductor import warm_inductor_imports
 from compiler.build import EngineArtifact
 from compiler.dedup import DedupPlan
-from compiler.device import program_on, resolve
+from compiler.device import program_on, resolve, same
 from compiler.errors import EngineCompatibilityError, KilnError, PackageCorruptError, PackageError
-from compiler.export import import_modules, load_program_bytes, program_bytes
+from compiler.export import (
+    check_archive,
+    import_allowed_modules,
+    import_modules,
+    load_program_bytes,
+    program_bytes,
+)
 from compiler.manifest import (
     FORMAT_VERSION,
     PROGRAM,
+    RUNTIME_GRAPH,
     WEIGHTS,
     EngineRecord,
     FileRecord,
@@ -72,8 +84,15 @@ from compiler.manifest import (
 )
 from compiler.package_check import MANIFEST, checked_manifest, read_manifest, read_verified
 from compiler.package_digest import content_hash, sign, signing_key
-from compiler.partition import QUANTIZED_PREFIX, program_weights, replay, weight_placeholders
-from compiler.runtime import CompiledModule, assemble, with_weights
+from compiler.partition import (
+    QUANTIZED_PREFIX,
+    from_runtime_graph,
+    program_weights,
+    replay,
+    weight_placeholders,
+    with_weights,
+)
+from compiler.runtime import CompiledModule, assemble
 from compiler.validation_report import ValidationReport
 from compiler.version import kiln_version
 
@@ -125,6 +144,9 @@ def save(
     try:
         plan = compiled.plan
         files: dict[str, bytes] = {PROGRAM: program_bytes(_hollow(plan.program), record_modules=False)}
+        graph = runtime_graph.write(plan.graph_module, plan.signature, plan.symbols)
+        if graph is not None:  # what loads run from (None: a graph it cannot hold loads the program)
+            files[RUNTIME_GRAPH] = graph
         elided = set(plan.elided_weights) | (int8_only_weights(compiled) if int8_weights_only else set())
         weights = {
             k: v.detach().cpu().contiguous().clone()
@@ -243,9 +265,25 @@ def _load(
     trust_engine_code: bool,
     cuda_graphs: str | None,
 ) -> CompiledModule:
+    try:
+        options = manifest.plan["options"]
+        recorded_device = options.get("device", "cpu")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise PackageCorruptError(f"{path}: the manifest's plan has no options ({exc!r})") from exc
+    target = resolve(device if device is not None else recorded_device)
+    if target.type == "cuda":  # the GPU's context is created (~0.3 s) while the files are hashed
+        pool.submit(torch.empty, 1, device=target)
+    # Weights a package left out (save(int8_weights_only=True)): the hollow program's shapes stand in.
+    elided = set(manifest.plan.get("elided_weights", ()))
+    light = RUNTIME_GRAPH in manifest.files and not elided
     reads = {
         rel: pool.submit(read_verified, path, rel, manifest)
-        for rel in (PROGRAM, WEIGHTS, *(r.file for r in manifest.engines.values() if r.file is not None))
+        for rel in (
+            PROGRAM,
+            WEIGHTS,
+            *([RUNTIME_GRAPH] if light else []),
+            *(r.file for r in manifest.engines.values() if r.file is not None),
+        )
     }
     # Each engine runs on the backend that built it; only a backend some engine needs must be present.
     backends = manifest.engine_backends()
@@ -263,43 +301,54 @@ def _load(
         now = time.perf_counter()
         stages[stage], mark = round(now - mark, 4), now
 
-    try:
-        options = manifest.plan["options"]
-        recorded_device = options.get("device", "cpu")
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise PackageCorruptError(f"{path}: the manifest's plan has no options ({exc!r})") from exc
-    target = resolve(device if device is not None else recorded_device)
     # Engines with AOTInductor packages (backend_options aot) load natively where trusted: nothing of
     # Inductor's to import then.
     backend_options = options.get("backend_options")
     native = trust_engine_code and isinstance(backend_options, dict) and backend_options.get("aot") is True
-    # The weights are decoded and put on the device (a GPU's context created on the way) by a worker,
-    # while this thread reads the program: both take about a second for a BERT-base.
+    # The weights are decoded and put on the device by a worker, while this thread reads the graph.
     placed = pool.submit(_weights_on, reads[WEIGHTS], target)
+    if light:
+        checked_program = pool.submit(lambda: check_archive(reads[PROGRAM].result(), str(path / PROGRAM)))
     if "inductor" in backends.values() and not native:
         warm_inductor_imports()  # while the workers hash
     lap("imports")
-    program = load_program_bytes(
-        reads[PROGRAM].result(),
-        str(path / PROGRAM),
-        # Format 1 recorded the modules inside the archive (checked bytes, read as data).
-        modules=manifest.op_modules if manifest.format_version >= 2 else None,
-        allowed_modules=allowed_modules,
-    )
-    program = program_on(program, target)
+
+    def read_program() -> torch.export.ExportedProgram:
+        program = load_program_bytes(
+            reads[PROGRAM].result(),
+            str(path / PROGRAM),
+            # Format 1 recorded the modules inside the archive (checked bytes, read as data).
+            modules=manifest.op_modules if manifest.format_version >= 2 else None,
+            allowed_modules=allowed_modules,
+        )
+        return program_on(program, target)
+
+    if light:  # the split graph as data; the program is read only if something asks for it
+        # ... but checked now as a read would check it (what torch would unpickle, the modules its
+        # text names): a package whose program would be refused is refused at load, as ever.
+        recorded = list(manifest.op_modules)
+        modules = sorted(set(recorded) | set(checked_program.result()))
+        import_allowed_modules(modules, str(path / PROGRAM), allowed=allowed_modules, recorded=recorded)
+        moved = None if same(target, resolve(recorded_device)) else target
+        graph = runtime_graph.read(reads[RUNTIME_GRAPH].result(), str(path / RUNTIME_GRAPH), moved)
+        own = set(graph.signature.weight_keys())
+    else:
+        program = read_program()
+        own = set(program_weights(program))
     lap("program")
     weights = placed.result()
-    own = set(program_weights(program))
-    # Left out by save(int8_weights_only=True): the hollow program's shapes stand in, never read.
-    elided = set(manifest.plan.get("elided_weights", ()))
     missing = sorted((own | set(manifest.input_weights)) - set(weights) - elided)
     if missing:
         raise PackageCorruptError(f"{path}: {WEIGHTS} lacks weights {missing[:10]}")
-    program = with_weights(program, {k: v for k, v in weights.items() if k in own})
     runtime = {"device": str(target), **({"cuda_graphs": cuda_graphs} if cuda_graphs is not None else {})}
     try:  # the plan and dedup records are decoded here: malformed ones are the package's fault
         plan_data = {**manifest.plan, "options": {**options, **runtime}}
-        plan = replay(program, plan_data)
+        if light:
+            plan = from_runtime_graph(
+                graph, tuple(manifest.input_specs), plan_data, weights, manifest.input_weights, read_program
+            )
+        else:
+            plan = replay(with_weights(program, {k: v for k, v in weights.items() if k in own}), plan_data)
         dedup = DedupPlan.from_dict(manifest.dedup)
     except KilnError:  # a typed answer already (a partition that does not replay, a CUDA graph mode)
         raise

@@ -16,7 +16,7 @@ import copy
 import operator
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from compiler.export import input_specs
 from compiler.onnx_support import SYMBOLIC_OPS, op_name
 from compiler.options import CompileOptions
 from compiler.profiles import check_profiles
+from compiler.runtime_graph import CallSignature, RuntimeGraph
 from compiler.specs import InputSpec
 
 # Weight keys of quantized partitions' own tensors: "kiln.int8/<partition>/w<k>" (PartitionPlan.quantized).
@@ -78,9 +79,11 @@ class Partition:
 
 @dataclass
 class PartitionPlan:
-    """The program, its split graph (engine partitions as submodules) and what falls back."""
+    """The program, its split graph (engine partitions as submodules) and what falls back.
 
-    program: ExportedProgram
+    ``program`` is read on first use where a package load ran from its runtime graph
+    (``compiler.runtime_graph``): ``read_program`` reads it then, and it gets the plan's weights."""
+
     specs: tuple[InputSpec, ...]
     options: CompileOptions
     graph_module: torch.fx.GraphModule
@@ -100,6 +103,40 @@ class PartitionPlan:
     quantization: dict | None = None
     # Weights a package left out (compiler.save(int8_weights_only=True)): only int8 engines read them.
     elided_weights: frozenset[str] = frozenset()
+    # How a call reaches the split graph, and the program's lifted weights by key (what it is fed).
+    signature: CallSignature | None = None
+    program_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    read_program: Callable[[], ExportedProgram] | None = field(default=None, repr=False)
+    _program: ExportedProgram | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self._program is not None:
+            self.program = self._program
+
+    @property
+    def program(self) -> ExportedProgram:
+        if self._program is None:
+            if self.read_program is None:
+                raise PartitionError("this plan has neither its program nor a way to read it")
+            self._program = with_weights(self.read_program(), self.program_weights)
+        return self._program
+
+    @program.setter
+    def program(self, program: ExportedProgram) -> None:
+        self._program = program
+        self.program_weights = program_weights(program)
+        self.signature = CallSignature.of(program)
+
+    def reweighted(self, state: Mapping[str, torch.Tensor]) -> PartitionPlan:
+        """A copy of the plan with ``state`` over its weights (the program's lifted ones and user inputs
+        that are weights); its program, where already read, carries them too."""
+        plan = copy.copy(self)
+        own = {k: v for k, v in state.items() if k in self.program_weights}
+        plan.program_weights = {**self.program_weights, **own}
+        plan.input_weights = {**self.input_weights, **{k: v for k, v in state.items() if k not in own}}
+        if self._program is not None:
+            plan._program = with_weights(self._program, own)
+        return plan
 
     def submodule(self, name: str) -> torch.fx.GraphModule:
         return getattr(self.graph_module, name)
@@ -112,7 +149,7 @@ class PartitionPlan:
     def weights(self) -> dict[str, torch.Tensor]:
         """Every weight by key: the program's lifted weights, user inputs flagged as weights and the
         quantized partitions' own tensors."""
-        return {**program_weights(self.program), **self.input_weights, **self.quantized}
+        return {**self.program_weights, **self.input_weights, **self.quantized}
 
     def to_dict(self) -> dict:
         data = {
@@ -179,6 +216,67 @@ def replay(program: ExportedProgram, plan: Mapping[str, Any]) -> PartitionPlan:
     return replayed
 
 
+def from_runtime_graph(
+    graph: RuntimeGraph,
+    specs: tuple[InputSpec, ...],
+    plan: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    input_weights: Iterable[str],
+    read_program: Callable[[], ExportedProgram],
+) -> PartitionPlan:
+    """A saved plan (``PartitionPlan.to_dict()``) on its saved split graph, without the program: what
+    a package load runs. Each partition must be called in the graph with the inputs it was saved with.
+    ``weights``: the program's lifted weights by key (those the signature names); ``input_weights``: the
+    user inputs that are weights."""
+    start = time.perf_counter()
+    nodes = graph.graph_module.graph.nodes
+    calls = {n.target: n for n in nodes if n.op == "call_module"}
+    placeholders = [n.name for n in nodes if n.op == "placeholder"]
+    # What feeds each placeholder that is a weight: its key (user inputs that are weights: their name).
+    keys = {name: key for name, key in zip(placeholders, graph.signature.inputs, strict=True) if key}
+    keys.update({name: name for name in input_weights})
+    partitions = []
+    for saved in plan["partitions"]:
+        call = calls.get(saved["name"])
+        inputs = tuple(PartitionInput(**i) for i in saved["inputs"])
+        sub = getattr(graph.graph_module, saved["name"], None)
+        outputs = next((n.args[0] for n in sub.graph.nodes if n.op == "output"), ()) if sub else ()
+        if (
+            call is None
+            or [a.name for a in call.args] != [i.node for i in inputs]
+            or any(i.weight_key != keys.get(i.node) for i in inputs)
+            or any((i.kind == "weight") != bool(i.weight_key) for i in inputs)
+            or len(outputs) != saved["num_outputs"]
+        ):
+            raise PartitionError(
+                f"partition {saved['name']} is not called in the saved graph as the plan records it"
+            )
+        partitions.append(
+            Partition(
+                saved["name"],
+                tuple(saved["nodes"]),
+                inputs,
+                saved["num_outputs"],
+                dict(saved["ops"]),
+                saved.get("block"),
+            )
+        )
+    loaded = PartitionPlan(
+        specs=specs,
+        options=CompileOptions.from_dict(plan["options"]),
+        graph_module=graph.graph_module,
+        partitions=tuple(partitions),
+        fallback_ops=dict(plan["fallback_ops"]),
+        symbols=graph.symbols,
+        signature=graph.signature,
+        program_weights={k: weights[k] for k in graph.signature.weight_keys()},
+        read_program=read_program,
+    )
+    loaded.quantization = plan.get("quantization")
+    loaded.seconds = time.perf_counter() - start
+    return loaded
+
+
 def program_weights(program: ExportedProgram) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for spec in program.graph_signature.input_specs:
@@ -186,6 +284,26 @@ def program_weights(program: ExportedProgram) -> dict[str, torch.Tensor]:
             source = program.state_dict if spec.target in program.state_dict else program.constants
             weights[spec.target] = source[spec.target]
     return weights
+
+
+def with_weights(program: ExportedProgram, state: Mapping[str, torch.Tensor]) -> ExportedProgram:
+    """A shallow copy of the program whose state dict / constants carry the given tensors."""
+    if not state:
+        return program
+
+    def like(old: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        # The program's verifier wants parameters to stay nn.Parameter.
+        if isinstance(old, torch.nn.Parameter) and not isinstance(value, torch.nn.Parameter):
+            return torch.nn.Parameter(value.detach(), requires_grad=False)
+        return value
+
+    new = copy.copy(program)
+    new._state_dict = {
+        **program.state_dict,
+        **{k: like(program.state_dict[k], v) for k, v in state.items() if k in program.state_dict},
+    }
+    new._constants = {**program.constants, **{k: v for k, v in state.items() if k in program.constants}}
+    return new
 
 
 def weight_placeholders(program: ExportedProgram) -> dict[str, str]:
@@ -447,7 +565,7 @@ def _fuse(
         if n.op == "call_function" and n.target not in SYMBOLIC_OPS
     )
     return PartitionPlan(
-        program=program,
+        _program=program,
         specs=specs,
         options=options,
         graph_module=split,

@@ -22,7 +22,6 @@ from collections import Counter
 from collections.abc import Mapping
 
 import torch
-from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from compiler.backends import get_backend
@@ -82,20 +81,13 @@ class CompiledModule(torch.nn.Module):
         self.load_seconds: dict[str, float] = {}  # set by package.load: where its seconds went
         # Where inputs, engines, fallback ops and outputs live (CompileOptions.device).
         self.device = resolve(plan.options.device)
-        program = plan.program
-        self._in_spec, self._out_spec = program.call_spec.in_spec, program.call_spec.out_spec
+        signature = plan.signature
+        self._in_spec, self._out_spec = signature.in_spec, signature.out_spec
         self._leaf_call = _leaf_call(self._in_spec)
         # The weight tensors are fixed for the module's life (refit in place copies into them): resolved once.
         weights = plan.weights()
-        self._feed_template = [
-            None if spec.kind == InputKind.USER_INPUT else weights[spec.target]
-            for spec in program.graph_signature.input_specs
-        ]
-        self._user_outputs = [
-            i
-            for i, spec in enumerate(program.graph_signature.output_specs)
-            if spec.kind == OutputKind.USER_OUTPUT
-        ]
+        self._feed_template = [None if key is None else weights[key] for key in signature.inputs]
+        self._user_outputs = list(signature.user_outputs)
         # torch runs a custom op through torch._dynamo.disable, which, while any thread exports,
         # edits a process-wide fx annotation dict (KeyError 'custom' under torch 2.13): graphs that
         # call one run under the tracing lock, so they never overlap a trace.
@@ -308,15 +300,7 @@ class CompiledModule(torch.nn.Module):
         state = self._checked_refit_state(state)
         if in_place:
             return self._refit_in_place(state)
-        plan = copy.copy(self.plan)
-        program_weights = {**self.plan.program.state_dict, **self.plan.program.constants}
-        plan.input_weights = {
-            **self.plan.input_weights,
-            **{k: v for k, v in state.items() if k not in program_weights},
-        }
-        plan.program = with_weights(
-            self.plan.program, {k: v for k, v in state.items() if k in program_weights}
-        )
+        plan = self.plan.reweighted(state)
         # A new module with its own captures: the old module's graphs keep reading the old weights.
         refitted = assemble(
             plan,
@@ -519,25 +503,3 @@ def _calls_custom_ops(graph: torch.fx.GraphModule) -> bool:
         for node in module.graph.nodes
         if node.op == "call_function"
     )
-
-
-def with_weights(
-    program: torch.export.ExportedProgram, state: Mapping[str, torch.Tensor]
-) -> torch.export.ExportedProgram:
-    """A shallow copy of the program whose state dict / constants carry the given tensors."""
-    if not state:
-        return program
-
-    def like(old: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        # The program's verifier wants parameters to stay nn.Parameter.
-        if isinstance(old, torch.nn.Parameter) and not isinstance(value, torch.nn.Parameter):
-            return torch.nn.Parameter(value.detach(), requires_grad=False)
-        return value
-
-    new = copy.copy(program)
-    new._state_dict = {
-        **program.state_dict,
-        **{k: like(program.state_dict[k], v) for k, v in state.items() if k in program.state_dict},
-    }
-    new._constants = {**program.constants, **{k: v for k, v in state.items() if k in program.constants}}
-    return new

@@ -251,6 +251,6 @@ def _device(compiled: torch.nn.Module) -> str:
 
 
 def _unflatten(compiled: torch.nn.Module, flat: list[torch.Tensor]) -> tuple[tuple, dict]:
-    in_spec = compiled.plan.program.call_spec.in_spec
+    in_spec = compiled.plan.signature.in_spec
     args, kwargs = pytree.tree_unflatten(flat, in_spec)
     return tuple(args), dict(kwargs)

@@ -512,3 +512,109 @@ def test_package_files_are_readable_by_other_users(mlp_package):
     _, _, info = mlp_package
     modes = {p.name: p.stat().st_mode & 0o777 for p in info.path.rglob("*") if p.is_file()}
     assert modes and all(mode & 0o044 == 0o044 for mode in modes.values()), modes
+
+
+# ---------------------------------------------------------------- the runtime graph (cold start)
+
+
+def _drop_runtime_graph(path: Path) -> None:
+    (path / "runtime_graph.json").unlink()
+    _reseal(path, lambda data: data["files"].pop("runtime_graph.json"))
+
+
+def test_a_load_runs_from_the_runtime_graph_and_reads_the_program_only_when_asked(mlp_package, tmp_path):
+    _, compiled, info = mlp_package
+    assert "runtime_graph.json" in info.manifest.files
+    x = torch.randn(5, 64)
+    torch.save({"x": x, "y": compiled(x)}, tmp_path / "io.pt")
+    out = _run_fresh(
+        f"""
+        import sys, torch, compiler
+        io = torch.load({str(tmp_path / "io.pt")!r})
+        loaded = compiler.load({str(info.path)!r}, allowed_modules=["zoo.models"])
+        # torch.export's deserializer (and torch._dynamo, which it imports) never ran
+        assert "torch._export.serde.serialize" not in sys.modules and "torch._dynamo" not in sys.modules
+        assert "sympy" not in sys.modules  # nothing of a load parses shapes (~0.3 s of imports)
+        assert loaded.plan._program is None
+        assert torch.equal(loaded(io["x"]), io["y"])
+        loaded.refit(loaded.weights)  # a refit into a new module needs no program either
+        assert loaded.plan._program is None
+        again = compiler.save(loaded, {str(tmp_path / "again.kiln")!r})  # a re-save reads it
+        assert loaded.plan._program is not None
+        import json
+        print(json.dumps({{rel: f.sha256 for rel, f in again.manifest.files.items()}}))
+        """
+    )
+    # the same bytes as the package it was loaded from, the runtime graph included
+    assert json.loads(out.stdout) == {rel: f.sha256 for rel, f in info.manifest.files.items()}
+
+
+@pytest.mark.parametrize("model", ["mlp_with_fallback", "tiny_bert"])
+def test_runtime_graph_and_program_loads_give_the_same_outputs(compiled_zoo, tmp_path, model):
+    case, compiled = compiled_zoo[model]
+    info = compiler.save(compiled, tmp_path / "light.kiln")
+    old = _copy(info.path, tmp_path / "program.kiln")
+    _drop_runtime_graph(old)  # as a package saved before the runtime graph existed
+    light, program = compiler.load(info.path), compiler.load(old)
+    assert light.plan._program is None and program.plan._program is not None
+    assert light.plan.signature == program.plan.signature
+    assert [p.to_dict() for p in light.plan.partitions] == [p.to_dict() for p in program.plan.partitions]
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(light(*case.args, **case.kwargs)),
+        torch.utils._pytree.tree_leaves(program(*case.args, **case.kwargs)),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+
+
+def _node(data: dict, name: str) -> dict:
+    return next(n for n in data["graph"]["nodes"] if n["name"] == name)
+
+
+def _target(data: dict, value: str) -> None:
+    _node(data, "getitem")["target"] = value
+
+
+def _swap_inputs(data: dict) -> None:
+    call = next(n for n in data["graph"]["nodes"] if n["op"] == "call_module")
+    call["args"]["tuple"][:2] = call["args"]["tuple"][1::-1]
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "match"),
+    [
+        (lambda d: _target(d, "operator.attrgetter"), PackageCorruptError, "call target"),
+        (lambda d: _target(d, "builtins::eval.default"), PackageCorruptError, "not registered"),
+        (lambda d: _target(d, "aten::add"), PackageCorruptError, "call target"),
+        (lambda d: _node(d, "getitem").update(name="x=__import__('os')"), PackageCorruptError, "node name"),
+        (lambda d: _node(d, "getitem")["args"]["tuple"].append({"eval": "1"}), PackageCorruptError, "kind"),
+        (lambda d: d["graph"]["nodes"].insert(0, {"op": "get_attr", "name": "w"}), PackageCorruptError, "op"),
+        (lambda d: d["inputs"].pop(), PackageCorruptError, "signature names"),
+        (_swap_inputs, compiler.errors.PartitionError, "not called in the saved graph"),
+    ],
+    ids=["py-operator", "unregistered", "not-overload", "name", "value", "get_attr", "inputs", "swap"],
+)
+def test_a_tampered_runtime_graph_is_refused_with_a_typed_error(mlp_package, tmp_path, edit, error, match):
+    path = _copy(mlp_package[2].path, tmp_path / "p.kiln")
+    data = json.loads((path / "runtime_graph.json").read_text())
+    edit(data)
+    (path / "runtime_graph.json").write_text(json.dumps(data))
+    _reseal(path)
+    with pytest.raises(error, match=match):
+        compiler.load(path, allowed_modules=["zoo.models"])
+
+
+def test_a_graph_the_runtime_form_cannot_hold_is_not_written():
+    from compiler import runtime_graph
+
+    class Attr(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def forward(self, x):
+            return x * self.w  # a get_attr node, and a call of operator.mul on tensors
+
+    gm = torch.fx.symbolic_trace(Attr())
+    program = torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
+    assert runtime_graph.write(gm, runtime_graph.CallSignature.of(program), {}) is None
