@@ -301,10 +301,11 @@ def _load(
         now = time.perf_counter()
         stages[stage], mark = round(now - mark, 4), now
 
-    # Engines with AOTInductor packages (backend_options aot) load natively where trusted: nothing of
-    # Inductor's to import then.
+    # Engines with AOTInductor packages (backend_options aot) load natively: the package's own where
+    # trusted, else the one this machine built at the first untrusted load. Nothing of Inductor's to
+    # import then (a first untrusted load imports it when it compiles).
     backend_options = options.get("backend_options")
-    native = trust_engine_code and isinstance(backend_options, dict) and backend_options.get("aot") is True
+    native = isinstance(backend_options, dict) and backend_options.get("aot") is True
     # The weights are decoded and put on the device by a worker, while this thread reads the graph.
     placed = pool.submit(_weights_on, reads[WEIGHTS], target)
     if light:

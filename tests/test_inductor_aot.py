@@ -112,12 +112,20 @@ def test_aot_engine_loads_natively_where_trusted_and_never_where_not(device, tmp
     assert not signed["warnings"], signed["warnings"]
     if device == "cuda":  # captured once per shape, then replayed
         assert signed["graphs"]["enabled"] and signed["graphs"]["captures"] == 3, signed["graphs"]
+    # Not trusted: the package's native code never runs. The engine is compiled here from its program,
+    # and so is this machine's own AOTInductor package, kept in the local engine cache ...
+    env = {**env, "KILN_CACHE_DIR": str(tmp_path / "cache")}
     unsigned = _fresh_load(tmp_path / "unsigned.kiln", env, device)
-    # Not trusted: the native package is never loaded; the engine is compiled here from its program.
-    assert "aot" not in set(unsigned["dispatch"].values()), unsigned
     assert any("not trusted to run code" in w for w in unsigned["warnings"]), unsigned["warnings"]
+    assert any("building this machine's own" in w for w in unsigned["warnings"]), unsigned["warnings"]
+    kinds = [e.meta.get("kind") for e in compiler.EngineCache(tmp_path / "cache").entries()]
+    assert "inductor-local-aot" in kinds, kinds
+    # ... so the next untrusted load runs natively, as a trusted one does: nothing compiled.
+    again = _fresh_load(tmp_path / "unsigned.kiln", env, device)
+    assert set(again["dispatch"].values()) == {"aot"} and not again["inductor"], again
+    assert not again["warnings"], again["warnings"]
     for batch, want in expected.items():
-        for got in (signed, unsigned):
+        for got in (signed, unsigned, again):
             torch.testing.assert_close(torch.tensor(got["outs"][str(batch)]), want, rtol=1e-5, atol=1e-5)
 
 

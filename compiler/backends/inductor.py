@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from compiler.backends.base import BuildSettings, EngineIO, unpack_torch_graph
-from compiler.backends.inductor_aot import AotGraph, build_aot
+from compiler.backends.inductor_aot import AotGraph, LocalAot, build_aot
 from compiler.backends.inductor_format import (
     AOT,
     COMPILED,
@@ -365,11 +365,9 @@ class InductorBackend:
             weights = load_tensors(files[WEIGHTS], self.device)
         ordered = _ordered(header, weights, self.device)
         constants = {int(i): t for i, t in load_tensors(files.get(CONSTANTS), self.device).items()}
-        aot = self._load_aot(files, header)
+        aot = self._load_aot(files, header) or self._local_aot(files, header, options).loaded()
         if aot is not None:  # serves every shape: no Inductor, no Triton imported
-            engine = InductorEngine(aot, ordered, io, constants, expected_weights=header["weights"])
-            engine.last_dispatch = "aot"
-            return engine
+            return self._aot_engine(aot, ordered, io, constants, header)
         host_compiler(options)
         key = _library_key(files[PROGRAM], {**header, "options": options})
         with _COMPILE_LOCK:
@@ -387,7 +385,32 @@ class InductorBackend:
                     )
                     _remember(shape_key, loaded, None)
                 static[shapes] = loaded
+            local = self._local_aot(files, header, options)
+            if local.wanted:  # an untrusted AOT package's: built here once, for the loads after this one
+                aot = local.build(io, ordered, constants, compiled)
+                if aot is not None:
+                    return self._aot_engine(aot, ordered, io, constants, header)
         return InductorEngine(compiled, ordered, io, constants, static, expected_weights=header["weights"])
+
+    def _aot_engine(
+        self,
+        aot: AotGraph,
+        weights: tuple[torch.Tensor, ...],
+        io: EngineIO,
+        constants: Mapping[int, torch.Tensor],
+        header: Mapping[str, Any],
+    ) -> InductorEngine:
+        engine = InductorEngine(aot, weights, io, constants, expected_weights=header["weights"])
+        engine.last_dispatch = "aot"
+        return engine
+
+    def _local_aot(
+        self, files: Mapping[str, bytes], header: Mapping[str, Any], options: Mapping[str, Any]
+    ) -> LocalAot:
+        """This machine's own AOTInductor package of an engine whose untrusted package carried one (its
+        bytes are never run): wanted for such engines only."""
+        wanted = not self.trust_engine_code and AOT in files
+        return LocalAot(wanted, files[PROGRAM], options, self.device, self.target_device(), header)
 
     def _load_aot(self, files: Mapping[str, bytes], header: Mapping[str, Any]) -> AotGraph | None:
         """The engine's AOTInductor package, loaded, where it has one and engine code is trusted (it is

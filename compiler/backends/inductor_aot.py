@@ -169,3 +169,78 @@ class AotGraph:
         if self._constants:
             args = tuple(a for i, a in enumerate(args) if i not in self._constants)
         return self._runner.run(list(args))
+
+
+class LocalAot:
+    """This machine's own AOTInductor package of an engine from an untrusted package that carried one.
+
+    The package's AOTInductor bytes are native code and never run untrusted. Instead the first
+    untrusted load builds one here, from the engine's program with this process's compiler and kiln's
+    own settings (minutes for a BERT-base), checks it in a fresh process like a compile does, and keeps
+    it in the local engine cache (trusted input, docs/security.md), keyed by what was compiled. The
+    loads after it run natively, as a trusted load does: no Inductor imported, no recompile.
+    """
+
+    def __init__(
+        self,
+        wanted: bool,
+        program: bytes,
+        options: Mapping[str, Any],
+        device: torch.device,
+        target: str,
+        header: Mapping[str, Any],
+    ):
+        from compiler.backends.inductor_graph import LocalCompiled
+
+        self.wanted, self.device, self.options, self.header = wanted, device, options, header
+        self.program = program
+        self.entry = LocalCompiled(program, options, target, aot=True) if wanted else None
+
+    def loaded(self) -> AotGraph | None:
+        """The package built here before, loaded; None where there is none (or not wanted)."""
+        data = self.entry.read() if self.entry is not None else None
+        if data is None:
+            return None
+        try:
+            return AotGraph(data, self.device, self.header["constants"])
+        except Exception:  # built by another torch or toolchain since: build it again
+            return None
+
+    def build(
+        self,
+        io: Any,
+        weights: Sequence[torch.Tensor],
+        constants: Mapping[int, torch.Tensor],
+        standalone: Any,
+    ) -> AotGraph | None:
+        """Build, check and keep it; ``standalone``: the engine's graph compiled here (the answer the
+        package must give). None, warned, where it cannot be built here (the standalone graph serves)."""
+        import warnings
+
+        from compiler.backends.inductor_graph import ProgramGraph, example_inputs, graph_args
+        from compiler.backends.inductor_options import inductor_config
+
+        if self.entry is None:
+            return None
+        warnings.warn(
+            "Inductor engine from an untrusted package with an AOTInductor package: building this "
+            "machine's own from its program (minutes, once: kept in the local engine cache)",
+            stacklevel=4,
+        )
+        graph = ProgramGraph.load(self.program, self.device)
+        activations = example_inputs(io, self.device)
+        with torch.no_grad():
+            expected = list(standalone(*graph_args(activations, tuple(weights), constants)))
+        built, note = build_aot(
+            graph.exported,
+            [*activations, *weights],
+            expected,
+            inductor_config(self.options),
+            self.device,
+            str(self.header.get("precision", "fp32")),
+        )
+        if built is None:
+            warnings.warn(f"Inductor engine: no AOTInductor package built here: {note}", stacklevel=4)
+            return None
+        self.entry.write(built)
+        return AotGraph(built, self.device, self.header["constants"])

@@ -109,12 +109,17 @@ class LocalCompiled:
         options: Mapping[str, Any],
         target: str,
         shapes: tuple[tuple[int, ...], ...] | None = None,
+        *,
+        aot: bool = False,
     ):
         meta = {"torch": torch.__version__, "target": target, "options": options, "format": FORMAT}
         if shapes is not None:  # a static specialization: its own entry
             meta["static_shapes"] = [list(s) for s in shapes]
+        if aot:  # its AOTInductor package (built with this machine's compiler): its own entry
+            meta["aot"] = True
         self.key = hashlib.sha256(program + json.dumps(meta, sort_keys=True).encode()).hexdigest()
-        self.meta = {"kind": "inductor-local-compile", "torch": torch.__version__, "target": target}
+        kind = "inductor-local-aot" if aot else "inductor-local-compile"
+        self.meta = {"kind": kind, "torch": torch.__version__, "target": target}
 
     @staticmethod
     def _cache() -> Any:
@@ -132,8 +137,7 @@ class LocalCompiled:
         weights: tuple[torch.Tensor, ...],
         constants: Mapping[int, torch.Tensor],
     ) -> Callable[..., Any] | None:
-        cache = self._cache()
-        data = cache.get(self.key) if cache is not None else None
+        data = self.read()
         if data is None:
             return None
         try:
@@ -144,11 +148,19 @@ class LocalCompiled:
         except Exception:  # another Inductor configuration since: compile again (and overwrite)
             return None
 
+    def read(self) -> bytes | None:
+        """The entry's bytes, None where there is none (or no cache)."""
+        cache = self._cache()
+        return cache.get(self.key) if cache is not None else None
+
     def store(self, compiled: Any) -> None:
+        self.write(save_artifact(compiled))
+
+    def write(self, data: bytes) -> None:
         cache = self._cache()
         if cache is not None:
             try:
-                cache.put(self.key, save_artifact(compiled), self.meta)
+                cache.put(self.key, data, self.meta)
             except Exception as exc:  # never fail a load because the cache cannot take an entry
                 warnings.warn(
                     f"Inductor engine: not kept in the local cache ({short_error(exc)})", stacklevel=4
