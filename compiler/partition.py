@@ -261,7 +261,7 @@ def from_runtime_graph(
                 saved.get("block"),
             )
         )
-    loaded = PartitionPlan(
+    return PartitionPlan(
         specs=specs,
         options=CompileOptions.from_dict(plan["options"]),
         graph_module=graph.graph_module,
@@ -269,12 +269,11 @@ def from_runtime_graph(
         fallback_ops=dict(plan["fallback_ops"]),
         symbols=graph.symbols,
         signature=graph.signature,
+        seconds=time.perf_counter() - start,
+        quantization=plan.get("quantization"),
         program_weights={k: weights[k] for k in graph.signature.weight_keys()},
         read_program=read_program,
     )
-    loaded.quantization = plan.get("quantization")
-    loaded.seconds = time.perf_counter() - start
-    return loaded
 
 
 def program_weights(program: ExportedProgram) -> dict[str, torch.Tensor]:

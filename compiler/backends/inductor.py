@@ -365,7 +365,8 @@ class InductorBackend:
             weights = load_tensors(files[WEIGHTS], self.device)
         ordered = _ordered(header, weights, self.device)
         constants = {int(i): t for i, t in load_tensors(files.get(CONSTANTS), self.device).items()}
-        aot = self._load_aot(files, header) or self._local_aot(files, header, options).loaded()
+        local = self._local_aot(files, header, options)  # an untrusted AOT package's: built here
+        aot = self._load_aot(files, header) or local.loaded()
         if aot is not None:  # serves every shape: no Inductor, no Triton imported
             return self._aot_engine(aot, ordered, io, constants, header)
         host_compiler(options)
@@ -385,8 +386,7 @@ class InductorBackend:
                     )
                     _remember(shape_key, loaded, None)
                 static[shapes] = loaded
-            local = self._local_aot(files, header, options)
-            if local.wanted:  # an untrusted AOT package's: built here once, for the loads after this one
+            if local.wanted:  # built here once, for the loads after this one
                 aot = local.build(io, ordered, constants, compiled)
                 if aot is not None:
                     return self._aot_engine(aot, ordered, io, constants, header)
