@@ -11,6 +11,12 @@ it partitions the program twice (ONNX Runtime's and TensorRT's op tables), compa
 for each unique TensorRT fingerprint lowers it once and builds it full and stripped. Results go to
 ``benchmarks/results/tensorrt_rtx_build_proof.json`` (or ``--out``).
 
+``--precisions int8 fp8``: quantized builds (issue 19). Each plan is quantized by kiln's quantizer
+with TensorRT's recipe (symmetric Q/DQ; fp8 E4M3) on random calibration inputs: scales from random
+data are meaningless for accuracy but give the same graph, which is what a build proves. Each
+quantized engine marks every quantized weight, scale and zero point refittable (one build per unique
+block, each instance's values put in by refit).
+
 ``--cpu-aot`` is a dry run without a GPU: partitions with ONNX Runtime's table, builds
 non-refittable engines only (TensorRT-RTX compiles those ahead of time on the CPU), no stripping.
 """
@@ -35,9 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import compiler
 from compiler.backends import get_backend
+from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.backends.tensorrt import TensorRTBackend, canonical_weights, decode_engine
 from compiler.errors import KilnError
 from compiler.lower import lower
+from compiler.quantize import quantize
+from compiler.validation_data import sample_inputs
 from zoo import models as zoo
 
 RESULT = Path(__file__).resolve().parent / "results" / "tensorrt_rtx_build_proof.json"
@@ -100,16 +109,25 @@ def prove_case(
     name: str, program, mode: str, precision: str, backend: TensorRTBackend, cpu_aot: bool
 ) -> dict:
     split = MODES[mode]
-    ort_options = compiler.CompileOptions(backend="onnxruntime", precision=precision, split_modules=split)
+    quantized = precision in QUANTIZED_PRECISIONS
+    # ONNX Runtime has no fp8: its int8 plan is the one to compare partitions and builds with.
+    ort_options = compiler.CompileOptions(
+        backend="onnxruntime", precision="int8" if quantized else precision, split_modules=split
+    )
     trt_options = compiler.CompileOptions(
         backend="onnxruntime" if cpu_aot else backend.name,
         precision=precision,
         split_modules=split,
         backend_options={"refit": "none"} if cpu_aot else {},
+        calibration={"samples": 4, "allow_random": True},
     )
     ort_plan = compiler.partition(program, ort_options)
     ort_dedup = compiler.dedup(ort_plan)
     plan = compiler.partition(program, trt_options)
+    if quantized:  # one shape for every sample: ONNX Runtime's fp8 calibrator stacks them
+        generator = torch.Generator().manual_seed(0)
+        samples = [sample_inputs(plan.specs, "max", generator) for _ in range(4)]
+        plan = quantize(plan, {s.name: torch.stack(t) for s, *t in zip(plan.specs, *samples, strict=True)})
     dedup = compiler.dedup(plan)
     out: dict = {
         "onnxruntime": {
@@ -122,6 +140,7 @@ def prove_case(
             "unique": len(dedup.fingerprints),
             "fallback_ops": dict(plan.fallback_ops),
         },
+        "quantization": {k: plan.quantization[k] for k in ("partitions", "fallbacks")} if quantized else None,
         "same_partitions_as_onnxruntime": _partition_names(ort_plan) == _partition_names(plan),
         "same_builds_as_onnxruntime": len(ort_dedup.fingerprints) == len(dedup.fingerprints),
         "fingerprints": {},
@@ -310,6 +329,9 @@ def main() -> None:
     backend = (
         TensorRTBackend("tensorrt-rtx", require_gpu=False) if args.cpu_aot else get_backend("tensorrt-rtx")
     )
+    fp8_backend = (
+        TensorRTBackend("tensorrt-rtx", compute_capabilities=("sm_89",)) if "fp8" in args.precisions else None
+    )
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     try:
         backend.check_runnable()
@@ -331,7 +353,9 @@ def main() -> None:
             for precision in args.precisions:
                 t0 = time.perf_counter()
                 try:
-                    res = prove_case(name, program, mode, precision, backend, args.cpu_aot)
+                    # fp8 needs FP8 tensor cores: TensorRT-RTX's default targets (sm_80, sm_86) have none.
+                    builder = fp8_backend if precision == "fp8" and not args.cpu_aot else backend
+                    res = prove_case(name, program, mode, precision, builder, args.cpu_aot)
                 except Exception as exc:
                     res = {
                         "error": f"{type(exc).__name__}: {exc}",

@@ -77,6 +77,10 @@ def instance_weights(plan: PartitionPlan, partition: Partition) -> dict[str, str
 def partition_fingerprint(plan: PartitionPlan, partition: Partition) -> str:
     kinds = tuple(i.kind for i in partition.inputs)
     settings = plan.options.build_settings(partition.name).to_dict()
+    graph = plan.quantized_graphs.get(partition.name)
+    if graph is not None and (settings.get("quantization") or {}).get("scales") == "graph":
+        # Its scales are compiled into its engine (TensorRT): the graph that holds them is its structure.
+        settings["quantized_graph"] = hashlib.sha256(graph).hexdigest()
     return fingerprint(plan.submodule(partition.name).graph, kinds, plan.symbols, settings)
 
 

@@ -24,8 +24,16 @@ DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 # or "dynamic" (weights quantized ahead, activations at run time; no calibration data).
 QUANTIZATION_MODES = ("static", "dynamic")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
-# Backends that build int8 engines here (ONNX Runtime's own quantizer); others are refused by name.
-QUANTIZING_BACKENDS = ("onnxruntime",)
+# Backends that build each quantized precision, from ONNX Runtime's quantizer's Q/DQ graphs; others
+# are refused by name. ONNX Runtime runs int8 on the CPU; TensorRT parses explicit Q/DQ (symmetric,
+# as it requires) for int8 and for fp8, whose GEMMs need compute capability 8.9+ (checked at build).
+QUANTIZING_BACKENDS = {
+    "int8": ("onnxruntime", "tensorrt", "tensorrt-rtx"),
+    "fp8": ("tensorrt", "tensorrt-rtx"),
+}
+# What the quantizer's graph is made from: ONNX Runtime's basic optimizations first (Conv+BatchNorm
+# fused, compiler.quantize). A change here changes every quantized graph, so it is in their keys.
+QUANTIZED_GRAPH = "ort-basic-optimized"
 # Whether a batch between profiles is padded up to the next one (compiler.padding).
 PAD_TO_PROFILE = ("off", "auto")
 
@@ -100,9 +108,10 @@ class CompileOptions:
     compile-time check showed padded rows leave the real rows' outputs unchanged; refused per profile,
     with the reason, elsewhere (:mod:`compiler.padding`). Not a build setting.
 
-    ``quantization`` and ``calibration``: how ``int8`` partitions are quantized (``compiler.quantize``):
-    ``"static"`` (QDQ, activation scales calibrated on ``calibration.data``) or ``"dynamic"``.
-    Only the ``onnxruntime`` backend builds int8 here; others are refused by name.
+    ``quantization`` and ``calibration``: how ``int8`` / ``fp8`` partitions are quantized
+    (``compiler.quantize``): ``"static"`` (QDQ, activation scales calibrated on ``calibration.data``)
+    or ``"dynamic"`` (ONNX Runtime only). int8 is built by ``onnxruntime``, ``tensorrt`` and
+    ``tensorrt-rtx``, fp8 by the two TensorRTs (``QUANTIZING_BACKENDS``); others are refused by name.
     """
 
     backend: str = "onnxruntime"
@@ -153,12 +162,7 @@ class CompileOptions:
             raise PartitionError(
                 f"precision {self.precision!r} is not supported; expected one of {PRECISIONS}"
             )
-        if self.quantized and self.backend not in QUANTIZING_BACKENDS:
-            raise PartitionError(
-                f"precision int8 is not built by backend {self.backend!r} here: int8 engines come from "
-                f"ONNX Runtime's quantizer ({', '.join(QUANTIZING_BACKENDS)}); use backend 'onnxruntime' "
-                "or a float precision"
-            )
+        self._check_quantizing_backend()
         if self.on_build_failure not in ON_BUILD_FAILURE:
             raise PartitionError(
                 f"on_build_failure {self.on_build_failure!r} is not supported; expected one of "
@@ -185,6 +189,26 @@ class CompileOptions:
         if self.pad_to_profile == "auto" and not self.profiles:
             raise PartitionError("pad_to_profile 'auto' needs profiles to pad to; give profiles or use 'off'")
 
+    def _check_quantizing_backend(self) -> None:
+        levels = sorted({self.precision, *self.partition_precision.values()} & set(QUANTIZED_PRECISIONS))
+        for level in levels:
+            backends = QUANTIZING_BACKENDS[level]
+            if self.backend not in backends:
+                missing = (
+                    "ONNX Runtime has no fp8 kernels on the CPU"
+                    if level == "fp8" and self.backend == "onnxruntime"
+                    else f"backend {self.backend!r} has no {level} build here"
+                )
+                raise PartitionError(
+                    f"precision {level}: {missing}; {level} engines are built by "
+                    f"{', '.join(repr(b) for b in backends)} (name one), or use a float precision"
+                )
+        if levels and self.quantization == "dynamic" and self.backend != "onnxruntime":
+            raise PartitionError(
+                f"quantization 'dynamic' with backend {self.backend!r}: TensorRT takes explicit Q/DQ "
+                "graphs only, with activation scales calibrated ahead; use quantization: static"
+            )
+
     def build_settings(self, partition: str | None = None) -> BuildSettings:
         """The build settings of ``partition`` (its ``partition_precision``, else ``precision``); with
         no partition, the compile's. The map itself is left out: one partition's exception must not
@@ -198,7 +222,7 @@ class CompileOptions:
             workspace_bytes=self.workspace_bytes,
             optimization_level=self.optimization_level,
             options=dict(self.backend_options),
-            quantization=self.quantization_settings() if precision in QUANTIZED_PRECISIONS else None,
+            quantization=self.quantization_settings(precision) if precision in QUANTIZED_PRECISIONS else None,
             profiles=self.build_profiles(),
         )
 
@@ -210,12 +234,30 @@ class CompileOptions:
             return tuple(fixed_profiles(self.profiles))
         return () if self.backend == "onnxruntime" else self.profiles
 
-    def quantization_settings(self) -> dict[str, Any]:
-        """What decides a quantized graph's structure (where Q/DQ nodes go), so it enters fingerprints.
-        The calibration data does not: its values reach engines by refit (docs/compiler-api.md)."""
+    def quantization_settings(self, precision: str = "int8") -> dict[str, Any]:
+        """What decides a quantized graph's structure and types (where Q/DQ nodes go, which integer or
+        float8 type each side takes), so it enters fingerprints. The calibration data does not: its
+        values reach engines by refit (docs/compiler-api.md).
+
+        ONNX Runtime: uint8 activations with a zero point, int8 weights, int32 biases (its fast U8S8
+        kernels). TensorRT: symmetric activations (zero point 0, which it requires), biases left in
+        float; fp8 is E4M3 on both sides, calibrated by ONNX Runtime's float8 calibrator
+        (``distribution``, its only one: ``calibration.method`` applies to int8)."""
+        # ``scales``: "refit" (ONNX Runtime: values put in like weights, so one engine serves every
+        # instance of a block) or "graph" (TensorRT compiles them into its kernels and refuses to
+        # refit them: each instance is its own engine).
+        onnxruntime = self.backend == "onnxruntime"
+        common = {
+            "per_channel": True,
+            "graph": QUANTIZED_GRAPH,
+            "scales": "refit" if onnxruntime else "graph",
+        }
         if self.quantization == "dynamic":
-            return {"mode": "dynamic", "per_channel": True}
-        return {"mode": "static", "method": self.calibration.method, "per_channel": True}
+            return {"mode": "dynamic", **common}
+        if precision == "fp8":
+            return {"mode": "static", "method": "distribution", "types": "e4m3fn-symmetric", **common}
+        types = "u8s8" if onnxruntime else "s8s8-symmetric"
+        return {"mode": "static", "method": self.calibration.method, "types": types, **common}
 
     @property
     def quantized(self) -> bool:
@@ -224,7 +266,8 @@ class CompileOptions:
         return any(level in QUANTIZED_PRECISIONS for level in levels)
 
     def precision_of(self, partition: str) -> str:
-        """``"fp32"``, ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"torch"`` (no engine) for one partition."""
+        """``"fp32"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"torch"`` (no engine) for one
+        partition."""
         return self.partition_precision.get(partition, self.precision)
 
     def to_dict(self) -> dict:

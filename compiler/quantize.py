@@ -116,16 +116,21 @@ def quantize(
         if options.precision_of(representative) not in QUANTIZED_PRECISIONS:
             continue
         parts = [i.partition for i in unique.instances_of(fp)]
-        try:
-            graph, own = _quantize_fingerprint(plan, fp, parts, feeds)
-        except Exception as exc:  # ONNX Runtime's quantizer raises any type
-            reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-            fallbacks.update({name: reason for name in parts})
-            continue
-        graphs[representative] = graph
-        tensors.update(own)
+        # Scales compiled into the engine (TensorRT): each instance is its own graph and engine.
+        scales_in_graph = options.quantization_settings(options.precision_of(representative))["scales"]
+        for group in [[p] for p in parts] if scales_in_graph == "graph" else [parts]:
+            try:
+                graph, own = _quantize_fingerprint(plan, fp, group, feeds)
+            except Exception as exc:  # ONNX Runtime's quantizer raises any type
+                reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                fallbacks.update({name: reason for name in group})
+                continue
+            graphs[group[0]] = graph
+            tensors.update(own)
     levels = {**options.partition_precision, **dict.fromkeys(fallbacks, FALLBACK_PRECISION)}
-    settings = options.quantization_settings()
+    settings = options.quantization_settings(
+        options.precision if options.precision in QUANTIZED_PRECISIONS else "int8"
+    )
     record = QuantizationRecord(
         mode=options.quantization,
         method=settings.get("method"),
@@ -232,6 +237,7 @@ def _quantize_fingerprint(
     from compiler.lower import lower_float
 
     by_name = {p.name: p for p in plan.partitions}
+    settings = plan.options.quantization_settings(plan.options.precision_of(parts[0]))
     float_graph = lower_float(plan, by_name[parts[0]], FALLBACK_PRECISION, fp).onnx
     every = plan.weights()
     template: bytes | None = None
@@ -244,8 +250,8 @@ def _quantize_fingerprint(
         }
         own_graph = float_graph if name == parts[0] else OnnxRuntimeBackend().refit(float_graph, weights)
         model = _folded(onnx.load_from_string(own_graph))
-        quantized = _run_quantizer(model, feeds.get(name, []), plan.options)
-        structure, canonical, values = _canonical(quantized)
+        quantized = _run_quantizer(model, feeds.get(name, []), settings)
+        structure, canonical, values = _canonical(quantized, settings["scales"] == "graph")
         if template is None:
             template, graph = structure, canonical
         elif structure != template:
@@ -286,13 +292,19 @@ def _folded(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
+_METHODS = {
+    "minmax": "MinMax",
+    "entropy": "Entropy",
+    "percentile": "Percentile",
+    "distribution": "Distribution",
+}
 
 
 def _run_quantizer(
-    model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], options: Any
+    model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], settings: Mapping[str, Any]
 ) -> onnx.ModelProto:
-    """ONNX Runtime's quantizer on ``model`` (through files: it takes paths and rewrites its input)."""
+    """ONNX Runtime's quantizer on ``model`` with the recipe ``settings`` names
+    (``CompileOptions.quantization_settings``), through files: it takes paths and rewrites its input."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         CalibrationMethod,
@@ -313,24 +325,41 @@ def _run_quantizer(
         source, target = Path(tmp) / "float.onnx", Path(tmp) / "int8.onnx"
         onnx.save_model(model, source)
         _optimize_basic(source, source)
-        if options.quantization == "dynamic":
+        if settings["mode"] == "dynamic":
             quantize_dynamic(source, target, per_channel=True, weight_type=QuantType.QInt8)
         else:
             if not feeds:
                 raise QuantizationError("no calibration inputs reached this partition")
+            shapes = {tuple((k, a.shape) for k, a in sorted(feed.items())) for feed in feeds}
+            if settings["method"] == "distribution" and len(shapes) > 1:
+                raise QuantizationError(
+                    "ONNX Runtime's float8 calibrator (distribution) stacks its samples: every "
+                    f"calibration sample must reach this partition in one shape, got {len(shapes)} shapes"
+                )
+            types = {
+                # uint8 activations (U8S8): with int8 ones BERT's embeddings partition (a Gather over the
+                # vocabulary table) ran at 22-50x fp32 latency at batch 1 (tests/gpu/probe_qdq_types.py).
+                "u8s8": (QuantType.QUInt8, QuantType.QInt8, {}),
+                # TensorRT: zero points 0 on both sides, biases stay float (it has no int32 dequantize).
+                "s8s8-symmetric": (QuantType.QInt8, QuantType.QInt8, _SYMMETRIC),
+                "e4m3fn-symmetric": (QuantType.QFLOAT8E4M3FN, QuantType.QFLOAT8E4M3FN, _SYMMETRIC),
+            }
+            activations, weights, extra = types[settings["types"]]
             quantize_static(
                 source,
                 target,
                 Reader(),
                 quant_format=QuantFormat.QDQ,
-                per_channel=True,
-                # uint8 activations (U8S8): with int8 ones BERT's embeddings partition (a Gather over the
-                # vocabulary table) ran at 22-50x fp32 latency at batch 1 (tests/gpu/probe_qdq_types.py).
-                activation_type=QuantType.QUInt8,
-                weight_type=QuantType.QInt8,
-                calibrate_method=getattr(CalibrationMethod, _METHODS[options.calibration.method]),
+                per_channel=bool(settings["per_channel"]),
+                activation_type=activations,
+                weight_type=weights,
+                calibrate_method=getattr(CalibrationMethod, _METHODS[settings["method"]]),
+                extra_options=dict(extra),
             )
         return onnx.load(target)
+
+
+_SYMMETRIC = {"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False}
 
 
 def _optimize_basic(source: Path, target: Path) -> None:
@@ -347,13 +376,32 @@ def _optimize_basic(source: Path, target: Path) -> None:
     options.optimized_model_filepath = str(target)
     options.log_severity_level = 3
     ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
+    # It imports every domain it registers (com.microsoft, nchwc, ...): keep those the nodes use.
+    model = onnx.load(target)
+    used = {node.domain for node in model.graph.node}
+    kept = [o for o in model.opset_import if o.domain in used or o.domain in ("", "ai.onnx")]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    onnx.save_model(model, target)
 
 
-def _canonical(model: onnx.ModelProto) -> tuple[bytes, bytes, dict[str, torch.Tensor]]:
-    """(structure: the graph without initializer values, the graph, initializer ``w<k>`` -> tensor)."""
+def _canonical(
+    model: onnx.ModelProto, scales_in_graph: bool = False
+) -> tuple[bytes, bytes, dict[str, torch.Tensor]]:
+    """(structure: the graph without initializer values, the graph, initializer ``w<k>`` -> tensor).
+
+    ``scales_in_graph`` (TensorRT): only quantized weights (what a DequantizeLinear reads) and float
+    tensors are refit tensors; Q/DQ scales, zero points and integer constants (shapes, axes) are
+    constants ``c<k>`` of the graph and of its structure. TensorRT compiles scales into its kernels
+    and refuses to mark them, or a shape's constant, refittable
+    (benchmarks/results/tensorrt_rtx_quantized_build_proof.json). A scale that is not positive (a
+    range of zeros: every value quantizes to 0 whatever the scale) becomes 1, which it requires."""
     graph = model.graph
     keep = {i.name for i in graph.input} | {o.name for o in graph.output}
-    inits = {init.name: f"w{k}" for k, init in enumerate(graph.initializer)}
+    scales = _graph_constants(graph) if scales_in_graph else set()
+    constants = [init.name for init in graph.initializer if init.name in scales]
+    weights = [init.name for init in graph.initializer if init.name not in scales]
+    inits = {**{n: f"c{k}" for k, n in enumerate(constants)}, **{n: f"w{k}" for k, n in enumerate(weights)}}
     values: dict[str, str] = {}
 
     def rename(name: str) -> str:
@@ -364,7 +412,8 @@ def _canonical(model: onnx.ModelProto) -> tuple[bytes, bytes, dict[str, torch.Te
     tensors = {}
     for init in graph.initializer:
         init.name = rename(init.name)
-        tensors[init.name] = torch.from_numpy(np.array(numpy_helper.to_array(init)))
+        if init.name.startswith("w"):
+            tensors[init.name] = _tensor(init)
     for index, node in enumerate(graph.node):
         node.name = f"n{index}"
         node.input[:] = [rename(n) for n in node.input]
@@ -374,10 +423,43 @@ def _canonical(model: onnx.ModelProto) -> tuple[bytes, bytes, dict[str, torch.Te
     del model.metadata_props[:]
     structure = copy.deepcopy(model)
     for init in structure.graph.initializer:
+        if init.name.startswith("c"):  # compiled in: part of the structure
+            continue
         init.ClearField("raw_data")
         for attr in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
             init.ClearField(attr)
     return structure.SerializeToString(), model.SerializeToString(), tensors
+
+
+def _graph_constants(graph: onnx.GraphProto) -> set[str]:
+    """The initializers TensorRT must see as constants (see :func:`_canonical`); scales made positive."""
+    params, quantized = set(), set()
+    for node in graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            params.update(node.input[1:])
+            if node.op_type == "DequantizeLinear":
+                quantized.add(node.input[0])
+    floating = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    constants = set()
+    for init in graph.initializer:
+        if init.name in quantized and init.name not in params:
+            continue
+        if init.name not in params and init.data_type in floating and np.prod(init.dims) > 1:
+            continue
+        constants.add(init.name)
+        if init.name in params and init.data_type == onnx.TensorProto.FLOAT:
+            scale = numpy_helper.to_array(init)
+            if not (np.isfinite(scale) & (scale > 0)).all():
+                fixed = np.where(np.isfinite(scale) & (scale > 0), scale, np.float32(1)).astype(np.float32)
+                init.CopyFrom(numpy_helper.from_array(fixed, init.name))
+    return constants
+
+
+def _tensor(init: onnx.TensorProto) -> torch.Tensor:
+    array = np.array(numpy_helper.to_array(init))
+    if init.data_type == onnx.TensorProto.FLOAT8E4M3FN:  # an ml_dtypes array: torch takes its bytes
+        return torch.from_numpy(array.view(np.uint8)).view(torch.float8_e4m3fn)
+    return torch.from_numpy(array)
 
 
 @contextlib.contextmanager

@@ -55,8 +55,8 @@ from compiler.validation_data import ValidationData
 # One step up in accuracy for a partition at each level; "torch" (its PyTorch submodule) is the top.
 # int8 steps to fp16 where fp16 is fast (CUDA) and straight to fp32 on the CPU, where fp16 engines run
 # through casts and would only cost one more rebuild (see step_up).
-STEP_UP = {"int8": "fp16", "fp16": "fp32", "bf16": "fp32", "fp32": "torch"}
-REDUCED = ("fp16", "bf16", "int8")
+STEP_UP = {"int8": "fp16", "fp8": "fp16", "fp16": "fp32", "bf16": "fp32", "fp32": "torch"}
+REDUCED = ("fp16", "bf16", "int8", "fp8")
 
 
 def step_up(precision: str, device: str) -> str:
@@ -70,7 +70,7 @@ def pinned(options: Any) -> frozenset[str]:
     """Partitions the search must leave as they are: in an int8 compile (precision chosen per partition)
     every ``partition_precision`` entry given to the compile is a pin. A float compile's entries are
     starting points the ladder may raise further (fp32 -> torch), as before int8 existed."""
-    if options.precision != "int8":
+    if options.precision not in QUANTIZED_PRECISIONS:
         return frozenset()
     return frozenset(options.partition_precision)
 

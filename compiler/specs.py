@@ -21,7 +21,19 @@ SPEC_FORMAT_VERSION = 1
 
 # Names of torch dtypes (``getattr(torch, name)``): specs read and match without importing torch, so a
 # registry listing or look-up that loads nothing does not pay for it.
-_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
+# float8_e4m3fn: fp8 partitions' quantized weights (compiler.quantize); not a model input dtype.
+_DTYPES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int64",
+    "int32",
+    "int8",
+    "uint8",
+    "bool",
+    "float8_e4m3fn",
+)
 DTYPES = frozenset(_DTYPES)  # the dtype names kiln reads and writes
 
 

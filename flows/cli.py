@@ -390,7 +390,10 @@ def compile_cmd(
         typer.Option("--backend", "-b", help="onnxruntime, tensorrt, tensorrt-rtx, inductor, auto"),
     ] = None,
     precision: Annotated[
-        str | None, typer.Option("--precision", "-p", help="fp32, fp16, bf16 or int8 (onnxruntime)")
+        str | None,
+        typer.Option(
+            "--precision", "-p", help="fp32, fp16, bf16, int8 (onnxruntime, tensorrt) or fp8 (tensorrt)"
+        ),
     ] = None,
     quantization: Annotated[
         str | None, typer.Option("--quantization", help="int8: static (calibrated, default) or dynamic")

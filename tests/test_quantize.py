@@ -264,12 +264,19 @@ def test_no_calibration_data_is_refused_unless_random_is_allowed_or_quantization
         assert len(calibration_samples(plan, tmp_path / "c.safetensors")[0]) == 2
 
 
-def test_int8_on_a_backend_without_it_is_refused_by_name():
-    for backend in ("inductor", "tensorrt"):
-        with pytest.raises(
-            PartitionError, match=f"precision int8 is not built by backend '{backend}'.*onnxruntime"
-        ):
-            compiler.CompileOptions(backend=backend, precision="int8")
+def test_int8_and_fp8_on_a_backend_without_them_are_refused_by_name():
+    with pytest.raises(
+        PartitionError, match=r"precision int8: backend 'inductor' has no int8 build.*'onnxruntime'"
+    ):
+        compiler.CompileOptions(backend="inductor", precision="int8")
+    with pytest.raises(PartitionError, match=r"precision fp8: ONNX Runtime has no fp8 kernels.*'tensorrt'"):
+        compiler.CompileOptions(precision="fp8")
+    with pytest.raises(PartitionError, match="precision fp8: backend 'inductor'"):
+        compiler.CompileOptions(backend="inductor", precision="fp32", partition_precision={"engine_0": "fp8"})
+    with pytest.raises(PartitionError, match=r"quantization 'dynamic' with backend 'tensorrt'.*static"):
+        compiler.CompileOptions(backend="tensorrt", precision="int8", quantization="dynamic")
+    for backend in ("tensorrt", "tensorrt-rtx"):  # built there: Q/DQ graphs TensorRT parses
+        assert compiler.CompileOptions(backend=backend, precision="fp8").quantized
     with pytest.raises(PartitionError, match=r"calibration\.method 'kl'"):
         compiler.CompileOptions(precision="int8", calibration={"method": "kl"})
 
@@ -298,6 +305,9 @@ def test_the_zoo_entry_carries_int8_to_the_request_and_preflight_wants_calibrati
         "method": "percentile",
         "mode": "static",
         "per_channel": True,
+        "types": "u8s8",
+        "scales": "refit",
+        "graph": "ort-basic-optimized",
     }
     assert request.options.build_settings("engine_2").quantization is None
     assert request.tolerances.rel_l2 == 0.1  # int8's default
@@ -309,7 +319,68 @@ def test_the_zoo_entry_carries_int8_to_the_request_and_preflight_wants_calibrati
     dynamic = parse_zoo({"models": [{**entry, "calibration": {}, "quantization": "dynamic"}]})
     preflight(dynamic.requests(dynamic.entries[0])[0])  # dynamic: no calibration data needed
     wrong = parse_zoo(
-        {"models": [{**entry, "backend": "tensorrt"}, {**entry, "name": "m", "quantization": "qat"}]}
+        {"models": [{**entry, "backend": "inductor"}, {**entry, "name": "m", "quantization": "qat"}]}
     )
-    assert "precision int8 is not built by backend 'tensorrt'" in wrong.invalid[0].error
+    assert "precision int8: backend 'inductor' has no int8 build here" in wrong.invalid[0].error
     assert "quantization" in wrong.invalid[1].error
+
+
+@pytest.mark.parametrize(("precision", "quantized_type"), [("int8", "INT8"), ("fp8", "FLOAT8E4M3FN")])
+def test_tensorrt_quantized_graphs_are_symmetric_with_scales_compiled_in_one_engine_per_instance(
+    case, precision, quantized_type
+):
+    """TensorRT's recipe, made here without TensorRT (its builds: tensorrt_rtx_quantized_build_proof):
+    zero points 0 and positive scales, which it requires; scales and zero points are constants of each
+    instance's own graph (TensorRT refuses to refit them), and only weights are refit tensors."""
+    import onnx
+    from onnx import numpy_helper
+
+    _, program, data = case
+    plan = compiler.partition(
+        program, compiler.CompileOptions(precision="int8", split_modules=("OutlierBlock",))
+    )
+    # Partitioned for ONNX Runtime (TensorRT is not installed here): the recipe follows the backend.
+    options = dataclasses.replace(plan.options, backend="tensorrt-rtx", precision=precision)
+    fixed_shape = {"x": data["x"][:16]}  # the fp8 calibrator stacks samples: one shape
+    plan = quantize(dataclasses.replace(plan, options=options), fixed_shape)
+    assert not plan.quantization["fallbacks"] and len(plan.quantization["partitions"]) == 5
+    assert plan.quantization["method"] == ("distribution" if precision == "fp8" else "minmax")
+    assert set(plan.quantized_graphs) == {p.name for p in plan.partitions}  # one graph per instance
+    assert len(compiler.dedup(plan).unique) == 5  # the four identical blocks build four engines
+    for name, graph in plan.quantized_graphs.items():
+        model = onnx.load_from_string(graph)
+        inits = {i.name: i for i in model.graph.initializer}
+        for node in model.graph.node:
+            if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+                scale, zero = (numpy_helper.to_array(inits[n]) for n in node.input[1:3])
+                assert (scale > 0).all() and (np.asarray(zero, np.float32) == 0).all()
+                assert node.input[1].startswith("c") and node.input[2].startswith("c")
+                assert onnx.TensorProto.DataType.Name(inits[node.input[2]].data_type) == quantized_type
+        refit = {
+            k.split("/")[-1]: v
+            for k, v in plan.quantized.items()
+            if k.startswith(f"{QUANTIZED_PREFIX}{name}/")
+        }
+        assert refit and set(refit) == {n for n in inits if n.startswith("w")}
+        want = torch.int8 if precision == "int8" else torch.float8_e4m3fn
+        assert want in {t.dtype for t in refit.values()} and torch.int32 not in {
+            t.dtype for t in refit.values()
+        }
+    if precision == "fp8":  # and ONNX Runtime cannot run what was made for TensorRT
+        with pytest.raises(PartitionError, match="fp8"):
+            dataclasses.replace(options, backend="onnxruntime")
+
+
+def test_the_fp8_calibrator_refuses_samples_of_several_shapes_by_name():
+    batch = torch.export.Dim("batch", min=1, max=8)
+    program = compiler.export(_Tiny().eval(), (torch.randn(4, 8),), dynamic_shapes=({0: batch},))
+    options = compiler.CompileOptions(precision="int8", calibration={"samples": 4, "allow_random": True})
+    plan = compiler.partition(program, options)
+    plan = dataclasses.replace(
+        plan, options=dataclasses.replace(options, backend="tensorrt", precision="fp8")
+    )
+    out = quantize(plan, {"x": torch.randn(4, 4, 8)})  # one shape: quantized
+    assert out.quantization["partitions"] and not out.quantization["fallbacks"]
+    # Random inputs span the batch range (1 and 8 rows): the partition falls back, and says why.
+    [reason] = quantize(plan).quantization["fallbacks"].values()
+    assert "every calibration sample must reach this partition in one shape, got 3 shapes" in reason

@@ -101,7 +101,7 @@ class PartitionOptions(_Strict):
     split_modules: Literal["auto"] | list[str] | None = Field(
         default=None, description="'auto' (each repeated block its own engine) or module class names"
     )
-    precision: dict[str, Literal["fp32", "fp16", "bf16", "int8", "torch"]] = Field(
+    precision: dict[str, Literal["fp32", "fp16", "bf16", "int8", "fp8", "torch"]] = Field(
         default_factory=dict, description="per-partition exceptions to the entry's precision (engine_3: fp32)"
     )
 
@@ -150,7 +150,7 @@ class ZooEntry(_Strict):
         default=False, description="hf: sources: run the Python code shipped with the model"
     )
     inputs: dict[str, InputOverride] = Field(default_factory=dict)
-    precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    precision: Literal["fp32", "fp16", "bf16", "int8", "fp8"] = "fp32"
     quantization: Literal["static", "dynamic"] = Field(
         default="static", description="int8: calibrated QDQ (static) or dynamic activation scales"
     )

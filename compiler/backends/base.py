@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the settings and records here are read without torch (zoo f
 
 FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")
 # Integer precisions: weights and activations quantized (compiler.quantize), per partition.
-QUANTIZED_PRECISIONS = ("int8",)
+QUANTIZED_PRECISIONS = ("int8", "fp8")
 PRECISIONS = (*FLOAT_PRECISIONS, *QUANTIZED_PRECISIONS)
 
 # Lowering names every weight initializer ``w<position>``; other initializers are graph constants.

@@ -42,6 +42,7 @@ from compiler.backends.tensorrt.engine_format import (
     check_header,
     decode_engine,
     encode_engine,
+    sm_number,
 )
 from compiler.backends.tensorrt.library import (
     LIBRARIES,
@@ -62,6 +63,17 @@ from compiler.errors import (
     InputSpecError,
     RefitError,
 )
+
+
+def _check_fp8_target(settings: BuildSettings, targets: Sequence[str], partition: str | None) -> None:
+    """fp8 Q/DQ needs FP8 tensor cores: compute capability 8.9 (Ada) or later, for every target."""
+    older = [cc for cc in targets if settings.precision == "fp8" and sm_number(cc) < 89]
+    if older:
+        raise EngineBuildError(
+            f"partition {partition}: precision fp8 needs compute capability 8.9 or later (FP8 tensor "
+            f"cores); the engine targets {', '.join(older)}",
+            partition=partition,
+        )
 
 
 def _error_node(text: str, node_names: Sequence[str]) -> str | None:
@@ -234,6 +246,7 @@ class TensorRTBackend:
                         partition=partition,
                     )
         engine_target = self._engine_target()
+        _check_fp8_target(settings, engine_target.compute_capabilities, partition)
         if self.rtx and self.compute_capabilities:
             config.num_compute_capabilities = len(engine_target.compute_capabilities)
             for i, cc in enumerate(engine_target.compute_capabilities):

@@ -38,7 +38,7 @@ HEADER_FORMAT = 1
 _MAX_EXPANSION, _MIN_PLAN_LIMIT = 256, 64 << 20
 
 
-def _sm_number(compute_capability: str) -> int:
+def sm_number(compute_capability: str) -> int:
     return int(compute_capability.removeprefix("sm_"))
 
 
@@ -63,8 +63,8 @@ class EngineTarget:
     def runs_on(self, compute_capability: str) -> bool:
         if compute_capability in self.compute_capabilities:
             return True
-        return self.and_later and _sm_number(compute_capability) >= max(
-            _sm_number(c) for c in self.compute_capabilities
+        return self.and_later and sm_number(compute_capability) >= max(
+            sm_number(c) for c in self.compute_capabilities
         )
 
     def describe(self) -> str:

@@ -43,6 +43,8 @@ def canonical_weights(model: Any) -> dict[str, dict[str, Any]]:
         }.get(str(np_dtype))
         if init.data_type == onnx.TensorProto.BFLOAT16:
             torch_name = "bfloat16"
+        if init.data_type == onnx.TensorProto.FLOAT8E4M3FN:  # fp8 partitions' weights and zero points
+            torch_name = "float8_e4m3fn"
         if torch_name is None:
             raise EngineBuildError(f"weight {init.name!r} has ONNX dtype {np_dtype}, which kiln cannot refit")
         found[int(match.group(1))] = {

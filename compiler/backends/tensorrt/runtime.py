@@ -31,6 +31,7 @@ _TRT_DTYPE = {
     "int8": lambda trt: trt.DataType.INT8,
     "uint8": lambda trt: trt.DataType.UINT8,
     "bool": lambda trt: trt.DataType.BOOL,
+    "float8_e4m3fn": lambda trt: trt.DataType.FP8,
 }
 _TORCH_DTYPE = {
     "FLOAT": torch.float32,
@@ -41,6 +42,7 @@ _TORCH_DTYPE = {
     "INT8": torch.int8,
     "UINT8": torch.uint8,
     "BOOL": torch.bool,
+    "FP8": torch.float8_e4m3fn,
 }
 
 
