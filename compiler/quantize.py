@@ -345,6 +345,12 @@ def _run_quantizer(
                 "e4m3fn-symmetric": (QuantType.QFLOAT8E4M3FN, QuantType.QFLOAT8E4M3FN, _SYMMETRIC),
             }
             activations, weights, extra = types[settings["types"]]
+            # fp8: the GEMMs only, where TensorRT runs it. Elsewhere ONNX Runtime's float8 calibrator
+            # fails: a Softmax's [0, 1] range has no statistics ("Attributes 'avg' and/or 'std'
+            # missing"), a zero bias gets scale 0 ("Initializer has nan").
+            ops = ["MatMul", "Gemm", "Conv"] if settings["types"] == "e4m3fn-symmetric" else None
+            if ops and not any(node.op_type in ops for node in onnx.load(source).graph.node):
+                raise QuantizationError(f"no {', '.join(ops)} to run in fp8 (TensorRT's fp8 is for GEMMs)")
             quantize_static(
                 source,
                 target,
@@ -355,6 +361,7 @@ def _run_quantizer(
                 weight_type=weights,
                 calibrate_method=getattr(CalibrationMethod, _METHODS[settings["method"]]),
                 extra_options=dict(extra),
+                op_types_to_quantize=ops,
             )
         return onnx.load(target)
 
@@ -391,7 +398,7 @@ def _canonical(
     """(structure: the graph without initializer values, the graph, initializer ``w<k>`` -> tensor).
 
     ``scales_in_graph`` (TensorRT): only quantized weights (what a DequantizeLinear reads) and float
-    tensors are refit tensors; Q/DQ scales, zero points and integer constants (shapes, axes) are
+    tensors are refit tensors; Q/DQ scales, zero points, scalars and integer constants (shapes, axes) are
     constants ``c<k>`` of the graph and of its structure. TensorRT compiles scales into its kernels
     and refuses to mark them, or a shape's constant, refittable
     (benchmarks/results/tensorrt_rtx_quantized_build_proof.json). A scale that is not positive (a
@@ -442,9 +449,10 @@ def _graph_constants(graph: onnx.GraphProto) -> set[str]:
     floating = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
     constants = set()
     for init in graph.initializer:
-        if init.name in quantized and init.name not in params:
-            continue
-        if init.name not in params and init.data_type in floating and np.prod(init.dims) > 1:
+        # Scalars stay constants: a refittable quantized scalar (BERT's attention scale, quantized as
+        # Mul's operand) is refused ("Quantized constant is only allowed before DQ").
+        tensor = init.name not in params and np.prod(init.dims) > 1
+        if tensor and (init.name in quantized or init.data_type in floating):
             continue
         constants.add(init.name)
         if init.name in params and init.data_type == onnx.TensorProto.FLOAT:
