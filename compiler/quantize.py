@@ -345,12 +345,14 @@ def _run_quantizer(
                 "e4m3fn-symmetric": (QuantType.QFLOAT8E4M3FN, QuantType.QFLOAT8E4M3FN, _SYMMETRIC),
             }
             activations, weights, extra = types[settings["types"]]
-            # fp8: the GEMMs only, where TensorRT runs it. Elsewhere ONNX Runtime's float8 calibrator
-            # fails: a Softmax's [0, 1] range has no statistics ("Attributes 'avg' and/or 'std'
-            # missing"), a zero bias gets scale 0 ("Initializer has nan").
-            ops = ["MatMul", "Gemm", "Conv"] if settings["types"] == "e4m3fn-symmetric" else None
+            # TensorRT: Q/DQ at the inputs of GEMMs and convolutions only, where its int8 and fp8 kernels
+            # are (it propagates them on). A quantized constant of an elementwise op (BERT's attention
+            # scale) is refused ("Quantized constant is only allowed before DQ"), and ONNX Runtime's
+            # float8 calibrator fails on a Softmax's [0, 1] range ("Attributes 'avg' and/or 'std'
+            # missing") and on zero biases (scale 0: "Initializer has nan").
+            ops = None if settings["types"] == "u8s8" else ["MatMul", "Gemm", "Conv"]
             if ops and not any(node.op_type in ops for node in onnx.load(source).graph.node):
-                raise QuantizationError(f"no {', '.join(ops)} to run in fp8 (TensorRT's fp8 is for GEMMs)")
+                raise QuantizationError(f"no {', '.join(ops)} to quantize (TensorRT's are in GEMMs)")
             quantize_static(
                 source,
                 target,
