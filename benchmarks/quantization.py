@@ -169,7 +169,7 @@ def resnet50_case(seed: int = 0):
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(seed)
-    model = _ImageLogits(ResNetForImageClassification(ResNetConfig()).eval())
+    model = _ImageLogits(ResNetForImageClassification(ResNetConfig(num_labels=1000)).eval())
     _trained_batchnorm(model)
     batch = torch.export.Dim("batch", min=1, max=8)
 
