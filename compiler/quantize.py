@@ -1,4 +1,5 @@
-"""Quantize: int8 partitions through ONNX Runtime's own quantizer, calibrated on the user's data.
+"""Quantize: int8 and fp8 partitions through ONNX Runtime's own quantizer, calibrated on the user's
+data, with the recipe of the backend that builds them (``CompileOptions.quantization_settings``).
 
 Runs after partitioning, before dedup and the engine builds (``compiler.compile`` and the partition
 task call it); a plan without int8 partitions passes through unchanged.
@@ -10,15 +11,20 @@ task call it); a plan without int8 partitions passes through unchanged.
 2. One fp32 pass of the partitioned graph (every partition in PyTorch) over them captures the
    activations arriving at each partition: each instance is calibrated on its own inputs.
 3. Each partition is lowered to fp32 ONNX (once per fingerprint; other instances get their weights
-   put in), its constant subgraphs folded (``Transpose(w)`` becomes a transposed weight), and
-   quantized by ``onnxruntime.quantization``: ``quantize_static`` (QDQ, per-channel int8
-   weights, uint8 activations, the calibration method asked for) or ``quantize_dynamic``.
+   put in), its constant subgraphs folded (``Transpose(w)`` becomes a transposed weight), put
+   through ONNX Runtime's basic optimizations (Conv+BatchNorm fused), and quantized by
+   ``onnxruntime.quantization``: ``quantize_static`` (QDQ, per-channel weights; ONNX Runtime: uint8
+   activations, int8 weights; TensorRT: symmetric int8 or E4M3 fp8 at GEMM and convolution inputs)
+   or ``quantize_dynamic`` (ONNX Runtime).
 4. The quantized graph is canonicalized: every initializer (quantized weights, scales, zero points,
    int32 biases) is named ``w<k>`` by position, every other value ``v<n>``. Instances of one
    fingerprint give the same graph apart from those values, so the fingerprint still builds one
    engine and each instance's values are its refit tensors (``PartitionPlan.quantized``), stored in
    packages with the weights. An instance whose quantized graph differs, or a quantizer failure, puts
    every partition of that fingerprint back in fp32 (named in the record); nothing is cached for it.
+   For TensorRT, which compiles scales into its kernels and will not refit them, scales and zero
+   points are constants of each instance's own graph instead: every instance builds its own engine,
+   and only its weights are refit tensors.
 
 The samples used are recorded by digest; validation never uses them
 (``compiler.validation_data.held_out``).
@@ -117,8 +123,8 @@ def quantize(
             continue
         parts = [i.partition for i in unique.instances_of(fp)]
         # Scales compiled into the engine (TensorRT): each instance is its own graph and engine.
-        scales_in_graph = options.quantization_settings(options.precision_of(representative))["scales"]
-        for group in [[p] for p in parts] if scales_in_graph == "graph" else [parts]:
+        scales = options.quantization_settings(options.precision_of(representative))["scales"]
+        for group in [[p] for p in parts] if scales == "graph" else [parts]:
             try:
                 graph, own = _quantize_fingerprint(plan, fp, group, feeds)
             except Exception as exc:  # ONNX Runtime's quantizer raises any type
