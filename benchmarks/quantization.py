@@ -3,8 +3,8 @@
 Models (random weights, built from code):
   * ``bert``: a BERT-base-sized sequence classifier (transformers ``BertConfig``, 768 hidden, 12 heads,
     ``--layers`` layers, sequence 128), split per ``BertLayer`` so dedup builds one engine per level;
-  * ``resnet50``: a ResNet-50 image classifier (transformers ``ResNetConfig``'s default: bottleneck
-    stages 3-4-6-3, 224x224 RGB, 1000 classes), one partition;
+  * ``resnet50``: a ResNet-50 image classifier (transformers ``ResNetConfig``: bottleneck stages
+    3-4-6-3, 224x224 RGB, ImageNet's 1000-class head), one partition;
   * ``cnn``: a small ResNet-like CNN (32x32 images, 10 classes): 0.4 ms at batch 1 on the GPU host,
     so it measures ONNX Runtime's per-node overhead more than int8 convolution;
   * ``sensitive``: 8 residual MLP blocks of one structure, one of which carries an outlier channel

@@ -13,9 +13,9 @@ for each unique TensorRT fingerprint lowers it once and builds it full and strip
 
 ``--precisions int8 fp8``: quantized builds (issue 19). Each plan is quantized by kiln's quantizer
 with TensorRT's recipe (symmetric Q/DQ; fp8 E4M3) on random calibration inputs: scales from random
-data are meaningless for accuracy but give the same graph, which is what a build proves. Each
-quantized engine marks every quantized weight, scale and zero point refittable (one build per unique
-block, each instance's values put in by refit).
+data are meaningless for accuracy but give the same graph, which is what a build proves. TensorRT
+compiles scales in, so each instance of a block is its own engine, whose quantized weights and float
+tensors are marked refittable (and stripped).
 
 ``--cpu-aot`` is a dry run without a GPU: partitions with ONNX Runtime's table, builds
 non-refittable engines only (TensorRT-RTX compiles those ahead of time on the CPU), no stripping.
