@@ -103,8 +103,10 @@ def verify_all(cache: EngineCache, *, evict: bool = False) -> tuple[int, list[Ba
 def collect_garbage(
     cache: EngineCache, *, max_bytes: int | None = None, older_than: float | None = None
 ) -> GcResult:
-    """Remove entries last used more than ``older_than`` seconds ago, then the least recently used
-    beyond ``max_bytes`` (per layer), and blobs on the store that no entry names."""
+    """Remove entries last used ``older_than`` seconds ago or earlier, then the least recently used
+    beyond ``max_bytes`` (per layer), and blobs on the store that no entry names. At least, not more
+    than: S3 stamps whole seconds, so an entry written in the probe's second is 0 s old, and
+    ``--older-than 0s`` must still remove it."""
     result = GcResult()
     now = time.time()
     local = sorted(cache.entries(), key=lambda e: e.last_used)  # oldest first
@@ -148,7 +150,7 @@ def collect_garbage(
         grace = older_than if older_than is not None else ORPHAN_GRACE_SECONDS
         for obj in remote.blobs():
             name = obj.name.rsplit("/", 1)[-1]
-            if name not in named and obj.modified and now - obj.modified > grace:
+            if name not in named and obj.modified and now - obj.modified >= grace:
                 remote.store.delete(obj.name)
                 result.orphan_blobs += 1
         if remote.problem or remote.write_problem:
@@ -159,7 +161,7 @@ def collect_garbage(
 def _collect(ordered, backend, max_bytes, older_than, now, evict, result: GcResult) -> None:
     total = sum(e.bytes for e in ordered)
     for info in ordered:
-        too_old = older_than is not None and now - info.last_used > older_than
+        too_old = older_than is not None and now - info.last_used >= older_than
         too_big = max_bytes is not None and total > max_bytes
         if not (too_old or too_big):
             continue
