@@ -384,3 +384,34 @@ def test_the_fp8_calibrator_refuses_samples_of_several_shapes_by_name():
     # Random inputs span the batch range (1 and 8 rows): the partition falls back, and says why.
     [reason] = quantize(plan).quantization["fallbacks"].values()
     assert "every calibration sample must reach this partition in one shape, got 3 shapes" in reason
+
+
+def test_batchnorm_is_fused_into_its_convolution_before_quantizing():
+    """Unfused, each BatchNorm ran in fp32 between Q/DQ pairs: ResNet-50 int8 at 0.99x fp32 on the AMX
+    host (tests/gpu/probe_resnet_int8.py). Fused, the int8 graph has no BatchNorm and every Conv reads
+    dequantized int8 weights."""
+    import onnx
+
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, bias=False),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 4, 1),
+    ).eval()
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-0.5, 0.5)
+        model[1].running_var.uniform_(0.5, 1.5)
+    program = compiler.export(model, (torch.randn(1, 3, 8, 8),))
+    options = compiler.CompileOptions(precision="int8", calibration={"samples": 8})
+    data = {"input": torch.randn(8, 1, 3, 8, 8)}
+    compiled = compiler.compile(program, options, cache=False, calibration_data=data)
+    [graph] = compiled.plan.quantized_graphs.values()
+    nodes = onnx.load_from_string(graph).graph.node
+    ops = [n.op_type for n in nodes]
+    assert "BatchNormalization" not in ops and ops.count("Conv") == 2
+    produced = {o: n.op_type for n in nodes for o in n.output}
+    for conv in (n for n in nodes if n.op_type == "Conv"):
+        assert produced[conv.input[0]] == "DequantizeLinear" and produced[conv.input[1]] == "DequantizeLinear"
+    x = data["input"][0]
+    with torch.no_grad():
+        assert torch.allclose(compiled(x), model(x), atol=0.1, rtol=0.1)
