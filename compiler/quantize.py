@@ -50,7 +50,6 @@ import numpy as np
 import onnx
 import torch
 from onnx import numpy_helper
-from torch.export.graph_signature import InputKind
 
 from compiler.backends.base import QUANTIZED_PRECISIONS, to_numpy
 from compiler.errors import CalibrationError, CalibrationWarning, QuantizationError, ValidationDataError
@@ -122,11 +121,11 @@ def quantize(
         if options.precision_of(representative) not in QUANTIZED_PRECISIONS:
             continue
         parts = [i.partition for i in unique.instances_of(fp)]
+        recipe = options.quantization_settings(options.precision_of(representative))
         # Scales compiled into the engine (TensorRT): each instance is its own graph and engine.
-        scales = options.quantization_settings(options.precision_of(representative))["scales"]
-        for group in [[p] for p in parts] if scales == "graph" else [parts]:
+        for group in [[p] for p in parts] if recipe["scales"] == "graph" else [parts]:
             try:
-                graph, own = _quantize_fingerprint(plan, fp, group, feeds)
+                graph, own = _quantize_fingerprint(plan, fp, group, feeds, recipe)
             except Exception as exc:  # ONNX Runtime's quantizer raises any type
                 reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 fallbacks.update({name: reason for name in group})
@@ -207,10 +206,8 @@ def _captured(
     the whole graph runs in fp32 PyTorch."""
     device = plan.options.device
     weights = plan.weights()
-    template = [
-        None if spec.kind == InputKind.USER_INPUT else weights[spec.target]
-        for spec in plan.program.graph_signature.input_specs
-    ]
+    # The runtime's own feed (CompiledModule): no program read for a plan loaded from a package.
+    template = [None if key is None else weights[key] for key in plan.signature.inputs]
     feeds: dict[str, list[dict[str, np.ndarray]]] = {name: [] for name in names}
     by_name = {p.name: p for p in plan.partitions}
 
@@ -235,15 +232,19 @@ def _captured(
 
 
 def _quantize_fingerprint(
-    plan: PartitionPlan, fp: str, parts: Sequence[str], feeds: Mapping[str, list]
+    plan: PartitionPlan,
+    fp: str,
+    parts: Sequence[str],
+    feeds: Mapping[str, list],
+    settings: Mapping[str, Any],
 ) -> tuple[bytes, dict[str, torch.Tensor]]:
-    """(the canonical quantized graph, each instance's tensors) for the partitions of one fingerprint."""
+    """(the canonical quantized graph, each instance's tensors) for the partitions of one fingerprint,
+    quantized with the recipe ``settings`` (``CompileOptions.quantization_settings``)."""
     from compiler.backends.onnxruntime import OnnxRuntimeBackend
     from compiler.dedup import canonical_weights
     from compiler.lower import lower_float
 
     by_name = {p.name: p for p in plan.partitions}
-    settings = plan.options.quantization_settings(plan.options.precision_of(parts[0]))
     float_graph = lower_float(plan, by_name[parts[0]], FALLBACK_PRECISION, fp).onnx
     every = plan.weights()
     template: bytes | None = None
@@ -413,6 +414,8 @@ def _canonical(
     range of zeros: every value quantizes to 0 whatever the scale) becomes 1, which it requires."""
     graph = model.graph
     keep = {i.name for i in graph.input} | {o.name for o in graph.output}
+    if scales_in_graph:
+        _positive_scales(graph)
     scales = _graph_constants(graph) if scales_in_graph else set()
     constants = [init.name for init in graph.initializer if init.name in scales]
     weights = [init.name for init in graph.initializer if init.name not in scales]
@@ -447,7 +450,7 @@ def _canonical(
 
 
 def _graph_constants(graph: onnx.GraphProto) -> set[str]:
-    """The initializers TensorRT must see as constants (see :func:`_canonical`); scales made positive."""
+    """The initializers TensorRT must see as constants (see :func:`_canonical`)."""
     params, quantized = set(), set()
     for node in graph.node:
         if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
@@ -463,12 +466,19 @@ def _graph_constants(graph: onnx.GraphProto) -> set[str]:
         if tensor and (init.name in quantized or init.data_type in floating):
             continue
         constants.add(init.name)
-        if init.name in params and init.data_type == onnx.TensorProto.FLOAT:
+    return constants
+
+
+def _positive_scales(graph: onnx.GraphProto) -> None:
+    """Every Q/DQ scale that is not positive (a range of zeros) set to 1, in place: TensorRT requires
+    positive scales, and every value of such a range quantizes to 0 whatever the scale."""
+    scales = {node.input[1] for node in graph.node if node.op_type in ("QuantizeLinear", "DequantizeLinear")}
+    for init in graph.initializer:
+        if init.name in scales and init.data_type == onnx.TensorProto.FLOAT:
             scale = numpy_helper.to_array(init)
             if not (np.isfinite(scale) & (scale > 0)).all():
                 fixed = np.where(np.isfinite(scale) & (scale > 0), scale, np.float32(1)).astype(np.float32)
                 init.CopyFrom(numpy_helper.from_array(fixed, init.name))
-    return constants
 
 
 def _tensor(init: onnx.TensorProto) -> torch.Tensor:

@@ -67,8 +67,8 @@ from compiler.errors import (
 
 def _check_fp8_target(settings: BuildSettings, targets: Sequence[str], partition: str | None) -> None:
     """fp8 Q/DQ needs FP8 tensor cores: compute capability 8.9 (Ada) or later, for every target."""
-    older = [cc for cc in targets if settings.precision == "fp8" and sm_number(cc) < 89]
-    if older:
+    older = [cc for cc in targets if sm_number(cc) < 89]
+    if settings.precision == "fp8" and older:
         raise EngineBuildError(
             f"partition {partition}: precision fp8 needs compute capability 8.9 or later (FP8 tensor "
             f"cores); the engine targets {', '.join(older)}",
