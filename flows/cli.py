@@ -271,7 +271,9 @@ def zoo_cmd(
         ),
     )
     if summary is None:
-        raise bad_input(f"the zoo run stopped before any model ran: {error}")
+        # Named by type too: some errors carry no message (one CI run printed only the colon).
+        reason = f"{type(error).__name__}: {error}" if error is not None else "no reason given"
+        raise bad_input(f"the zoo run stopped before any model ran: {reason}")
     _finish(summary, as_json, settings.tracking_enabled())
 
 
