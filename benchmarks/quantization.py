@@ -1,4 +1,5 @@
-"""int8 on ONNX Runtime (issue 19): fp32 vs int8 static vs int8 dynamic vs the plan the gate chose.
+"""int8 on ONNX Runtime or Inductor (issue 19): fp32 vs int8 static vs int8 dynamic (ONNX Runtime
+only) vs the plan the gate chose, on one backend (``--backend``).
 
 Models (random weights, built from code):
   * ``bert``: a BERT-base-sized sequence classifier (transformers ``BertConfig``, 768 hidden, 12 heads,
@@ -17,7 +18,10 @@ eager on held-out samples (calibration takes the first ``--calibration`` samples
 data, validation the rest), and calibration + quantization seconds. The CPU (model and ISA flags:
 AVX2 / AVX512-VNNI / AMX decide whether int8 is faster) is named in the JSON.
 
-Run: python -m benchmarks.quantization [--layers 12] [--out quantization_cpu]
+With ``--backend inductor`` int8 engines hold their frozen int8 weights (compiler.quantize_pt2e),
+so their ``weights.safetensors`` share is near 0 and the package bytes are the comparison.
+
+Run: python -m benchmarks.quantization [--layers 12] [--backend inductor] [--out quantization_cpu]
 """
 
 from __future__ import annotations
@@ -228,17 +232,23 @@ def run_model(name: str, case, args: argparse.Namespace, out: Path) -> list[dict
     # Weight-stripped engines, int8 packages without the float weights only int8 engines read: what
     # the package bytes compare is the weights each variant ships.
     base = compiler.CompileOptions(
-        split_modules=split, strip_weights=True, calibration={"samples": args.calibration}
+        backend=args.backend,
+        split_modules=split,
+        strip_weights=True,
+        calibration={"samples": args.calibration},
     )
     tolerances = compiler.Tolerances.for_precision("int8")
     variants: dict[str, compiler.CompiledModule] = {}
     seconds: dict[str, float] = {}
     notes: dict[str, str] = {}
-    for variant, settings in (
-        ("fp32", {}),
-        ("int8 static", {"precision": "int8"}),
-        ("int8 dynamic", {"precision": "int8", "quantization": "dynamic"}),
-    ):
+    settings_of = {
+        "fp32": {},
+        "int8 static": {"precision": "int8"},
+        "int8 dynamic": {"precision": "int8", "quantization": "dynamic"},
+    }
+    if args.backend == "inductor":  # static only: its int8 kernels take calibrated activation scales
+        del settings_of["int8 dynamic"]
+    for variant, settings in settings_of.items():
         start = time.perf_counter()
         variants[variant] = compiler.compile(
             program, dataclasses.replace(base, **settings), cache=False, calibration_data=recorded
@@ -305,8 +315,17 @@ def main() -> None:
     parser.add_argument(
         "--ort-threads", type=int, default=0, help="threads per ONNX Runtime session (KILN_ORT_THREADS)"
     )
+    parser.add_argument(
+        "--backend",
+        choices=("onnxruntime", "inductor"),
+        default="onnxruntime",
+        help="inductor: int8 through torchao's PT2E flow, weights frozen (needs kiln[int8-inductor])",
+    )
+    parser.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads (0: torch's)")
     args = parser.parse_args()
     os.environ["KILN_ORT_THREADS"] = str(args.ort_threads)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     cases = {
         "bert": lambda: bert_case(args.layers),
         "resnet50": resnet50_case,
@@ -322,7 +341,7 @@ def main() -> None:
 
 def report(rows: list[dict], args: argparse.Namespace) -> None:
     print_table(
-        f"int8 on ONNX Runtime ({cpu_info()['model']}; BERT {args.layers} layers)",
+        f"int8 on {args.backend} ({cpu_info()['model']}; BERT {args.layers} layers)",
         ["model", "variant", "b1 x", "b8 x", "pkg x", "wts x", "top-1", "rel L2", "quant s", "plan"],
         [
             [
@@ -344,7 +363,11 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         args.out,
         {
             "cpu": cpu_info(),
+            "backend": args.backend,
             "onnxruntime": ort_version(),
+            "torch": torch.__version__,
+            "torchao": torchao_version(),
+            "torch_threads": torch.get_num_threads(),
             "bert_layers": args.layers,
             "calibration_samples": args.calibration,
             "validation_samples": args.validation,
@@ -352,6 +375,14 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
             "rows": rows,
         },
     )
+
+
+def torchao_version() -> str | None:
+    try:
+        import torchao
+    except ImportError:
+        return None
+    return torchao.__version__
 
 
 def ort_version() -> str:

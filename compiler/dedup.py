@@ -63,8 +63,12 @@ def canonical_weights(partition: Partition) -> dict[str, str]:
 
 def instance_weights(plan: PartitionPlan, partition: Partition) -> dict[str, str]:
     """Canonical name -> weight key: the partition's own quantized tensors when it is quantized and
-    ``compiler.quantize`` made them, else its program weights."""
-    if plan.options.precision_of(partition.name) in QUANTIZED_PRECISIONS:
+    ``compiler.quantize`` made them (none where its program holds them), else its program weights."""
+    precision = plan.options.precision_of(partition.name)
+    if precision in QUANTIZED_PRECISIONS:
+        recipe = plan.options.quantization_settings(precision)
+        if recipe.get("weights") == "frozen" and partition.name in plan.quantized_graphs:
+            return {}  # Inductor int8: its weights are constants of its own program
         prefix = f"{QUANTIZED_PREFIX}{partition.name}/"
         names = sorted(
             (k[len(prefix) :] for k in plan.quantized if k.startswith(prefix)), key=lambda n: int(n[1:])

@@ -94,6 +94,11 @@ def lower(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
     precision = plan.options.precision_of(partition.name)
     if precision in PRECISION_DTYPES:
         return lower_float(plan, partition, precision, fp)
+    return LoweredPartition(fp, _quantized_graph(plan, dedup, fp), engine_io(plan, partition), 0.0)
+
+
+def _quantized_graph(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> bytes:
+    """The graph ``compiler.quantize`` made for fingerprint ``fp`` (ONNX, or a program for Inductor)."""
     # Keyed by the partition quantize built it from: any instance of this structure has the same graph.
     graph = next(
         (
@@ -104,11 +109,12 @@ def lower(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
         None,
     )
     if graph is None:
+        name = dedup.unique[fp]
         raise LoweringError(
-            f"{partition.name} ({fp[:12]}) is {precision} but the plan holds no quantized graph for it; "
-            "run compiler.quantize(plan) before building"
+            f"{name} ({fp[:12]}) is {plan.options.precision_of(name)} but the plan holds no quantized graph "
+            "for it; run compiler.quantize(plan) before building"
         )
-    return LoweredPartition(fp, graph, engine_io(plan, partition), 0.0)
+    return graph
 
 
 def lower_float(plan: PartitionPlan, partition: Partition, precision: str, fp: str = "") -> LoweredPartition:
@@ -160,35 +166,85 @@ def lower_float(plan: PartitionPlan, partition: Partition, precision: str, fp: s
 def lower_program(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
     """The representative partition of ``fp`` as an exported program, for backends that compile torch
     graphs (Inductor): the same module ONNX lowering exports (activations then canonical weights as
-    inputs, precision cast in the graph, dynamic dims with their ranges), on the model's device."""
+    inputs, precision cast in the graph, dynamic dims with their ranges), on the model's device.
+
+    A quantized partition's program was made by ``compiler.quantize`` (its weights compiled in): it is
+    taken from the plan."""
     start = time.perf_counter()
     partition = next(p for p in plan.partitions if p.name == dedup.unique[fp])
     io_spec = engine_io(plan, partition)
+    if plan.options.precision_of(partition.name) not in PRECISION_DTYPES:
+        program = _quantized_graph(plan, dedup, fp)
+        return LoweredPartition(fp, b"", io_spec, 0.0, program=pack_torch_graph(program, {}))
     weights = engine_weights(plan, dedup.instance(partition.name))
+    exported = export_partition(plan, partition, weights).program
+    buffer = io.BytesIO()
+    torch.export.save(exported, buffer)
+    graph = pack_torch_graph(buffer.getvalue(), weights)
+    return LoweredPartition(fp, b"", io_spec, time.perf_counter() - start, program=graph)
+
+
+@dataclass(frozen=True)
+class ExportedPartition:
+    """A partition exported on its own: the program, its example activations and their dynamic shapes
+    (what exporting it again, e.g. after quantizing, needs)."""
+
+    program: torch.export.ExportedProgram
+    examples: tuple[torch.Tensor, ...]
+    dynamic_shapes: tuple[dict[int, object] | None, ...]
+
+
+def export_partition(
+    plan: PartitionPlan,
+    partition: Partition,
+    weights: dict[str, torch.Tensor],
+    *,
+    bind_weights: bool = False,
+) -> ExportedPartition:
+    """``partition`` exported in fp32-or-its-precision, its activations symbolic in their dynamic dims.
+    Its weights are inputs after the activations, or, with ``bind_weights``, constants of the program
+    (what freezing compilers such as Inductor's int8 path want)."""
     sub = plan.submodule(partition.name)
-    module = _EngineGraph(sub, partition, plan.options.precision, io_spec.output_dtypes)
+    precision = plan.options.precision_of(partition.name)
+    precision = precision if precision in PRECISION_DTYPES else "fp32"
+    io_spec = engine_io(plan, partition)
+    module: torch.nn.Module = _EngineGraph(sub, partition, precision, io_spec.output_dtypes)
     act_nodes = [
         n for n, s in zip(_placeholders(sub), partition.inputs, strict=True) if s.kind == "activation"
     ]
     examples = tuple(_example(n.meta["val"], plan.symbols) for n in act_nodes)
     dims: dict[str, Dim] = {}
     act_shapes = tuple(_dynamic_axes(n.meta["val"].shape, plan.symbols, dims) for n in act_nodes)
+    args, shapes = examples + tuple(weights.values()), act_shapes + tuple(None for _ in weights)
+    if bind_weights:
+        module, args, shapes = _BoundWeights(module, tuple(weights.values())), examples, act_shapes
     try:
         with TRACING, warnings.catch_warnings(), _quiet_exporter():
             warnings.simplefilter("ignore")
-            program = torch.export.export(
-                module,
-                examples + tuple(weights.values()),
-                dynamic_shapes=(act_shapes + tuple(None for _ in weights),),
-                strict=False,
-            )
+            program = torch.export.export(module, args, dynamic_shapes=(shapes,), strict=False)
     except Exception as exc:
-        raise LoweringError(f"{partition.name} ({fp[:12]}) could not be exported: {exc}") from exc
+        raise LoweringError(f"{partition.name} could not be exported: {exc}") from exc
     program._example_inputs = None  # torch.export.save would pickle them
-    buffer = io.BytesIO()
-    torch.export.save(program, buffer)
-    graph = pack_torch_graph(buffer.getvalue(), weights)
-    return LoweredPartition(fp, b"", io_spec, time.perf_counter() - start, program=graph)
+    return ExportedPartition(program, examples, act_shapes)
+
+
+class _BoundWeights(torch.nn.Module):
+    """An engine graph with its weights held as its own: it takes the activations only. Float weights
+    are parameters, as in the user's model (graph passes such as torchao's Conv+BatchNorm fold put
+    their results back as parameters of the same name); others are buffers."""
+
+    def __init__(self, graph: torch.nn.Module, weights: tuple[torch.Tensor, ...]):
+        super().__init__()
+        self.graph = graph
+        for index, tensor in enumerate(weights):
+            if tensor.is_floating_point():
+                self.register_parameter(f"w{index}", torch.nn.Parameter(tensor, requires_grad=False))
+            else:
+                self.register_buffer(f"w{index}", tensor)
+        self.count = len(weights)
+
+    def forward(self, *activations: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.graph(*activations, *(getattr(self, f"w{i}") for i in range(self.count)))
 
 
 class _EngineGraph(torch.nn.Module):

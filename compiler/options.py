@@ -24,16 +24,19 @@ DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 # or "dynamic" (weights quantized ahead, activations at run time; no calibration data).
 QUANTIZATION_MODES = ("static", "dynamic")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
-# Backends that build each quantized precision, from ONNX Runtime's quantizer's Q/DQ graphs; others
-# are refused by name. ONNX Runtime runs int8 on the CPU; TensorRT parses explicit Q/DQ (symmetric,
-# as it requires) for int8 and for fp8, whose GEMMs need compute capability 8.9+ (checked at build).
+# Backends that build each quantized precision; others are refused by name. ONNX Runtime runs int8
+# on the CPU and TensorRT parses explicit Q/DQ (symmetric, as it requires) for int8 and for fp8, whose
+# GEMMs need compute capability 8.9+ (checked at build): both from ONNX Runtime's quantizer's graphs.
+# Inductor runs int8 on x86 CPUs from torchao's PT2E flow (compiler.quantize_pt2e).
 QUANTIZING_BACKENDS = {
-    "int8": ("onnxruntime", "tensorrt", "tensorrt-rtx"),
+    "int8": ("onnxruntime", "tensorrt", "tensorrt-rtx", "inductor"),
     "fp8": ("tensorrt", "tensorrt-rtx"),
 }
 # What the quantizer's graph is made from: ONNX Runtime's basic optimizations first (Conv+BatchNorm
 # fused, compiler.quantize). A change here changes every quantized graph, so it is in their keys.
 QUANTIZED_GRAPH = "ort-basic-optimized"
+# Inductor's: torchao's X86InductorQuantizer on the partition's program (graph and weights frozen).
+PT2E_GRAPH = "pt2e-x86-inductor"
 # Whether a batch between profiles is padded up to the next one (compiler.padding).
 PAD_TO_PROFILE = ("off", "auto")
 
@@ -204,10 +207,27 @@ class CompileOptions:
                     f"{', '.join(repr(b) for b in backends)} (name one), or use a float precision"
                 )
         if levels and self.quantization == "dynamic" and self.backend != "onnxruntime":
-            raise PartitionError(
-                f"quantization 'dynamic' with backend {self.backend!r}: TensorRT takes explicit Q/DQ "
-                "graphs only, with activation scales calibrated ahead; use quantization: static"
+            why = (
+                "kiln's Inductor int8 is static (oneDNN's fused int8 kernels)"
+                if self.backend == "inductor"
+                else "TensorRT takes explicit Q/DQ graphs only"
             )
+            raise PartitionError(
+                f"quantization 'dynamic' with backend {self.backend!r}: {why}, with activation scales "
+                "calibrated ahead; use quantization: static"
+            )
+        if levels and self.backend == "inductor":
+            if self.device != "cpu":
+                raise PartitionError(
+                    f"precision int8 with backend 'inductor' on {self.device}: Inductor's int8 is "
+                    "torchao's x86 quantizer with oneDNN kernels, CPU only; on CUDA build int8 with "
+                    "'tensorrt', or use a float precision"
+                )
+            if self.calibration.method != "minmax":
+                raise PartitionError(
+                    f"calibration.method {self.calibration.method!r} is ONNX Runtime's calibrator; "
+                    "backend 'inductor' calibrates with torchao's observers: use 'minmax'"
+                )
 
     def build_settings(self, partition: str | None = None) -> BuildSettings:
         """The build settings of ``partition`` (its ``partition_precision``, else ``precision``); with
@@ -246,6 +266,18 @@ class CompileOptions:
         # ``scales``: "refit" (ONNX Runtime: values put in like weights, so one engine serves every
         # instance of a block) or "graph" (TensorRT compiles them into its kernels and refuses to
         # refit them: each instance is its own engine).
+        if self.backend == "inductor":
+            # uint8 activations and per-channel int8 weights (X86InductorQuantizer's recipe); weights
+            # and scales are frozen into each instance's program, as oneDNN's prepacked kernels need.
+            return {
+                "mode": "static",
+                "method": "minmax",
+                "types": "u8s8",
+                "per_channel": True,
+                "graph": PT2E_GRAPH,
+                "scales": "graph",
+                "weights": "frozen",
+            }
         onnxruntime = self.backend == "onnxruntime"
         common = {
             "per_channel": True,

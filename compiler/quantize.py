@@ -25,6 +25,8 @@ task call it); a plan without int8 partitions passes through unchanged.
    For TensorRT, which compiles scales into its kernels and will not refit them, scales and zero
    points are constants of each instance's own graph instead: every instance builds its own engine,
    and only its weights are refit tensors.
+5. Inductor quantizes each instance's program with torchao's PT2E flow instead of steps 3-4
+   (``compiler.quantize_pt2e``): weights and scales frozen into its program, its own engine.
 
 The samples used are recorded by digest; validation never uses them
 (``compiler.validation_data.held_out``).
@@ -122,10 +124,13 @@ def quantize(
             continue
         parts = [i.partition for i in unique.instances_of(fp)]
         recipe = options.quantization_settings(options.precision_of(representative))
-        # Scales compiled into the engine (TensorRT): each instance is its own graph and engine.
+        # Scales compiled into the engine (TensorRT, Inductor): each instance is its own graph and engine.
         for group in [[p] for p in parts] if recipe["scales"] == "graph" else [parts]:
             try:
-                graph, own = _quantize_fingerprint(plan, fp, group, feeds, recipe)
+                if recipe.get("weights") == "frozen":  # Inductor: torchao's PT2E flow
+                    graph, own = _quantize_program(plan, group[0], feeds), {}
+                else:
+                    graph, own = _quantize_fingerprint(plan, fp, group, feeds, recipe)
             except Exception as exc:  # ONNX Runtime's quantizer raises any type
                 reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 fallbacks.update({name: reason for name in group})
@@ -268,6 +273,17 @@ def _quantize_fingerprint(
             )
         tensors.update({f"{QUANTIZED_PREFIX}{name}/{k}": v for k, v in values.items()})
     return graph, tensors
+
+
+def _quantize_program(plan: PartitionPlan, name: str, feeds: Mapping[str, list]) -> bytes:
+    """One instance's int8 program for Inductor (``compiler.quantize_pt2e``), its weights frozen in."""
+    from compiler.dedup import canonical_weights
+    from compiler.quantize_pt2e import quantize_program
+
+    partition = next(p for p in plan.partitions if p.name == name)
+    every = plan.weights()
+    weights = {k: every[key].detach() for k, key in canonical_weights(partition).items()}
+    return quantize_program(plan, partition, weights, feeds.get(name, []))
 
 
 def _folded(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -226,7 +226,9 @@ class InductorBackend:
         compiler = host_compiler(options)
         program, weight_bytes = unpack_torch_graph(onnx_model)
         weights = load_tensors(weight_bytes, self.device)
-        graph = ProgramGraph.load(program, self.device)
+        # int8 (compiler.quantize_pt2e): weights and scales are the program's constants, frozen in.
+        frozen = (settings.quantization or {}).get("weights") == "frozen"
+        graph = ProgramGraph.load(program, self.device, frozen=frozen)
         header = {
             "magic": MAGIC,
             "format": FORMAT,
@@ -240,24 +242,34 @@ class InductorBackend:
             "options": options,
             "weights": {k: [list(v.shape), dtype_name(v.dtype)] for k, v in weights.items()},
             "constants": sorted(graph.constants),
+            **({"frozen": True} if frozen else {}),
         }
         key = _library_key(program, header)
         with _COMPILE_LOCK:
-            artifact = _recall(key)[1]
-            if artifact is None:  # else this process built the same graph (a stripped or full twin)
+            compiled, artifact = _recall(key)
+            # else this process built the same graph (a stripped or full twin)
+            if compiled is None or (artifact is None and not frozen):
                 try:
                     compiled = graph.compile(io, options, tuple(weights.values()))
-                    artifact = save_artifact(compiled)
+                    artifact = None if frozen else save_artifact(compiled)  # a frozen graph has none
                 except Exception as exc:  # Inductor raises many types; the report needs the cause
                     raise EngineBuildError(
                         f"Inductor could not compile partition {partition or '?'}: {short_error(exc)}",
                         partition=partition,
                     ) from exc
                 _remember(key, compiled, artifact)
-            static = self._build_specializations(graph, io, settings, options, weights, key, partition)
-            aot_bytes, aot_note = self._build_aot(
-                program, io, options, settings, weights, graph.constants, key, partition
-            )
+            static, aot_bytes, aot_note = {}, None, None
+            if frozen and (settings.profiles or options.get("aot")):
+                warnings.warn(
+                    f"Inductor: partition {partition or '?'} is int8 (weights frozen in): it gets no static "
+                    "specialization or AOTInductor package, its dynamic graph serves every shape",
+                    stacklevel=2,
+                )
+            elif not frozen:
+                static = self._build_specializations(graph, io, settings, options, weights, key, partition)
+                aot_bytes, aot_note = self._build_aot(
+                    program, io, options, settings, weights, graph.constants, key, partition
+                )
         header["specializations"] = [[list(s) for s in shapes] for shapes in static]
         if aot_note is not None:  # its compiler, or why there is none
             header["aot" if aot_bytes is not None else "aot_skipped"] = aot_note
@@ -270,7 +282,8 @@ class InductorBackend:
             files[CONSTANTS] = save_tensors({str(i): t for i, t in graph.constants.items()})
         if not settings.strip_weights:
             files[WEIGHTS] = weight_bytes
-        files[COMPILED] = artifact
+        if artifact is not None:
+            files[COMPILED] = artifact
         return pack(files)
 
     def _build_aot(
@@ -374,7 +387,8 @@ class InductorBackend:
         with _COMPILE_LOCK:
             compiled = _recall(key)[0]
             if compiled is None:
-                compiled = self._load_compiled(options, files, io, ordered, constants)
+                frozen = bool(header.get("frozen"))
+                compiled = self._load_compiled(options, files, io, ordered, constants, frozen=frozen)
                 _remember(key, compiled, None)
             static = {}
             for index, shapes in enumerate(specializations(header, io)):
@@ -454,12 +468,19 @@ class InductorBackend:
         *,
         shapes: tuple[tuple[int, ...], ...] | None = None,
         name: str = COMPILED,
+        frozen: bool = False,
     ) -> Callable[..., Any]:
         """The engine's compiled graph (``name``; a static specialization at ``shapes`` where given),
         run once at its shapes (the opt shapes for the dynamic graph); compiled again from its program
         where it is not trusted, or its artifact does not load here (another build of this torch
         version, another Inductor configuration)."""
         examples = example_inputs(engine_io, self.device, shapes)
+        if frozen:  # int8, weights frozen in: no artifact; compiled here on every load, by design
+            graph = ProgramGraph.load(files[PROGRAM], self.device, frozen=True)
+            try:
+                return graph.compile(engine_io, options, weights)
+            except Exception as exc:
+                raise BackendError(f"Inductor could not compile a stored engine: {short_error(exc)}") from exc
         if not self.trust_engine_code:
             reason = (
                 "its compiled graph is code and its package is not trusted to run code (sign packages with "

@@ -11,12 +11,14 @@ engines is :mod:`compiler.backends.inductor`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,24 +31,35 @@ from compiler.specs import torch_dtype
 
 class ProgramGraph:
     """A partition's exported program as Inductor compiles it: the flat ATen graph, its placeholders
-    in order (activations, then weights), with lifted constants at their positions."""
+    in order (activations, then weights), with lifted constants at their positions.
 
-    def __init__(self, exported: torch.export.ExportedProgram, device: torch.device):
-        self.exported, self.module, self.device = exported, exported.graph_module, device
+    ``frozen`` (int8 programs, ``compiler.quantize_pt2e``): the program's tensors stay attributes of
+    the graph and Inductor freezes them, which its oneDNN int8 kernels need (weights prepacked once).
+    Prepacked weights are oneDNN tensors, which Inductor cannot save: a frozen graph has no artifact
+    and is compiled from its program wherever it loads."""
+
+    def __init__(self, exported: torch.export.ExportedProgram, device: torch.device, *, frozen: bool = False):
+        self.exported, self.device, self.frozen = exported, device, frozen
+        self.module = exported.module() if frozen else exported.graph_module
         tensors = {**exported.state_dict, **exported.constants}
         self.constants = {
             position: tensors[spec.target].detach().to(device)
             for position, spec in enumerate(exported.graph_signature.input_specs)
-            if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT
+            if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT and not frozen
         }
 
     @classmethod
-    def load(cls, program: bytes, device: torch.device) -> ProgramGraph:
-        """The program read as a package's is: nothing unpickled, no module imported (ATen only)."""
+    def load(cls, program: bytes, device: torch.device, *, frozen: bool = False) -> ProgramGraph:
+        """The program read as a package's is: nothing unpickled, no module imported (ATen, and for a
+        frozen int8 program torch's own quantize/dequantize ops)."""
         from compiler.export import TRACING, load_program_bytes
 
+        if frozen:
+            import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers quantized_decomposed ops
         with TRACING:
-            return cls(load_program_bytes(program, "Inductor engine program", modules=()), device)
+            return cls(
+                load_program_bytes(program, "Inductor engine program", modules=()), device, frozen=frozen
+            )
 
     def compile(
         self, engine_io: EngineIO, options: Mapping[str, Any], weights: tuple[torch.Tensor, ...]
@@ -85,16 +98,32 @@ class ProgramGraph:
         ``args`` so that a first call does no autotuning."""
         from compiler.export import TRACING
 
-        with TRACING:
+        patches = {**inductor_config(options), **({"freezing": True} if self.frozen else {})}
+        # Freezing applies to graphs compiled without autograd only.
+        with TRACING, torch.no_grad(), _quiet_if(self.frozen):
             compiled = torch._inductor.standalone_compile(
-                self.module,
-                inputs,
-                dynamic_shapes=dynamic_shapes,
-                options={"config_patches": inductor_config(options)},
+                self.module, inputs, dynamic_shapes=dynamic_shapes, options={"config_patches": patches}
             )
-            with torch.no_grad():
-                compiled(*args)
+            compiled(*args)
         return compiled
+
+
+@contextlib.contextmanager
+def _quiet_if(frozen: bool) -> Iterator[None]:
+    """A frozen graph's expected notices left out: Inductor warns that it cannot save it (by design
+    here, ``ProgramGraph``) and its oneDNN lowering warns about a tensor copy of its own."""
+    if not frozen:
+        yield
+        return
+    logger = logging.getLogger("torch._inductor.standalone_compile")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="To copy construct from a tensor")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 class LocalCompiled:

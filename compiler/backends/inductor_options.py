@@ -205,6 +205,8 @@ def check_header(header: Mapping[str, Any]) -> None:
     constants = header.get("constants")
     if not isinstance(constants, list) or not all(_int_in(0, 1 << 20)(c) for c in constants):
         raise bad("constants", "a list of input positions")
+    if not isinstance(header.get("frozen", False), bool):
+        raise bad("frozen", "true or false")
     for field in ("aot", "aot_skipped"):  # the AOTInductor package's compiler, or why there is none
         if field in header and not isinstance(header[field], str):
             raise bad(field, "a string")

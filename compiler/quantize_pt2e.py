@@ -1,0 +1,103 @@
+"""Quantize one partition for Inductor: torchao's PT2E flow with its x86 Inductor quantizer.
+
+``compiler.quantize`` calls :func:`quantize_program` once per int8 instance when the backend is
+Inductor (``CompileOptions.quantization_settings``: scales and weights "frozen"):
+
+1. The partition is exported with this instance's weights as constants of the program
+   (``compiler.lower.export_partition``): Inductor's int8 kernels are oneDNN's, whose weights are
+   prepacked when the graph is frozen, so weights cannot stay inputs as in kiln's float engines.
+2. ``X86InductorQuantizer`` (uint8 activations, per-channel int8 weights) annotates its linear and
+   convolution nodes; ``prepare_pt2e`` puts min/max observers on them; the captured activations
+   of this instance run through it; ``convert_pt2e`` folds the weights to int8.
+3. The converted graph is exported again, symbolic in the same dynamic dims, and saved
+   (``torch.export.save``): the engine's program, int8 weights and scales inside it.
+
+Each instance is therefore its own program and engine (its graph's digest is in its fingerprint),
+like TensorRT's compiled-in scales; nothing of it is refit, and stripping leaves nothing out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import warnings
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from compiler.errors import QuantizationError
+from compiler.export import TRACING
+from compiler.lower import _quiet_exporter, export_partition
+from compiler.partition import Partition, PartitionPlan
+
+# aten ops the x86 quantizer finds by their source (``get_source_partitions``), and the functional
+# they come from. A partition's program is traced from a GraphModule, so its nodes record no
+# ``nn.Linear``/``nn.Conv2d`` source (torch 2.11 has no fallback to ``nn_module_stack`` either): we
+# name the functional ourselves, as strict export would.
+_SOURCES = {
+    torch.ops.aten.linear.default: torch.nn.functional.linear,
+    torch.ops.aten.conv1d.default: torch.nn.functional.conv1d,
+    torch.ops.aten.conv2d.default: torch.nn.functional.conv2d,
+}
+
+
+def pt2e_available() -> str | None:
+    """None where torchao's PT2E quantizer imports here; else why not (the install hint)."""
+    try:
+        import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
+    except ImportError as exc:
+        return f"torchao is not installed ({exc}); pip install 'kiln[int8-inductor]'"
+    return None
+
+
+def quantize_program(
+    plan: PartitionPlan,
+    partition: Partition,
+    weights: Mapping[str, torch.Tensor],
+    feeds: Sequence[Mapping[str, np.ndarray]],
+) -> bytes:
+    """The saved program of ``partition`` quantized to int8 with ``weights`` frozen in, calibrated on
+    ``feeds`` (its captured activations, ``x0..xk`` per sample). :class:`QuantizationError` where
+    torchao is missing, nothing in it is quantizable, or no feed is given."""
+    missing = pt2e_available()
+    if missing is not None:
+        raise QuantizationError(f"{partition.name}: {missing}")
+    if not feeds:
+        raise QuantizationError(f"{partition.name}: no calibration samples reached this partition")
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as x86
+    from torchao.quantization.pt2e import MinMaxObserver
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    exported = export_partition(plan, partition, dict(weights), bind_weights=True)
+    module = exported.program.module()
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target in _SOURCES:
+            node.meta["source_fn_stack"] = [(node.name, _SOURCES[node.target])]
+    config = x86.get_default_x86_inductor_quantization_config()
+    # minmax, the calibration method kiln's options name (the default recipe's is a histogram)
+    activations = dataclasses.replace(
+        config.input_activation, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12)
+    )
+    config = dataclasses.replace(config, input_activation=activations)
+    quantizer = x86.X86InductorQuantizer().set_global(config)
+    device = next((t.device for t in exported.examples), torch.device("cpu"))
+    with TRACING, torch.no_grad(), warnings.catch_warnings(), _quiet_exporter():
+        warnings.simplefilter("ignore")
+        prepared = prepare_pt2e(module, quantizer)
+        for feed in feeds:
+            prepared(*(torch.from_numpy(feed[f"x{k}"]).to(device) for k in range(len(feed))))
+        converted = convert_pt2e(prepared)
+        if not any(
+            getattr(n.target, "namespace", None) == "quantized_decomposed" for n in converted.graph.nodes
+        ):
+            raise QuantizationError(
+                f"{partition.name}: torchao's x86 quantizer found no linear or convolution to quantize"
+            )
+        program = torch.export.export(
+            converted, exported.examples, dynamic_shapes=exported.dynamic_shapes, strict=False
+        )
+    program._example_inputs = None  # torch.export.save would pickle them
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    return buffer.getvalue()

@@ -1,0 +1,108 @@
+"""int8 on Inductor (issue 19): torchao's PT2E flow with its x86 quantizer, calibrated per instance on
+the user's data, each instance's int8 weights and scales frozen into its own engine."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import compiler
+from benchmarks.quantization import sensitive_case
+from compiler.backends.inductor_format import COMPILED, PROGRAM, read_engine
+from compiler.errors import PartitionError
+
+pytest.importorskip("torchao", reason="Inductor int8 needs torchao (pip install 'kiln[int8-inductor]')")
+import torch.ao.quantization.fx._decomposed  # registers the quantized_decomposed ops
+
+QUANTIZE = torch.ops.quantized_decomposed.quantize_per_tensor.default
+
+HOT = 2
+
+
+@pytest.fixture(scope="module")
+def int8(tmp_path_factory):
+    """The sensitive model (four residual blocks of one structure, block 2 with an outlier channel)
+    compiled int8 on Inductor, calibrated on the first 16 recorded samples."""
+    model, program, data = sensitive_case(width=32, blocks=4, hot=HOT, batch=4, samples=24)
+    recorded = tmp_path_factory.mktemp("data") / "recorded.npz"
+    np.savez(recorded, x=data["x"].numpy())
+    options = compiler.CompileOptions(
+        backend="inductor",
+        precision="int8",
+        split_modules=("OutlierBlock",),
+        calibration={"samples": 16, "data": str(recorded)},
+    )
+    cache = compiler.EngineCache(tmp_path_factory.mktemp("inductor-int8-cache"))
+    return model, data, compiler.compile(program, options, cache=cache)
+
+
+def test_each_instance_is_quantized_on_its_own_inputs_into_its_own_frozen_engine(int8, tmp_path):
+    _, data, compiled = int8
+    report = compiled.report
+    blocks = [f"engine_{i}" for i in range(4)]
+    assert (
+        report.quantization["partitions"] == [*blocks, "engine_4"] and report.quantization["fallbacks"] == {}
+    )
+    # Weights and scales are compiled into each program: one engine per instance, none refit.
+    assert report.unique_fingerprints == 5 and report.engines_built == 5
+    assert all(compiled.dedup.instance(b).weights == {} for b in blocks)
+    input_scales = []
+    for block in blocks:
+        header, files = read_engine(compiled.engines[compiled.dedup.instance(block).fingerprint].engine)
+        assert header["frozen"] is True and header["weights"] == {} and COMPILED not in files
+        program = torch.export.load(io.BytesIO(files[PROGRAM]))
+        quantize = [n for n in program.graph.nodes if n.target == QUANTIZE]
+        frozen = [*program.state_dict.values(), *program.constants.values()]
+        assert quantize and any(t.dtype == torch.int8 for t in frozen)
+        input_scales.append(quantize[0].args[1])  # the block input's calibrated scale
+    # ... calibrated on its own activations (each block sees a different input range) ...
+    assert len(set(input_scales)) == len(blocks)
+    # ... and computing its own block: every engine is close to its own PyTorch submodule. (The outlier
+    # channel sits between the block's linears, which are all the x86 recipe quantizes, so unlike
+    # ONNX Runtime's recipe it costs no accuracy here.)
+    held_out = [(x,) for x in data["x"][16:20]]
+    rows = compiler.compare_partitions(compiled, held_out, runs=0).rows
+    assert all(r.precision == "int8" for r in rows) and max(r.rel_l2 for r in rows) < 0.05
+    # A package holds the programs (no compiled code): trusted and untrusted loads compile them here
+    # and answer alike.
+    x = data["x"][20]
+    expected = compiled(x)
+    compiler.save(compiled, tmp_path / "int8.kiln")
+    for trust in (True, False):
+        loaded = compiler.load(tmp_path / "int8.kiln", trust_engine_code=trust)
+        assert torch.allclose(loaded(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_partition_without_linear_or_convolution_stays_float_and_is_named():
+    class Norm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.norm(x))
+
+    program = compiler.export(Norm().eval(), (torch.randn(2, 16),))
+    options = compiler.CompileOptions(
+        backend="inductor", precision="int8", calibration={"allow_random": True}
+    )
+    compiled = compiler.compile(program, options, cache=False)
+    ((name, reason),) = compiled.report.quantization["fallbacks"].items()
+    assert "found no linear or convolution" in reason
+    assert compiled.plan.options.precision_of(name) == "fp32" and name not in compiled.plan.quantized_graphs
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({"device": "cuda"}, r"int8 with backend 'inductor' on cuda: .*CPU only.*'tensorrt'"),
+        ({"quantization": "dynamic"}, r"quantization 'dynamic' with backend 'inductor'.*static"),
+        ({"calibration": {"method": "entropy"}}, r"calibration\.method 'entropy'.*'inductor'.*'minmax'"),
+    ],
+)
+def test_what_inductor_int8_cannot_do_is_refused_by_name(settings, match):
+    with pytest.raises(PartitionError, match=match):
+        compiler.CompileOptions(backend="inductor", precision="int8", **settings)
