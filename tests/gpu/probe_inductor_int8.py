@@ -15,8 +15,14 @@ Found on the GPU machine's host (torch 2.11, 4 threads): the quantizer annotated
 torchao 0.17 (``probe_inductor_int8.h100host.json``: BERT 2 layers, ResNet-50) and 0.18 alike, the
 converted graphs hold 0 quantize/dequantize nodes (of 103 and 122), their outputs equal fp32's (rel
 L2 4e-7), and every int8 row runs at 0.95-1.02x fp32. The same function on the 2-core machine (torch
-2.13, torchao 0.18) annotates a BERT layer (22 quantize/dequantize nodes of 95, rel L2 0.015). So the
-torch 2.11 / torchao pairing is the suspect; Inductor int8 is not built until it quantizes there.
+2.13, torchao 0.18) annotates a BERT layer (22 quantize/dequantize nodes of 95, rel L2 0.015).
+
+Cause, found next: the quantizer finds linear and convolution nodes with torch's
+``get_source_partitions``, which reads ``source_fn_stack``. Non-strict ``torch.export`` records none;
+torch 2.13 falls back to ``nn_module_stack``, torch 2.11 does not, so there nothing matched. kiln's
+Inductor int8 (``compiler/quantize_pt2e.py``) names each node's functional source itself, which
+works on both (``benchmarks/results/quantization_gpu_host_inductor*.json``). This probe keeps its
+first form: it records what the quantizer does with a plain export.
 
     python3 tests/gpu/probe_inductor_int8.py [OUT.json] [--models bert,resnet50] [--threads 4]
 """
