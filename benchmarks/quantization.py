@@ -86,8 +86,9 @@ def sensitive_case(width: int = 32, blocks: int = 8, hot: int = 5, batch: int = 
 # ---------------------------------------------------------------- the benchmark models
 
 
-def bert_case(layers: int, seq: int = 128, classes: int = 2, seed: int = 0):
-    """A BERT-base-sized sequence classifier (random weights), dynamic batch 1..8, sequence ``seq``."""
+def bert_case(layers: int, seq: int = 128, classes: int = 2, seed: int = 0, max_batch: int = 8):
+    """A BERT-base-sized sequence classifier (random weights), dynamic batch 1..``max_batch``, sequence
+    ``seq``."""
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(seed)
@@ -101,7 +102,7 @@ def bert_case(layers: int, seq: int = 128, classes: int = 2, seed: int = 0):
     )
     model = _Logits(BertForSequenceClassification(config).eval())
     ids = torch.randint(0, config.vocab_size, (2, seq))
-    batch = torch.export.Dim("batch", min=1, max=8)
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     shapes = {"input_ids": {0: batch}, "attention_mask": {0: batch}}
 

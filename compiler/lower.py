@@ -30,6 +30,9 @@ from compiler.partition import Partition, PartitionPlan
 from compiler.specs import InputSpec, dtype_name
 
 PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# What a quantized partition's other ops compute in: int8 on the CPU in fp32 (the x86 quantizer's
+# graphs are fp32); fp8 on CUDA in bf16, as torchao's float8 recipes run (its GEMMs return bf16).
+QUANTIZED_GRAPH_PRECISION = {"int8": "fp32", "fp8": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,8 @@ def lower_float(plan: PartitionPlan, partition: Partition, precision: str, fp: s
         name: (every[key].to(dtype) if every[key].is_floating_point() else every[key]).detach().contiguous()
         for name, key in ordered
     }
-    module = _EngineGraph(plan.submodule(partition.name), partition, precision, io_spec.output_dtypes)
+    kinds = [i.kind for i in partition.inputs]
+    module = _EngineGraph(plan.submodule(partition.name), kinds, precision, io_spec.output_dtypes)
     sub = plan.submodule(partition.name)
     act_nodes = [
         n for n, s in zip(_placeholders(sub), partition.inputs, strict=True) if s.kind == "activation"
@@ -173,10 +177,11 @@ def lower_program(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPart
     start = time.perf_counter()
     partition = next(p for p in plan.partitions if p.name == dedup.unique[fp])
     io_spec = engine_io(plan, partition)
+    # Quantized: its instance's refit tensors (none where they are frozen into the program).
+    weights = engine_weights(plan, dedup.instance(partition.name))
     if plan.options.precision_of(partition.name) not in PRECISION_DTYPES:
         program = _quantized_graph(plan, dedup, fp)
-        return LoweredPartition(fp, b"", io_spec, 0.0, program=pack_torch_graph(program, {}))
-    weights = engine_weights(plan, dedup.instance(partition.name))
+        return LoweredPartition(fp, b"", io_spec, 0.0, program=pack_torch_graph(program, weights))
     exported = export_partition(plan, partition, weights).program
     buffer = io.BytesIO()
     torch.export.save(exported, buffer)
@@ -200,18 +205,20 @@ def export_partition(
     weights: dict[str, torch.Tensor],
     *,
     bind_weights: bool = False,
+    rewritten: tuple[torch.fx.GraphModule, list[str]] | None = None,
 ) -> ExportedPartition:
     """``partition`` exported in fp32-or-its-precision, its activations symbolic in their dynamic dims.
     Its weights are inputs after the activations, or, with ``bind_weights``, constants of the program
-    (what freezing compilers such as Inductor's int8 path want)."""
+    (what freezing compilers such as Inductor's int8 path want). ``rewritten``: the partition's graph
+    as a quantizer rewrote it, with the kind of each of its inputs ("activation" or "weight")."""
     sub = plan.submodule(partition.name)
+    kinds = [i.kind for i in partition.inputs]
+    graph, graph_kinds = rewritten if rewritten is not None else (sub, kinds)
     precision = plan.options.precision_of(partition.name)
-    precision = precision if precision in PRECISION_DTYPES else "fp32"
+    precision = QUANTIZED_GRAPH_PRECISION.get(precision, precision)
     io_spec = engine_io(plan, partition)
-    module: torch.nn.Module = _EngineGraph(sub, partition, precision, io_spec.output_dtypes)
-    act_nodes = [
-        n for n, s in zip(_placeholders(sub), partition.inputs, strict=True) if s.kind == "activation"
-    ]
+    module: torch.nn.Module = _EngineGraph(graph, graph_kinds, precision, io_spec.output_dtypes)
+    act_nodes = [n for n, kind in zip(_placeholders(sub), kinds, strict=True) if kind == "activation"]
     examples = tuple(_example(n.meta["val"], plan.symbols) for n in act_nodes)
     dims: dict[str, Dim] = {}
     act_shapes = tuple(_dynamic_axes(n.meta["val"].shape, plan.symbols, dims) for n in act_nodes)
@@ -251,11 +258,11 @@ class _EngineGraph(torch.nn.Module):
     """The partition as a module taking (activations..., weights...), precision cast in the graph."""
 
     def __init__(
-        self, sub: torch.fx.GraphModule, partition: Partition, precision: str, out_dtypes: tuple[str, ...]
+        self, sub: torch.fx.GraphModule, kinds: list[str], precision: str, out_dtypes: tuple[str, ...]
     ):
         super().__init__()
         self.sub = _retyped(sub, PRECISION_DTYPES[precision])
-        self.kinds = [i.kind for i in partition.inputs]
+        self.kinds = kinds
         self.dtype = PRECISION_DTYPES[precision]
         self.out_dtypes = [getattr(torch, d) for d in out_dtypes]
 

@@ -27,16 +27,19 @@ CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 # Backends that build each quantized precision; others are refused by name. ONNX Runtime runs int8
 # on the CPU and TensorRT parses explicit Q/DQ (symmetric, as it requires) for int8 and for fp8, whose
 # GEMMs need compute capability 8.9+ (checked at build): both from ONNX Runtime's quantizer's graphs.
-# Inductor runs int8 on x86 CPUs from torchao's PT2E flow (compiler.quantize_pt2e).
+# Inductor runs int8 on x86 CPUs from torchao's PT2E flow (compiler.quantize_pt2e) and fp8 on CUDA
+# with torchao's rowwise recipe (compiler.quantize_fp8).
 QUANTIZING_BACKENDS = {
     "int8": ("onnxruntime", "tensorrt", "tensorrt-rtx", "inductor"),
-    "fp8": ("tensorrt", "tensorrt-rtx"),
+    "fp8": ("tensorrt", "tensorrt-rtx", "inductor"),
 }
 # What the quantizer's graph is made from: ONNX Runtime's basic optimizations first (Conv+BatchNorm
 # fused, compiler.quantize). A change here changes every quantized graph, so it is in their keys.
 QUANTIZED_GRAPH = "ort-basic-optimized"
-# Inductor's: torchao's X86InductorQuantizer on the partition's program (graph and weights frozen).
+# Inductor's: torchao's X86InductorQuantizer on the partition's program (graph and weights frozen),
+# and fp8: each eligible linear a dynamic rowwise torch._scaled_mm (weights stay refit inputs).
 PT2E_GRAPH = "pt2e-x86-inductor"
+FP8_ROWWISE_GRAPH = "aten-scaled-mm-rowwise"
 # Whether a batch between profiles is padded up to the next one (compiler.padding).
 PAD_TO_PROFILE = ("off", "auto")
 
@@ -206,27 +209,47 @@ class CompileOptions:
                     f"precision {level}: {missing}; {level} engines are built by "
                     f"{', '.join(repr(b) for b in backends)} (name one), or use a float precision"
                 )
-        if levels and self.quantization == "dynamic" and self.backend != "onnxruntime":
-            why = (
-                "kiln's Inductor int8 is static (oneDNN's fused int8 kernels)"
-                if self.backend == "inductor"
-                else "TensorRT takes explicit Q/DQ graphs only"
-            )
+        if self.backend == "inductor":
+            self._check_inductor_quantizing(levels)
+        elif levels and self.quantization == "dynamic" and self.backend != "onnxruntime":
             raise PartitionError(
-                f"quantization 'dynamic' with backend {self.backend!r}: {why}, with activation scales "
-                "calibrated ahead; use quantization: static"
+                f"quantization 'dynamic' with backend {self.backend!r}: TensorRT takes explicit Q/DQ "
+                "graphs only, with activation scales calibrated ahead; use quantization: static"
             )
-        if levels and self.backend == "inductor":
+
+    def _check_inductor_quantizing(self, levels: list[str]) -> None:
+        """Inductor: int8 is static on the CPU (oneDNN), fp8 dynamic on CUDA (torch._scaled_mm)."""
+        if "int8" in levels and "fp8" in levels:
+            raise PartitionError(
+                "backend 'inductor' builds int8 on the CPU and fp8 on CUDA: one compile cannot hold both"
+            )
+        if "int8" in levels:
             if self.device != "cpu":
                 raise PartitionError(
                     f"precision int8 with backend 'inductor' on {self.device}: Inductor's int8 is "
-                    "torchao's x86 quantizer with oneDNN kernels, CPU only; on CUDA build int8 with "
-                    "'tensorrt', or use a float precision"
+                    "torchao's x86 quantizer with oneDNN kernels, CPU only; on CUDA use fp8, or build "
+                    "int8 with 'tensorrt'"
+                )
+            if self.quantization == "dynamic":
+                raise PartitionError(
+                    "quantization 'dynamic' with backend 'inductor' and int8: its oneDNN int8 kernels take "
+                    "activation scales calibrated ahead; use quantization: static"
                 )
             if self.calibration.method != "minmax":
                 raise PartitionError(
                     f"calibration.method {self.calibration.method!r} is ONNX Runtime's calibrator; "
                     "backend 'inductor' calibrates with torchao's observers: use 'minmax'"
+                )
+        if "fp8" in levels:
+            if not self.device.startswith("cuda"):
+                raise PartitionError(
+                    f"precision fp8 with backend 'inductor' on {self.device}: fp8 GEMMs "
+                    "(torch._scaled_mm) run on CUDA GPUs of compute capability 8.9+; use device: cuda"
+                )
+            if self.quantization != "dynamic":
+                raise PartitionError(
+                    "precision fp8 with backend 'inductor' scales activations per row at run time "
+                    "(torchao's rowwise recipe): use quantization: dynamic (no calibration data)"
                 )
 
     def build_settings(self, partition: str | None = None) -> BuildSettings:
@@ -266,6 +289,15 @@ class CompileOptions:
         # ``scales``: "refit" (ONNX Runtime: values put in like weights, so one engine serves every
         # instance of a block) or "graph" (TensorRT compiles them into its kernels and refuses to
         # refit them: each instance is its own engine).
+        if self.backend == "inductor" and precision == "fp8":
+            # E4M3 weights with row scales (refit tensors), activations scaled per row at run time.
+            return {
+                "mode": "dynamic",
+                "types": "e4m3fn-rowwise",
+                "per_channel": True,
+                "graph": FP8_ROWWISE_GRAPH,
+                "scales": "refit",
+            }
         if self.backend == "inductor":
             # uint8 activations and per-channel int8 weights (X86InductorQuantizer's recipe); weights
             # and scales are frozen into each instance's program, as oneDNN's prepacked kernels need.

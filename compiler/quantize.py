@@ -26,7 +26,9 @@ task call it); a plan without int8 partitions passes through unchanged.
    points are constants of each instance's own graph instead: every instance builds its own engine,
    and only its weights are refit tensors.
 5. Inductor quantizes each instance's program with torchao's PT2E flow instead of steps 3-4
-   (``compiler.quantize_pt2e``): weights and scales frozen into its program, its own engine.
+   (``compiler.quantize_pt2e``): weights and scales frozen into its program, its own engine. Its
+   fp8 (CUDA) rewrites each fingerprint's graph with torchao's rowwise recipe as ATen ops
+   (``compiler.quantize_fp8``): E4M3 weights and their scales are each instance's refit tensors.
 
 The samples used are recorded by digest; validation never uses them
 (``compiler.validation_data.held_out``).
@@ -55,6 +57,7 @@ from onnx import numpy_helper
 
 from compiler.backends.base import QUANTIZED_PRECISIONS, to_numpy
 from compiler.errors import CalibrationError, CalibrationWarning, QuantizationError, ValidationDataError
+from compiler.options import FP8_ROWWISE_GRAPH
 from compiler.partition import QUANTIZED_PREFIX, PartitionPlan
 from compiler.validation_data import ValidationData, random_data, sample_digest, validation_data
 
@@ -127,8 +130,12 @@ def quantize(
         # Scales compiled into the engine (TensorRT, Inductor): each instance is its own graph and engine.
         for group in [[p] for p in parts] if recipe["scales"] == "graph" else [parts]:
             try:
-                if recipe.get("weights") == "frozen":  # Inductor: torchao's PT2E flow
+                if recipe.get("weights") == "frozen":  # Inductor int8: torchao's PT2E flow
                     graph, own = _quantize_program(plan, group[0], feeds), {}
+                elif recipe["graph"] == FP8_ROWWISE_GRAPH:  # Inductor fp8
+                    from compiler.quantize_fp8 import quantize_fingerprint
+
+                    graph, own = quantize_fingerprint(plan, group)
                 else:
                     graph, own = _quantize_fingerprint(plan, fp, group, feeds, recipe)
             except Exception as exc:  # ONNX Runtime's quantizer raises any type

@@ -224,6 +224,12 @@ class InductorBackend:
     ) -> bytes:
         options = build_options(settings)
         compiler = host_compiler(options)
+        if settings.precision == "fp8" and self._fp8_missing():
+            raise EngineBuildError(
+                f"partition {partition}: precision fp8 needs a CUDA GPU of compute capability 8.9 or later "
+                f"(torch._scaled_mm); this backend targets {self.target_device()}",
+                partition=partition,
+            )
         program, weight_bytes = unpack_torch_graph(onnx_model)
         weights = load_tensors(weight_bytes, self.device)
         # int8 (compiler.quantize_pt2e): weights and scales are the program's constants, frozen in.
@@ -285,6 +291,9 @@ class InductorBackend:
         if artifact is not None:
             files[COMPILED] = artifact
         return pack(files)
+
+    def _fp8_missing(self) -> bool:
+        return self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (8, 9)
 
     def _build_aot(
         self,
