@@ -95,6 +95,33 @@ def test_a_partition_without_linear_or_convolution_stays_float_and_is_named():
     assert compiled.plan.options.precision_of(name) == "fp32" and name not in compiled.plan.quantized_graphs
 
 
+def test_an_embedding_table_is_stored_int8_with_row_scales(tmp_path):
+    class Embed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Embedding(1000, 32)
+            self.norm = torch.nn.LayerNorm(32)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.table(ids))
+
+    model = Embed().eval()
+    ids = torch.randint(0, 1000, (24, 2, 8), generator=torch.Generator().manual_seed(0))
+    np.savez(tmp_path / "ids.npz", ids=ids.numpy())
+    options = compiler.CompileOptions(
+        backend="inductor", precision="int8", calibration={"samples": 16, "data": str(tmp_path / "ids.npz")}
+    )
+    compiled = compiler.compile(compiler.export(model, (ids[0],)), options, cache=False)
+    assert compiled.report.quantization["fallbacks"] == {}
+    (artifact,) = compiled.engines.values()
+    program = torch.export.load(io.BytesIO(read_engine(artifact.engine)[1][PROGRAM]))
+    tensors = [*program.state_dict.values(), *program.constants.values()]
+    assert [t.dtype for t in tensors if tuple(t.shape) == (1000, 32)] == [torch.int8]  # no float copy
+    expected = model(ids[20])
+    error = float((compiled(ids[20]) - expected).detach().norm() / expected.detach().norm())
+    assert 0 < error < 0.02
+
+
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
