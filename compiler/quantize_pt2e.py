@@ -9,7 +9,9 @@ Inductor (``CompileOptions.quantization_settings``: scales and weights "frozen")
 2. ``X86InductorQuantizer`` (uint8 activations, per-channel int8 weights) annotates its linear and
    convolution nodes; ``prepare_pt2e`` puts min/max observers on them; the captured activations
    of this instance run through it; ``convert_pt2e`` folds the weights to int8.
-3. The converted graph is exported again, symbolic in the same dynamic dims, and saved
+3. Embedding tables, which the x86 recipe leaves in fp32, are stored int8 with per-row scales
+   (weight-only; :func:`_int8_embeddings`).
+4. The converted graph is exported again, symbolic in the same dynamic dims, and saved
    (``torch.export.save``): the engine's program, int8 weights and scales inside it.
 
 Each instance is therefore its own program and engine (its graph's digest is in its fingerprint),
@@ -111,6 +113,7 @@ def _int8_embeddings(module: torch.fx.GraphModule) -> int:
     its per-row scales (symmetric, ``amax(|row|) / 127``) and multiply: weight-only int8, as ONNX
     Runtime's quantizer does for Gather. The x86 recipe leaves embeddings in fp32, and BERT-base's
     word embeddings (94 MB) are a third of its fp32 bytes. Returns how many tables were rewritten."""
+    rewritten: set[str] = set()  # tables already stored int8 (one table may be looked up twice)
     count = 0
     graph = module.graph
     for node in list(graph.nodes):
@@ -120,11 +123,13 @@ def _int8_embeddings(module: torch.fx.GraphModule) -> int:
         table = _attribute(module, table_node.target)
         if not table.is_floating_point() or table.dim() != 2:
             continue
-        scale = table.detach().float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-        values = (table.detach().float() / scale).round().clamp(-127, 127).to(torch.int8)
         name = table_node.target.replace(".", "_")
-        module.register_buffer(f"{name}_int8", values)
-        module.register_buffer(f"{name}_scale", scale.to(table.dtype))
+        if table_node.target not in rewritten:
+            rewritten.add(table_node.target)
+            scale = table.detach().float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+            values = (table.detach().float() / scale).round().clamp(-127, 127).to(torch.int8)
+            module.register_buffer(f"{name}_int8", values)
+            module.register_buffer(f"{name}_scale", scale.to(table.dtype))
         with graph.inserting_before(node):
             rows = graph.call_function(
                 torch.ops.aten.embedding.default, (graph.get_attr(f"{name}_int8"), indices, *node.args[2:])

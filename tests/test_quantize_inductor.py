@@ -102,8 +102,8 @@ def test_an_embedding_table_is_stored_int8_with_row_scales(tmp_path):
             self.table = torch.nn.Embedding(1000, 32)
             self.norm = torch.nn.LayerNorm(32)
 
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.norm(self.table(ids))
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:  # the table looked up twice: stored once
+            return self.norm(self.table(ids) + self.table(ids.flip(-1)))
 
     model = Embed().eval()
     ids = torch.randint(0, 1000, (24, 2, 8), generator=torch.Generator().manual_seed(0))
