@@ -57,7 +57,7 @@ from onnx import numpy_helper
 
 from compiler.backends.base import QUANTIZED_PRECISIONS, to_numpy
 from compiler.errors import CalibrationError, CalibrationWarning, QuantizationError, ValidationDataError
-from compiler.options import FP8_ROWWISE_GRAPH
+from compiler.options import FP8_ROWWISE_GRAPH, PT2E_GRAPH
 from compiler.partition import QUANTIZED_PREFIX, PartitionPlan
 from compiler.validation_data import ValidationData, random_data, sample_digest, validation_data
 
@@ -130,7 +130,7 @@ def quantize(
         # Scales compiled into the engine (TensorRT, Inductor): each instance is its own graph and engine.
         for group in [[p] for p in parts] if recipe["scales"] == "graph" else [parts]:
             try:
-                if recipe.get("weights") == "frozen":  # Inductor int8: torchao's PT2E flow
+                if recipe["graph"] == PT2E_GRAPH:  # Inductor int8: torchao's PT2E flow
                     graph, own = _quantize_program(plan, group[0], feeds), {}
                 elif recipe["graph"] == FP8_ROWWISE_GRAPH:  # Inductor fp8
                     from compiler.quantize_fp8 import quantize_fingerprint

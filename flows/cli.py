@@ -394,11 +394,14 @@ def compile_cmd(
     precision: Annotated[
         str | None,
         typer.Option(
-            "--precision", "-p", help="fp32, fp16, bf16, int8 (onnxruntime, tensorrt) or fp8 (tensorrt)"
+            "--precision",
+            "-p",
+            help="fp32, fp16, bf16, int8 (onnxruntime, tensorrt, inductor on cpu), fp8 (tensorrt, inductor)",
         ),
     ] = None,
     quantization: Annotated[
-        str | None, typer.Option("--quantization", help="int8: static (calibrated, default) or dynamic")
+        str | None,
+        typer.Option("--quantization", help="static (calibrated, default) or dynamic (fp8 on inductor)"),
     ] = None,
     calibration_data: Annotated[
         Path | None,
