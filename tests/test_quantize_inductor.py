@@ -11,7 +11,7 @@ import torch
 
 import compiler
 from benchmarks.quantization import sensitive_case
-from compiler.backends.inductor_format import COMPILED, PROGRAM, read_engine
+from compiler.backends.inductor_format import AOT, COMPILED, PROGRAM, read_engine
 from compiler.errors import PartitionError
 
 pytest.importorskip("torchao", reason="Inductor int8 needs torchao (pip install 'kiln[int8-inductor]')")
@@ -120,6 +120,41 @@ def test_an_embedding_table_is_stored_int8_with_row_scales(tmp_path):
     expected = model(ids[20])
     error = float((compiled(ids[20]) - expected).detach().norm() / expected.detach().norm())
     assert 0 < error < 0.02
+
+
+def test_with_aot_an_int8_engine_loads_its_native_package_instead_of_compiling(tmp_path, monkeypatch):
+    """Frozen graphs cannot be saved as Inductor artifacts, but AOTInductor packages them (its oneDNN
+    weights included): with ``aot: true`` a trusted load runs that package and compiles nothing."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)).eval()
+    batch = torch.export.Dim("batch", min=1, max=16)
+    program = compiler.export(model, (torch.randn(4, 32),), dynamic_shapes=({0: batch},))
+    options = compiler.CompileOptions(
+        backend="inductor",
+        precision="int8",
+        backend_options={"aot": True},
+        calibration={"allow_random": True, "samples": 8},
+    )
+    compiled = compiler.compile(program, options, cache=False)
+    (artifact,) = compiled.engines.values()
+    header, files = read_engine(artifact.engine)
+    assert header["frozen"] is True and AOT in files and COMPILED not in files, header
+    compiler.save(compiled, tmp_path / "int8-aot.kiln")
+    loaded = compiler.load(tmp_path / "int8-aot.kiln", trust_engine_code=True)
+    for rows in (1, 16):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(loaded(x), compiled(x), rtol=1e-4, atol=1e-4)
+    assert set(loaded.last_dispatch().values()) == {"aot"}
+    # Untrusted: the package's native code never runs; the first load compiles the program and builds
+    # this machine's own package (kept in the local engine cache), which the next load runs.
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match="building this machine's own"):
+        first = compiler.load(tmp_path / "int8-aot.kiln", trust_engine_code=False)
+    again = compiler.load(tmp_path / "int8-aot.kiln", trust_engine_code=False)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(again(x), compiled(x), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(first(x), compiled(x), rtol=1e-4, atol=1e-4)
+    assert set(again.last_dispatch().values()) == {"aot"}
 
 
 @pytest.mark.parametrize(

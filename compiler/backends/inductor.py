@@ -264,18 +264,18 @@ class InductorBackend:
                         partition=partition,
                     ) from exc
                 _remember(key, compiled, artifact)
-            static, aot_bytes, aot_note = {}, None, None
-            if frozen and (settings.profiles or options.get("aot")):
+            static = {}
+            if frozen and settings.profiles:
                 warnings.warn(
                     f"Inductor: partition {partition or '?'} is int8 (weights frozen in): it gets no static "
-                    "specialization or AOTInductor package, its dynamic graph serves every shape",
+                    "specialization, its dynamic graph serves every shape",
                     stacklevel=2,
                 )
             elif not frozen:
                 static = self._build_specializations(graph, io, settings, options, weights, key, partition)
-                aot_bytes, aot_note = self._build_aot(
-                    program, io, options, settings, weights, graph.constants, key, partition
-                )
+            aot_bytes, aot_note = self._build_aot(
+                program, io, options, settings, weights, graph.constants, key, partition, frozen=frozen
+            )
         header["specializations"] = [[list(s) for s in shapes] for shapes in static]
         if aot_note is not None:  # its compiler, or why there is none
             header["aot" if aot_bytes is not None else "aot_skipped"] = aot_note
@@ -305,6 +305,8 @@ class InductorBackend:
         constants: Mapping[int, torch.Tensor],
         key: str,
         partition: str | None,
+        *,
+        frozen: bool = False,
     ) -> tuple[bytes | None, str | None]:
         """(the AOTInductor package, its compiler) where ``backend_options`` ask for one; (None, why)
         where it could not be built or did not pass its fresh-process check (warned: the engine keeps
@@ -312,7 +314,8 @@ class InductorBackend:
         if not options.get("aot"):
             return None, None
         if key not in _AOT:
-            graph = ProgramGraph.load(program, self.device)  # its own copy: the compile above used the other
+            # its own copy: the compile above used the other
+            graph = ProgramGraph.load(program, self.device, frozen=frozen)
             activations = example_inputs(io, self.device)
             with torch.no_grad():
                 expected = _recall(key)[0](*graph_args(activations, tuple(weights.values()), constants))
@@ -320,7 +323,7 @@ class InductorBackend:
                 graph.exported,
                 [*activations, *weights.values()],
                 list(expected),
-                inductor_config(options),
+                inductor_config(options, frozen=frozen),
                 self.device,
                 settings.precision,
             )

@@ -227,7 +227,8 @@ class LocalAot:
             "machine's own from its program (minutes, once: kept in the local engine cache)",
             stacklevel=4,
         )
-        graph = ProgramGraph.load(self.program, self.device)
+        frozen = bool(self.header.get("frozen"))
+        graph = ProgramGraph.load(self.program, self.device, frozen=frozen)
         activations = example_inputs(io, self.device)
         with torch.no_grad():
             expected = list(standalone(*graph_args(activations, tuple(weights), constants)))
@@ -235,7 +236,7 @@ class LocalAot:
             graph.exported,
             [*activations, *weights],
             expected,
-            inductor_config(self.options),
+            inductor_config(self.options, frozen=frozen),
             self.device,
             str(self.header.get("precision", "fp32")),
         )

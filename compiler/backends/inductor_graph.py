@@ -98,7 +98,7 @@ class ProgramGraph:
         ``args`` so that a first call does no autotuning."""
         from compiler.export import TRACING
 
-        patches = {**inductor_config(options), **({"freezing": True} if self.frozen else {})}
+        patches = inductor_config(options, frozen=self.frozen)
         # Freezing applies to graphs compiled without autograd only.
         with TRACING, torch.no_grad(), _quiet_if(self.frozen):
             compiled = torch._inductor.standalone_compile(

@@ -156,11 +156,16 @@ def host_compiler(options: Mapping[str, Any]) -> str:
     )
 
 
-def inductor_config(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Inductor config for a compile: the mode's settings, then the compile_options over them."""
+def inductor_config(options: Mapping[str, Any], *, frozen: bool = False) -> dict[str, Any]:
+    """Inductor config for a compile: the mode's settings, then the compile_options over them; with
+    ``frozen`` (int8 programs), freezing on: the program's constants folded in, weights prepacked."""
     mode = options.get("mode", "default")
     from_mode = torch._inductor.list_mode_options(mode) if mode != "default" else {}
-    return {**from_mode, **dict(options.get("compile_options") or {})}
+    return {
+        **from_mode,
+        **dict(options.get("compile_options") or {}),
+        **({"freezing": True} if frozen else {}),
+    }
 
 
 _WEIGHT = re.compile(r"^w\d{1,9}$")
