@@ -34,7 +34,9 @@ E4M3_MAX = 448.0
 _ALIGN = 16
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``F.linear(x, w, bias)`` with ``weight`` (E4M3, ``[N, K]``) and its row ``scale`` (``[N, 1]``):
     the activation rows scaled dynamically, one fp8 GEMM (traced into the graph as ATen ops)."""
     rows = x.reshape(-1, x.shape[-1])
