@@ -131,7 +131,9 @@ def quantize(
         for group in [[p] for p in parts] if recipe["scales"] == "graph" else [parts]:
             try:
                 if recipe["graph"] == PT2E_GRAPH:  # Inductor int8: torchao's PT2E flow
-                    graph, own = _quantize_program(plan, group[0], feeds), {}
+                    from compiler.quantize_pt2e import quantize_program
+
+                    graph, own = quantize_program(plan, group[0], feeds.get(group[0], [])), {}
                 elif recipe["graph"] == FP8_ROWWISE_GRAPH:  # Inductor fp8
                     from compiler.quantize_fp8 import quantize_fingerprint
 
@@ -280,17 +282,6 @@ def _quantize_fingerprint(
             )
         tensors.update({f"{QUANTIZED_PREFIX}{name}/{k}": v for k, v in values.items()})
     return graph, tensors
-
-
-def _quantize_program(plan: PartitionPlan, name: str, feeds: Mapping[str, list]) -> bytes:
-    """One instance's int8 program for Inductor (``compiler.quantize_pt2e``), its weights frozen in."""
-    from compiler.dedup import canonical_weights
-    from compiler.quantize_pt2e import quantize_program
-
-    partition = next(p for p in plan.partitions if p.name == name)
-    every = plan.weights()
-    weights = {k: every[key].detach() for k, key in canonical_weights(partition).items()}
-    return quantize_program(plan, partition, weights, feeds.get(name, []))
 
 
 def _folded(model: onnx.ModelProto) -> onnx.ModelProto:

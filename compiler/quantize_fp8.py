@@ -27,7 +27,7 @@ import torch
 
 from compiler.dedup import canonical_weights
 from compiler.errors import QuantizationError
-from compiler.lower import export_partition
+from compiler.lower import PRECISION_DTYPES, QUANTIZED_GRAPH_PRECISION, export_partition
 from compiler.partition import QUANTIZED_PREFIX, PartitionPlan
 
 E4M3_MAX = 448.0
@@ -70,6 +70,7 @@ def quantize_fingerprint(plan: PartitionPlan, parts: Sequence[str]) -> tuple[byt
             f"{parts[0]}: no linear whose weight is 2-D with sizes multiples of {_ALIGN} (fp8 GEMM)"
         )
     every = plan.weights()
+    rest = PRECISION_DTYPES[QUANTIZED_GRAPH_PRECISION["fp8"]]
     tensors: dict[str, torch.Tensor] = {}
     representative: list[torch.Tensor] = []
     for name in parts:
@@ -78,8 +79,8 @@ def quantize_fingerprint(plan: PartitionPlan, parts: Sequence[str]) -> tuple[byt
             tensor = every[key].detach()
             if int(k[1:]) in eligible:
                 own.extend(fp8_weight(tensor))
-            else:  # the rest of the graph computes in bf16 (compiler.lower.QUANTIZED_GRAPH_PRECISION)
-                own.append((tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous())
+            else:  # in the precision the rest of the graph computes in
+                own.append((tensor.to(rest) if tensor.is_floating_point() else tensor).contiguous())
         tensors.update({f"{QUANTIZED_PREFIX}{name}/w{j}": t for j, t in enumerate(own)})
         representative = representative or own
     weights = {f"w{j}": t for j, t in enumerate(representative)}

@@ -29,10 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from compiler.dedup import canonical_weights
 from compiler.errors import QuantizationError
 from compiler.export import TRACING
 from compiler.lower import _quiet_exporter, export_partition
-from compiler.partition import Partition, PartitionPlan
+from compiler.partition import PartitionPlan
 
 # aten ops the x86 quantizer finds by their source (``get_source_partitions``), and the functional
 # they come from. A partition's program is traced from a GraphModule, so its nodes record no
@@ -54,15 +55,11 @@ def pt2e_available() -> str | None:
     return None
 
 
-def quantize_program(
-    plan: PartitionPlan,
-    partition: Partition,
-    weights: Mapping[str, torch.Tensor],
-    feeds: Sequence[Mapping[str, np.ndarray]],
-) -> bytes:
-    """The saved program of ``partition`` quantized to int8 with ``weights`` frozen in, calibrated on
-    ``feeds`` (its captured activations, ``x0..xk`` per sample). :class:`QuantizationError` where
-    torchao is missing, nothing in it is quantizable, or no feed is given."""
+def quantize_program(plan: PartitionPlan, name: str, feeds: Sequence[Mapping[str, np.ndarray]]) -> bytes:
+    """The saved program of partition ``name`` quantized to int8 with its own weights frozen in,
+    calibrated on ``feeds`` (its captured activations, ``x0..xk`` per sample). :class:`QuantizationError`
+    where torchao is missing, nothing in it is quantizable, or no feed is given."""
+    partition = next(p for p in plan.partitions if p.name == name)
     missing = pt2e_available()
     if missing is not None:
         raise QuantizationError(f"{partition.name}: {missing}")
@@ -72,7 +69,9 @@ def quantize_program(
     from torchao.quantization.pt2e import MinMaxObserver
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    exported = export_partition(plan, partition, dict(weights), bind_weights=True)
+    every = plan.weights()
+    weights = {k: every[key].detach() for k, key in canonical_weights(partition).items()}
+    exported = export_partition(plan, partition, weights, bind_weights=True)
     module = exported.program.module()
     for node in module.graph.nodes:
         if node.op == "call_function" and node.target in _SOURCES:

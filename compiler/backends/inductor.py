@@ -486,13 +486,9 @@ class InductorBackend:
         run once at its shapes (the opt shapes for the dynamic graph); compiled again from its program
         where it is not trusted, or its artifact does not load here (another build of this torch
         version, another Inductor configuration)."""
+        if frozen:  # int8, weights frozen in: no artifact to load or keep; compiled here, by design
+            return self._compile_stored(files, engine_io, options, weights, shapes, frozen=True)
         examples = example_inputs(engine_io, self.device, shapes)
-        if frozen:  # int8, weights frozen in: no artifact; compiled here on every load, by design
-            graph = ProgramGraph.load(files[PROGRAM], self.device, frozen=True)
-            try:
-                return graph.compile(engine_io, options, weights)
-            except Exception as exc:
-                raise BackendError(f"Inductor could not compile a stored engine: {short_error(exc)}") from exc
         if not self.trust_engine_code:
             reason = (
                 "its compiled graph is code and its package is not trusted to run code (sign packages with "
@@ -513,16 +509,29 @@ class InductorBackend:
             return compiled
         what = "it" if shapes is None else f"its static specialization at {[list(s) for s in shapes]}"
         warnings.warn(f"Inductor engine: {reason}; compiling {what} from its program", stacklevel=3)
-        graph = ProgramGraph.load(files[PROGRAM], self.device)  # an unsafe program is its own typed error
-        try:
-            if shapes is None:
-                compiled = graph.compile(engine_io, options, weights)
-            else:
-                compiled = graph.compile_static(shapes, engine_io, options, weights)
-        except Exception as exc:
-            raise BackendError(f"Inductor could not compile a stored engine: {short_error(exc)}") from exc
+        compiled = self._compile_stored(files, engine_io, options, weights, shapes)
         local.store(compiled)
         return compiled
+
+    def _compile_stored(
+        self,
+        files: Mapping[str, bytes],
+        engine_io: EngineIO,
+        options: Mapping[str, Any],
+        weights: tuple[torch.Tensor, ...],
+        shapes: tuple[tuple[int, ...], ...] | None,
+        *,
+        frozen: bool = False,
+    ) -> Callable[..., Any]:
+        """The engine's program compiled here (read as a package's program: an unsafe one is its own
+        typed error), dynamic or at ``shapes``."""
+        graph = ProgramGraph.load(files[PROGRAM], self.device, frozen=frozen)
+        try:
+            if shapes is None:
+                return graph.compile(engine_io, options, weights)
+            return graph.compile_static(shapes, engine_io, options, weights)
+        except Exception as exc:
+            raise BackendError(f"Inductor could not compile a stored engine: {short_error(exc)}") from exc
 
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
         header, files = read_engine(engine)
