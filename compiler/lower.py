@@ -30,9 +30,6 @@ from compiler.partition import Partition, PartitionPlan
 from compiler.specs import InputSpec, dtype_name
 
 PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# What a quantized partition's other ops compute in: int8 on the CPU in fp32 (the x86 quantizer's
-# graphs are fp32); fp8 on CUDA in bf16, as torchao's float8 recipes run (its GEMMs return bf16).
-QUANTIZED_GRAPH_PRECISION = {"int8": "fp32", "fp8": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -214,8 +211,7 @@ def export_partition(
     sub = plan.submodule(partition.name)
     kinds = [i.kind for i in partition.inputs]
     graph, graph_kinds = rewritten if rewritten is not None else (sub, kinds)
-    precision = plan.options.precision_of(partition.name)
-    precision = QUANTIZED_GRAPH_PRECISION.get(precision, precision)
+    precision = plan.options.compute_precision(partition.name)  # a quantized one's other ops
     io_spec = engine_io(plan, partition)
     module: torch.nn.Module = _EngineGraph(graph, graph_kinds, precision, io_spec.output_dtypes)
     act_nodes = [n for n, kind in zip(_placeholders(sub), kinds, strict=True) if kind == "activation"]

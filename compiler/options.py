@@ -27,8 +27,8 @@ CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 # Backends that build each quantized precision; others are refused by name. ONNX Runtime runs int8
 # on the CPU and TensorRT parses explicit Q/DQ (symmetric, as it requires) for int8 and for fp8, whose
 # GEMMs need compute capability 8.9+ (checked at build): both from ONNX Runtime's quantizer's graphs.
-# Inductor runs int8 on x86 CPUs from torchao's PT2E flow (compiler.quantize_pt2e) and fp8 on CUDA
-# with torchao's rowwise recipe (compiler.quantize_fp8).
+# Inductor runs int8 on x86 CPUs from torchao's PT2E flow (compiler.quantize_pt2e), and int8 and fp8
+# on CUDA with torchao's dynamic rowwise recipes (compiler.quantize_rowwise).
 QUANTIZING_BACKENDS = {
     "int8": ("onnxruntime", "tensorrt", "tensorrt-rtx", "inductor"),
     "fp8": ("tensorrt", "tensorrt-rtx", "inductor"),
@@ -37,9 +37,10 @@ QUANTIZING_BACKENDS = {
 # fused, compiler.quantize). A change here changes every quantized graph, so it is in their keys.
 QUANTIZED_GRAPH = "ort-basic-optimized"
 # Inductor's: torchao's X86InductorQuantizer on the partition's program (graph and weights frozen),
-# and fp8: each eligible linear a dynamic rowwise torch._scaled_mm (weights stay refit inputs).
+# and on CUDA each eligible linear a dynamic rowwise torch._scaled_mm (fp8) or torch._int_mm (int8),
+# weights staying refit inputs.
 PT2E_GRAPH = "pt2e-x86-inductor"
-FP8_ROWWISE_GRAPH = "aten-scaled-mm-rowwise"
+ROWWISE_GRAPHS = {"fp8": "aten-scaled-mm-rowwise", "int8": "aten-int-mm-rowwise"}
 # Whether a batch between profiles is padded up to the next one (compiler.padding).
 PAD_TO_PROFILE = ("off", "auto")
 
@@ -218,39 +219,32 @@ class CompileOptions:
             )
 
     def _check_inductor_quantizing(self, levels: list[str]) -> None:
-        """Inductor: int8 is static on the CPU (oneDNN), fp8 dynamic on CUDA (torch._scaled_mm)."""
-        if "int8" in levels and "fp8" in levels:
-            raise PartitionError(
-                "backend 'inductor' builds int8 on the CPU and fp8 on CUDA: one compile cannot hold both"
-            )
-        if "int8" in levels:
-            if self.device != "cpu":
-                raise PartitionError(
-                    f"precision int8 with backend 'inductor' on {self.device}: Inductor's int8 is "
-                    "torchao's x86 quantizer with oneDNN kernels, CPU only; on CUDA use fp8, or build "
-                    "int8 with 'tensorrt'"
-                )
+        """Inductor: int8 on the CPU is static (oneDNN); on CUDA int8 and fp8 are dynamic rowwise
+        (torch._int_mm, torch._scaled_mm)."""
+        cuda = self.device.startswith("cuda")
+        if "int8" in levels and not cuda:
             if self.quantization == "dynamic":
                 raise PartitionError(
-                    "quantization 'dynamic' with backend 'inductor' and int8: its oneDNN int8 kernels take "
-                    "activation scales calibrated ahead; use quantization: static"
+                    "quantization 'dynamic' with backend 'inductor' and int8 on the CPU: its oneDNN int8 "
+                    "kernels take activation scales calibrated ahead; use quantization: static (dynamic "
+                    "int8 is Inductor's recipe on CUDA)"
                 )
             if self.calibration.method != "minmax":
                 raise PartitionError(
                     f"calibration.method {self.calibration.method!r} is ONNX Runtime's calibrator; "
                     "backend 'inductor' calibrates with torchao's observers: use 'minmax'"
                 )
-        if "fp8" in levels:
-            if not self.device.startswith("cuda"):
-                raise PartitionError(
-                    f"precision fp8 with backend 'inductor' on {self.device}: fp8 GEMMs "
-                    "(torch._scaled_mm) run on CUDA GPUs of compute capability 8.9+; use device: cuda"
-                )
-            if self.quantization != "dynamic":
-                raise PartitionError(
-                    "precision fp8 with backend 'inductor' scales activations per row at run time "
-                    "(torchao's rowwise recipe): use quantization: dynamic (no calibration data)"
-                )
+        if "fp8" in levels and not cuda:
+            raise PartitionError(
+                f"precision fp8 with backend 'inductor' on {self.device}: fp8 GEMMs "
+                "(torch._scaled_mm) run on CUDA GPUs of compute capability 8.9+; use device: cuda"
+            )
+        if cuda and levels and self.quantization != "dynamic":
+            level = " and ".join(levels)
+            raise PartitionError(
+                f"precision {level} with backend 'inductor' on CUDA scales activations per row at run "
+                "time (torchao's dynamic rowwise recipes): use quantization: dynamic (no calibration data)"
+            )
 
     def build_settings(self, partition: str | None = None) -> BuildSettings:
         """The build settings of ``partition`` (its ``partition_precision``, else ``precision``); with
@@ -289,14 +283,16 @@ class CompileOptions:
         # ``scales``: "refit" (ONNX Runtime: values put in like weights, so one engine serves every
         # instance of a block) or "graph" (TensorRT compiles them into its kernels and refuses to
         # refit them: each instance is its own engine).
-        if self.backend == "inductor" and precision == "fp8":
-            # E4M3 weights with row scales (refit tensors), activations scaled per row at run time.
+        if self.backend == "inductor" and self.device.startswith("cuda"):
+            # Weights with row scales (refit tensors), activations scaled per row at run time, the
+            # other ops in bf16 ("compute").
             return {
                 "mode": "dynamic",
-                "types": "e4m3fn-rowwise",
+                "types": "e4m3fn-rowwise" if precision == "fp8" else "s8s8-rowwise-symmetric",
                 "per_channel": True,
-                "graph": FP8_ROWWISE_GRAPH,
+                "graph": ROWWISE_GRAPHS[precision],
                 "scales": "refit",
+                "compute": "bf16",
             }
         if self.backend == "inductor":
             # uint8 activations and per-channel int8 weights (X86InductorQuantizer's recipe); weights
@@ -333,6 +329,15 @@ class CompileOptions:
         """``"fp32"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"fp8"`` or ``"torch"`` (no engine) for one
         partition."""
         return self.partition_precision.get(partition, self.precision)
+
+    def compute_precision(self, partition: str) -> str:
+        """The float precision ``partition``'s engine computes in: its precision, or for a quantized
+        one what its recipe's other ops compute in (its ``compute``; fp32, as the x86 and ONNX
+        quantizers' graphs are)."""
+        precision = self.precision_of(partition)
+        if precision not in QUANTIZED_PRECISIONS:
+            return precision
+        return self.quantization_settings(precision).get("compute", "fp32")
 
     def to_dict(self) -> dict:
         data = asdict(self)

@@ -27,8 +27,9 @@ task call it); a plan without int8 partitions passes through unchanged.
    and only its weights are refit tensors.
 5. Inductor quantizes each instance's program with torchao's PT2E flow instead of steps 3-4
    (``compiler.quantize_pt2e``): weights and scales frozen into its program, its own engine. Its
-   fp8 (CUDA) rewrites each fingerprint's graph with torchao's rowwise recipe as ATen ops
-   (``compiler.quantize_fp8``): E4M3 weights and their scales are each instance's refit tensors.
+   int8 and fp8 on CUDA rewrite each fingerprint's graph with torchao's dynamic rowwise recipes as
+   ATen ops (``compiler.quantize_rowwise``): quantized weights and their scales are each instance's
+   refit tensors.
 
 The samples used are recorded by digest; validation never uses them
 (``compiler.validation_data.held_out``).
@@ -57,7 +58,7 @@ from onnx import numpy_helper
 
 from compiler.backends.base import QUANTIZED_PRECISIONS, to_numpy
 from compiler.errors import CalibrationError, CalibrationWarning, QuantizationError, ValidationDataError
-from compiler.options import FP8_ROWWISE_GRAPH, PT2E_GRAPH
+from compiler.options import PT2E_GRAPH, ROWWISE_GRAPHS
 from compiler.partition import QUANTIZED_PREFIX, PartitionPlan
 from compiler.validation_data import ValidationData, random_data, sample_digest, validation_data
 
@@ -134,8 +135,8 @@ def quantize(
                     from compiler.quantize_pt2e import quantize_program
 
                     graph, own = quantize_program(plan, group[0], feeds.get(group[0], [])), {}
-                elif recipe["graph"] == FP8_ROWWISE_GRAPH:  # Inductor fp8
-                    from compiler.quantize_fp8 import quantize_fingerprint
+                elif recipe["graph"] in ROWWISE_GRAPHS.values():  # Inductor on CUDA
+                    from compiler.quantize_rowwise import quantize_fingerprint
 
                     graph, own = quantize_fingerprint(plan, group)
                 else:

@@ -396,12 +396,14 @@ def compile_cmd(
         typer.Option(
             "--precision",
             "-p",
-            help="fp32, fp16, bf16, int8 (onnxruntime, tensorrt, inductor on cpu), fp8 (tensorrt, inductor)",
+            help="fp32, fp16, bf16, int8 (onnxruntime, tensorrt, inductor), fp8 (tensorrt, inductor on cuda)",
         ),
     ] = None,
     quantization: Annotated[
         str | None,
-        typer.Option("--quantization", help="static (calibrated, default) or dynamic (fp8 on inductor)"),
+        typer.Option(
+            "--quantization", help="static (calibrated, default) or dynamic (onnxruntime; inductor on cuda)"
+        ),
     ] = None,
     calibration_data: Annotated[
         Path | None,

@@ -160,8 +160,8 @@ def test_with_aot_an_int8_engine_loads_its_native_package_instead_of_compiling(t
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        ({"device": "cuda"}, r"int8 with backend 'inductor' on cuda: .*CPU only.*'tensorrt'"),
-        ({"quantization": "dynamic"}, r"quantization 'dynamic' with backend 'inductor'.*static"),
+        ({"device": "cuda"}, r"int8 with backend 'inductor' on CUDA .*use quantization: dynamic"),
+        ({"quantization": "dynamic"}, r"'dynamic' with backend 'inductor' and int8 on the CPU.*static"),
         ({"calibration": {"method": "entropy"}}, r"calibration\.method 'entropy'.*'inductor'.*'minmax'"),
     ],
 )

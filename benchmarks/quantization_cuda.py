@@ -1,12 +1,13 @@
-"""fp8 on Inductor, CUDA (issue 19): fp32 vs bf16 vs fp8 (torchao's rowwise recipe as ATen ops,
-``compiler.quantize_fp8``) for a BERT-base-sized classifier split per layer.
+"""Quantization on Inductor, CUDA (issue 19): fp32 vs bf16 vs int8 vs fp8 (torchao's dynamic rowwise
+recipes as ATen ops, ``compiler.quantize_rowwise``) for a BERT-base-sized classifier split per layer.
 
 Per variant: latency at batch 1, 8 and 32 (median, interleaved in one run, CUDA graphs as kiln's runtime
 replays them by default), package bytes (weight-stripped engines: the weights each variant ships), top-1
 agreement and rel L2 vs eager fp32 on held-out samples, compile seconds. The GPU and the host CPU are
 named in the JSON.
 
-Run (a GPU of compute capability 8.9+): python -m benchmarks.fp8_inductor [--layers 12] [--out NAME]
+Run (a GPU of compute capability 8.9+ for fp8):
+    python -m benchmarks.quantization_cuda [--layers 12] [--variants fp32,bf16,int8,fp8] [--out NAME]
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ import compiler
 from benchmarks._common import interleaved, print_table, write_json
 from benchmarks.quantization import bert_case, cpu_info
 
-BATCHES = (1, 8, 32)  # fp8 GEMMs pay with the rows they multiply: batch x 128 tokens
+BATCHES = (1, 8, 32)  # low-precision GEMMs pay with the rows they multiply: batch x 128 tokens
 VARIANTS = {
     "fp32": {},
     "bf16": {"precision": "bf16"},
+    "int8": {"precision": "int8", "quantization": "dynamic"},
     "fp8": {"precision": "fp8", "quantization": "dynamic"},
 }
 
@@ -39,8 +41,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12, help="BERT layers (12 = BERT-base)")
     parser.add_argument("--validation", type=int, default=16, help="held-out samples")
     parser.add_argument("--runs", type=int, default=30, help="timed runs per variant and batch")
-    parser.add_argument("--out", default="fp8_inductor_h100", help="results/<out>.json")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="fp32 and bf16 first")
+    parser.add_argument("--out", default="quantization_cuda_h100", help="results/<out>.json")
     args = parser.parse_args()
+    chosen = args.variants.split(",")
+    if chosen[:2] != ["fp32", "bf16"] or not set(chosen) <= set(VARIANTS):
+        parser.error(f"--variants: fp32,bf16 then any of {', '.join(VARIANTS)}")
     model, kwargs, shapes, split, inputs, sample_batch = bert_case(args.layers, max_batch=max(BATCHES))
     model = model.cuda()
     program = compiler.export(model, (), {k: v.cuda() for k, v in kwargs.items()}, dynamic_shapes=shapes)
@@ -49,7 +55,8 @@ def main() -> None:
     base = compiler.CompileOptions(backend="inductor", device="cuda", split_modules=split, strip_weights=True)
     variants: dict[str, compiler.CompiledModule] = {}
     seconds: dict[str, float] = {}
-    for name, settings in VARIANTS.items():
+    for name in chosen:
+        settings = VARIANTS[name]
         start = time.perf_counter()
         variants[name] = compiler.compile(program, dataclasses.replace(base, **settings), cache=False)
         seconds[name] = time.perf_counter() - start
@@ -60,10 +67,10 @@ def main() -> None:
         for b, x in batches.items()
     }
     rows = []
-    with tempfile.TemporaryDirectory(prefix="kiln-fp8-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kiln-cuda-quant-bench-") as tmp:
         for name, compiled in variants.items():
             report = compiler.validate(model, compiled, data=held_out, warmup=0, runs=1)
-            # fp8: without the float weights only fp8 engines read (what kiln zoo publishes)
+            # without the float weights only quantized engines read (what kiln zoo publishes)
             package = compiler.save(compiled, Path(tmp) / f"{name}.kiln", int8_weights_only=True)
             rows.append(
                 {
@@ -83,7 +90,7 @@ def main() -> None:
             row[f"{key}_vs_fp32"] = row[key] / rows[0][key]
             row[f"{key}_vs_bf16"] = row[key] / rows[1][key]
     print_table(
-        f"fp8 on Inductor ({torch.cuda.get_device_name()}; BERT {args.layers} layers, sequence 128)",
+        f"Quantization on Inductor ({torch.cuda.get_device_name()}; BERT {args.layers} layers, sequence 128)",
         [
             "variant",
             *(f"b{b} ms" for b in BATCHES),
