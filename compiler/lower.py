@@ -9,12 +9,14 @@ same graph apart from initializer values, and refit maps canonical name -> tenso
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import logging
 import math
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import onnx
@@ -141,8 +143,7 @@ def lower_float(plan: PartitionPlan, partition: Partition, precision: str, fp: s
     dynamic_shapes = (act_shapes + tuple(None for _ in weights),)
     names = [s.name for s in io_spec.inputs] + list(weights)
     try:
-        with TRACING, warnings.catch_warnings(), _quiet_exporter():
-            warnings.simplefilter("ignore")
+        with quiet_trace():
             program = torch.onnx.export(
                 module,
                 args,
@@ -222,8 +223,7 @@ def export_partition(
     if bind_weights:
         module, args, shapes = _BoundWeights(module, tuple(weights.values())), examples, act_shapes
     try:
-        with TRACING, warnings.catch_warnings(), _quiet_exporter():
-            warnings.simplefilter("ignore")
+        with quiet_trace():
             program = torch.export.export(module, args, dynamic_shapes=(shapes,), strict=False)
     except Exception as exc:
         raise LoweringError(f"{partition.name} could not be exported: {exc}") from exc
@@ -424,15 +424,18 @@ def _canonicalize(model: onnx.ModelProto) -> None:
     model.doc_string = ""
 
 
-class _quiet_exporter:
-    """The exporter logs progress lines for every export; a compile of many partitions drowns in them."""
-
-    def __enter__(self) -> None:
-        self._loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo")]
-        self._levels = [lg.level for lg in self._loggers]
-        for lg in self._loggers:
+@contextlib.contextmanager
+def quiet_trace() -> Iterator[None]:
+    """One trace at a time (torch.export and the ONNX exporter are not thread-safe), without the
+    warnings and progress lines they print for every partition: a compile of many drowns in them."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo")]
+    levels = [lg.level for lg in loggers]
+    with TRACING, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
             lg.setLevel(logging.ERROR)
-
-    def __exit__(self, *exc: object) -> None:
-        for lg, level in zip(self._loggers, self._levels, strict=True):
-            lg.setLevel(level)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.setLevel(level)

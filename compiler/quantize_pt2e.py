@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,8 +30,7 @@ import torch
 
 from compiler.dedup import canonical_weights
 from compiler.errors import QuantizationError
-from compiler.export import TRACING
-from compiler.lower import _quiet_exporter, export_partition
+from compiler.lower import export_partition, quiet_trace
 from compiler.partition import PartitionPlan
 
 # aten ops the x86 quantizer finds by their source (``get_source_partitions``), and the functional
@@ -84,8 +82,7 @@ def quantize_program(plan: PartitionPlan, name: str, feeds: Sequence[Mapping[str
     config = dataclasses.replace(config, input_activation=activations)
     quantizer = x86.X86InductorQuantizer().set_global(config)
     device = next((t.device for t in exported.examples), torch.device("cpu"))
-    with TRACING, torch.no_grad(), warnings.catch_warnings(), _quiet_exporter():
-        warnings.simplefilter("ignore")
+    with quiet_trace(), torch.no_grad():
         prepared = prepare_pt2e(module, quantizer)
         for feed in feeds:
             prepared(*(torch.from_numpy(feed[f"x{k}"]).to(device) for k in range(len(feed))))
