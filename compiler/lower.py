@@ -429,8 +429,8 @@ def quiet_trace() -> Iterator[None]:
     """One trace at a time (torch.export and the ONNX exporter are not thread-safe), without the
     warnings and progress lines they print for every partition: a compile of many drowns in them."""
     loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo")]
-    levels = [lg.level for lg in loggers]
     with TRACING, warnings.catch_warnings():
+        levels = [lg.level for lg in loggers]  # read under the lock: another trace may have them lowered
         warnings.simplefilter("ignore")
         for lg in loggers:
             lg.setLevel(logging.ERROR)
