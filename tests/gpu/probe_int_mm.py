@@ -2,6 +2,7 @@
 
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch._inductor.config as ic
@@ -29,13 +30,20 @@ def bench(fn, *a, n=200):
     return (time.perf_counter() - t) / n * 1e6
 
 
+K, N = 768, 3072  # BERT-base's FFN up-projection
+
+
+def operands(dev: str = "cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 weight [N, K], its row scales, a bf16 bias)."""
+    w = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=dev)
+    ws = torch.rand(N, 1, device=dev) / 100
+    return w, ws, torch.randn(N, device=dev, dtype=torch.bfloat16)
+
+
 def main():
     res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     dev = "cuda"
-    K, N = 768, 3072
-    w = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=dev)
-    ws = torch.rand(N, 1, device=dev) / 100
-    b = torch.randn(N, device=dev, dtype=torch.bfloat16)
+    w, ws, b = operands(dev)
     for M in (1, 8, 16, 17, 128):
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         try:
@@ -67,6 +75,8 @@ def main():
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         res[f"us_M{M}"] = {"bf16": round(bench(fb, x, wf, b), 1), "int8": round(bench(fi, x, w, ws, b), 1)}
     print(json.dumps(res, indent=1))
+    gpu = res["gpu"].split()[1].lower()
+    (Path(__file__).parent / f"probe_int_mm.{gpu}.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

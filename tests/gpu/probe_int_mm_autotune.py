@@ -4,19 +4,17 @@ int8 dynamic linear pay against bf16 on the H100, and at what compile time? Dyna
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch._inductor.config as ic
 
 sys.path.insert(0, "tests/gpu")
-from probe_int_mm import bench, int8_linear
+from probe_int_mm import K, bench, int8_linear, operands
 
 res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
 dev = "cuda"
-K, N = 768, 3072
-w = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=dev)
-ws = torch.rand(N, 1, device=dev) / 100
-b = torch.randn(N, device=dev, dtype=torch.bfloat16)
+w, ws, b = operands(dev)
 wf = (w.float() * ws).to(torch.bfloat16)
 ic.force_fuse_int_mm_with_mul = True
 ic.max_autotune_gemm = True
@@ -40,3 +38,5 @@ for name, fn, args in (
             res[f"{name}_M{M}"] = str(e).splitlines()[0][:200]
         print(name, M, res[f"{name}_M{M}"], flush=True)
 print(json.dumps(res, indent=1))
+gpu = res["gpu"].split()[1].lower()
+(Path(__file__).parent / f"probe_int_mm_autotune.{gpu}.json").write_text(json.dumps(res, indent=1))
