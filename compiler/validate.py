@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from compiler.export import TRACING
 from compiler.validation_data import ValidationData, held_out, sample_inputs, validation_data
 from compiler.validation_report import (  # re-exported: the records and the policy, without torch
     DEFAULT_REL_L2,
@@ -155,7 +156,9 @@ def measure_accuracy(
     in spec order) and the pooled top-1 agreement."""
     worst = _Worst()
     device = _device(compiled)
-    with torch.no_grad():
+    # The user's eager model may call custom ops, which torch runs through a process-wide fx
+    # annotation dict that an export in another thread edits (KeyError 'custom', seen in tests).
+    with TRACING, torch.no_grad():
         for flat in samples:
             args, kwargs = _unflatten(compiled, [t.to(device) for t in flat])
             worst.add(original(*args, **kwargs), compiled(*args, **kwargs))
@@ -212,7 +215,7 @@ def validate(
     generator = torch.Generator().manual_seed(seed)
     device = _device(compiled)
     args, kwargs = _unflatten(compiled, [t.to(device) for t in sample_inputs(specs, "opt", generator)])
-    with torch.no_grad():
+    with TRACING, torch.no_grad():  # held once, so no call is timed waiting for another thread
         latency = measure_latency(
             {"eager": lambda: original(*args, **kwargs), "compiled": lambda: compiled(*args, **kwargs)},
             warmup=warmup,
