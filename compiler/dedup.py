@@ -62,19 +62,15 @@ def canonical_weights(partition: Partition) -> dict[str, str]:
 
 
 def instance_weights(plan: PartitionPlan, partition: Partition) -> dict[str, str]:
-    """Canonical name -> weight key: the partition's own quantized tensors when it is quantized and
-    ``compiler.quantize`` made them (none where its program holds them), else its program weights."""
-    precision = plan.options.precision_of(partition.name)
-    if precision in QUANTIZED_PRECISIONS:
-        recipe = plan.options.quantization_settings(precision)
-        if recipe.get("weights") == "frozen" and partition.name in plan.quantized_graphs:
-            return {}  # Inductor int8: its weights are constants of its own program
+    """Canonical name -> weight key. Once ``compiler.quantize`` has run (its record is on the plan), a
+    quantized partition's weights are exactly the tensors it made for it: none where its program holds
+    them (Inductor's frozen int8). Otherwise, and before quantizing, its program weights."""
+    if plan.quantization is not None and plan.options.precision_of(partition.name) in QUANTIZED_PRECISIONS:
         prefix = f"{QUANTIZED_PREFIX}{partition.name}/"
         names = sorted(
             (k[len(prefix) :] for k in plan.quantized if k.startswith(prefix)), key=lambda n: int(n[1:])
         )
-        if names:
-            return {name: f"{prefix}{name}" for name in names}
+        return {name: f"{prefix}{name}" for name in names}
     return canonical_weights(partition)
 
 
