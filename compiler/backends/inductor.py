@@ -48,24 +48,23 @@ switches is used (``inductor_options``), never a compiler, flag, path or environ
 
 Here: the backend (build, load, refit, compatibility) and the loaded engine. The compile of a program
 and the compiled graph's bytes are :mod:`compiler.backends.inductor_graph`; the engine file format is
-:mod:`compiler.backends.inductor_format`; static specializations :mod:`compiler.backends.inductor_static`.
+:mod:`compiler.backends.inductor_format`; static specializations :mod:`compiler.backends.inductor_static`;
+the graphs this process compiled :mod:`compiler.backends.inductor_memo`; AOTInductor packages
+:mod:`compiler.backends.inductor_aot`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import threading
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from compiler.backends.base import BuildSettings, EngineIO, unpack_torch_graph
-from compiler.backends.inductor_aot import AotGraph, LocalAot, build_aot
+from compiler.backends.inductor_aot import AotGraph, LocalAot, aot_from_program
 from compiler.backends.inductor_format import (
     AOT,
     COMPILED,
@@ -89,15 +88,14 @@ from compiler.backends.inductor_graph import (
     save_artifact,
     short_error,
 )
+from compiler.backends.inductor_memo import COMPILE_LOCK, library_key, recall, remember
 from compiler.backends.inductor_options import (
     build_options,
     host_compiler,
-    inductor_config,
     untrusted_options,
 )
 from compiler.backends.inductor_static import (
-    MAX_SPECIALIZATIONS,
-    engine_profile_shapes,
+    build_specializations,
     specializations,
     static_entry,
     static_key,
@@ -110,15 +108,6 @@ from compiler.errors import (
 )
 from compiler.specs import dtype_name
 
-# One compile at a time: Inductor's cache-artifact recording is process-wide. Always taken before the
-# compiler's tracing lock (compiler.export.TRACING, taken inside), so exports never overlap a compile
-# and the two locks are never taken in the other order.
-_COMPILE_LOCK = threading.RLock()
-# Per process, by library key: the compiled graph and, for one this process built, its saved artifact
-# (what a build stores). The most recent _RECENT_LIMIT only: a long zoo run must not grow without bound
-# (engines keep their own graph alive).
-_RECENT: OrderedDict[str, tuple[Callable[..., Any], bytes | None]] = OrderedDict()
-_RECENT_LIMIT = 128
 # Per process, by library key: the AOTInductor package built for it (or None) and its compiler (or why
 # there is none), so a stripped or full twin does not compile it again.
 _AOT: dict[str, tuple[bytes | None, str | None]] = {}
@@ -250,9 +239,9 @@ class InductorBackend:
             "constants": sorted(graph.constants),
             **({"frozen": True} if frozen else {}),
         }
-        key = _library_key(program, header)
-        with _COMPILE_LOCK:
-            compiled, artifact = _recall(key)
+        key = library_key(program, header)
+        with COMPILE_LOCK:
+            compiled, artifact = recall(key)
             # else this process built the same graph (a stripped or full twin)
             if compiled is None or (artifact is None and not frozen):
                 try:
@@ -263,7 +252,7 @@ class InductorBackend:
                         f"Inductor could not compile partition {partition or '?'}: {short_error(exc)}",
                         partition=partition,
                     ) from exc
-                _remember(key, compiled, artifact)
+                remember(key, compiled, artifact)
             static = {}
             if frozen and settings.profiles:
                 warnings.warn(
@@ -272,7 +261,7 @@ class InductorBackend:
                     stacklevel=2,
                 )
             elif not frozen:
-                static = self._build_specializations(graph, io, settings, options, weights, key, partition)
+                static = build_specializations(graph, io, settings, options, weights, key, partition)
             aot_bytes, aot_note = self._build_aot(
                 program, io, options, settings, weights, graph.constants, key, partition, frozen=frozen
             )
@@ -314,18 +303,16 @@ class InductorBackend:
         if not options.get("aot"):
             return None, None
         if key not in _AOT:
-            # its own copy: the compile above used the other
-            graph = ProgramGraph.load(program, self.device, frozen=frozen)
-            activations = example_inputs(io, self.device)
-            with torch.no_grad():
-                expected = _recall(key)[0](*graph_args(activations, tuple(weights.values()), constants))
-            built, note = build_aot(
-                graph.exported,
-                [*activations, *weights.values()],
-                list(expected),
-                inductor_config(options, frozen=frozen),
+            built, note = aot_from_program(
+                program,
+                io,
+                tuple(weights.values()),
+                constants,
+                recall(key)[0],
+                options,
                 self.device,
                 settings.precision,
+                frozen=frozen,
             )
             if built is None:
                 warnings.warn(
@@ -337,45 +324,6 @@ class InductorBackend:
             while len(_AOT) > 16:
                 _AOT.pop(next(iter(_AOT)))
         return _AOT[key]
-
-    def _build_specializations(
-        self,
-        graph: ProgramGraph,
-        io: EngineIO,
-        settings: BuildSettings,
-        options: Mapping[str, Any],
-        weights: Mapping[str, torch.Tensor],
-        key: str,
-        partition: str | None,
-    ) -> dict[tuple[tuple[int, ...], ...], bytes]:
-        """Activation shapes -> saved static-shape compile, one per distinct profile shape of this
-        engine. A failed specialization is warned and left out: the dynamic graph serves its shapes."""
-        built: dict[tuple[tuple[int, ...], ...], bytes] = {}
-        for profile in settings.profiles:
-            if not all(isinstance(v, int) for v in profile.values()):
-                continue  # a range: the dynamic graph serves it
-            shapes = engine_profile_shapes(io, profile)
-            if shapes is None or shapes in built:
-                continue
-            if len(built) == MAX_SPECIALIZATIONS:  # what a load accepts
-                warnings.warn(f"Inductor: {MAX_SPECIALIZATIONS} specializations at most", stacklevel=3)
-                break
-            shape_key = static_key(key, shapes)
-            artifact = _recall(shape_key)[1]
-            if artifact is None:
-                try:
-                    compiled = graph.compile_static(shapes, io, options, tuple(weights.values()))
-                    artifact = save_artifact(compiled)
-                except Exception as exc:
-                    warnings.warn(
-                        f"Inductor: no static specialization of partition {partition or '?'} for profile "
-                        f"{dict(profile)}: {short_error(exc)}",
-                        stacklevel=3,
-                    )
-                    continue
-                _remember(shape_key, compiled, artifact)
-            built[shapes] = artifact
-        return built
 
     # -- load, refit -----------------------------------------------------------------------------
     def load(
@@ -395,22 +343,22 @@ class InductorBackend:
         if aot is not None:  # serves every shape: no Inductor, no Triton imported
             return self._aot_engine(aot, ordered, io, constants, header)
         host_compiler(options)
-        key = _library_key(files[PROGRAM], {**header, "options": options})
-        with _COMPILE_LOCK:
-            compiled = _recall(key)[0]
+        key = library_key(files[PROGRAM], {**header, "options": options})
+        with COMPILE_LOCK:
+            compiled = recall(key)[0]
             if compiled is None:
                 frozen = bool(header.get("frozen"))
                 compiled = self._load_compiled(options, files, io, ordered, constants, frozen=frozen)
-                _remember(key, compiled, None)
+                remember(key, compiled, None)
             static = {}
             for index, shapes in enumerate(specializations(header, io)):
                 shape_key = static_key(key, shapes)
-                loaded = _recall(shape_key)[0]
+                loaded = recall(shape_key)[0]
                 if loaded is None:
                     loaded = self._load_compiled(
                         options, files, io, ordered, constants, shapes=shapes, name=static_entry(index)
                     )
-                    _remember(shape_key, loaded, None)
+                    remember(shape_key, loaded, None)
                 static[shapes] = loaded
             if local.wanted:  # built here once, for the loads after this one
                 aot = local.build(io, ordered, constants, compiled)
@@ -561,20 +509,6 @@ class InductorBackend:
             )
 
 
-def _recall(key: str) -> tuple[Callable[..., Any] | None, bytes | None]:
-    if key not in _RECENT:
-        return None, None
-    _RECENT.move_to_end(key)
-    return _RECENT[key]
-
-
-def _remember(key: str, compiled: Callable[..., Any], artifact: bytes | None) -> None:
-    _RECENT[key] = compiled, artifact if artifact is not None else _RECENT.get(key, (None, None))[1]
-    _RECENT.move_to_end(key)
-    while len(_RECENT) > _RECENT_LIMIT:
-        _RECENT.popitem(last=False)
-
-
 def _device_index(device: torch.device) -> int | None:
     return (device.index or 0) if device.type == "cuda" else None
 
@@ -598,9 +532,3 @@ def _ordered(
             )
         ordered.append(tensor.detach().to(device))
     return tuple(ordered)
-
-
-def _library_key(program: bytes, header: Mapping[str, Any]) -> str:
-    """One compiled graph per program, device and options: what instances and rebuilds share."""
-    meta = {k: header.get(k) for k in ("torch", "device", "device_index", "options")}
-    return hashlib.sha256(program + json.dumps(meta, sort_keys=True).encode()).hexdigest()

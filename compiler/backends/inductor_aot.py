@@ -217,9 +217,6 @@ class LocalAot:
         package must give). None, warned, where it cannot be built here (the standalone graph serves)."""
         import warnings
 
-        from compiler.backends.inductor_graph import ProgramGraph, example_inputs, graph_args
-        from compiler.backends.inductor_options import inductor_config
-
         if self.entry is None:
             return None
         warnings.warn(
@@ -227,21 +224,51 @@ class LocalAot:
             "machine's own from its program (minutes, once: kept in the local engine cache)",
             stacklevel=4,
         )
-        frozen = bool(self.header.get("frozen"))
-        graph = ProgramGraph.load(self.program, self.device, frozen=frozen)
-        activations = example_inputs(io, self.device)
-        with torch.no_grad():
-            expected = list(standalone(*graph_args(activations, tuple(weights), constants)))
-        built, note = build_aot(
-            graph.exported,
-            [*activations, *weights],
-            expected,
-            inductor_config(self.options, frozen=frozen),
+        built, note = aot_from_program(
+            self.program,
+            io,
+            tuple(weights),
+            constants,
+            standalone,
+            self.options,
             self.device,
             str(self.header.get("precision", "fp32")),
+            frozen=bool(self.header.get("frozen")),
         )
         if built is None:
             warnings.warn(f"Inductor engine: no AOTInductor package built here: {note}", stacklevel=4)
             return None
         self.entry.write(built)
         return AotGraph(built, self.device, self.header["constants"])
+
+
+def aot_from_program(
+    program: bytes,
+    io: Any,
+    weights: Sequence[torch.Tensor],
+    constants: Mapping[int, torch.Tensor],
+    standalone: Any,
+    options: Mapping[str, Any],
+    device: torch.device,
+    precision: str,
+    *,
+    frozen: bool = False,
+) -> tuple[bytes | None, str]:
+    """An engine's program built by :func:`build_aot` from its own copy of the program (a compile
+    consumes the graph it is given), checked against ``standalone``, the engine's graph compiled here,
+    on example inputs: what a build and an untrusted load's local package both do."""
+    from compiler.backends.inductor_graph import ProgramGraph, example_inputs, graph_args
+    from compiler.backends.inductor_options import inductor_config
+
+    graph = ProgramGraph.load(program, device, frozen=frozen)
+    activations = example_inputs(io, device)
+    with torch.no_grad():
+        expected = list(standalone(*graph_args(activations, tuple(weights), constants)))
+    return build_aot(
+        graph.exported,
+        [*activations, *weights],
+        expected,
+        inductor_config(options, frozen=frozen),
+        device,
+        precision,
+    )

@@ -1,15 +1,19 @@
 """Inductor engines' static-shape specializations (one per shape profile): which activation shapes a
-profile gives an engine, the header's list checked before use, and the names and keys they are kept
-under. The compile and load are :mod:`compiler.backends.inductor`'s."""
+profile gives an engine, their compile at build, the header's list checked before use, and the names
+and keys they are kept under. Their load is :mod:`compiler.backends.inductor`'s."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from compiler.backends.base import EngineIO
+import torch
+
+from compiler.backends.base import BuildSettings, EngineIO
+from compiler.backends.inductor_memo import recall, remember
 from compiler.errors import UnsafeEngineError
 
 # Specializations an engine may list: an untrusted load compiles each, so a header cannot ask for more.
@@ -70,3 +74,46 @@ def static_entry(index: int) -> str:
 
 def static_key(key: str, shapes: tuple[tuple[int, ...], ...]) -> str:
     return hashlib.sha256(f"{key}/static/{json.dumps([list(s) for s in shapes])}".encode()).hexdigest()
+
+
+def build_specializations(
+    graph: Any,
+    io: EngineIO,
+    settings: BuildSettings,
+    options: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    key: str,
+    partition: str | None,
+) -> dict[tuple[tuple[int, ...], ...], bytes]:
+    """Activation shapes -> saved static-shape compile of ``graph`` (an ``inductor_graph.ProgramGraph``),
+    one per distinct profile shape of this engine. A failed specialization is warned and left out: the
+    dynamic graph serves its shapes."""
+    # Here, not at the top: inductor_graph reads the engine format, which names these entries.
+    from compiler.backends.inductor_graph import save_artifact, short_error
+
+    built: dict[tuple[tuple[int, ...], ...], bytes] = {}
+    for profile in settings.profiles:
+        if not all(isinstance(v, int) for v in profile.values()):
+            continue  # a range: the dynamic graph serves it
+        shapes = engine_profile_shapes(io, profile)
+        if shapes is None or shapes in built:
+            continue
+        if len(built) == MAX_SPECIALIZATIONS:  # what a load accepts
+            warnings.warn(f"Inductor: {MAX_SPECIALIZATIONS} specializations at most", stacklevel=3)
+            break
+        shape_key = static_key(key, shapes)
+        artifact = recall(shape_key)[1]
+        if artifact is None:
+            try:
+                compiled = graph.compile_static(shapes, io, options, tuple(weights.values()))
+                artifact = save_artifact(compiled)
+            except Exception as exc:
+                warnings.warn(
+                    f"Inductor: no static specialization of partition {partition or '?'} for profile "
+                    f"{dict(profile)}: {short_error(exc)}",
+                    stacklevel=3,
+                )
+                continue
+            remember(shape_key, compiled, artifact)
+        built[shapes] = artifact
+    return built
