@@ -8,19 +8,22 @@ constraints and example inputs, and refuses unbounded ranges.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import inspect
 import io
 import json
+import logging
 import os
 import re
 import sys
 import threading
 import types
 import typing
+import warnings
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +43,32 @@ if TYPE_CHECKING:  # sympy itself costs ~0.3 s at import, which a package load d
 # torch.export and the ONNX exporter built on it are not thread-safe (two traces in one process corrupt
 # each other's dispatch state): every trace in kiln holds this lock, so callers may use threads.
 TRACING = threading.RLock()
+
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str) -> Iterator[None]:
+    """The named loggers at ERROR inside the block, their own levels after it. Read on entry: call it
+    under the lock that serialises their other users (a level read while another block has it lowered
+    would be restored for good)."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def quiet_trace() -> Iterator[None]:
+    """One trace at a time (:data:`TRACING`), without the warnings and progress lines torch.export and
+    the ONNX exporter print for every partition: a compile of many drowns in them."""
+    with TRACING, warnings.catch_warnings(), quiet_loggers("torch.onnx", "torch.export", "torch._dynamo"):
+        warnings.simplefilter("ignore")
+        yield
+
 
 SPEC_META_KEY = "kiln_input_spec"
 SPEC_EXTRA_FILE = "kiln_input_specs.json"

@@ -9,14 +9,10 @@ same graph apart from initializer values, and refit maps canonical name -> tenso
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import io
-import logging
 import math
 import time
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import onnx
@@ -27,7 +23,7 @@ from torch.export import Dim
 from compiler.backends.base import EngineIO, pack_torch_graph, to_numpy
 from compiler.dedup import DedupPlan, EngineInstance, canonical_weights
 from compiler.errors import LoweringError
-from compiler.export import TRACING
+from compiler.export import quiet_trace
 from compiler.partition import Partition, PartitionPlan
 from compiler.specs import InputSpec, dtype_name
 
@@ -422,20 +418,3 @@ def _canonicalize(model: onnx.ModelProto) -> None:
     del graph.metadata_props[:]
     del model.metadata_props[:]
     model.doc_string = ""
-
-
-@contextlib.contextmanager
-def quiet_trace() -> Iterator[None]:
-    """One trace at a time (torch.export and the ONNX exporter are not thread-safe), without the
-    warnings and progress lines they print for every partition: a compile of many drowns in them."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo")]
-    with TRACING, warnings.catch_warnings():
-        levels = [lg.level for lg in loggers]  # read under the lock: another trace may have them lowered
-        warnings.simplefilter("ignore")
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            for lg, level in zip(loggers, levels, strict=True):
-                lg.setLevel(level)

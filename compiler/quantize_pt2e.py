@@ -30,7 +30,8 @@ import torch
 
 from compiler.dedup import canonical_weights
 from compiler.errors import QuantizationError
-from compiler.lower import export_partition, quiet_trace
+from compiler.export import quiet_trace
+from compiler.lower import export_partition
 from compiler.partition import PartitionPlan
 
 # aten ops the x86 quantizer finds by their source (``get_source_partitions``), and the functional

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import tempfile
 import warnings
@@ -111,19 +110,16 @@ class ProgramGraph:
 @contextlib.contextmanager
 def _quiet_if(frozen: bool) -> Iterator[None]:
     """A frozen graph's expected notices left out: Inductor warns that it cannot save it (by design
-    here, ``ProgramGraph``) and its oneDNN lowering warns about a tensor copy of its own."""
+    here, ``ProgramGraph``) and its oneDNN lowering warns about a tensor copy of its own. Called under
+    the trace lock."""
+    from compiler.export import quiet_loggers
+
     if not frozen:
         yield
         return
-    logger = logging.getLogger("torch._inductor.standalone_compile")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="To copy construct from a tensor")
-            yield
-    finally:
-        logger.setLevel(level)
+    with quiet_loggers("torch._inductor.standalone_compile"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="To copy construct from a tensor")
+        yield
 
 
 class LocalCompiled:
