@@ -126,15 +126,7 @@ def lower_float(plan: PartitionPlan, partition: Partition, precision: str, fp: s
         name: (every[key].to(dtype) if every[key].is_floating_point() else every[key]).detach().contiguous()
         for name, key in ordered
     }
-    kinds = [i.kind for i in partition.inputs]
-    module = _EngineGraph(plan.submodule(partition.name), kinds, precision, io_spec.output_dtypes)
-    sub = plan.submodule(partition.name)
-    act_nodes = [
-        n for n, s in zip(_placeholders(sub), partition.inputs, strict=True) if s.kind == "activation"
-    ]
-    examples = tuple(_example(n.meta["val"], plan.symbols) for n in act_nodes)
-    dims: dict[str, Dim] = {}
-    act_shapes = tuple(_dynamic_axes(n.meta["val"].shape, plan.symbols, dims) for n in act_nodes)
+    module, examples, act_shapes = _engine_module(plan, partition, precision, io_spec)
     args = examples + tuple(weights.values())
     dynamic_shapes = (act_shapes + tuple(None for _ in weights),)
     names = [s.name for s in io_spec.inputs] + list(weights)
@@ -205,16 +197,11 @@ def export_partition(
     Its weights are inputs after the activations, or, with ``bind_weights``, constants of the program
     (what freezing compilers such as Inductor's int8 path want). ``rewritten``: the partition's graph
     as a quantizer rewrote it, with the kind of each of its inputs ("activation" or "weight")."""
-    sub = plan.submodule(partition.name)
-    kinds = [i.kind for i in partition.inputs]
-    graph, graph_kinds = rewritten if rewritten is not None else (sub, kinds)
     precision = plan.options.compute_precision(partition.name)  # a quantized one's other ops
-    io_spec = engine_io(plan, partition)
-    module: torch.nn.Module = _EngineGraph(graph, graph_kinds, precision, io_spec.output_dtypes)
-    act_nodes = [n for n, kind in zip(_placeholders(sub), kinds, strict=True) if kind == "activation"]
-    examples = tuple(_example(n.meta["val"], plan.symbols) for n in act_nodes)
-    dims: dict[str, Dim] = {}
-    act_shapes = tuple(_dynamic_axes(n.meta["val"].shape, plan.symbols, dims) for n in act_nodes)
+    module: torch.nn.Module
+    module, examples, act_shapes = _engine_module(
+        plan, partition, precision, engine_io(plan, partition), rewritten
+    )
     args, shapes = examples + tuple(weights.values()), act_shapes + tuple(None for _ in weights)
     if bind_weights:
         module, args, shapes = _BoundWeights(module, tuple(weights.values())), examples, act_shapes
@@ -225,6 +212,27 @@ def export_partition(
         raise LoweringError(f"{partition.name} could not be exported: {exc}") from exc
     program._example_inputs = None  # torch.export.save would pickle them
     return ExportedPartition(program, examples, act_shapes)
+
+
+def _engine_module(
+    plan: PartitionPlan,
+    partition: Partition,
+    precision: str,
+    io_spec: EngineIO,
+    rewritten: tuple[torch.fx.GraphModule, list[str]] | None = None,
+) -> tuple[_EngineGraph, tuple[torch.Tensor, ...], tuple[dict[int, object] | None, ...]]:
+    """What an exporter traces for ``partition`` (its graph, or the one a quantizer rewrote, taking
+    activations then weights, ``precision`` cast in), its example activations and their dynamic
+    shapes: the same for the ONNX exporter and torch.export."""
+    sub = plan.submodule(partition.name)
+    kinds = [i.kind for i in partition.inputs]
+    graph, graph_kinds = rewritten if rewritten is not None else (sub, kinds)
+    module = _EngineGraph(graph, graph_kinds, precision, io_spec.output_dtypes)
+    act_nodes = [n for n, kind in zip(_placeholders(sub), kinds, strict=True) if kind == "activation"]
+    examples = tuple(_example(n.meta["val"], plan.symbols) for n in act_nodes)
+    dims: dict[str, Dim] = {}
+    act_shapes = tuple(_dynamic_axes(n.meta["val"].shape, plan.symbols, dims) for n in act_nodes)
+    return module, examples, act_shapes
 
 
 class _BoundWeights(torch.nn.Module):
