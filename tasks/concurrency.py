@@ -31,16 +31,21 @@ def ensure_limits(limits: dict[str, int]) -> dict[str, int]:
     """Create or update the global concurrency limit of each device's engine builds; returns name -> limit."""
     from prefect import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
-    from prefect.exceptions import ObjectNotFound
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     named = {limit_name(device): n for device, n in sorted(limits.items())}
     with get_client(sync_client=True) as client:
         for name, n in named.items():
             try:
                 client.read_global_concurrency_limit_by_name(name)
+                exists = True
             except ObjectNotFound:
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=n))
-            else:
+                try:
+                    client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=n))
+                    exists = False
+                except ObjectAlreadyExists:  # another worker of the fleet created it meanwhile
+                    exists = True
+            if exists:
                 client.update_global_concurrency_limit(
                     name, GlobalConcurrencyLimitUpdate(limit=n, active=True)
                 )

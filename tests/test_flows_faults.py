@@ -190,3 +190,30 @@ def test_two_runs_writing_one_path_each_record_their_own_package(prefect_api, tm
     assert compiler.read_manifest(out).content_hash in hashes
     published = compiler.load(out)
     assert published(torch.randn(3, published.input_specs[0].max_shape[1])).shape == (3, 16)
+
+
+def test_fleet_workers_starting_at_once_all_get_the_build_limit(prefect_api) -> None:
+    # Each worker's zoo run creates its device's limit where it is missing; two that start together
+    # both find it missing and one creates it first (a fleet test once stopped with ObjectAlreadyExists).
+    from prefect import get_client
+
+    from tasks.concurrency import ensure_limits, limit_name
+
+    device = f"cpu:race-{os.getpid()}-{time.monotonic_ns()}"
+    start, errors = threading.Barrier(6), []
+
+    def worker() -> None:
+        start.wait()
+        try:
+            ensure_limits({device: 2})
+        except Exception as exc:  # reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name(limit_name(device)).limit == 2
