@@ -209,7 +209,8 @@ def test_fleet_workers_starting_at_once_all_get_the_build_limit(prefect_api) -> 
         except Exception as exc:  # reported below
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=worker) for _ in range(6)]
+    # Each thread carries this context: Prefect's settings (the test server's URL) live in contextvars.
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(worker,)) for _ in range(6)]
     for thread in threads:
         thread.start()
     for thread in threads:
