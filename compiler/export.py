@@ -45,6 +45,21 @@ if TYPE_CHECKING:  # sympy itself costs ~0.3 s at import, which a package load d
 TRACING = threading.RLock()
 
 
+def custom_op_lock(graph: torch.fx.GraphModule) -> contextlib.AbstractContextManager:
+    """What running ``graph`` must hold: torch runs a custom op through torch._dynamo.disable, which,
+    while any thread exports, edits a process-wide fx annotation dict (KeyError 'custom' under torch
+    2.13). A graph (or a partition kept in PyTorch) that calls an op outside aten and prims runs under
+    :data:`TRACING`, so it never overlaps a trace; any other runs freely."""
+    calls_custom_ops = any(
+        isinstance(node.target, torch._ops.OpOverload) and node.target.namespace not in ("aten", "prims")
+        for module in graph.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.op == "call_function"
+    )
+    return TRACING if calls_custom_ops else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def quiet_loggers(*names: str) -> Iterator[None]:
     """The named loggers at ERROR inside the block, their own levels after it. Read on entry: call it

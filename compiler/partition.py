@@ -29,7 +29,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions, validate_parti
 
 from compiler.backends import get_backend
 from compiler.errors import PartitionError
-from compiler.export import input_specs
+from compiler.export import TRACING, input_specs
 from compiler.onnx_support import SYMBOLIC_OPS, op_name
 from compiler.options import CompileOptions
 from compiler.profiles import check_profiles
@@ -177,18 +177,21 @@ def partition(
     start = time.perf_counter()
     specs = input_specs(program)
     check_profiles(specs, options.profiles)  # a bad profile fails before any build
-    gm = _prepared_copy(program)
-    support = _Support(get_backend(options.backend), _resolve_ops(options.torch_executed_ops))
-    proposals = CapabilityBasedPartitioner(
-        gm, support, allows_single_node_partition=True
-    ).propose_partitions()
-    groups = [sorted(p.nodes, key=_order(gm)) for p in proposals]
-    blocks: dict[str, str | None] = {}
-    if options.split_modules is not None:
-        groups, blocks = _split_by_block(gm, groups, options.split_modules)
-    groups = [g for g in groups if _compute_count(g) >= options.min_block_size]
-    seconds = time.perf_counter() - start
-    return _fuse(program, specs, options, gm, groups, blocks, seconds, dict(input_weights or {}))
+    # Graph edits take the tracing lock: a node created while another thread exports gets that
+    # trace's meta (torch.fx's preserved-meta state is process-wide), which fusing then refuses.
+    with TRACING:
+        gm = _prepared_copy(program)
+        support = _Support(get_backend(options.backend), _resolve_ops(options.torch_executed_ops))
+        proposals = CapabilityBasedPartitioner(
+            gm, support, allows_single_node_partition=True
+        ).propose_partitions()
+        groups = [sorted(p.nodes, key=_order(gm)) for p in proposals]
+        blocks: dict[str, str | None] = {}
+        if options.split_modules is not None:
+            groups, blocks = _split_by_block(gm, groups, options.split_modules)
+        groups = [g for g in groups if _compute_count(g) >= options.min_block_size]
+        seconds = time.perf_counter() - start
+        return _fuse(program, specs, options, gm, groups, blocks, seconds, dict(input_weights or {}))
 
 
 def replay(program: ExportedProgram, plan: Mapping[str, Any]) -> PartitionPlan:
@@ -196,16 +199,19 @@ def replay(program: ExportedProgram, plan: Mapping[str, Any]) -> PartitionPlan:
     start = time.perf_counter()
     options = CompileOptions.from_dict(plan["options"])
     specs = input_specs(program)
-    gm = _prepared_copy(program)
-    by_name = {n.name: n for n in gm.graph.nodes}
-    groups, blocks = [], {}
-    for saved in plan["partitions"]:
-        missing = [name for name in saved["nodes"] if name not in by_name]
-        if missing:
-            raise PartitionError(f"partition {saved['name']} names nodes the program lacks: {missing[:5]}")
-        groups.append([by_name[name] for name in saved["nodes"]])
-        blocks[saved["nodes"][0]] = saved.get("block")
-    replayed = _fuse(program, specs, options, gm, groups, blocks, time.perf_counter() - start)
+    with TRACING:  # graph edits: see partition()
+        gm = _prepared_copy(program)
+        by_name = {n.name: n for n in gm.graph.nodes}
+        groups, blocks = [], {}
+        for saved in plan["partitions"]:
+            missing = [name for name in saved["nodes"] if name not in by_name]
+            if missing:
+                raise PartitionError(
+                    f"partition {saved['name']} names nodes the program lacks: {missing[:5]}"
+                )
+            groups.append([by_name[name] for name in saved["nodes"]])
+            blocks[saved["nodes"][0]] = saved.get("block")
+        replayed = _fuse(program, specs, options, gm, groups, blocks, time.perf_counter() - start)
     replayed.quantization = plan.get("quantization")
     for saved, part in zip(plan["partitions"], replayed.partitions, strict=True):
         if [vars(i) for i in part.inputs] != saved["inputs"] or part.num_outputs != saved["num_outputs"]:

@@ -58,7 +58,7 @@ from onnx import numpy_helper
 
 from compiler.backends.base import QUANTIZED_PRECISIONS, to_numpy
 from compiler.errors import CalibrationError, CalibrationWarning, QuantizationError, ValidationDataError
-from compiler.export import TRACING
+from compiler.export import custom_op_lock
 from compiler.options import PT2E_GRAPH, ROWWISE_GRAPHS
 from compiler.partition import QUANTIZED_PREFIX, PartitionPlan
 from compiler.validation_data import ValidationData, random_data, sample_digest, validation_data
@@ -237,7 +237,7 @@ def _captured(
 
     handles = [plan.submodule(name).register_forward_pre_hook(hook(name)) for name in names]
     try:
-        with TRACING, torch.no_grad():  # its custom ops race other threads' exports (compiler.validate)
+        with custom_op_lock(plan.graph_module), torch.no_grad():
             for sample in samples:
                 user = iter(t.to(device) for t in sample)
                 plan.graph_module(*[next(user) if value is None else value for value in template])

@@ -13,7 +13,6 @@ captures, their pool and why graphs are off where they are).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import time
@@ -31,7 +30,7 @@ from compiler.cudagraphs import DEFAULT_MAX_SHAPES, CaptureCheck, CudaGraphs, ch
 from compiler.dedup import DedupPlan
 from compiler.device import resolve, same
 from compiler.errors import CudaGraphError, InputSpecError, RefitError
-from compiler.export import TRACING
+from compiler.export import custom_op_lock
 from compiler.lower import engine_weights
 from compiler.padding import check_padding, pad_call, pad_targets
 from compiler.partition import PartitionPlan
@@ -88,10 +87,9 @@ class CompiledModule(torch.nn.Module):
         weights = plan.weights()
         self._feed_template = [None if key is None else weights[key] for key in signature.inputs]
         self._user_outputs = list(signature.user_outputs)
-        # torch runs a custom op through torch._dynamo.disable, which, while any thread exports,
-        # edits a process-wide fx annotation dict (KeyError 'custom' under torch 2.13): graphs that
-        # call one run under the tracing lock, so they never overlap a trace.
-        self._lock = TRACING if _calls_custom_ops(graph) else contextlib.nullcontext()
+        # What its calls hold (the tracing lock where its graph calls custom ops); compiler.validate
+        # runs the user's eager model, which calls the same ops, under it too.
+        self.trace_lock = custom_op_lock(graph)
         check = CaptureCheck.from_dict(report.cuda_graphs) if report.cuda_graphs else None
         mode = plan.options.cuda_graphs
         decision = decide(mode, self.device, (a.backend for a in self.engines.values() if a.is_engine), check)
@@ -141,7 +139,7 @@ class CompiledModule(torch.nn.Module):
     def _run_uncaptured(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         user = iter(flat)
         feed = [next(user) if value is None else value for value in self._feed_template]
-        with self._lock, torch.no_grad():
+        with self.trace_lock, torch.no_grad():
             outputs = self.graph(*feed)
         return [outputs[i] for i in self._user_outputs]
 
@@ -491,15 +489,4 @@ def _report(
             "lower": round(sum(a.lower_seconds for a in engines.values()), 4),
             "build": round(sum(a.seconds - a.lower_seconds for a in engines.values()), 4),
         },
-    )
-
-
-def _calls_custom_ops(graph: torch.fx.GraphModule) -> bool:
-    """Whether the graph (or a partition kept in PyTorch) calls an op outside aten and prims."""
-    return any(
-        isinstance(node.target, torch._ops.OpOverload) and node.target.namespace not in ("aten", "prims")
-        for module in graph.modules()
-        if isinstance(module, torch.fx.GraphModule)
-        for node in module.graph.nodes
-        if node.op == "call_function"
     )

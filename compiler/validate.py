@@ -15,6 +15,7 @@ never a silent pass.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -156,13 +157,18 @@ def measure_accuracy(
     in spec order) and the pooled top-1 agreement."""
     worst = _Worst()
     device = _device(compiled)
-    # The user's eager model may call custom ops, which torch runs through a process-wide fx
-    # annotation dict that an export in another thread edits (KeyError 'custom', seen in tests).
-    with TRACING, torch.no_grad():
+    with _eager_lock(compiled), torch.no_grad():
         for flat in samples:
             args, kwargs = _unflatten(compiled, [t.to(device) for t in flat])
             worst.add(original(*args, **kwargs), compiled(*args, **kwargs))
     return worst.result()
+
+
+def _eager_lock(compiled: torch.nn.Module) -> contextlib.AbstractContextManager:
+    # The user's eager model calls the ops its compiled module calls: where those are custom ops, it
+    # must not overlap another thread's export either (compiler.export.custom_op_lock). A module kiln
+    # did not compile is not known: held.
+    return getattr(compiled, "trace_lock", TRACING)
 
 
 def _synchronize() -> None:
@@ -215,7 +221,7 @@ def validate(
     generator = torch.Generator().manual_seed(seed)
     device = _device(compiled)
     args, kwargs = _unflatten(compiled, [t.to(device) for t in sample_inputs(specs, "opt", generator)])
-    with TRACING, torch.no_grad():  # held once, so no call is timed waiting for another thread
+    with _eager_lock(compiled), torch.no_grad():  # held once: no call is timed waiting on a thread
         latency = measure_latency(
             {"eager": lambda: original(*args, **kwargs), "compiled": lambda: compiled(*args, **kwargs)},
             warmup=warmup,
