@@ -24,44 +24,15 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import compiler
 from benchmarks._common import print_table, write_json
 from compiler.errors import AccuracyError
+from zoo.models import OverflowModel
 
 FP16_MAX = 65504.0
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, scale: float = 1.0):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
-        self.norm = nn.LayerNorm(width)
-        with torch.no_grad():  # a "hot" block: same structure, weights that overflow fp16
-            self.fc2.weight.mul_(scale)
-            self.fc2.bias.mul_(scale)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + self.fc2(torch.relu(self.fc1(x))))
-
-
-class OverflowModel(nn.Module):
-    """``blocks`` residual blocks and a classifier head; block ``hot`` overflows fp16 before its norm."""
-
-    def __init__(
-        self, width: int = 64, blocks: int = 12, hot: int = 7, scale: float = 1e5, classes: int = 10
-    ):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(width, scale if i == hot else 1.0) for i in range(blocks))
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def overflow_case(width: int = 64, blocks: int = 12, hot: int = 7, seed: int = 0):
@@ -96,7 +67,7 @@ def main() -> None:
     model, program = overflow_case(args.width, args.blocks, args.hot)
     peaks = peak_before_norm(model, torch.randn(16, args.width))
     tolerances = compiler.Tolerances(min_top1_agreement=0.99).resolved("fp16")
-    options = compiler.CompileOptions(precision="fp16", split_modules=("Block",))
+    options = compiler.CompileOptions(precision="fp16", split_modules=("OverflowBlock",))
     with tempfile.TemporaryDirectory() as work:
         cache = compiler.EngineCache(Path(work) / "cache")
         start = time.perf_counter()

@@ -346,7 +346,13 @@ def _load(
         plan_data = {**manifest.plan, "options": {**options, **runtime}}
         if light:
             plan = from_runtime_graph(
-                graph, tuple(manifest.input_specs), plan_data, weights, manifest.input_weights, read_program
+                graph,
+                tuple(manifest.input_specs),
+                plan_data,
+                weights,
+                manifest.input_weights,
+                read_program,
+                origin=str(path),
             )
         else:
             plan = replay(with_weights(program, {k: v for k, v in weights.items() if k in own}), plan_data)

@@ -28,7 +28,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions, validate_partition
 
 from compiler.backends import get_backend
-from compiler.errors import PartitionError
+from compiler.errors import KilnError, PackageError, PartitionError
 from compiler.export import TRACING, input_specs
 from compiler.onnx_support import SYMBOLIC_OPS, op_name
 from compiler.options import CompileOptions
@@ -108,6 +108,10 @@ class PartitionPlan:
     program_weights: dict[str, torch.Tensor] = field(default_factory=dict)
     read_program: Callable[[], ExportedProgram] | None = field(default=None, repr=False)
     _program: ExportedProgram | None = field(default=None, repr=False)
+    # Whether graph_module's nodes carry torch.export's metadata (shapes, dtypes: what fingerprints,
+    # lowering and quantization read). A package's runtime graph does not: describe() adds it.
+    described: bool = True
+    origin: str = ""  # where a plan read back from a package came from, for its errors
 
     def __post_init__(self) -> None:
         if self._program is not None:
@@ -139,7 +143,28 @@ class PartitionPlan:
         return plan
 
     def submodule(self, name: str) -> torch.fx.GraphModule:
+        """A partition's graph, with its node metadata (:meth:`describe`)."""
+        self.describe()
         return getattr(self.graph_module, name)
+
+    def describe(self) -> None:
+        """Give the split graph its node metadata where it came from a package's runtime graph.
+
+        A load runs from the runtime graph, which holds no shapes or dtypes (they cost its cold start).
+        What rebuilds, re-fingerprints, quantizes or compares a partition needs them: the plan is then
+        replayed on the package's program, read on first use, and that graph replaces this one (same
+        nodes, same partitions; modules already assembled keep their own copy)."""
+        if self.described:
+            return
+        try:
+            replayed = replay(self.program, self.to_dict())
+        except KilnError as exc:
+            raise PackageError(
+                f"{self.origin or 'this package'}: its runtime graph carries no shapes or dtypes, and "
+                f"replaying its plan on its program failed ({exc}); recompile the model, or re-save the "
+                "package with this kiln"
+            ) from exc
+        self.graph_module, self.described = replayed.graph_module, True
 
     def float_weights_missing(self, partitions: Iterable[str]) -> list[str]:
         """Those of ``partitions`` whose float weights this plan lacks (left out of its package)."""
@@ -229,6 +254,7 @@ def from_runtime_graph(
     weights: Mapping[str, torch.Tensor],
     input_weights: Iterable[str],
     read_program: Callable[[], ExportedProgram],
+    origin: str = "",
 ) -> PartitionPlan:
     """A saved plan (``PartitionPlan.to_dict()``) on its saved split graph, without the program: what
     a package load runs. Each partition must be called in the graph with the inputs it was saved with.
@@ -279,6 +305,8 @@ def from_runtime_graph(
         quantization=plan.get("quantization"),
         program_weights={k: weights[k] for k in graph.signature.weight_keys()},
         read_program=read_program,
+        described=False,
+        origin=origin,
     )
 
 

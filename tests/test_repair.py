@@ -22,7 +22,7 @@ def case():
 
 
 def _compile(program, cache, **settings):
-    return compiler.compile(program, cache=cache, precision="fp16", split_modules=("Block",), **settings)
+    return compiler.compile(program, cache=cache, precision="fp16", split_modules=("OverflowBlock",), **settings)
 
 
 def test_the_overflowing_block_alone_is_raised_to_fp32_and_only_it_is_rebuilt(case, tmp_path):
@@ -89,14 +89,14 @@ def test_the_ladder_goes_fp16_to_fp32_to_torch_and_stops_when_the_tolerances_hol
 
 def test_an_fp32_compile_is_not_repaired_and_a_passing_one_is_left_alone(case, tmp_path):
     model, program = case
-    fp32 = compiler.compile(program, cache=tmp_path, split_modules=("Block",))
+    fp32 = compiler.compile(program, cache=tmp_path, split_modules=("OverflowBlock",))
     result = compiler.repair(model, fp32, compiler.Tolerances(rel_l2=1e-12), cache=tmp_path)
     assert result.compiled is fp32 and not result.record.steps and not result.record.passed
     assert "lowering bug" in result.record.note and fp32.report.accuracy_repair is None
     fine = compiler.repair(model, fp32, compiler.Tolerances.for_precision("fp32"), cache=tmp_path)
     assert fine.compiled is fp32 and fine.record.passed and not fine.record.steps
     lenient = compiler.compile(
-        program, cache=tmp_path, split_modules=("Block",), on_accuracy_failure="repair"
+        program, cache=tmp_path, split_modules=("OverflowBlock",), on_accuracy_failure="repair"
     )
     with pytest.raises(AccuracyError, match=r"tolerances\.rel_l2\); repair: not repaired: .* is fp32"):
         compiler.ensure_accuracy(model, lenient, compiler.Tolerances(rel_l2=1e-12), warmup=0, runs=1)
@@ -110,3 +110,18 @@ def test_a_repaired_package_keeps_its_precisions_and_its_record(case, tmp_path):
     assert loaded.plan.options.partition_precision == {f"engine_{HOT}": "fp32"}
     assert loaded.report.accuracy_repair["steps"][0]["partition"] == f"engine_{HOT}"
     assert not compiler.validate(model, loaded, warmup=0, runs=1).failures(FP16)
+
+
+def test_a_package_read_back_from_disk_is_repaired_as_the_compiled_module_is(case, tmp_path):
+    """A load runs from the package's runtime graph, which has no shapes or dtypes; repairing it needs
+    them (fingerprints, lowering): the plan is replayed on the package's program for that."""
+    model, program = case
+    cache = compiler.EngineCache(tmp_path / "cache")
+    compiler.save(_compile(program, cache), tmp_path / "fp16.kiln")
+    loaded = compiler.load(tmp_path / "fp16.kiln")
+    assert not loaded.plan.described  # what a load runs: the runtime graph alone
+    result = compiler.repair(model, loaded, FP16, cache=cache)
+    assert result.record.passed and result.record.engines_built == 1  # the raised block alone
+    assert result.compiled.plan.options.partition_precision == {f"engine_{HOT}": "fp32"}
+    x = torch.randn(5, 32)
+    assert torch.allclose(result.compiled(x), model(x), rtol=5e-2, atol=5e-2)

@@ -191,6 +191,46 @@ def repeated_fallback(depth: int = 6, width: int = 64, seed: int = 0) -> ModelCa
     )
 
 
+class OverflowBlock(nn.Module):
+    def __init__(self, width: int, scale: float = 1.0):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.norm = nn.LayerNorm(width)
+        with torch.no_grad():  # a "hot" block: same structure, weights that overflow fp16
+            self.fc2.weight.mul_(scale)
+            self.fc2.bias.mul_(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.fc2(torch.relu(self.fc1(x))))
+
+
+class OverflowModel(nn.Module):
+    """``blocks`` residual blocks and a classifier head; block ``hot`` overflows fp16 before its norm."""
+
+    def __init__(
+        self, width: int = 64, blocks: int = 12, hot: int = 7, scale: float = 1e5, classes: int = 10
+    ):
+        super().__init__()
+        self.blocks = nn.ModuleList(OverflowBlock(width, scale if i == hot else 1.0) for i in range(blocks))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def overflow_blocks(width: int = 32, blocks: int = 4, hot: int = 2, seed: int = 0) -> ModelCase:
+    """Residual blocks, one of which overflows fp16 (accuracy repair's case), dynamic batch (1..16)."""
+    _seeded(seed)
+    return ModelCase(
+        OverflowModel(width, blocks, hot).eval(),
+        (torch.randn(4, width),),
+        {},
+        ({0: Dim("batch", min=1, max=16)},),
+    )
+
+
 def small_bert() -> ModelCase:
     """MiniLM-sized BERT (6 layers, 384 wide, sequence 128): a realistic size for latency benchmarks."""
     return tiny_bert(num_layers=6, hidden=384, seq_len=128)
