@@ -22,7 +22,9 @@ def case():
 
 
 def _compile(program, cache, **settings):
-    return compiler.compile(program, cache=cache, precision="fp16", split_modules=("OverflowBlock",), **settings)
+    return compiler.compile(
+        program, cache=cache, precision="fp16", split_modules=("OverflowBlock",), **settings
+    )
 
 
 def test_the_overflowing_block_alone_is_raised_to_fp32_and_only_it_is_rebuilt(case, tmp_path):
