@@ -56,3 +56,21 @@ def allowed_module_prefixes(allowed: Sequence[str] | None = None) -> tuple[str, 
 
 def is_allowed_module(module: str, prefixes: Sequence[str]) -> bool:
     return any(module == p or module.startswith(p.rstrip(".") + ".") for p in prefixes)
+
+
+# A pytree defaultdict's factory is called whenever a missing key is read, so naming one is naming
+# code to run: only these builtin containers and numbers are taken (by module and qualified name, as
+# torch's pytree writes them), whatever modules are imported or allowed.
+DEFAULT_FACTORIES: frozenset[tuple[str, str]] = frozenset(
+    ("builtins", name)
+    for name in ("list", "dict", "set", "frozenset", "tuple", "int", "float", "str", "bool")
+)
+
+
+def default_factory_refusal(module: object, name: object) -> str | None:
+    """Why a pytree defaultdict factory is refused, or None for one of :data:`DEFAULT_FACTORIES`."""
+    if (module, name) in DEFAULT_FACTORIES:
+        return None
+    return (
+        f"a defaultdict factory {module!s:.60}.{name!s:.60} (only builtin containers and numbers are taken)"
+    )

@@ -331,7 +331,13 @@ def _load(
         modules = sorted(set(recorded) | set(checked_program.result()))
         import_allowed_modules(modules, str(path / PROGRAM), allowed=allowed_modules, recorded=recorded)
         moved = None if same(target, resolve(recorded_device)) else target
-        graph = runtime_graph.read(reads[RUNTIME_GRAPH].result(), str(path / RUNTIME_GRAPH), moved)
+        graph = runtime_graph.read(
+            reads[RUNTIME_GRAPH].result(),
+            str(path / RUNTIME_GRAPH),
+            moved,
+            allowed_modules=allowed_modules,
+            recorded_modules=recorded,
+        )
         own = set(graph.signature.weight_keys())
     else:
         program = read_program()

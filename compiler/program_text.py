@@ -8,7 +8,8 @@ The program text is JSON, but torch turns some of its strings into code or impor
 * **symbolic expressions** (``expr_str``) are parsed with ``sympy.sympify``, which evaluates Python;
 * **guards** (``guards_code``) are pasted into a function ``exec``'d by ``ExportedProgram.module()``;
 * **pytree contexts** import the module a defaultdict factory (``default_factory_module``) or an enum
-  (``fqn``) names.
+  (``fqn``) names, and a defaultdict's factory runs whenever a missing key is read: only builtin
+  containers and numbers are taken as factories (``compiler.module_policy.DEFAULT_FACTORIES``).
 
 So, read the way torch reads it (UTF-8, ``json.loads``: escapes decoded, the last duplicate key wins,
 and every string that is itself JSON read too), the text must have: names that are plain identifiers,
@@ -26,6 +27,7 @@ import re
 from typing import Any
 
 from compiler.errors import UnsafeProgramError
+from compiler.module_policy import default_factory_refusal
 
 # How deep the program text may nest JSON in JSON strings (torch's treespecs: 2 or 3) before it is
 # refused rather than read.
@@ -143,6 +145,12 @@ def check_program_text(model_json: bytes, where: str) -> list[str]:
     modules: set[str] = set()
 
     def hook(obj: dict[str, Any]) -> dict[str, Any]:
+        if "default_factory_module" in obj:
+            refusal = default_factory_refusal(
+                obj.get("default_factory_module"), obj.get("default_factory_name")
+            )
+            if refusal is not None:
+                raise UnsafeProgramError(f"{where}: the program's pytree names {refusal}")
         for key, field in (("__enum__", "fqn"), ("default_factory_module", "default_factory_module")):
             if key in obj:
                 name = obj.get(field)

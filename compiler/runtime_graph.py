@@ -8,19 +8,24 @@ how the call's arguments flatten, and which weight feeds each input. ``runtime_g
 that, beside the program, hashed with the other files. A load runs from it; the program is read only
 when something asks for it (a re-save, a refit into a new module, quantization).
 
-It is data: every call target is resolved by name to an operator overload under ``torch.ops`` (a
-namespace other than aten and prims only once its module has been imported by the op-module rule) or to
-one of a few Python operators. Nothing is imported, evaluated or unpickled from it. A graph that holds
-anything else (higher-order operators, calls by name, attributes) is not written: its package loads
-from the program, as before.
+It is data, and torch.fx turns it into Python source that it runs, so every part fx writes into that
+source is checked before a node is made: call targets and their arguments by the operator table and
+schema rule of :mod:`compiler.runtime_ops`; node, placeholder and submodule names are plain
+identifiers that are no Python keyword, builtin or name of fx's generated code; constants are
+numbers, booleans, dtypes, devices, layouts and memory formats (strings only where the table lists
+them). The call signature's pytree specs are decoded by :mod:`compiler.treespec`, under the op-module
+rule. Nothing is imported, evaluated or unpickled from it. A graph that holds anything else
+(higher-order operators, calls by name, attributes, an op outside the table) is not written: its
+package loads from the program, as before.
 """
 
 from __future__ import annotations
 
+import builtins
 import json
-import operator
+import keyword
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,19 +34,16 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from compiler import runtime_ops, treespec
 from compiler.errors import PackageCorruptError
 
 FORMAT = 1
 
-# The Python operators a split graph calls: tuple indexing of multi-output nodes and shape arithmetic.
-_OPERATORS = {
-    f"operator.{name}": getattr(operator, name)
-    for name in ("getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow")
-}
-_BY_FUNCTION = {fn: name for name, fn in _OPERATORS.items()}
 _DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,199}$")
-_OP_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)::([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)$")
+# Names fx's generated code uses itself (globals, the module, its helpers): a graph value may not
+# shadow them.
+_RESERVED = frozenset({"self", "torch", "device", "inf", "nan", "NoneType", "fx_pytree", "pytree", "wrap"})
 _ENUMS: dict[str, tuple[type, tuple[str, ...]]] = {
     "layout": (torch.layout, ("strided", "sparse_coo", "sparse_csr", "_mkldnn")),
     "memory_format": (
@@ -112,37 +114,75 @@ def write(
     return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
 
-def read(data: bytes, where: str, device: torch.device | None = None) -> RuntimeGraph:
+def read(
+    data: bytes,
+    where: str,
+    device: torch.device | None = None,
+    *,
+    allowed_modules: Sequence[str] | None = None,
+    recorded_modules: Sequence[str] | None = None,
+) -> RuntimeGraph:
     """Decode :func:`write`'s bytes (checked by the caller's manifest hash, and here for shape).
 
     ``device``: where the model runs, when that is not where it was compiled: every device an op names
-    becomes it (as torch.export's ``move_to_device_pass`` does for a program). Malformed data is a
-    :class:`PackageCorruptError` naming ``where``."""
+    becomes it (as torch.export's ``move_to_device_pass`` does for a program). ``allowed_modules`` and
+    ``recorded_modules``: the op-module rule's allow list and the package's modules, for enum types in
+    the pytree specs. Malformed data is a :class:`PackageCorruptError` naming ``where``."""
     try:
-        raw = json.loads(data)
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise ValueError(f"format {raw.get('format') if isinstance(raw, dict) else raw!r:.40}")
+        raw = _dict(json.loads(data))
+        if raw.get("format") != FORMAT:
+            raise ValueError(f"format {raw.get('format')!r:.40}")
+        specs = [
+            treespec.loads(_str(raw[key]), where, allowed=allowed_modules, recorded=recorded_modules)
+            for key in ("in_spec", "out_spec")
+        ]
         signature = CallSignature(
-            pytree.treespec_loads(_str(raw["in_spec"])),
-            pytree.treespec_loads(_str(raw["out_spec"])),
-            tuple(None if k is None else _str(k) for k in raw["inputs"]),
-            tuple(_int(i) for i in raw["user_outputs"]),
+            *specs,
+            tuple(None if k is None else _str(k) for k in _list(raw["inputs"])),
+            tuple(_int(i) for i in _list(raw["user_outputs"])),
         )
-        symbols = {
-            _str(k): (_str(v[0]), _int(v[1]), _int(v[2]), _int(v[3])) for k, v in raw["symbols"].items()
-        }
+        symbols = {_name(k): _symbol(v) for k, v in _dict(raw["symbols"]).items()}
         graph_module = _module(raw["graph"], device, depth=0)
+        _check_signature(graph_module, signature)
     except PackageCorruptError:
         raise
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError) as exc:
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        RuntimeError,
+        NotImplementedError,
+        AssertionError,
+        RecursionError,
+        SyntaxError,
+    ) as exc:
         raise PackageCorruptError(f"{where} is malformed: {exc!r:.300}") from exc
-    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(signature.inputs):
-        raise PackageCorruptError(
-            f"{where}: the graph takes {len(placeholders)} inputs, its signature names "
-            f"{len(signature.inputs)}"
-        )
     return RuntimeGraph(graph_module, signature, symbols)
+
+
+def _check_signature(graph_module: torch.fx.GraphModule, signature: CallSignature) -> None:
+    """The signature fits the graph: one entry per placeholder, user inputs as many as the input spec's
+    leaves, user outputs indices of the graph's outputs and as many as the output spec's leaves."""
+    nodes = list(graph_module.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if len(placeholders) != len(signature.inputs):
+        raise ValueError(
+            f"the graph takes {len(placeholders)} inputs, its signature names {len(signature.inputs)}"
+        )
+    users = sum(1 for k in signature.inputs if k is None)
+    if signature.in_spec.num_leaves != users:
+        raise ValueError(f"the input spec has {signature.in_spec.num_leaves} leaves for {users} user inputs")
+    outputs = next((n.args[0] for n in reversed(nodes) if n.op == "output"), None)
+    count = len(outputs) if isinstance(outputs, tuple | list) else 0
+    if any(not 0 <= i < count for i in signature.user_outputs):
+        raise ValueError(f"user outputs {list(signature.user_outputs)[:8]} index a graph of {count} outputs")
+    if signature.out_spec.num_leaves != len(signature.user_outputs):
+        raise ValueError(
+            f"the output spec has {signature.out_spec.num_leaves} leaves for "
+            f"{len(signature.user_outputs)} user outputs"
+        )
 
 
 # ---------------------------------------------------------------- writing
@@ -152,13 +192,17 @@ def _graph(gm: torch.fx.GraphModule) -> dict:
     index: dict[torch.fx.Node, int] = {}
     nodes, submodules = [], {}
     for node in gm.graph.nodes:
-        if not _NAME.match(node.name):
+        if _name_refusal(node.name) or (node.op == "placeholder" and node.target != node.name):
             raise NotData(f"node name {node.name!r}")
         entry: dict[str, Any] = {"op": node.op, "name": node.name}
         if node.op == "call_function":
-            entry["target"] = _target_name(node.target)
+            try:  # the rule a read holds the call to: a graph it refuses is not written
+                entry["target"] = runtime_ops.target_name(node.target)
+                runtime_ops.check_call(node.target, node.args, node.kwargs, torch.fx.Node)
+            except runtime_ops.CallRefused as exc:
+                raise NotData(str(exc)) from exc
         elif node.op == "call_module":
-            if not _NAME.match(str(node.target)):
+            if _name_refusal(str(node.target)):
                 raise NotData(f"submodule {node.target!r}")
             sub = getattr(gm, node.target)
             if not isinstance(sub, torch.fx.GraphModule):
@@ -173,15 +217,6 @@ def _graph(gm: torch.fx.GraphModule) -> dict:
         index[node] = len(nodes)
         nodes.append(entry)
     return {"nodes": nodes, "submodules": submodules}
-
-
-def _target_name(target: object) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}::{target._opname}.{target._overloadname}"
-    name = _BY_FUNCTION.get(target)  # type: ignore[arg-type]
-    if name is None:
-        raise NotData(f"call target {target!r:.80}")
-    return name
 
 
 def _value(value: object, index: Mapping[torch.fx.Node, int]) -> Any:
@@ -212,51 +247,69 @@ def _module(raw: dict, device: torch.device | None, depth: int) -> torch.fx.Grap
         raise ValueError("submodules nest too deep")
     root = torch.nn.Module()
     for name, sub in _dict(raw["submodules"]).items():
-        if not _NAME.match(name):
-            raise ValueError(f"submodule name {name!r:.60}")
-        root.add_module(name, _module(sub, device, depth + 1))
+        root.add_module(_name(name), _module(sub, device, depth + 1))
     graph = torch.fx.Graph()
     nodes: list[torch.fx.Node] = []
-    for entry in raw["nodes"]:
-        op, name = _str(entry["op"]), _str(entry["name"])
-        if not _NAME.match(name):
-            raise ValueError(f"node name {name!r:.60}")
+    outputs = 0
+    for entry in _list(raw["nodes"]):
+        entry = _dict(entry)
+        op, name = _str(entry["op"]), _name(entry["name"])
         if op not in ("placeholder", "call_function", "call_module", "output"):
             raise ValueError(f"node {name}: op {op!r:.40}")
         if op == "placeholder":
             node = graph.create_node("placeholder", name, name=name)
         else:
             args = _decode(entry["args"], nodes, device)
+            # Keyword names are checked against the called operator's schema (runtime_ops.check_call).
             kwargs = {_str(k): _decode(v, nodes, device) for k, v in _dict(entry["kwargs"]).items()}
             if not isinstance(args, tuple):
                 raise ValueError(f"node {name}: args must be a tuple")
             if op == "output":
+                outputs += 1
+                if len(args) != 1 or kwargs:
+                    raise ValueError(f"output node {name} takes one value")
                 target: Any = "output"
             elif op == "call_module":
-                target = _str(entry["target"])
-                if not _NAME.match(target) or target not in root._modules:
+                target = _name(entry["target"])
+                if target not in root._modules:
                     raise ValueError(f"node {name} calls an unknown submodule {target!r:.60}")
+                if kwargs or any(not isinstance(a, torch.fx.Node) for a in args):
+                    raise ValueError(f"node {name} passes its submodule something other than graph values")
             else:
-                target = _resolve(_str(entry["target"]))
+                target = runtime_ops.resolve(_str(entry["target"]))
+                runtime_ops.check_call(target, args, kwargs, torch.fx.Node)
             node = graph.create_node(op, target, args, kwargs, name=name)
+        if node.name != name:  # fx renamed it: a name given twice
+            raise ValueError(f"node name {name!r} is given twice")
         nodes.append(node)
+    if outputs != 1 or nodes[-1].op != "output":
+        raise ValueError("a graph ends in exactly one output node")
     return torch.fx.GraphModule(root, graph)
 
 
-def _resolve(name: str) -> Any:
-    if name in _OPERATORS:
-        return _OPERATORS[name]
-    match = _OP_NAME.match(name)
-    if match is None:
-        raise ValueError(f"call target {name!r:.80}")
-    namespace, op, overload = match.groups()
-    try:  # a lookup in the dispatcher's registry: an op whose module was never imported is not there
-        target = getattr(getattr(getattr(torch.ops, namespace), op), overload)
-    except (AttributeError, RuntimeError) as exc:
-        raise ValueError(f"operator {name} is not registered in this process") from exc
-    if not isinstance(target, torch._ops.OpOverload):
-        raise ValueError(f"{name} is not an operator overload")
-    return target
+def _name_refusal(name: object) -> str | None:
+    """Why ``name`` may not be written into the code fx generates, or None for a plain identifier."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        return f"{name!r:.60} is not a plain identifier"
+    if keyword.iskeyword(name) or keyword.issoftkeyword(name) or hasattr(builtins, name):
+        return f"{name!r} is a Python keyword or builtin"
+    if name in _RESERVED or name.startswith("__"):
+        return f"{name!r} is a name fx's generated code uses"
+    return None
+
+
+def _name(value: object) -> str:
+    refusal = _name_refusal(value)
+    if refusal is not None:
+        raise ValueError(f"name {refusal}")
+    return value  # type: ignore[return-value]
+
+
+def _symbol(value: object) -> tuple[str, int, int, int]:
+    items = _list(value)
+    if len(items) != 4:
+        raise ValueError("a shape symbol is [input, axis, min, max]")
+    return (_str(items[0]), _int(items[1]), _int(items[2]), _int(items[3]))
 
 
 def _decode(value: Any, nodes: list[torch.fx.Node], device: torch.device | None) -> Any:
@@ -266,9 +319,12 @@ def _decode(value: Any, nodes: list[torch.fx.Node], device: torch.device | None)
     if rest:
         raise ValueError(f"a value with keys {sorted(value)[:4]}")
     if kind == "node":
-        return nodes[_int(inner)]
+        index = _int(inner)
+        if not 0 <= index < len(nodes):
+            raise ValueError(f"a value names node {index}, not an earlier node")
+        return nodes[index]
     if kind in ("list", "tuple"):
-        items = [_decode(v, nodes, device) for v in inner]
+        items = [_decode(v, nodes, device) for v in _list(inner)]
         return items if kind == "list" else tuple(items)
     if kind == "float":
         return float(_str(inner))
@@ -301,4 +357,10 @@ def _int(value: object) -> int:
 def _dict(value: object) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"expected an object, got {type(value).__name__}")
+    return value
+
+
+def _list(value: object) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list, got {type(value).__name__}")
     return value

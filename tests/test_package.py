@@ -575,6 +575,25 @@ def _target(data: dict, value: str) -> None:
     _node(data, "getitem")["target"] = value
 
 
+def _aten(data: dict) -> dict:
+    """The first ATen call of the graph or its submodules (the partitions' linear layers)."""
+    graphs = [data["graph"], *data["graph"]["submodules"].values()]
+    return next(n for g in graphs for n in g["nodes"] if str(n.get("target", "")).startswith("aten::"))
+
+
+def _from_file(data: dict) -> None:
+    _aten(data).update(
+        target="aten::from_file.default",
+        args={"tuple": ["/etc/passwd", False, 8]},
+        kwargs={"dtype": {"dtype": "uint8"}},
+    )
+
+
+def _rename_placeholder(data: dict, name: str) -> None:
+    node = next(n for n in data["graph"]["nodes"] if n["op"] == "placeholder")
+    node["name"] = name
+
+
 def _swap_inputs(data: dict) -> None:
     call = next(n for n in data["graph"]["nodes"] if n["op"] == "call_module")
     call["args"]["tuple"][:2] = call["args"]["tuple"][1::-1]
@@ -586,13 +605,42 @@ def _swap_inputs(data: dict) -> None:
         (lambda d: _target(d, "operator.attrgetter"), PackageCorruptError, "call target"),
         (lambda d: _target(d, "builtins::eval.default"), PackageCorruptError, "not registered"),
         (lambda d: _target(d, "aten::add"), PackageCorruptError, "call target"),
-        (lambda d: _node(d, "getitem").update(name="x=__import__('os')"), PackageCorruptError, "node name"),
+        (
+            lambda d: _node(d, "getitem").update(name="x=__import__('os')"),
+            PackageCorruptError,
+            "plain identifier",
+        ),
         (lambda d: _node(d, "getitem")["args"]["tuple"].append({"eval": "1"}), PackageCorruptError, "kind"),
         (lambda d: d["graph"]["nodes"].insert(0, {"op": "get_attr", "name": "w"}), PackageCorruptError, "op"),
         (lambda d: d["inputs"].pop(), PackageCorruptError, "signature names"),
         (_swap_inputs, compiler.errors.PartitionError, "not called in the saved graph"),
+        # N2: any registered overload was a call target: a file read into the output, a file written
+        (lambda d: _from_file(d), PackageCorruptError, "operator table"),
+        (lambda d: _aten(d).update(target="aten::fill_.Scalar"), PackageCorruptError, "operator table"),
+        (lambda d: _aten(d).update(target="aten::add.out"), PackageCorruptError, "writes into"),
+        (
+            lambda d: _aten(d).update(target="profiler::_record_function_enter.default"),
+            PackageCorruptError,
+            "",
+        ),
+        (lambda d: _aten(d)["kwargs"].update(bogus=1), PackageCorruptError, "no argument 'bogus'"),
+        (
+            lambda d: _aten(d)["args"]["tuple"].__setitem__(0, {"dtype": "float32"}),
+            PackageCorruptError,
+            "cannot be",
+        ),
+        # fx pastes placeholder targets into forward's signature: keywords and its own names are refused
+        (lambda d: _rename_placeholder(d, "lambda"), PackageCorruptError, "keyword"),
+        (lambda d: _rename_placeholder(d, "self"), PackageCorruptError, "fx's generated code"),
+        (lambda d: _rename_placeholder(d, "torch"), PackageCorruptError, "fx's generated code"),
+        (lambda d: d["user_outputs"].append(99), PackageCorruptError, "user outputs"),
+        (lambda d: _aten(d)["args"]["tuple"].insert(0, {"node": 10**6}), PackageCorruptError, "earlier node"),
     ],
-    ids=["py-operator", "unregistered", "not-overload", "name", "value", "get_attr", "inputs", "swap"],
+    ids=[
+        *("py-operator", "unregistered", "not-overload", "name", "value", "get_attr", "inputs", "swap"),
+        *("from_file", "in-place", "out", "torch-namespace", "kwarg-name", "kwarg-type"),
+        *("placeholder-keyword", "placeholder-self", "placeholder-torch", "user-outputs", "later-node"),
+    ],
 )
 def test_a_tampered_runtime_graph_is_refused_with_a_typed_error(mlp_package, tmp_path, edit, error, match):
     path = _copy(mlp_package[2].path, tmp_path / "p.kiln")
@@ -602,6 +650,50 @@ def test_a_tampered_runtime_graph_is_refused_with_a_typed_error(mlp_package, tmp
     _reseal(path)
     with pytest.raises(error, match=match):
         compiler.load(path, allowed_modules=["zoo.models"])
+
+
+def test_a_runtime_graph_keyword_runs_no_code(mlp_package, tmp_path):
+    """N1: fx pastes a call's keyword names into the forward it generates; a key that is Python ran it
+    at the first call, and the model still answered correctly."""
+    path = _copy(mlp_package[2].path, tmp_path / "p.kiln")
+    marker = tmp_path / "ran"
+    data = json.loads((path / "runtime_graph.json").read_text())
+    key = f"*[__import__('os').system('touch {marker}')][:0]) if 1 else dict(zz"
+    _aten(data)["kwargs"][key] = {"node": 0}
+    (path / "runtime_graph.json").write_text(json.dumps(data))
+    _reseal(path)
+    with pytest.raises(PackageCorruptError, match="has no argument"):
+        compiler.load(path, allowed_modules=["zoo.models"])
+    assert not marker.exists()
+
+
+def test_runtime_graph_pytree_specs_import_nothing_and_take_only_builtin_factories(mlp_package, tmp_path):
+    """N3: torch's treespec_loads imports the module a defaultdict factory names (``this`` was imported
+    in strict mode); N4: a factory already imported (``os.abort``) passed the module rule and killed
+    the process on a missing key. kiln decodes the specs itself: neither is taken."""
+    from compiler.errors import UnsafeProgramError
+    from compiler.program_text import check_program_text
+
+    def factory(module: str, name: str) -> str:
+        context = {"default_factory_module": module, "default_factory_name": name, "dict_context": []}
+        return json.dumps([1, {"type": "collections.defaultdict", "context": context, "children_spec": []}])
+
+    for module, name, match in [("this", "x", "defaultdict factory this.x"), ("os", "abort", "os.abort")]:
+        path = _copy(mlp_package[2].path, tmp_path / f"{module}.kiln")
+        data = json.loads((path / "runtime_graph.json").read_text())
+        data["out_spec"] = factory(module, name)
+        (path / "runtime_graph.json").write_text(json.dumps(data))
+        _reseal(path)
+        with pytest.raises(PackageCorruptError, match=match):
+            compiler.load(path, allowed_modules=["zoo.models"])
+        # ... and in a program's text, which torch's own reader decodes: refused before it reads.
+        with pytest.raises(UnsafeProgramError, match=match):
+            check_program_text(json.dumps({"out_spec": factory(module, name)}).encode(), "p.pt2")
+    assert "this" not in sys.modules
+    # What kiln still takes: a defaultdict of a builtin container, decoded without torch's reader.
+    from compiler.treespec import loads
+
+    assert loads(factory("builtins", "list"), "p").context[0] is list
 
 
 def test_a_graph_the_runtime_form_cannot_hold_is_not_written():
