@@ -43,6 +43,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -370,10 +371,10 @@ def _load(
             f"{path}: the manifest's plan or dedup is malformed ({exc!r:.200})"
         ) from exc
     lap("weights_and_replay")
-    _check_dedup(dedup, plan, manifest, path)
     plan.input_weights = {k: weights[k] for k in manifest.input_weights}
     plan.quantized = {k: v for k, v in weights.items() if k.startswith(QUANTIZED_PREFIX)}
     plan.elided_weights = frozenset(elided)
+    _check_dedup(dedup, plan, manifest, path)
     engines = {
         fp: EngineArtifact(
             fp,
@@ -428,6 +429,20 @@ def _check_dedup(dedup: DedupPlan, plan: Any, manifest: Manifest, path: Path) ->
     partitions = {part.name for part in plan.partitions}
     named = [i.partition for i in dedup.instances]
     problems = []
+    texts = [*named, *dedup.unique, *dedup.unique.values(), *(i.fingerprint for i in dedup.instances)]
+    if not all(isinstance(t, str) for t in texts):
+        raise PackageCorruptError(f"{path}: the manifest's dedup names partitions or engines by non-strings")
+    weights = set(plan.weights()) | set(plan.elided_weights)
+    for instance in dedup.instances:
+        refs = instance.weights if isinstance(instance.weights, Mapping) else {}
+        if any(
+            not isinstance(k, str)
+            or not re.fullmatch(r"w\d{1,6}", k)
+            or not isinstance(v, str)
+            or v not in weights
+            for k, v in refs.items()
+        ):
+            problems.append(f"instance {instance.partition!r} feeds its engine a weight the package lacks")
     if sorted(named) != sorted(partitions):
         problems.append(
             f"instances name partitions {sorted(named)[:5]}, the plan has {sorted(partitions)[:5]}"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import builtins
 import json
 import keyword
+import operator
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from compiler import runtime_ops, treespec
-from compiler.errors import PackageCorruptError
+from compiler.errors import KilnError, PackageCorruptError
 
 FORMAT = 1
 
@@ -111,7 +112,12 @@ def write(
         }
     except (NotData, NotImplementedError, TypeError):  # treespec_dumps: a type without a serialized name
         return None
-    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    encoded = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    try:  # what is written is what a load reads: a graph the reader would refuse loads from the program
+        read(encoded, "the runtime graph being written")
+    except (PackageCorruptError, KilnError):
+        return None
+    return encoded
 
 
 def read(
@@ -250,6 +256,9 @@ def _module(raw: dict, device: torch.device | None, depth: int) -> torch.fx.Grap
         root.add_module(_name(name), _module(sub, device, depth + 1))
     graph = torch.fx.Graph()
     nodes: list[torch.fx.Node] = []
+    # Nodes whose value is a tuple (a submodule's outputs: how many; an op's several results: None):
+    # only indexing takes them, so a graph cannot hand a tuple to an op that wants a tensor.
+    tuples: dict[torch.fx.Node, int | None] = {}
     outputs = 0
     for entry in _list(raw["nodes"]):
         entry = _dict(entry)
@@ -266,8 +275,13 @@ def _module(raw: dict, device: torch.device | None, depth: int) -> torch.fx.Grap
                 raise ValueError(f"node {name}: args must be a tuple")
             if op == "output":
                 outputs += 1
-                if len(args) != 1 or kwargs:
-                    raise ValueError(f"output node {name} takes one value")
+                values = pytree.tree_leaves(args)
+                if (
+                    len(args) != 1
+                    or kwargs
+                    or any(v is not None and not isinstance(v, torch.fx.Node) for v in values)
+                ):
+                    raise ValueError(f"output node {name} returns something other than graph values")
                 target: Any = "output"
             elif op == "call_module":
                 target = _name(entry["target"])
@@ -278,13 +292,40 @@ def _module(raw: dict, device: torch.device | None, depth: int) -> torch.fx.Grap
             else:
                 target = runtime_ops.resolve(_str(entry["target"]))
                 runtime_ops.check_call(target, args, kwargs, torch.fx.Node)
+            _check_tuples(name, target, args, kwargs, tuples)
             node = graph.create_node(op, target, args, kwargs, name=name)
+            if op == "call_module" and (count := _output_count(root._modules[target])) is not None:
+                tuples[node] = count
+            elif isinstance(target, torch._ops.OpOverload) and runtime_ops.returns_several(target):
+                tuples[node] = None
         if node.name != name:  # fx renamed it: a name given twice
             raise ValueError(f"node name {name!r} is given twice")
         nodes.append(node)
     if outputs != 1 or nodes[-1].op != "output":
         raise ValueError("a graph ends in exactly one output node")
     return torch.fx.GraphModule(root, graph)
+
+
+def _check_tuples(
+    name: str, target: Any, args: tuple, kwargs: dict, tuples: dict[torch.fx.Node, int | None]
+) -> None:
+    if target is operator.getitem:
+        source, index = args if len(args) == 2 else (None, None)
+        if source not in tuples or not isinstance(index, int) or isinstance(index, bool):
+            raise ValueError(f"node {name} indexes something other than a tuple of results")
+        count = tuples[source]
+        if count is not None and not 0 <= index < count:
+            raise ValueError(f"node {name} takes result {index} of {count}")
+        return
+    used = pytree.tree_leaves((args, kwargs)) if target != "output" else pytree.tree_leaves(args[0])
+    if any(isinstance(v, torch.fx.Node) and v in tuples for v in used):
+        raise ValueError(f"node {name} passes a tuple of results where a value goes")
+
+
+def _output_count(module: torch.fx.GraphModule) -> int | None:
+    output = next((n for n in reversed(module.graph.nodes) if n.op == "output"), None)
+    value = output.args[0] if output is not None and output.args else None
+    return len(value) if isinstance(value, tuple | list) else None
 
 
 def _name_refusal(name: object) -> str | None:

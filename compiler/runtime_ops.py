@@ -154,6 +154,12 @@ def resolve(name: str) -> Callable[..., Any]:
     return target
 
 
+def returns_several(target: torch._ops.OpOverload) -> bool:
+    """Whether the operator returns a tuple or list of results (graph nodes index it)."""
+    returns = target._schema.returns
+    return len(returns) != 1 or str(returns[0].real_type).startswith("List[")
+
+
 def check_call(
     target: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], node: type
 ) -> None:
