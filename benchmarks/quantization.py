@@ -42,37 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import compiler
 from benchmarks._common import interleaved, print_table, write_json
+from zoo.models import SensitiveModel
 
 # ---------------------------------------------------------------- the deliberately sensitive model
-
-
-class OutlierBlock(nn.Module):
-    """``x + fc2(relu(fc1(x) * s) / s)``: with ``s`` all ones a plain MLP block; in a "hot" block one
-    channel of ``s`` is 1e4, so the activation after the multiply spans 1e4 in one channel and ~1 in
-    the rest: one int8 scale per tensor rounds the rest to zero. Same structure either way."""
-
-    def __init__(self, width: int, hot: bool = False):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
-        scale = torch.ones(2 * width)
-        if hot:
-            scale[0] = 1e4
-        self.register_buffer("scale", scale)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(x) * self.scale) / self.scale)
-
-
-class SensitiveModel(nn.Module):
-    def __init__(self, width: int = 32, blocks: int = 8, hot: int = 5, classes: int = 10):
-        super().__init__()
-        self.blocks = nn.ModuleList(OutlierBlock(width, i == hot) for i in range(blocks))
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def sensitive_case(width: int = 32, blocks: int = 8, hot: int = 5, batch: int = 4, samples: int = 24):

@@ -231,6 +231,41 @@ def overflow_blocks(width: int = 32, blocks: int = 4, hot: int = 2, seed: int = 
     )
 
 
+class OutlierBlock(nn.Module):
+    """``x + fc2(relu(fc1(x) * s) / s)``: with ``s`` all ones a plain MLP block; in a "hot" block one
+    channel of ``s`` is 1e4, so the activation after the multiply spans 1e4 in one channel and ~1 in
+    the rest: one int8 scale per tensor rounds the rest to zero. Same structure either way."""
+
+    def __init__(self, width: int, hot: bool = False):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        scale = torch.ones(2 * width)
+        if hot:
+            scale[0] = 1e4
+        self.register_buffer("scale", scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x) * self.scale) / self.scale)
+
+
+class SensitiveModel(nn.Module):
+    def __init__(self, width: int = 32, blocks: int = 8, hot: int = 5, classes: int = 10):
+        super().__init__()
+        self.blocks = nn.ModuleList(OutlierBlock(width, i == hot) for i in range(blocks))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def sensitive_blocks(width: int = 32, blocks: int = 4, hot: int = 2, seed: int = 0) -> ModelCase:
+    """Residual blocks, one of which int8 cannot represent (the int8 gate's case), batch 4."""
+    _seeded(seed)
+    return ModelCase(SensitiveModel(width, blocks, hot).eval(), (torch.randn(4, width),))
+
+
 def small_bert() -> ModelCase:
     """MiniLM-sized BERT (6 layers, 384 wide, sequence 128): a realistic size for latency benchmarks."""
     return tiny_bert(num_layers=6, hidden=384, seq_len=128)
