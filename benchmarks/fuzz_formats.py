@@ -19,7 +19,7 @@ from benchmarks._common import print_table, write_json
 from benchmarks.machine import cpu_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_fuzz_formats import fuzz  # noqa: E402  (the CI test's own driver)
+from test_fuzz_formats import fuzz
 
 
 def main() -> None:
