@@ -621,7 +621,7 @@ def _swap_inputs(data: dict) -> None:
         (
             lambda d: _aten(d).update(target="profiler::_record_function_enter.default"),
             PackageCorruptError,
-            "",
+            "namespace",
         ),
         (lambda d: _aten(d)["kwargs"].update(bogus=1), PackageCorruptError, "no argument 'bogus'"),
         (
