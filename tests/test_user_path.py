@@ -24,6 +24,8 @@ import pytest
 import torch
 import yaml
 
+from compiler.cache.local import LOCAL_DIR_ENV
+from tests.fixtures.s3_server import BUCKET
 from zoo.models import sensitive_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +39,7 @@ CHECKS = textwrap.dedent(
     from zoo import models
 
     out, results = Path(sys.argv[1]), {}
+    vit = Path(sys.argv[3])
     torch.manual_seed(1)
     torch.set_grad_enabled(False)
     for name, factory, kwargs in json.loads(sys.argv[2]):
@@ -68,6 +71,18 @@ CHECKS = textwrap.dedent(
         again = compiler.load(resaved, allowed_modules=["zoo.models"])
         result["resaved_equal"] = bool(torch.allclose(again(x), rebuilt(x), atol=1e-6))
         results[name] = result
+    # An hf: source, validated on recorded data: the package answers as transformers' model does.
+    from transformers import AutoModelForImageClassification
+
+    loaded = compiler.load(out / "vit.kiln")
+    pixels = torch.randn(2, 3, 32, 32)
+    want = AutoModelForImageClassification.from_pretrained(vit).eval()(pixel_values=pixels).logits
+    got = loaded(pixel_values=pixels).logits
+    results["vit"] = {
+        "rel_l2": float((got - want).norm() / want.norm()),
+        "validated_on": loaded.validation.data_source,
+        "samples": loaded.validation.samples,
+    }
     print(json.dumps(results))
     """
 )
@@ -81,11 +96,13 @@ MODELS = [
 
 
 @pytest.fixture(scope="module")
-def zoo_run(tmp_path_factory) -> dict:
+def zoo_run(tmp_path_factory, s3_server) -> dict:
     root = tmp_path_factory.mktemp("user-path")
     case = sensitive_blocks()
     torch.manual_seed(0)
     np.savez(root / "recorded.npz", x=torch.randn(24, *case.args[0].shape).numpy())
+    _vit_folder(root / "vit")
+    np.savez(root / "pixels.npz", pixel_values=torch.randn(4, 2, 3, 32, 32).numpy())
     entries = [
         {
             "name": "repair",
@@ -118,16 +135,24 @@ def zoo_run(tmp_path_factory) -> dict:
             "factory_kwargs": MODELS[3][2],
             "partition": {"split_modules": "auto"},
         },
+        {
+            "name": "vit",
+            "source": "hf:./vit",
+            "task": "image-classification",
+            "inputs": {"pixel_values": {"dims": [{"axis": 0, "name": "batch", "min": 1, "max": 4}]}},
+            "validation": {"data": "pixels.npz"},
+        },
     ]
     settings = {
         "out_dir": "out",
         "workspace": "ws",
-        "engine_cache": "cache",
+        "engine_cache": f"s3://{BUCKET}/user-path",  # a fleet-wide cache on object storage (moto)
         "tracking": False,
         "validation": {"samples": 2, "warmup": 0, "runs": 2},
     }
     (root / "zoo.yaml").write_text(yaml.safe_dump({"settings": settings, "models": entries}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The fleet cache's local tier is this run's own, so the engines really go through the store.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), LOCAL_DIR_ENV: str(root / "near-cache")}
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", "zoo", "zoo.yaml", "--out", "out", "--json"],
         cwd=root,
@@ -137,19 +162,40 @@ def zoo_run(tmp_path_factory) -> dict:
         timeout=600,
     )
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    cached = s3_server.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="user-path/")
     checks = subprocess.run(
-        [sys.executable, "-c", CHECKS, str(root / "out"), json.dumps(MODELS)],
+        [sys.executable, "-c", CHECKS, str(root / "out"), json.dumps(MODELS), str(root / "vit")],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert checks.returncode == 0, checks.stderr[-3000:]
-    return {"root": root, "results": json.loads(checks.stdout.strip().splitlines()[-1])}
+    results = json.loads(checks.stdout.strip().splitlines()[-1])
+    return {"root": root, "results": results, "cached": [o["Key"] for o in cached.get("Contents", [])]}
+
+
+def _vit_folder(path: Path) -> None:
+    """A tiny ViT classifier with random weights, written as a user's save_pretrained folder."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    config = ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=3,
+    )
+    ViTForImageClassification(config).eval().save_pretrained(path)
 
 
 def test_every_package_read_back_runs_rebuilds_refits_compares_and_resaves(zoo_run):
     for name, result in zoo_run["results"].items():
+        if name == "vit":
+            continue
         assert not result["described"] or name == "int8", name  # a load runs from the runtime graph
         assert result["rebuilt_rel_l2"] < 5e-2, (name, result)  # rebuilt with its last partition in torch
         assert result["compared"] and ("int8_weights_only" in result["compared"]) == (name == "int8"), name
@@ -172,3 +218,15 @@ def test_split_blocks_share_engines_and_fallback_runs_between_engines(zoo_run):
     results = zoo_run["results"]
     assert results["dedup"]["engines"] < results["dedup"]["partitions"], results["dedup"]
     assert results["fallback"]["rel_l2"] < 1e-5 and results["dedup"]["rel_l2"] < 1e-5
+
+
+def test_an_hf_source_validated_on_recorded_data_answers_as_transformers_does(zoo_run):
+    result = zoo_run["results"]["vit"]
+    assert result["rel_l2"] < 1e-4, result
+    assert "pixels.npz sha256:" in result["validated_on"] and result["samples"] == 4, result
+
+
+def test_engines_went_to_the_object_store_cache(zoo_run):
+    keys = zoo_run["cached"]
+    assert any(k.startswith("user-path/blobs/") for k in keys), keys[:5]
+    assert any(k.startswith("user-path/entries/") for k in keys), keys[:5]
