@@ -229,3 +229,33 @@ def test_verification_needs_no_torch(signed, keys):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(len(compiler.read_manifest(signed).files) + 1)  # and the manifest
 
+
+def test_record_signs_what_it_uploads_and_lookup_verifies_it(
+    mlflow_server, signed, keys, tmp_path, monkeypatch
+):
+    """kiln's registration signs the package it uploads (never the caller's directory); a look-up
+    verifies the download before loading it, and trusts it only then."""
+    import model_signing
+
+    from registry.errors import ArtifactVerificationError
+    from registry.lookup import lookup
+    from registry.tracking import record_package
+
+    unsigned = signed.parent / "unsigned.kiln"
+    monkeypatch.setenv(PRIVATE, str(keys["release"].private))
+    monkeypatch.setenv(PUBLIC, str(keys["release"].public))  # an unsigned package may be recorded to sign it
+    record_package(unsigned, "signed_mlp")
+    monkeypatch.delenv(PRIVATE)
+    assert not (unsigned / SIGNATURE).exists()
+
+    found = lookup("signed_mlp", dst=tmp_path / "v", allowed_modules=["zoo"])
+    assert found.module.trust_engine_code is True and not found.fell_back
+    public = keys["release"].public
+    model_signing.verifying.Config().use_elliptic_key_verifier(public_key=public).verify(
+        found.package_dir, found.package_dir / SIGNATURE
+    )
+    monkeypatch.setenv(PUBLIC, str(keys["other"].public))
+    with pytest.raises(ArtifactVerificationError, match="does not verify against the public key"):
+        lookup("signed_mlp", dst=tmp_path / "w", allowed_modules=["zoo"])
+    monkeypatch.delenv(PUBLIC)
+    assert lookup("signed_mlp", dst=tmp_path / "x", allowed_modules=["zoo"]).module.trust_engine_code is False
