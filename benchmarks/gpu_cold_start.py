@@ -81,7 +81,8 @@ def _child(package: Path, inputs: Path, trusted: bool, caches: Path, device: str
         "KILN_CACHE_DIR": str(caches / "engines"),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }
-    env.pop("KILN_SIGNING_KEY", None)
+    for name in [n for n in env if n.startswith("KILN_SIGNING_")]:  # trust is the child's argument only
+        del env[name]
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # a deployed host has its modules' .pyc
     start = time.perf_counter()
     done = subprocess.run(

@@ -113,8 +113,14 @@ class OpModuleNotAllowedError(KilnError):
 
 
 class PackageSignatureError(PackageCorruptError):
-    """``KILN_SIGNING_KEY`` is set and a package is unsigned, or signed with another key, or changed
-    after signing."""
+    """A signature verification is configured (``KILN_SIGNING_PUBLIC_KEY``, trusted certificates) and a
+    package is unsigned, signed by another key, or changed after signing (compiler/package_signing.py)."""
+
+
+class SigningConfigError(KilnError, ValueError):
+    """Signing or verification cannot be done as configured: a key or certificate that is missing or
+    not PEM EC, conflicting variables, the retired ``KILN_SIGNING_KEY``, or model-signing not installed.
+    The message names the variable and the fix."""
 
 
 class CudaGraphError(KilnError, ValueError):

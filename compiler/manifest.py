@@ -32,6 +32,7 @@ FORMAT_VERSION = 2
 PROGRAM = "program.pt2"
 WEIGHTS = "weights.safetensors"
 RUNTIME_GRAPH = "runtime_graph.json"  # optional: the split graph as data (compiler/runtime_graph.py)
+SIGNATURE = "model.sig"  # optional, never listed in files: compiler/package_signing.py
 ENGINE_DIR = "engines"
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -161,7 +162,9 @@ class Manifest:
     op_modules: tuple[str, ...] = ()  # modules that register the program's custom ops / pytree types
     source: SourceRecord | None = None
     content_hash: str = ""
-    signature: str | None = None  # HMAC of content_hash with KILN_SIGNING_KEY, when the saver had one
+    # The HMAC that kiln before model-signing wrote (KILN_SIGNING_KEY): read as data, never checked or
+    # written now. Signatures are the package's model.sig (compiler/package_signing.py).
+    signature: str | None = None
 
     @property
     def options(self) -> CompileOptions:
@@ -263,12 +266,18 @@ def check_layout(manifest: Manifest, where: str) -> None:
 
     Listed files are exactly ``program.pt2``, ``weights.safetensors``, optionally
     ``runtime_graph.json``, and one ``engines/<fingerprint>.engine`` per engine that has a file; each
-    engine's file is its own.
+    engine's file is its own. The signature ``model.sig`` is the one file a package may hold beyond
+    them and the manifest, and is never listed: it signs the manifest, so no hash in it can cover it.
     Raises PackageCorruptError naming the bad path.
     """
     for rel in manifest.files:
         if not safe_relative(rel):
             raise PackageCorruptError(f"{where}: the manifest lists {rel!r}, a path outside the package")
+    if SIGNATURE in manifest.files:
+        raise PackageCorruptError(
+            f"{where}: the manifest lists {SIGNATURE}, the signature that signs the manifest; a package "
+            "never lists it"
+        )
     for required in (PROGRAM, WEIGHTS):
         if required not in manifest.files:
             raise PackageCorruptError(f"{where}: the manifest does not list {required}")

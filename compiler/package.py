@@ -9,6 +9,8 @@
                              anything that form cannot: such packages load from the program)
     engines/<fp>.engine      one engine per unique fingerprint (weight-stripped or full); none for a
                              fingerprint whose build fell back to PyTorch (the program runs it)
+    model.sig                optional: the model-signing signature of every other file (never listed
+                             in the manifest, which it signs; compiler/package_signing.py)
 
 What loading guarantees (docs/security.md says why):
 
@@ -21,12 +23,12 @@ What loading guarantees (docs/security.md says why):
   program archive is refused if torch would unpickle any part of it
   (``compiler.export.check_archive``); safetensors and engines are plain bytes. The one engine that
   is code, an Inductor compiled graph, runs as stored only from a trusted package
-  (``trust_engine_code``, or a signature verified with ``$KILN_SIGNING_KEY``); otherwise it is
-  compiled again here from the program it carries, read by the same rule.
+  (``trust_engine_code``, or a signature verified with ``$KILN_SIGNING_PUBLIC_KEY`` or trusted
+  certificates); otherwise it is compiled again here from the program it carries, read by the same rule.
 * Modules the package needs imported (custom ops, pytree types) are imported only when the loading
   process allows them (``allowed_modules``, ``$KILN_ALLOWED_OP_MODULES``, or already imported).
-* With ``$KILN_SIGNING_KEY`` set, saves sign the content hash (HMAC-SHA256) and loads refuse a package
-  whose signature is missing or wrong.
+* With ``$KILN_SIGNING_PRIVATE_KEY`` set, saves sign the package (model-signing's format, ``model.sig``);
+  with a verification key set, loads refuse a package whose signature is missing or wrong.
 
 The reading and checking (manifest, file checksums, symlinks) is :mod:`compiler.package_check`, which
 needs no torch: :func:`read_manifest` is its function, re-exported here.
@@ -84,7 +86,8 @@ from compiler.manifest import (
     engine_file,
 )
 from compiler.package_check import MANIFEST, checked_manifest, read_manifest, read_verified
-from compiler.package_digest import content_hash, sign, signing_key
+from compiler.package_digest import content_hash
+from compiler.package_signing import Signer, Trust, sign_package
 from compiler.partition import (
     QUANTIZED_PREFIX,
     from_runtime_graph,
@@ -139,9 +142,12 @@ def save(
     raised to a float precision or compared with its float submodule again (recompile for that).
     """
     path = Path(path)
+    signer = Signer.from_env()  # a bad signing configuration fails before anything is written
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    # The package is built as staging/<name>, so that its signature names it as the package it becomes.
+    staging = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = staging / path.name
+    tmp.mkdir(parents=True)
     try:
         plan = compiled.plan
         files: dict[str, bytes] = {PROGRAM: program_bytes(_hollow(plan.program), record_modules=False)}
@@ -199,13 +205,14 @@ def save(
         # Through JSON first, so the hash is of exactly what a reader will parse (int keys, tuples).
         data = json.loads(json.dumps(manifest.to_json(), sort_keys=True))
         digest = content_hash(data)
-        manifest = dataclasses.replace(manifest, content_hash=digest, signature=sign(digest))
+        manifest = dataclasses.replace(manifest, content_hash=digest)
         text = json.dumps(manifest.to_json(), indent=2, sort_keys=True)
         write_bytes_atomic(tmp / MANIFEST, text.encode())
+        if signer is not None:  # signed before it is in place: a signed package appears whole
+            sign_package(tmp, signer)
         _swap_into_place(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     total = sum(f.bytes for f in manifest.files.values()) + (path / MANIFEST).stat().st_size
     return PackageInfo(path, manifest, total)
 
@@ -228,9 +235,10 @@ def load(
     input/output types (added to ``$KILN_ALLOWED_OP_MODULES``; modules already imported need neither).
 
     ``trust_engine_code``: whether engines that are code (Inductor's compiled graphs) may run as
-    stored. By default only when ``$KILN_SIGNING_KEY`` is set, i.e. the package's signature was just
-    verified (format-2 packages: their hash covers every file); otherwise such engines are compiled
-    again here from their programs with kiln's own settings (slower, runs nothing the package brought).
+    stored. By default only when a verification key is configured (``$KILN_SIGNING_PUBLIC_KEY`` or
+    ``$KILN_SIGNING_TRUSTED_CERTIFICATES``), i.e. the package's signature was just verified
+    (format-2 packages: their hash covers every file); otherwise such engines are compiled again here
+    from their programs with kiln's own settings (slower, runs nothing the package brought).
 
     ``cuda_graphs``: ``"auto"``, ``"on"`` or ``"off"`` for this load; by default what the package was
     compiled with (``CompileOptions.cuda_graphs``; packages that predate it: ``"auto"``). The capture
@@ -238,12 +246,14 @@ def load(
     """
     path = Path(path)
     start = time.perf_counter()
-    manifest = checked_manifest(path, verify=True)
+    trust = Trust.from_env()  # read once: what checked_manifest verifies against is what is trusted
+    manifest = checked_manifest(path, verify=True, trust=trust)
     manifest_s = time.perf_counter() - start
     if trust_engine_code is None:
-        # The one implicit trust: a signature just verified with $KILN_SIGNING_KEY, over a format-2 hash
-        # (which covers every byte a load reads; format 1's left the program out).
-        trust_engine_code = signing_key() is not None and manifest.format_version >= 2
+        # The one implicit trust: a signature checked_manifest just verified against a configured key
+        # (it refuses any other), over a format-2 manifest (whose hash covers every byte a load reads;
+        # format 1's left the program out).
+        trust_engine_code = trust is not None and manifest.format_version >= 2
     # Cold start: every file is read and checked on worker threads (sha256 and file reads release the
     # GIL) while this thread imports what the engines' runtime needs and reads the program. Imports stay
     # on this thread: concurrent imports can hand a thread a partly initialised module.

@@ -2,8 +2,9 @@
 
 :func:`read_manifest` is what a caller that only needs to know what a package holds and that it is
 intact uses (the no-op check of an unchanged zoo, ``kiln report``, registration): the format version,
-the content hash, the signature (with ``$KILN_SIGNING_KEY``), the layout, no symlinks and every
-listed file's checksum, exactly as :func:`compiler.load` checks them before it uses a byte.
+the content hash, the signature (where a verification key is configured:
+:mod:`compiler.package_signing`), the layout, no symlinks and every listed file's checksum, exactly as
+:func:`compiler.load` checks them before it uses a byte.
 :mod:`compiler.package` loads and saves with these same functions.
 """
 
@@ -18,25 +19,31 @@ from pathlib import Path
 
 from compiler.errors import PackageCorruptError, PackageVersionError
 from compiler.manifest import FORMAT_VERSION, PROGRAM, Manifest, check_layout
-from compiler.package_digest import check_signature, content_hash
+from compiler.package_digest import content_hash
+from compiler.package_signing import Trust, verify_package
 from compiler.version import kiln_version
 
 MANIFEST = "manifest.json"
 
 
-def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> Manifest:
+def read_manifest(path: str | os.PathLike, *, verify: bool = True, signature: bool = True) -> Manifest:
     """The package's manifest, after checking its format version and (by default) its content hash,
-    signature (when ``$KILN_SIGNING_KEY`` is set), layout and every file's checksum."""
+    signature (where ``$KILN_SIGNING_PUBLIC_KEY`` or trusted certificates are set), layout and every
+    file's checksum. ``signature=False`` leaves the signature out, for a caller about to sign the
+    package itself (registration with a signing key)."""
     path = Path(path)
-    manifest = checked_manifest(path, verify=verify)
+    manifest = checked_manifest(path, verify=verify, signature=signature)
     if verify:
         for rel in manifest.files:
             read_verified(path, rel, manifest)
     return manifest
 
 
-def checked_manifest(path: Path, *, verify: bool) -> Manifest:
-    """The typed manifest: version checked; with ``verify``, hash, signature, layout and no symlinks.
+def checked_manifest(
+    path: Path, *, verify: bool, signature: bool = True, trust: Trust | None = None
+) -> Manifest:
+    """The typed manifest: version checked; with ``verify``, hash, signature (unless ``signature`` is
+    False; against ``trust``, by default the environment's, where there is one), layout and no symlinks.
 
     File checksums are checked where each file is read (:func:`read_verified`).
     """
@@ -46,7 +53,8 @@ def checked_manifest(path: Path, *, verify: bool) -> Manifest:
     if not manifest_path.is_file():
         raise PackageCorruptError(f"{path} is not a kiln package: {MANIFEST} is missing")
     try:
-        data = json.loads(manifest_path.read_bytes())
+        raw = manifest_path.read_bytes()  # read once: these bytes are hashed, verified and parsed
+        data = json.loads(raw)
     except (OSError, ValueError) as exc:
         raise PackageCorruptError(f"{manifest_path} is not valid JSON: {exc}") from exc
     version = data.get("format_version") if isinstance(data, dict) else None
@@ -66,7 +74,9 @@ def checked_manifest(path: Path, *, verify: bool) -> Manifest:
             raise PackageCorruptError(
                 f"{manifest_path} does not match its content_hash: the manifest was edited after saving"
             )
-        check_signature(data, manifest_path)
+        trust = trust or (Trust.from_env() if signature else None)
+        if signature and trust is not None:  # none configured: the package is untrusted data
+            verify_package(path, trust, manifest_bytes=raw)
     manifest = Manifest.from_json(data)
     if version < 2 and (path / PROGRAM).is_file() and not (path / PROGRAM).is_symlink():
         # Format 1 recorded the op modules inside the program archive (data, never imported here).

@@ -1,22 +1,20 @@
-"""A package's digests: the content hash (every field and, through ``files``, every byte a load reads),
-the meaning hash (the same without what the compile measured) and the optional HMAC signature over the
-content hash. Split from ``package.py`` (which writes, reads and checks packages) so the rules that
-decide what a package *is* read in one place (docs/security.md)."""
+"""A package's digests: the content hash (every field and, through ``files``, every byte a load reads)
+and the meaning hash (the same without what the compile measured). Split from ``package.py`` (which
+writes, reads and checks packages) so the rules that decide what a package *is* read in one place
+(docs/security.md). Signatures sign the package directory, manifest included:
+:mod:`compiler.package_signing`."""
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from compiler.errors import PackageSignatureError
 from compiler.manifest import WEIGHTS
 
-SIGNING_KEY_ENV = "KILN_SIGNING_KEY"
+# ``signature``: the HMAC that kiln before model-signing wrote into the manifest; still outside the hash
+# so that the packages it signed keep their content hash (it is read as data and never checked).
 _UNHASHED = ("content_hash", "signature")
 
 
@@ -47,34 +45,6 @@ def meaning_hash(data: Mapping[str, Any]) -> str:
     The registry registers one version per meaning (registry.models)."""
     core = {k: v for k, v in data.items() if k not in _UNHASHED and k not in _MEASURED}
     return hashlib.sha256(json.dumps(core, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def signing_key() -> bytes | None:
-    key = os.environ.get(SIGNING_KEY_ENV, "")
-    return key.encode() if key else None
-
-
-def sign(digest: str, key: bytes | None = None) -> str | None:
-    key = key if key is not None else signing_key()
-    return None if key is None else hmac.new(key, digest.encode(), hashlib.sha256).hexdigest()
-
-
-def check_signature(data: Mapping[str, Any], where: Path) -> None:
-    """With a signing key set, only packages signed with it load (a rewritten file plus its checksum
-    and a recomputed hash is then refused too)."""
-    key = signing_key()
-    if key is None:
-        return
-    signature = data.get("signature")
-    if not isinstance(signature, str):
-        raise PackageSignatureError(
-            f"{where} is not signed, and {SIGNING_KEY_ENV} is set: only signed packages load"
-        )
-    if not hmac.compare_digest(signature, sign(str(data.get("content_hash", "")), key) or ""):
-        raise PackageSignatureError(
-            f"{where}: its signature does not match {SIGNING_KEY_ENV}: it was signed with another key "
-            "or changed after signing; refused"
-        )
 
 
 def _format1_hash(data: Mapping[str, Any]) -> str:

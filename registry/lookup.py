@@ -198,7 +198,7 @@ def _describe(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _package_in(model_dir: Path) -> Path:
+def package_in(model_dir: Path) -> Path:
     """The package directory inside a downloaded pyfunc model (its MLmodel names the artifact path)."""
     from mlflow.models import Model
 
@@ -251,7 +251,7 @@ def fetch_version(
             lambda: mlclient.get_model_version_download_uri(name, version), f"locate {name}/{version}", policy
         )
         local = download_model_dir(uri, staging, f"{name} v{version}", on_progress=on_progress, policy=policy)
-        package_dir = _package_in(local)
+        package_dir = package_in(local)
     except Exception as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, ArtifactMissingError) or not (isinstance(exc, (MlflowException, OSError))):

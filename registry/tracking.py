@@ -5,6 +5,11 @@ typed manifest by :mod:`registry.payload`; this module handles the runs: create 
 register the package as a version of ``kiln.<model>.<engine target>`` (:mod:`registry.models`), finish.
 The package itself is the logged model (``python_function`` flavour, see :mod:`registry.pyfunc`).
 
+Signing: with ``$KILN_SIGNING_PRIVATE_KEY`` set, the package that is uploaded (the copy inside the logged
+model, never the caller's directory) is signed in model-signing's format (``model.sig``,
+:mod:`compiler.package_signing`) after it is verified, so every version recorded this way is one that
+look-ups with the matching public key accept and trust.
+
 Failure handling: every call retries with back-off (:mod:`registry.config`). If the server stays away,
 the run is marked ``FAILED`` where the server can still be told, the package on disk is never touched,
 and :class:`RegistryUnavailableError` says so. Calling :func:`record_package` again resumes the same
@@ -35,10 +40,12 @@ from mlflow.models.model import Model
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
 
 from compiler.manifest import Manifest
+from compiler.package_signing import Signer, sign_package
 from compiler.report_page import render_report
 from registry import config, payload
 from registry.config import RetryPolicy, call_with_retry
 from registry.errors import RegistryUnavailableError
+from registry.lookup import package_in
 from registry.models import (
     TAG_CONTENT_HASH,
     Registered,
@@ -138,8 +145,10 @@ def record_package(
     from compiler.package_digest import meaning_hash
 
     package_dir = Path(package_dir).resolve()
-    # Verify before touching MLflow: a corrupt package must never be registered.
-    manifest = package.read_manifest(package_dir)
+    signer = Signer.from_env()  # a bad signing configuration fails before anything is recorded
+    # Verify before touching MLflow: a corrupt package must never be registered. One this process is
+    # about to sign need not be signed yet (its copy is verified again once signed).
+    manifest = package.read_manifest(package_dir, signature=signer is None)
     request_json = payload.request_data(request)
     content_hash = manifest.content_hash
     policy = policy or RetryPolicy.from_env()
@@ -230,6 +239,7 @@ def record_package(
             registered,
             policy,
             on_progress,
+            signer,
         )
     except BaseException as exc:
         _mark_failed(mlclient, run_id, exc)
@@ -258,6 +268,7 @@ def _log_and_register(
     registered: str,
     policy: RetryPolicy,
     on_progress: ProgressCallback | None = None,
+    signer: Signer | None = None,
 ) -> tuple[str, Registered]:
     params = payload.params_for(manifest, model)
     metrics = payload.metrics_for(manifest, _package_bytes(package_dir))
@@ -333,6 +344,14 @@ def _log_and_register(
                 pip_requirements=payload.requirements_for(manifest),
                 metadata={"kiln_content_hash": manifest.content_hash, "kiln_model": model},
             )
+            if signer is not None:
+                import compiler.package as package
+
+                copy = package_in(local)
+                sign_package(copy, signer)
+                # As a look-up will check it (where this process has a verification key: a key that
+                # does not match the signing one is found here, not by every later look-up).
+                package.read_manifest(copy)
             started = time.monotonic()
             size = upload_model_dir(
                 mlclient, logged.model_id, local, model, on_progress=on_progress, policy=policy

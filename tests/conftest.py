@@ -20,6 +20,14 @@ from tests.fixtures.s3_server import s3_server  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _no_signing_keys() -> None:
+    """A developer's signing configuration never decides what a test loads or trusts: tests that sign
+    or verify set their own keys (tests/fixtures/signing_keys.py). Processes started by tests inherit it."""
+    for name in [n for n in os.environ if n.startswith("KILN_SIGNING_")]:
+        del os.environ[name]
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _private_engine_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tests never touch the user's cache; processes started by tests inherit this directory."""
     directory = tmp_path_factory.mktemp("engine-cache")

@@ -21,6 +21,7 @@ import compiler
 from compiler.backends.inductor_aot import _check_in_fresh_process
 from compiler.backends.inductor_format import AOT, HEADER
 from compiler.errors import BuildSettingsError
+from tests.fixtures.signing_keys import ec_key_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,13 +101,16 @@ def test_aot_engine_loads_natively_where_trusted_and_never_where_not(device, tmp
     with torch.no_grad():
         expected = {b: model(torch.randn(b, 12).to(device)).cpu() for b in (1, 3, 16)}
 
-    env = {k: v for k, v in os.environ.items() if k != "KILN_SIGNING_KEY"}
-    monkeypatch.setenv("KILN_SIGNING_KEY", "release-key")
+    env = dict(os.environ)
+    key = ec_key_pair(tmp_path, "release")
+    monkeypatch.setenv("KILN_SIGNING_PRIVATE_KEY", str(key.private))
     compiler.save(module, tmp_path / "signed.kiln")
-    monkeypatch.delenv("KILN_SIGNING_KEY")
+    monkeypatch.delenv("KILN_SIGNING_PRIVATE_KEY")
     compiler.save(module, tmp_path / "unsigned.kiln")
 
-    signed = _fresh_load(tmp_path / "signed.kiln", {**env, "KILN_SIGNING_KEY": "release-key"}, device)
+    signed = _fresh_load(
+        tmp_path / "signed.kiln", {**env, "KILN_SIGNING_PUBLIC_KEY": str(key.public)}, device
+    )
     # Every batch in range answered by the native package, with Inductor's compiler not imported.
     assert set(signed["dispatch"].values()) == {"aot"} and not signed["inductor"], signed
     assert not signed["warnings"], signed["warnings"]

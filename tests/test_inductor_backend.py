@@ -30,6 +30,7 @@ from compiler.errors import (
     RefitError,
     UnsafeProgramError,
 )
+from tests.fixtures.signing_keys import ec_key_pair
 from zoo.models import repeated_fallback, soft_sign_clip, tiny_bert
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,14 +170,15 @@ def test_package_round_trip_in_a_fresh_process(blocks, compiled, tmp_path, monke
     module, _ = compiled
     torch.save(case.args[0], tmp_path / "x.pt")
     expected = module(case.args[0])
-    env = {k: v for k, v in os.environ.items() if k != "KILN_SIGNING_KEY"}
-    monkeypatch.setenv("KILN_SIGNING_KEY", "release-key")
+    env = dict(os.environ)
+    key = ec_key_pair(tmp_path, "release")
+    monkeypatch.setenv("KILN_SIGNING_PRIVATE_KEY", str(key.private))
     compiler.save(module, tmp_path / "signed.kiln")
-    monkeypatch.delenv("KILN_SIGNING_KEY")
+    monkeypatch.delenv("KILN_SIGNING_PRIVATE_KEY")
     compiler.save(module, tmp_path / "unsigned.kiln")
 
     words, out, warned = _load_in_a_fresh_process(
-        tmp_path / "signed.kiln", tmp_path / "x.pt", {**env, "KILN_SIGNING_KEY": "release-key"}
+        tmp_path / "signed.kiln", tmp_path / "x.pt", {**env, "KILN_SIGNING_PUBLIC_KEY": str(key.public)}
     )
     assert words == ["inductor", "cpu", "True"] and not warned.strip(), warned
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
@@ -187,10 +189,9 @@ def test_package_round_trip_in_a_fresh_process(blocks, compiled, tmp_path, monke
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_a_refit_keeps_the_trust_its_module_was_loaded_with(blocks, compiled, tmp_path, monkeypatch):
+def test_a_refit_keeps_the_trust_its_module_was_loaded_with(blocks, compiled, tmp_path):
     case, _ = blocks
     module, _ = compiled
-    monkeypatch.delenv("KILN_SIGNING_KEY", raising=False)
     compiler.save(module, tmp_path / "m.kiln")
     assert module.trust_engine_code  # compiled here: its own engines
     loaded = compiler.load(tmp_path / "m.kiln")

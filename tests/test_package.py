@@ -16,7 +16,6 @@ import compiler
 from compiler.errors import (
     OpModuleNotAllowedError,
     PackageCorruptError,
-    PackageSignatureError,
     PackageVersionError,
     UnsafeProgramError,
 )
@@ -416,29 +415,6 @@ def test_in_process_modules_already_imported_need_no_allowance(mlp_package, monk
         from compiler.export import import_allowed_modules
 
         import_allowed_modules(["kiln_no_such_module"], str(path))
-
-
-# ---------------------------------------------------------------- signing (optional)
-
-
-def test_signed_packages_verify_with_the_key_and_refuse_without_it(mlp_package, tmp_path, monkeypatch):
-    _, compiled, _ = mlp_package
-    unsigned = compiler.save(compiled, tmp_path / "unsigned.kiln")
-    monkeypatch.setenv("KILN_SIGNING_KEY", "k1")
-    signed = compiler.save(compiled, tmp_path / "signed.kiln")
-    assert signed.manifest.signature and signed.content_hash == unsigned.content_hash
-    compiler.load(signed.path)
-    with pytest.raises(PackageSignatureError, match="not signed"):
-        compiler.load(unsigned.path)
-    resealed = _copy(signed.path, tmp_path / "resealed.kiln")
-    _reseal(resealed, EDITS["report"])  # a consistent rewrite, but the signature no longer matches
-    with pytest.raises(PackageSignatureError, match="does not match"):
-        compiler.load(resealed)
-    monkeypatch.setenv("KILN_SIGNING_KEY", "another key")
-    with pytest.raises(PackageSignatureError, match="does not match"):
-        compiler.load(signed.path)
-    monkeypatch.delenv("KILN_SIGNING_KEY")
-    compiler.load(signed.path)  # without a key, the content hash is what is checked
 
 
 # ---------------------------------------------------------------- the rest of the contract

@@ -492,29 +492,3 @@ def test_a_tensorrt_plan_that_expands_without_bound_is_refused():
     assert bytes(decode_engine(small)[1]) == b"plan" * 1000
     with pytest.raises(EngineCompatibilityError, match=r"truncated|corrupt"):
         decode_engine(small[:-20])
-
-
-def test_only_a_verified_format2_signature_is_implicit_trust(packages, tmp_path, monkeypatch):
-    """With KILN_SIGNING_KEY set, a signed format-2 package runs its engines as stored; a signed format-1
-    package (whose hash leaves its program out) and any explicit trust_engine_code=False do not."""
-    import hashlib
-    import hmac
-    import shutil
-
-    monkeypatch.setenv("KILN_SIGNING_KEY", "release-key")
-    sign = lambda digest: hmac.new(b"release-key", digest.encode(), hashlib.sha256).hexdigest()  # noqa: E731
-    old = Path(
-        shutil.copytree(ROOT / "tests/fixtures/packages/mlp-format1-2026-11.kiln", tmp_path / "old.kiln")
-    )
-    data = json.loads((old / "manifest.json").read_text())
-    data["signature"] = sign(data["content_hash"])
-    (old / "manifest.json").write_text(json.dumps(data))
-    assert compiler.load(old, allowed_modules=["zoo"]).trust_engine_code is False
-    new = Path(shutil.copytree(packages["config"]["onnxruntime"], tmp_path / "new.kiln"))
-    data = json.loads((new / "manifest.json").read_text())
-    data["signature"] = sign(data["content_hash"])
-    (new / "manifest.json").write_text(json.dumps(data))
-    assert compiler.load(new).trust_engine_code is True
-    assert compiler.load(new, trust_engine_code=False).trust_engine_code is False
-    monkeypatch.delenv("KILN_SIGNING_KEY")
-    assert compiler.load(new).trust_engine_code is False  # signed, but nothing verified it here

@@ -413,7 +413,8 @@ class InductorBackend:
             warnings.warn(
                 f"Inductor engine from an untrusted package: its header's settings {dropped} are not used "
                 "(an untrusted engine is compiled with this process's own toolchain settings and only "
-                "kiln's list of tuning switches); sign packages with KILN_SIGNING_KEY to keep them",
+                "kiln's list of tuning switches); sign packages and verify them (KILN_SIGNING_PUBLIC_KEY) "
+                "to keep them",
                 stacklevel=3,
             )
         return options
@@ -439,8 +440,8 @@ class InductorBackend:
         examples = example_inputs(engine_io, self.device, shapes)
         if not self.trust_engine_code:
             reason = (
-                "its compiled graph is code and its package is not trusted to run code (sign packages with "
-                "KILN_SIGNING_KEY, or load with trust_engine_code=True)"
+                "its compiled graph is code and its package is not trusted to run code (sign packages and "
+                "verify them with KILN_SIGNING_PUBLIC_KEY, or load with trust_engine_code=True)"
             )
         else:
             try:
