@@ -8,7 +8,8 @@ would leave it: maintenance and reads touch only the cache's own files (issue #3
   in a child process under a memory limit and a timeout: without the check one eats memory until
   MemoryError, the other never returns;
 - N16: a small compressed entry is never inflated past the size its record declares, and a declared
-  size beyond what the entry can expand to is refused before anything is inflated.
+  size beyond what the entry can expand to is refused before anything is inflated;
+- a cache directory that others can write (or that another user owns) is refused, naming the fix.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import stat
 import subprocess
 import sys
 import textwrap
@@ -28,6 +30,7 @@ import pytest
 from typer.testing import CliRunner
 
 from compiler.cache import CacheWarning, EngineCache
+from compiler.errors import CacheError
 from flows.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,3 +231,36 @@ def test_an_entry_compressing_past_the_bound_is_stored_as_is_so_reads_take_it_ba
     EngineCache(tmp_path, compression="zlib").put(key("zeros"), data)
     assert EngineCache(tmp_path).describe(key("zeros"))["compression"] is None
     assert EngineCache(tmp_path).get(key("zeros")) == data
+
+
+# ---- a directory others can write ------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777], ids=["world", "group", "sticky-world"])
+def test_directory_others_can_write_is_refused_with_the_fix(tmp_path: Path, mode: int) -> None:
+    directory = tmp_path / "shared"
+    EngineCache(directory).put(key(), ENGINE)
+    directory.chmod(mode)
+    with pytest.raises(CacheError, match=r"writable by others.*chmod go-w"):
+        EngineCache(directory)
+    listed = CliRunner().invoke(app, ["cache", "ls", str(directory)])
+    assert listed.exit_code == 2 and "writable by others" in listed.output
+    assert (directory / f"{key()}.bin").exists()  # refused: nothing read, nothing deleted
+    directory.chmod(0o700)
+    assert EngineCache(directory).get(key()) == ENGINE
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_directory_another_user_owns_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "theirs"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, 65534, 65534)
+    with pytest.raises(CacheError, match="owned by uid 65534"):
+        EngineCache(directory)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+
+
+def test_the_local_layer_of_an_object_store_cache_is_checked_too(tmp_path: Path) -> None:
+    local = tmp_path / "local"
+    local.mkdir()
+    local.chmod(0o777)
+    with pytest.raises(CacheError, match="writable by others"):
+        EngineCache((tmp_path / "store").as_uri(), local_dir=local)

@@ -19,7 +19,8 @@ file that another process holds would break mutual exclusion).
 
 Only its own files: the cache reads, lists and deletes only names it writes (`<64 hex>.bin/.json` and its
 writers' temp files), reads them only as regular files of the size their record gives (never through a
-link, never a FIFO or device: `compiler.cache.files`).
+link, never a FIFO or device: `compiler.cache.files`), and uses a directory only when this user (or root)
+owns it and nobody else can write it (`compiler.cache.paths.check_private`): its entries are trusted.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from compiler.cache.entry import (
     verify,
 )
 from compiler.cache.files import EntryFileError, read_own_file
-from compiler.cache.paths import fsync_directory, local_dir_for, resolve_directory
+from compiler.cache.paths import check_private, fsync_directory, local_dir_for, resolve_directory
 from compiler.cache.remote import RemoteEntries, is_url
 from compiler.errors import CacheError
 
@@ -114,8 +115,10 @@ class EngineCache:
         try:
             # Private to its user: Inductor entries are code that runs when loaded (docs/security.md).
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            check_private(self.directory)
             (self.directory / "locks").mkdir(exist_ok=True)
         except OSError as exc:
+            check_private(self.directory)  # an existing directory is read: it must be private too
             self._degrade(exc, "no entry can be written")
         if (self.directory / "locks").is_symlink():  # lock files are created: only in the cache
             raise CacheError(f"engine cache {self.directory}: locks is a symbolic link; remove it")
