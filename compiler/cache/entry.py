@@ -189,7 +189,9 @@ def check_record(record: Any, key: str | None = None) -> str | None:
             return f"metadata {name} is {_shown(value)}, not a size in bytes"
     if blob_name(record) is None:
         return f"metadata sha256 is {_shown(record.get('sha256'))}, not 64 lowercase hex characters"
-    codec = record.get("compression")
+    if "compression" not in record:  # kiln always writes it; absent is not "uncompressed"
+        return "metadata has no compression field"
+    codec = record["compression"]
     if not (codec is None or isinstance(codec, str)) or codec not in CODECS:
         return f"unknown compression {_shown(codec)}"
     if codec is None and raw != size:
@@ -267,7 +269,7 @@ def parse_record(text: bytes | str | None) -> Any:
         return None
     try:
         return json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         return Unreadable(f"not JSON ({type(exc).__name__})")
 
 
