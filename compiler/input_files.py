@@ -65,12 +65,19 @@ def data_max_bytes() -> int:
     return size
 
 
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, for messages: ``a FIFO (named pipe)``, ``a directory``."""
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    return next((name for test, name in _KINDS.items() if test(mode)), "not a regular file")
+
+
 def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
     """``path`` resolved, if it is a regular file; else :class:`SpecialFileError` (missing: OSError)."""
     resolved = Path(path).resolve()
     mode = os.stat(resolved).st_mode
     if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _KINDS.items() if test(mode)), "not a regular file")
+        kind = file_kind(mode)
         via = f" (it resolves to {str(resolved)!r})" if str(resolved) != str(Path(path).absolute()) else ""
         raise SpecialFileError(
             f"{what} {str(path)!r} is {kind}{via}; kiln reads only regular files (a FIFO or device "

@@ -534,7 +534,7 @@ def test_full_disk_degrades_to_memory_and_leaves_no_half_entry(tmp_path: Path, s
     existing, new, built = make_key(fingerprint="old"), make_key(fingerprint="new"), make_key(fingerprint="b")
     d = shlex.quote(str(cache_dir))
     result = run_unwritable(
-        f"mount -t tmpfs -o size=64k tmpfs {d}",
+        f"mount -t tmpfs -o size=64k,mode=0700 tmpfs {d}",  # tmpfs is 1777 by default: refused as shared
         [str(cache_dir), existing, new, built, str(size), make_key(fingerprint="absent")],
     )
     assert result["existing"] is None

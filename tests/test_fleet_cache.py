@@ -262,6 +262,12 @@ def test_scheme_without_driver_names_the_package_and_url_setting_stays_a_url(
     assert not (tmp_path / "s3:").exists()
 
 
+def test_an_empty_entry_reads_back_through_the_ranged_get(s3_server: MotoServer, tmp_path: Path) -> None:
+    EngineCache(url("empty"), local_dir=tmp_path / "a").put(key("empty"), b"")
+    reader = EngineCache(url("empty"), local_dir=tmp_path / "b")
+    assert reader.get(key("empty")) == b"" and reader.stats.remote_hits == 1  # S3 answers 416 to a range
+
+
 def test_file_url_shares_a_directory(tmp_path: Path) -> None:
     shared = (tmp_path / "shared").as_uri()
     EngineCache(shared, local_dir=tmp_path / "a").put(key("file"), b"on the shared disk")

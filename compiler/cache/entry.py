@@ -5,6 +5,12 @@ Shared by the local disk layer (:mod:`compiler.cache.local`) and the object-stor
 both: the payload's sha256 and size must match the record written with it, and it must decompress to
 the recorded raw size. Kinds of entry other than engines (other payloads under other keys) use the
 same record; nothing here knows what the bytes are.
+
+A record is read as untrusted data (docs/security.md lists each field): :func:`check_record` types
+every field a read acts on before any payload is read, :func:`blob_name` is the one place a blob's
+name (a path in an object store) comes from, for reads and deletes alike, and a payload is inflated
+only up to the size its record declares, which may be at most :func:`expansion_limit` of its stored
+size, so a small entry cannot become gigabytes in memory.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from compiler import input_files
+from compiler.cache.files import EntryFileError
 from compiler.errors import CacheError
 
 FORMAT_VERSION = 1
@@ -31,6 +38,13 @@ CODECS: dict[str | None, tuple[Callable[[bytes], bytes], Callable[[bytes], bytes
     "zlib": (lambda b: zlib.compress(b, 6), zlib.decompress),
     "lzma": (lzma.compress, lzma.decompress),
 }
+# A record is a few KB (the key's fields and the caller's meta); anything larger is not one of ours.
+RECORD_MAX_BYTES = 4 << 20
+META_MAX_BYTES = 1 << 20
+# An entry may inflate to this many times its stored size, or to _MIN_INFLATE, whichever is more (the
+# rule TensorRT plans follow); kiln stores an entry that would inflate further uncompressed.
+_MAX_EXPANSION, _MIN_INFLATE = 256, 64 << 20
+_LZMA_MEMLIMIT = 128 << 20  # decoder memory; kiln's lzma.compress (preset 6) needs about 9 MiB
 
 
 class CacheWarning(UserWarning):
@@ -79,6 +93,27 @@ class CacheEntryInfo:
     backend: str = "local"  # "local", or the object store's protocol ("s3", "gs", "file", ...)
 
 
+def entry_info(key: str, record: Any, *, stored_bytes: int, last_used: float, backend: str) -> CacheEntryInfo:
+    """A listing row from a record as read (any JSON): fields of the wrong type are left out."""
+    record = record if isinstance(record, dict) else {}
+    meta, fields, created = record.get("meta"), record.get("fields"), record.get("created")
+    return CacheEntryInfo(
+        key=key,
+        bytes=stored_bytes,
+        last_used=last_used,
+        meta=meta if isinstance(meta, dict) else {},
+        fields=fields if isinstance(fields, dict) else None,
+        created=created if isinstance(created, str) else "",
+        backend=backend,
+    )
+
+
+def record_size(record: Any) -> int:
+    """The stored size a record declares, 0 when it declares none."""
+    size = record.get("bytes") if isinstance(record, dict) else None
+    return size if _is_size(size) else 0
+
+
 def make_key(fields: dict[str, Any]) -> CacheKey:
     """sha256 of the canonical JSON (sorted keys) of ``fields``."""
     canonical = canonical_json(fields, "cache key settings")
@@ -89,6 +124,8 @@ def make_key(fields: dict[str, Any]) -> CacheKey:
 def make_record(key: str, data: bytes, compression: str | None, meta: dict[str, Any]) -> tuple[bytes, dict]:
     """(bytes as stored, the metadata record that verifies them)."""
     stored = CODECS[compression][0](data)
+    if compression is not None and len(data) > expansion_limit(len(stored)):
+        stored, compression = data, None  # reads refuse such a ratio: store what they take back
     record = {
         "format_version": FORMAT_VERSION,
         "key": str(key),
@@ -101,6 +138,11 @@ def make_record(key: str, data: bytes, compression: str | None, meta: dict[str, 
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "meta": meta,
     }
+    if len(record_bytes(record)) > RECORD_MAX_BYTES:
+        raise CacheError(
+            f"cache entry {key}: its metadata (key fields and meta) is over {RECORD_MAX_BYTES} bytes, "
+            "which reads refuse; keep the key's settings and the entry's meta small"
+        )
     return stored, record
 
 
@@ -108,42 +150,127 @@ def record_bytes(record: dict) -> bytes:
     return json.dumps(record, indent=1, sort_keys=True).encode()
 
 
-def verify(stored: bytes | None, record: Any) -> tuple[bytes | None, str | None]:
+@dataclass(frozen=True)
+class Unreadable:
+    """A record file that could not be read as a record, and why (shown as the entry's problem)."""
+
+    reason: str
+
+
+def expansion_limit(stored_bytes: int) -> int:
+    """The most bytes an entry of ``stored_bytes`` may inflate to."""
+    return max(_MAX_EXPANSION * stored_bytes, _MIN_INFLATE)
+
+
+def blob_name(record: Any) -> str | None:
+    """The object-store blob a record names: its ``sha256`` if that is 64 lowercase hex, else None.
+    Every read and every delete of a blob takes the name from here, so a record cannot name a path."""
+    value = record.get("sha256") if isinstance(record, dict) else None
+    return value if isinstance(value, str) and KEY_RE.fullmatch(value) else None
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_record(record: Any, key: str | None = None) -> str | None:
+    """Why ``record`` cannot describe the entry ``key``, or None. Run before any payload is read: the
+    payload is read only as large as ``bytes`` and inflated only to ``raw_bytes``, both checked here."""
+    if isinstance(record, Unreadable):
+        return f"metadata unreadable: {record.reason}"
+    version = record.get("format_version") if isinstance(record, dict) else None
+    if type(version) is not int or version != FORMAT_VERSION:
+        return f"metadata unreadable or not format version {FORMAT_VERSION}"
+    if key is not None and record.get("key") != key:
+        return f"entry names key {_shown(record.get('key'))}"
+    size, raw = record.get("bytes"), record.get("raw_bytes")
+    for name, value in (("bytes", size), ("raw_bytes", raw)):
+        if not _is_size(value):
+            return f"metadata {name} is {_shown(value)}, not a size in bytes"
+    if blob_name(record) is None:
+        return f"metadata sha256 is {_shown(record.get('sha256'))}, not 64 lowercase hex characters"
+    if "compression" not in record:  # kiln always writes it; absent is not "uncompressed"
+        return "metadata has no compression field"
+    codec = record["compression"]
+    if not (codec is None or isinstance(codec, str)) or codec not in CODECS:
+        return f"unknown compression {_shown(codec)}"
+    if codec is None and raw != size:
+        return f"an uncompressed entry of {size} bytes cannot hold {raw}"
+    if raw > expansion_limit(size):
+        return (
+            f"metadata says a {size}-byte entry expands to {raw} bytes, over the {expansion_limit(size)} "
+            "allowed; refused before inflating it"
+        )
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def load_record(read: Callable[[int], bytes | None]) -> Any:
+    """The record ``read(limit)`` returns, parsed: None when there is none, :class:`Unreadable` when its
+    file is not a record (a link, a FIFO, too large, not JSON)."""
+    try:
+        return parse_record(read(RECORD_MAX_BYTES))
+    except EntryFileError as exc:
+        return Unreadable(str(exc))
+
+
+def verify(stored: bytes | None, record: Any, key: str | None = None) -> tuple[bytes | None, str | None]:
     """(data, None) for a good entry, (None, None) for a plain miss, (None, reason) for a bad entry.
 
-    ``record`` is the parsed metadata, None when absent, or the string ``"unreadable"``."""
+    ``record`` is the parsed metadata, None when absent, or :class:`Unreadable`; ``key``, when given,
+    must be the one the record names."""
     if stored is None and record is None:
         return None, None
-    if stored is None:
-        return None, "payload missing"
     if record is None:
         return None, "metadata missing (half-written entry)"
-    if not isinstance(record, dict) or record.get("format_version") != FORMAT_VERSION:
-        return None, f"metadata unreadable or not format version {FORMAT_VERSION}"
-    if len(stored) != record.get("bytes"):
-        return None, f"payload is {len(stored)} bytes, metadata says {record.get('bytes')}"
-    if hashlib.sha256(stored).hexdigest() != record.get("sha256"):
+    problem = check_record(record, key)
+    if problem is not None:
+        return None, problem
+    if stored is None:
+        return None, "payload missing"
+    if len(stored) != record["bytes"]:
+        return None, f"payload is {len(stored)} bytes, metadata says {record['bytes']}"
+    if hashlib.sha256(stored).hexdigest() != record["sha256"]:
         return None, "payload sha256 does not match the metadata"
-    codec = record.get("compression")
-    if codec not in CODECS:
-        return None, f"unknown compression {codec!r}"
+    return inflate(stored, record["compression"], record["raw_bytes"])
+
+
+def inflate(stored: bytes, codec: str | None, raw_bytes: int) -> tuple[bytes | None, str | None]:
+    """(data, None), or (None, reason): inflated as a stream that stops one byte past ``raw_bytes``."""
     try:
-        data = CODECS[codec][1](stored)
+        if codec is None:
+            data, complete, rest = stored, True, b""
+        elif codec == "zlib":
+            unpacker = zlib.decompressobj()
+            data = unpacker.decompress(stored, raw_bytes + 1)
+            complete, rest = unpacker.eof, unpacker.unused_data
+        else:
+            unpacker = lzma.LZMADecompressor(memlimit=_LZMA_MEMLIMIT)
+            data = unpacker.decompress(stored, max_length=raw_bytes + 1)
+            complete, rest = unpacker.eof, unpacker.unused_data
     except (zlib.error, lzma.LZMAError) as exc:
         return None, f"payload does not decompress: {exc}"
-    if len(data) != record.get("raw_bytes"):
+    if len(data) > raw_bytes:
+        return None, f"payload inflates past the {raw_bytes} bytes its metadata records; stopped there"
+    if not complete or rest:
+        return None, "payload does not decompress: the compressed stream is incomplete or has trailing data"
+    if len(data) != raw_bytes:
         return None, "decompressed size does not match the metadata"
     return data, None
 
 
 def parse_record(text: bytes | str | None) -> Any:
-    """The metadata record, None when there is none, ``"unreadable"`` when it does not parse."""
+    """The metadata record, None when there is none, :class:`Unreadable` when it does not parse."""
     if text is None:
         return None
     try:
         return json.loads(text)
-    except ValueError:
-        return "unreadable"
+    except (ValueError, RecursionError) as exc:
+        return Unreadable(f"not JSON ({type(exc).__name__})")
 
 
 def resolve_max_bytes(max_bytes: int | None) -> int:
@@ -176,7 +303,12 @@ def check_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     if not isinstance(meta, Mapping):
         raise CacheError(f"cache entry meta must be a mapping, got {type(meta).__name__}")
-    return json.loads(canonical_json(dict(meta), "cache entry meta"))
+    text = canonical_json(dict(meta), "cache entry meta")
+    if len(text) > META_MAX_BYTES:
+        raise CacheError(
+            f"cache entry meta is {len(text)} bytes of JSON, over the {META_MAX_BYTES} allowed; shrink it"
+        )
+    return json.loads(text)
 
 
 def as_bytes(data: Any, key: str) -> bytes:

@@ -16,14 +16,19 @@ shared cache as future work; this is that cache. What it promises, most importan
 Layout: `<dir>/<key>.bin` (payload), `<dir>/<key>.json` (written after the payload, so a payload without
 metadata is a detectable half entry), `<dir>/locks/<key>.lock` (empty files, never deleted: unlinking a lock
 file that another process holds would break mutual exclusion).
+
+Only its own files: the cache reads, lists and deletes only names it writes (`<64 hex>.bin/.json` and its
+writers' temp files), reads them only as regular files of the size their record gives (never through a
+link, never a FIFO or device: `compiler.cache.files`), and uses a directory only when this user (or root)
+owns it and nobody else can write it (`compiler.cache.paths.check_private`): its entries are trusted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
+import re
 import threading
 import time
 import warnings
@@ -43,18 +48,22 @@ from compiler.cache.entry import (
     CacheKey,
     CacheStats,
     CacheWarning,
+    Unreadable,
     as_bytes,
     check_key,
     check_meta,
+    check_record,
+    entry_info,
     flatten,
+    load_record,
     make_key,
     make_record,
-    parse_record,
     record_bytes,
     resolve_max_bytes,
     verify,
 )
-from compiler.cache.paths import fsync_directory, local_dir_for, resolve_directory
+from compiler.cache.files import EntryFileError, read_own_file
+from compiler.cache.paths import check_private, fsync_directory, local_dir_for, resolve_directory
 from compiler.cache.remote import RemoteEntries, is_url
 from compiler.errors import CacheError
 
@@ -63,6 +72,8 @@ LOCAL_DIR_ENV = "KILN_CACHE_LOCAL_DIR"  # the worker-side layer of an object-sto
 # The disk cannot take the entry: degrade to memory. Any other OSError is unexpected and raised as CacheError.
 _DEGRADE_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.ENOSPC, errno.EDQUOT, errno.EPERM, errno.EFBIG})
 _STALE_TMP_SECONDS = 3600  # temp files of writers that crashed mid-put
+# compiler.atomic's temp files for an entry: ".<key>.<random>.tmp.bin" / ".tmp.json".
+_TMP_RE = re.compile(r"\.[0-9a-f]{64}\.[A-Za-z0-9_]+\.tmp\.(?:bin|json)")
 
 
 class EngineCache:
@@ -104,9 +115,13 @@ class EngineCache:
         try:
             # Private to its user: Inductor entries are code that runs when loaded (docs/security.md).
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            check_private(self.directory)
             (self.directory / "locks").mkdir(exist_ok=True)
         except OSError as exc:
+            check_private(self.directory)  # an existing directory is read: it must be private too
             self._degrade(exc, "no entry can be written")
+        if (self.directory / "locks").is_symlink():  # lock files are created: only in the cache
+            raise CacheError(f"engine cache {self.directory}: locks is a symbolic link; remove it")
 
     def __repr__(self) -> str:
         return f"EngineCache({self.location!r}, max_bytes={self.max_bytes})"
@@ -148,9 +163,10 @@ class EngineCache:
 
     def describe(self, key: str) -> dict[str, Any] | None:
         """The stored metadata of an entry (fields, sizes, sha256, created, format version), or None."""
+        path = self._meta_path(check_key(key))
         try:
-            record = json.loads(self._meta_path(check_key(key)).read_text())
-        except (OSError, ValueError):
+            record = load_record(lambda limit: read_own_file(path, limit))
+        except OSError:
             return None
         return record if isinstance(record, dict) else None
 
@@ -224,16 +240,10 @@ class EngineCache:
         for path in self._payload_files():
             record = self.describe(path.stem)
             with contextlib.suppress(OSError):
-                st = path.stat()
-                record = record or {}
+                st = path.lstat()  # a link's own size and time, never what it names
                 infos.append(
-                    CacheEntryInfo(
-                        key=path.stem,
-                        bytes=st.st_size,
-                        last_used=st.st_mtime,
-                        meta=record.get("meta") or {},
-                        fields=record.get("fields"),
-                        created=record.get("created", ""),
+                    entry_info(
+                        path.stem, record, stored_bytes=st.st_size, last_used=st.st_mtime, backend="local"
                     )
                 )
         return sorted(infos, key=lambda e: e.last_used, reverse=True)
@@ -242,7 +252,7 @@ class EngineCache:
         total = 0
         for path in self._payload_files():
             with contextlib.suppress(OSError):
-                total += path.stat().st_size
+                total += path.lstat().st_size
         return total
 
     def clear(self) -> int:
@@ -257,7 +267,7 @@ class EngineCache:
                 removed += 1
             with contextlib.suppress(OSError):
                 self._meta_path(path.stem).unlink(missing_ok=True)
-        for path in [*self.directory.glob("*.json"), *self.directory.glob(".*.tmp")]:
+        for path in [*self._own_files("*.json"), *self._temp_files()]:
             with contextlib.suppress(OSError):
                 path.unlink()
         return removed
@@ -287,8 +297,18 @@ class EngineCache:
         return self.directory / f"{key}.json"
 
     def _payload_files(self) -> list[Path]:
+        return self._own_files("*.bin")
+
+    def _own_files(self, pattern: str) -> list[Path]:
+        """Entry files by the names this cache writes: ``<64 hex>.bin`` / ``.json``, nothing else."""
         try:
-            return [p for p in self.directory.glob("*.bin") if KEY_RE.fullmatch(p.stem)]
+            return [p for p in self.directory.glob(pattern) if KEY_RE.fullmatch(p.stem)]
+        except OSError:
+            return []
+
+    def _temp_files(self) -> list[Path]:
+        try:
+            return [p for p in self.directory.glob(".*.tmp.*") if _TMP_RE.fullmatch(p.name)]
         except OSError:
             return []
 
@@ -313,8 +333,8 @@ class EngineCache:
             data = self._read_remote(key)
         if data is not None:
             # Last-used time for LRU; on a read-only disk the old time stays.
-            with contextlib.suppress(OSError):
-                os.utime(self._payload_path(key))
+            with contextlib.suppress(OSError, NotImplementedError):
+                os.utime(self._payload_path(key), follow_symlinks=False)
         return data
 
     def _read_disk(self, key: str) -> bytes | None:
@@ -386,20 +406,28 @@ class EngineCache:
                 warnings.warn(f"{problem}{consequence}; the compile goes on", CacheWarning, stacklevel=5)
 
     def _read_verified(self, key: str) -> tuple[bytes | None, str | None]:
-        """(data, None) for a good entry, (None, None) for a plain miss, (None, reason) for a bad entry."""
+        """(data, None) for a good entry, (None, None) for a plain miss, (None, reason) for a bad entry.
+
+        The record first: the payload is read only once the record is sound, and only as many bytes
+        as it gives."""
+        meta, payload = self._meta_path(key), self._payload_path(key)
         try:
-            stored: bytes | None = self._payload_path(key).read_bytes()
-        except FileNotFoundError:
-            stored = None
+            record = load_record(lambda limit: read_own_file(meta, limit))
+        except OSError as exc:
+            record = Unreadable(exc.strerror or str(exc))
+        if record is None:
+            half = os.path.lexists(payload)
+            return None, "metadata missing (half-written entry)" if half else None
+        problem = check_record(record, key)
+        if problem is not None:
+            return None, problem
+        try:
+            stored = read_own_file(payload, record["bytes"])
+        except EntryFileError as exc:
+            return None, f"payload {exc}"
         except OSError:
             return None, None  # unreadable here (permissions): a miss, not proof of corruption
-        try:
-            record = parse_record(self._meta_path(key).read_bytes())
-        except FileNotFoundError:
-            record = None
-        except OSError:
-            record = "unreadable"
-        return verify(stored, record)
+        return verify(stored, record, key)
 
     def _store(self, key: str, data: bytes, meta: dict[str, Any], *, publish: bool = True) -> None:
         self._remember(key, data)
@@ -425,14 +453,14 @@ class EngineCache:
 
     def _enforce_bound(self, keep: str) -> None:
         now = time.time()
-        for tmp in self.directory.glob(".*.tmp"):
+        for tmp in self._temp_files():
             with contextlib.suppress(OSError):
-                if now - tmp.stat().st_mtime > _STALE_TMP_SECONDS:
+                if now - tmp.lstat().st_mtime > _STALE_TMP_SECONDS:
                     tmp.unlink()
         sized = []
         for path in self._payload_files():
             with contextlib.suppress(OSError):
-                st = path.stat()
+                st = path.lstat()
                 sized.append((st.st_mtime_ns, st.st_size, path.stem))
         total = sum(size for _, size, _ in sized)
         for _, size, key in sorted(sized):  # oldest last-use first

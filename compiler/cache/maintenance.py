@@ -5,6 +5,11 @@ location is a URL. Ages come from each store's own clock: a local file's mtime a
 clock, an object's LastModified against the store's clock (read from a probe object it stamps now), so
 a worker whose clock is skewed does not see fresh objects as old. A wrong age only makes ``gc`` keep or
 drop an entry early, which costs a rebuild, never a wrong answer.
+
+Only the cache's own files: entries are found by the names kiln writes (``<key>.bin``/``.json``,
+``entries/<key>.json``, ``blobs/<sha256>``), a blob to delete is named by a record only through
+:func:`compiler.cache.entry.blob_name`, the same function reads use, and every file is read as the
+reads of :mod:`compiler.cache.local` and :mod:`compiler.cache.remote` read it (regular files, bounded).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from compiler.cache.entry import KEY_RE, CacheEntryInfo, verify
+from compiler.cache.entry import KEY_RE, CacheEntryInfo, blob_name, entry_info, record_size
 from compiler.cache.local import EngineCache
 from compiler.errors import CacheError
 
@@ -50,17 +55,10 @@ def entries(cache: EngineCache) -> list[CacheEntryInfo]:
     found = list(cache.entries())
     if cache.remote is not None:
         protocol = cache.remote.store.protocol
-        for obj, record in cache.remote.records():
-            record = record if isinstance(record, dict) else {}
+        for key, obj, record in cache.remote.records():
             found.append(
-                CacheEntryInfo(
-                    key=obj.name.rsplit("/", 1)[-1].removesuffix(".json"),
-                    bytes=int(record.get("bytes") or 0),
-                    last_used=obj.modified,
-                    meta=record.get("meta") or {},
-                    fields=record.get("fields"),
-                    created=str(record.get("created", "")),
-                    backend=protocol,
+                entry_info(
+                    key, record, stored_bytes=record_size(record), last_used=obj.modified, backend=protocol
                 )
             )
     return sorted(found, key=lambda e: e.last_used, reverse=True)
@@ -78,25 +76,18 @@ def verify_all(cache: EngineCache, *, evict: bool = False) -> tuple[int, list[Ba
                 cache.evict(info.key)
     remote = cache.remote
     if remote is not None:
-        for obj, record in remote.records():
-            key = obj.name.rsplit("/", 1)[-1].removesuffix(".json")
+        for key, _, record in remote.records():
             checked += 1
-            blob = record.get("sha256") if isinstance(record, dict) else None
             try:
-                stored = (
-                    remote.store.read(f"blobs/{blob}")
-                    if isinstance(blob, str) and KEY_RE.fullmatch(blob)
-                    else None
-                )
+                _, problem, bad_blob = remote.read_checked(key, record)
+            except CacheError:
+                raise
             except Exception as exc:
                 raise remote._error(exc, "read") from None
-            _, problem = verify(stored, record)
-            if problem is None and isinstance(record, dict) and record.get("key") != key:
-                problem = f"entry names key {record.get('key')!r}"
             if problem is not None:
                 bad.append(BadEntry(key, remote.store.protocol, problem))
                 if evict:
-                    remote.evict(key, blob if stored is not None else None)
+                    remote.evict(key, bad_blob)
     return checked, bad
 
 
@@ -120,37 +111,24 @@ def collect_garbage(
             raise remote._error(exc, "write") from None
         records = remote.records()
         listed = [
-            CacheEntryInfo(
-                o.name.rsplit("/", 1)[-1].removesuffix(".json"),
-                int(r.get("bytes") or 0) if isinstance(r, dict) else 0,
-                o.modified,
-                {},
-                None,
-                "",
-                protocol,
-            )
-            for o, r in records
+            CacheEntryInfo(k, record_size(r), o.modified, {}, None, "", protocol) for k, o, r in records
         ]
-        blobs = {o.name.rsplit("/", 1)[-1]: r.get("sha256") for o, r in records if isinstance(r, dict)}
-        by_key = {o.name.rsplit("/", 1)[-1].removesuffix(".json"): r for o, r in records}
+        blobs = {k: blob_name(r) for k, _, r in records}  # key -> the blob its record names, if any
 
         def evict(key: str) -> None:
-            record = by_key.get(key)
             remote.evict(key)
-            blob = record.get("sha256") if isinstance(record, dict) else None
-            still_named = [b for name, b in blobs.items() if b == blob and name != f"{key}.json"]
-            if blob and not still_named:
+            blob = blobs.pop(key, None)
+            if blob is not None and blob not in blobs.values():  # no other entry names it
                 remote.store.delete(f"blobs/{blob}")
-            blobs.pop(f"{key}.json", None)
 
         _collect(
             sorted(listed, key=lambda e: e.last_used), protocol, max_bytes, older_than, now, evict, result
         )
         named = set(blobs.values())
         grace = older_than if older_than is not None else ORPHAN_GRACE_SECONDS
-        for obj in remote.blobs():
+        for obj in remote.blobs():  # sha256 names only
             name = obj.name.rsplit("/", 1)[-1]
-            if name not in named and obj.modified and now - obj.modified >= grace:
+            if KEY_RE.fullmatch(name) and name not in named and obj.modified and now - obj.modified >= grace:
                 remote.store.delete(obj.name)
                 result.orphan_blobs += 1
         if remote.problem or remote.write_problem:

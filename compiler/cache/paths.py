@@ -1,11 +1,12 @@
 """Where a cache lives on this machine: the directory of a local cache, the local layer of an
-object-store cache, and making renames in them durable."""
+object-store cache, whether it is private enough to trust, and making renames in it durable."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import os
+import stat
 from pathlib import Path
 
 from compiler.errors import CacheError
@@ -39,6 +40,29 @@ def resolve_directory(directory: str | os.PathLike[str] | None) -> Path:
                 )
             break
     return path
+
+
+def check_private(directory: Path) -> None:
+    """Refuse (CacheError, naming the fix) a cache directory owned by another user than this one or
+    root, or writable by its group or others: its entries are trusted, and an Inductor entry runs as
+    code when loaded, so whoever can write the directory could run code as this user. A directory that
+    does not exist (not creatable here) holds nothing to trust."""
+    try:
+        info = directory.stat()
+    except OSError:
+        return
+    problems = []
+    if info.st_uid not in (os.geteuid(), 0):
+        problems.append(f"owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problems.append(f"writable by others (mode {stat.S_IMODE(info.st_mode):o})")
+    if problems:
+        raise CacheError(
+            f"engine cache directory {directory} is {' and '.join(problems)}: its entries are trusted "
+            f"(an Inductor engine runs as code when loaded), so kiln uses it only when private to this "
+            f"user. Run `chmod go-w {directory}` (and chown it to this user), or set KILN_CACHE_DIR "
+            "(or KILN_CACHE_LOCAL_DIR for an object-store cache) to a directory of your own"
+        )
 
 
 def fsync_directory(directory: Path) -> None:

@@ -26,7 +26,12 @@ botocore >= 1.35.20). So:
   own monotonic clock takes over. No decision compares two machines' clocks; a wrong guess (a slow
   holder taken over) costs one duplicate build, never a wrong entry;
 - every read is verified (size, sha256 of the blob, decompressed size); a bad entry is deleted and
-  reported as a miss, so it is rebuilt and published again.
+  reported as a miss, so it is rebuilt and published again;
+- only the store's own objects are read or deleted: a blob's name comes from a record only through
+  ``compiler.cache.entry.blob_name`` (64 hex characters), listings keep only names kiln writes, every
+  name is a plain relative one, and on ``file://`` a folder that leads out of the store (a link) is
+  refused and entries are read as regular files only (``compiler.cache.files``). Reads are bounded:
+  a record by ``RECORD_MAX_BYTES``, a blob by the size its record gives (one ranged GET).
 
 A store without conditional PUT (fsspec's generic ``exists`` then ``put``) keeps every read correct:
 the race only lets two workers build and publish the same key, and both publish verified entries. On
@@ -39,6 +44,7 @@ code): docs/security.md.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -49,7 +55,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from compiler.cache.entry import KEY_RE, parse_record, record_bytes, verify
+from compiler.cache.entry import (
+    KEY_RE,
+    RECORD_MAX_BYTES,
+    blob_name,
+    check_meta,
+    check_record,
+    load_record,
+    record_bytes,
+    verify,
+)
+from compiler.cache.files import EntryFileError, read_own_file
 from compiler.errors import CacheError
 
 # What to set when the store refuses us, per protocol (named in every error and warning).
@@ -133,17 +149,43 @@ class ObjectStore:
     def environment_hint(self) -> str:
         return _ENVIRONMENT.get(self.protocol, "the credentials and endpoint variables of its fsspec driver")
 
-    def path(self, name: str) -> str:
-        return f"{self.root}/{name}"
+    def path(self, name: str, *, folder: bool = False) -> str:
+        """The full path of ``name``, a plain relative name inside the store. On ``file://`` its folder
+        (or itself, for a ``folder``) must resolve inside the store: a link out of it is refused, so
+        nothing outside is read, listed or deleted."""
+        parts = name.split("/")
+        if "\\" in name or any(part in ("", ".", "..") for part in parts):
+            raise CacheError(f"engine cache {self.url}: {name!r} is not a plain name inside the store")
+        full = f"{self.root}/{name}"
+        if self.is_local:
+            root = os.path.realpath(self.root)
+            where = os.path.realpath(full if folder else os.path.dirname(full))
+            if where != root and not where.startswith(root.rstrip("/") + "/"):
+                raise CacheStoreError(
+                    f"engine cache {self.url}: {name if folder else os.path.dirname(name)} leads out of "
+                    f"the store (to {where}); kiln reads and deletes only inside it: remove the link",
+                    url=self.url,
+                    reason="layout",
+                )
+        return full
 
-    def read(self, name: str) -> bytes | None:
+    def read(self, name: str, limit: int = RECORD_MAX_BYTES) -> bytes | None:
+        """The object's bytes (None when absent), if at most ``limit``; else EntryFileError."""
+        path = self.path(name)
+        if self.is_local:
+            return read_own_file(path, limit)
         try:
-            if self.is_local:
-                return self.fs.cat_file(self.path(name))
-            # One GET: s3fs's concurrent read would HEAD first, and list the prefix after a 404.
-            return self.fs.cat_file(self.path(name), max_concurrency=1)
+            # One ranged GET: s3fs's concurrent read would HEAD first, and list the prefix after a 404.
+            data = self.fs.cat_file(path, start=0, end=limit + 1, max_concurrency=1)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            if "not satisfiable" in str(exc).lower():
+                return b""  # an empty object: S3 answers any range with 416
+            raise
+        if len(data) > limit:
+            raise EntryFileError(f"{name} is over the {limit} bytes expected")
+        return data
 
     def write(self, name: str, data: bytes) -> None:
         """Replace ``name`` with ``data``; readers see the old object or the new one, never a part."""
@@ -201,7 +243,7 @@ class ObjectStore:
 
     def list(self, folder: str) -> list[StoredObject]:
         try:
-            found = self.fs.ls(self.path(folder), detail=True, refresh=True)
+            found = self.fs.ls(self.path(folder, folder=True), detail=True, refresh=True)
         except FileNotFoundError:
             return []
         objects = []
@@ -260,7 +302,9 @@ class RemoteEntries:
         """Probe the store now: ``"read-write"`` or ``"read-only"``; CacheStoreError naming the URL and
         the variables to set when it cannot be read at all."""
         try:
-            self.store.read(f"entries/{'0' * 64}.json")
+            self.store.read(f"entries/{'0' * 64}.json", RECORD_MAX_BYTES)
+        except EntryFileError:
+            pass  # the store answered: that probe's name is not ours to judge
         except Exception as exc:
             raise self._error(exc, "read") from None
         if not write:
@@ -348,25 +392,43 @@ class RemoteEntries:
         if not self.usable:
             return None, None, {}
         try:
-            record = parse_record(self.store.read(f"entries/{key}.json"))
+            record = self.record(key)
             if record is None:
                 return None, None, {}
-            blob = record.get("sha256") if isinstance(record, dict) else None
-            stored = (
-                self.store.read(f"blobs/{blob}") if isinstance(blob, str) and KEY_RE.fullmatch(blob) else None
-            )
+            data, problem, bad_blob = self.read_checked(key, record)
         except Exception as exc:
             self._failed(exc, "read")
             return None, None, {}
-        if isinstance(record, dict) and record.get("key") != key:
-            data, problem = None, f"entry names key {record.get('key')!r}"
-        else:
-            data, problem = verify(stored, record)
         if problem is not None:
-            self.evict(key, blob if stored is not None else None)
+            self.evict(key, bad_blob)
             return None, problem, {}
-        meta = record.get("meta") if isinstance(record, dict) else None
-        return data, None, meta if isinstance(meta, dict) else {}
+        try:
+            meta = check_meta(record.get("meta"))
+        except CacheError:
+            meta = {}  # informational only: the entry is good without it
+        return data, None, meta
+
+    def record(self, key: str) -> Any:
+        """The parsed record of ``key`` (None, a dict, or any JSON / Unreadable to be checked)."""
+        return load_record(lambda limit: self.store.read(f"entries/{key}.json", limit))
+
+    def read_checked(self, key: str, record: Any) -> tuple[bytes | None, str | None, str | None]:
+        """(data, problem, a blob to delete with the entry) for ``record`` as read. The blob is read
+        only once the record is sound, by the name :func:`blob_name` gives, at most its ``bytes``. It
+        is named for deletion only when its bytes do not hash to its name: bad for every entry naming
+        it. Otherwise (a record lying about sizes, a special file) it stays for ``gc``, which removes
+        blobs no entry names. A store failure raises."""
+        problem = check_record(record, key)
+        if problem is not None:
+            return None, problem, None
+        blob = blob_name(record)
+        try:
+            stored = self.store.read(f"blobs/{blob}", record["bytes"])
+        except EntryFileError as exc:
+            return None, f"blob {exc}", None
+        data, problem = verify(stored, record, key)
+        corrupt = problem is not None and stored is not None and hashlib.sha256(stored).hexdigest() != blob
+        return data, problem, blob if corrupt else None
 
     def publish(self, key: str, stored: bytes, record: dict) -> bool:
         """Blob first, then the entry by a conditional PUT; True if this call's entry is the one published."""
@@ -384,6 +446,9 @@ class RemoteEntries:
         return False
 
     def evict(self, key: str, blob: str | None = None) -> None:
+        for name in (key, blob):  # names of kiln's own objects only (a record's come via blob_name)
+            if name is not None and not KEY_RE.fullmatch(name):
+                raise CacheError(f"engine cache {self.url}: {name!r} is not a cache key or blob name")
         if self.read_only:
             return
         try:
@@ -429,7 +494,10 @@ class RemoteEntries:
                 data, _, _ = self.get(key)
                 if data is not None:
                     return data, False
-                current = self.store.read(lease)
+                try:
+                    current = self.store.read(lease, RECORD_MAX_BYTES)
+                except EntryFileError:  # not a lease kiln wrote: taken over like a silent holder
+                    current = b"not a lease"
             except Exception as exc:
                 self._failed(exc, "write")
                 return None, False
@@ -450,18 +518,28 @@ class RemoteEntries:
                 self.store.write(lease, json.dumps({"holder": holder, "beat": count}).encode())
 
     # ---- inspection and maintenance -------------------------------------------------------------------
-    def records(self) -> list[tuple[StoredObject, Any]]:
-        """(entry object, parsed record) for every entry; raises CacheStoreError when unreadable."""
+    def records(self) -> list[tuple[str, StoredObject, Any]]:
+        """(key, entry object, parsed record) for every entry named as kiln names them
+        (``entries/<key>.json``; other names are not the cache's and are left alone); raises
+        CacheStoreError when the store cannot be read."""
         try:
             objects = self.store.list("entries")
-            return [(o, parse_record(self.store.read(o.name))) for o in objects if o.name.endswith(".json")]
+            return [
+                (key, o, self.record(key))
+                for o in objects
+                if KEY_RE.fullmatch(key := o.name.rsplit("/", 1)[-1].removesuffix(".json"))
+                and o.name.endswith(".json")
+            ]
         except CacheError:
             raise
         except Exception as exc:
             raise self._error(exc, "read") from None
 
     def blobs(self) -> list[StoredObject]:
+        """Blobs named as kiln names them (a sha256); other names are left alone."""
         try:
-            return self.store.list("blobs")
+            return [o for o in self.store.list("blobs") if KEY_RE.fullmatch(o.name.rsplit("/", 1)[-1])]
+        except CacheError:
+            raise
         except Exception as exc:
             raise self._error(exc, "read") from None
