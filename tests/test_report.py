@@ -7,16 +7,23 @@ fetch at all), and what is checked is what a reader sees: the SVG's boxes and ed
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 import compiler
+from compiler.errors import PackageCorruptError
 from compiler.report_page import MAX_DRAWN, MAX_ROWS, render_report
 from flows.cli import app
+from tests.untrusted_probe import _reseal_data
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMAT1 = ROOT / "tests" / "fixtures" / "packages" / "mlp-format1-2026-11.kiln"
@@ -48,6 +55,10 @@ def _open(browser, page_file: Path):
     page.goto(page_file.as_uri())
     assert requests == [page_file.as_uri()]  # self-contained: nothing else is fetched
     return page
+
+
+def _render_cli(package: Path, out: Path):
+    return CliRunner().invoke(app, ["report", str(package), "--out", str(out)])
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +168,82 @@ def test_a_damaged_package_is_refused_like_load(package, tmp_path):
     assert "weights.safetensors" in result.output and not out.exists()
     with pytest.raises(compiler.errors.PackageCorruptError):
         compiler.load(damaged)
+
+
+# ---------------------------------------------------------------- an untrusted package's text (N17, N19)
+
+MARKUP = "<form action=https://evil.example><input name=x></form><img src=x onerror=alert(1)>"
+_FORMAT1_VALIDATION = json.loads((FORMAT1 / "manifest.json").read_text())["validation"]  # a template
+
+
+def _tampered(package: Path, dest: Path, edit: Callable[[dict], Any]) -> Path:
+    """A copy of ``package`` whose manifest ``edit`` changed, resealed as an attacker with write access
+    and no signing key would (checksums and content hash recomputed)."""
+    shutil.copytree(package, dest)
+    data = json.loads((dest / "manifest.json").read_text())
+    edit(data)
+    _reseal_data(dest, data)
+    return dest
+
+
+WRONG_TYPES = [
+    (("report", "engines_built"), MARKUP, "manifest.report.engines_built must be an integer"),
+    (("report", "refits"), [1], "manifest.report.refits must be an integer"),
+    (
+        ("report", "stage_seconds"),
+        {"build": "1.5"},
+        "manifest.report.stage_seconds['build'] must be a number",
+    ),
+    (
+        ("report", "partitions", 0, "name"),
+        ["engine_0"],
+        "manifest.report.partitions[0].name must be a string",
+    ),
+    (("validation", "samples"), MARKUP, "manifest.validation.samples must be an integer"),
+    (("strip_weights",), "false", "manifest.strip_weights must be true or false"),
+    (("kiln_version",), {"v": 1}, "manifest.kiln_version must be a string"),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    WRONG_TYPES,
+    ids=[".".join(map(str, case[0])) for case in WRONG_TYPES],
+)
+def test_a_field_of_the_wrong_type_is_refused_at_read_naming_it(package, tmp_path, field, value, expected):
+    def valid(data: dict) -> None:
+        data["validation"] = copy.deepcopy(_FORMAT1_VALIDATION)
+
+    compiler.read_manifest(_tampered(package, tmp_path / "good.kiln", valid))  # the control: it reads
+
+    def edit(data: dict) -> None:
+        valid(data)
+        parent = data
+        for key in field[:-1]:
+            parent = parent[key]
+        parent[field[-1]] = value
+
+    bad = _tampered(package, tmp_path / "bad.kiln", edit)
+    with pytest.raises(PackageCorruptError, match=re.escape(expected)):
+        compiler.read_manifest(bad)
+
+
+def test_numbers_holding_markup_are_refused_by_report_and_recording(package, tmp_path):
+    from registry.tracking import record_package
+
+    def edit(data: dict) -> None:
+        data["validation"] = {**copy.deepcopy(_FORMAT1_VALIDATION), "samples": MARKUP}
+        for name in ("engines_built", "cache_hits", "refits"):
+            data["report"][name] = MARKUP
+
+    bad = _tampered(package, tmp_path / "bad.kiln", edit)
+    out = tmp_path / "never.html"
+    result = _render_cli(bad, out)
+    assert result.exit_code == 2, result.output
+    assert "PackageCorruptError" in result.output and "report.engines_built" in result.output
+    assert not out.exists()
+    # Recording it: the typed refusal, before MLflow is asked anything (N19: it was a raw ValueError).
+    with pytest.raises(PackageCorruptError, match=r"report\.engines_built must be an integer") as raised:
+        record_package(bad, "mlp", tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert not isinstance(raised.value, ValueError)
+    assert not (tmp_path / "mlflow.db").exists()
