@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 import compiler
 from compiler.errors import PackageCorruptError
 from compiler.report_page import MAX_DRAWN, MAX_ROWS, render_report
+from compiler.validation_report import ValidationReport
 from flows.cli import app
 from tests.untrusted_probe import _reseal_data
 
@@ -173,7 +174,11 @@ def test_a_damaged_package_is_refused_like_load(package, tmp_path):
 # ---------------------------------------------------------------- an untrusted package's text (N17, N19)
 
 MARKUP = "<form action=https://evil.example><input name=x></form><img src=x onerror=alert(1)>"
+# What a page may hold of its own: the tags and attribute names of every element, in document order.
+DOM_SHAPE = """() => [...document.querySelectorAll('*')].map(
+    e => [e.tagName.toLowerCase(), ...[...e.attributes].map(a => a.name).sort()].join(' '))"""
 _FORMAT1_VALIDATION = json.loads((FORMAT1 / "manifest.json").read_text())["validation"]  # a template
+INJECTED = "form, input, img, iframe, object, embed, a, script, [onerror], [action], [href], [src]"
 
 
 def _tampered(package: Path, dest: Path, edit: Callable[[dict], Any]) -> Path:
@@ -247,3 +252,124 @@ def test_numbers_holding_markup_are_refused_by_report_and_recording(package, tmp
         record_package(bad, "mlp", tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert not isinstance(raised.value, ValueError)
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_every_interpolation_is_escaped_even_past_the_typed_read(browser, package, tmp_path):
+    """The page escapes what it is handed, whatever its type: a manifest made in memory (never read
+    from disk) with markup where numbers go."""
+    manifest = compiler.read_manifest(package)
+    validation = dataclasses.replace(ValidationReport.from_dict(_FORMAT1_VALIDATION), samples=MARKUP)
+    report = dataclasses.replace(manifest.report, engines_built=MARKUP, cache_hits=MARKUP, refits=MARKUP)
+    hostile = dataclasses.replace(manifest, report=report, validation=validation)
+    out = tmp_path / "hostile.html"
+    out.write_text(render_report(hostile, MARKUP))
+    page = _open(browser, out)
+    assert page.locator(INJECTED).count() == 0
+    assert page.inner_text("body").count(MARKUP) >= 5  # title, samples and the three counts, as text
+
+
+def _markup_everywhere(data: Any, text: Callable[[str], str]) -> Any:
+    """``data`` (a manifest) with every string a reader takes as free text replaced by ``text(s)``: values,
+    and the keys of the maps among its fields. What must keep its form to pass the checks every
+    read makes (paths and checksums, fingerprints, dtypes, op-module names, axis numbers, the kind of
+    a partition input) stays; so do the fields' own names."""
+    maps = {"fallback_ops", "stage_seconds", "ops", "unique", "weights", "partition_precision", "extras"}
+    keep = {"files", "op_modules", "content_hash", "dtype", "file", "kind", "format_version"}
+
+    def walk(value: Any, key: str | None) -> Any:
+        if key in keep:
+            return value
+        if isinstance(value, str):
+            return text(value)
+        if isinstance(value, list):
+            return [walk(v, key) for v in value]
+        if isinstance(value, dict):
+            if key == "engines":  # fingerprint -> record
+                return {fp: walk(record, None) for fp, record in value.items()}
+            if key == "dynamic_dims":  # axis -> name
+                return {axis: walk(name, None) for axis, name in value.items()}
+            if key in maps:
+                return {text(k): walk(v, None) for k, v in value.items()}
+            return {k: walk(v, k) for k, v in value.items()}
+        return value
+
+    return walk(data, None)
+
+
+def _graph_markup(graph: dict, text: Callable[[str], str]) -> dict:
+    """A runtime graph with its node names, call targets and weight keys replaced by ``text(s)``."""
+
+    def nodes(module: dict) -> dict:
+        return {
+            "nodes": [
+                {**n, **{k: text(n[k]) for k in ("name", "target") if isinstance(n.get(k), str)}}
+                for n in module["nodes"]
+            ],
+            "submodules": {text(name): nodes(sub) for name, sub in module["submodules"].items()},
+        }
+
+    inputs = [None if key is None else text(key) for key in graph["inputs"]]
+    return {**graph, "graph": nodes(graph["graph"]), "inputs": inputs}
+
+
+def _staged_everywhere(package: Path, dest: Path, text: Callable[[str], str]) -> Path:
+    """``package`` with a build failure, a repair, a validation and a source recorded, then every
+    free-text string of its manifest and runtime graph replaced by ``text(s)``, resealed."""
+    shutil.copytree(package, dest)
+    data = json.loads((dest / "manifest.json").read_text())
+    failure = {
+        "error": "EngineBuildError: no kernel",
+        "node": "linear_2",
+        "partition": "engine_1",
+        "fingerprint": data["report"]["partitions"][1]["fingerprint"],
+        "backend": "onnxruntime",
+        "fell_back_to": "torch",
+        "partitions": ["engine_1"],
+    }
+    step = {
+        "round": 1,
+        "partition": "engine_0",
+        "precision_before": "fp16",
+        "precision_after": "fp32",
+        "fingerprint_before": "a" * 64,
+        "fingerprint_after": "b" * 64,
+        "rel_l2_before": 0.5,
+        "rel_l2_after": 1e-6,
+    }
+    data["report"].update(
+        build_failures=[failure], accuracy_repair={"steps": [step], "lines": ["engine_0: fp16 -> fp32"]}
+    )
+    data["plan"]["options"]["partition_precision"] = {"engine_0": "fp32"}
+    data["validation"] = {**copy.deepcopy(_FORMAT1_VALIDATION), "skipped": ["sample 3: too long"]}
+    data["validation"]["data_source"] = "val.npz sha256:" + "c" * 64
+    data["source"] = {"uri": "factory:zoo.models:mlp", "kind": "factory", "version": "1", "identity": "d"}
+    memo: dict[str, str] = {}
+
+    def once(value: str) -> str:  # one string, one replacement: names still match across records
+        return memo.setdefault(value, text(value) + f"#{len(memo)}")
+
+    graph = dest / "runtime_graph.json"
+    graph.write_text(json.dumps(_graph_markup(json.loads(graph.read_text()), once)))
+    _reseal_data(dest, _markup_everywhere(data, once))
+    return dest
+
+
+def test_markup_in_every_string_of_an_untrusted_package_shows_as_text(browser, package, tmp_path):
+    """Every string field of a resealed package holds markup; ``kiln report`` renders it, and the page's
+    DOM is the one the same package with plain strings gives (no element or attribute of the package's
+    making), with the markup shown as text."""
+    pages = {}
+    for name, text in (("plain", lambda s: "plain text"), ("hostile", lambda s: MARKUP)):
+        staged = _staged_everywhere(package, tmp_path / f"{name}.kiln", text)
+        out = tmp_path / f"{name}.html"
+        result = _render_cli(staged, out)
+        assert result.exit_code == 0, result.output
+        pages[name] = _open(browser, out)
+    plain, hostile = pages["plain"], pages["hostile"]
+    assert hostile.locator(INJECTED).count() == 0
+    assert hostile.evaluate(DOM_SHAPE) == plain.evaluate(DOM_SHAPE)
+    assert hostile.locator("svg#graph g.node").count() >= 4  # the map was drawn, from marked-up names
+    body = hostile.inner_text("body")
+    assert body.count(MARKUP) >= 20
+    for section in ("#overview", "#lineage", "table#partitions", "table#repair", "table#accuracy"):
+        assert MARKUP in hostile.inner_text(section), section
