@@ -1,9 +1,9 @@
 """What a compile decided, as one self-contained HTML page per package (``kiln report``).
 
 Everything comes from the verified manifest, read as data (no program is loaded, nothing is imported
-or unpickled): the partitioned graph drawn as inline SVG (:mod:`compiler.report_map`: engines vs
-PyTorch fallback, each box with its fingerprint, backend, precision and why it fell back),
-per-partition accuracy where a repair
+or unpickled), and the package's split graph where it saved one: the model's dataflow drawn as inline
+SVG (:mod:`compiler.report_map`: inputs, engines and PyTorch nodes in order, outputs; each engine with
+its fingerprint, backend, precision and why it fell back), per-partition accuracy where a repair
 measured it, the dedup map, the repair decisions, input specs and engine profiles, validation, where
 the compile's time went, and lineage. No script, no stylesheet or font from elsewhere: the page opens
 offline, from a file or an MLflow artifact.
@@ -17,22 +17,33 @@ summarized: rendering is linear in the plan's size and never hangs on a huge mod
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from compiler.manifest import Manifest
 from compiler.report_html import Markup, h, join
-from compiler.report_map import MAX_DRAWN, dims, fell_back, map_section, partition_precision
+from compiler.report_map import (
+    MAX_DRAWN,
+    SplitGraph,
+    dims,
+    fell_back,
+    map_section,
+    partition_precision,
+    read_split_graph,
+)
 
 MAX_ROWS = 400  # rows per table
 
-__all__ = ["MAX_DRAWN", "MAX_ROWS", "render_report"]
+__all__ = ["MAX_DRAWN", "MAX_ROWS", "render_package_report", "render_report"]
 
 
-def render_report(manifest: Manifest, title: str) -> str:
-    """The whole page for one package (``title``: what it is called, e.g. its folder or version)."""
+def render_report(manifest: Manifest, title: str, split: SplitGraph | None = None) -> str:
+    """The whole page for one package (``title``: what it is called, e.g. its folder or version).
+    ``split``: the package's split graph (:func:`compiler.report_map.read_split_graph`), which the map
+    draws the whole dataflow from; without it the map shows what the partition plan records."""
     sections = [
         _overview(manifest, title),
-        map_section(manifest),
+        map_section(manifest, split),
         _partitions_section(manifest),
         _dedup_section(manifest),
         _repair_section(manifest),
@@ -42,6 +53,12 @@ def render_report(manifest: Manifest, title: str) -> str:
         _lineage_section(manifest),
     ]
     return str(h(_PAGE, title=f"kiln report: {title}", body=join(sections, "\n")))
+
+
+def render_package_report(path: str | Path, manifest: Manifest, title: str) -> str:
+    """:func:`render_report` for the package at ``path`` (its ``manifest`` already read and verified),
+    with the split graph it saved."""
+    return render_report(manifest, title, read_split_graph(path, manifest))
 
 
 # ---------------------------------------------------------------- tables
@@ -333,6 +350,7 @@ th, td {{ border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-a
 th {{ background: #f4f4f4; }}
 .facts th {{ width: 11em; }}
 .empty {{ color: #777; font-style: italic; }}
+.partial {{ color: #775; }}
 .scroll {{ overflow: auto; border: 1px solid #ddd; }}
 .legend span {{ border: 1px solid #444; padding: 1px 6px; margin-right: 6px; font-size: 12px; }}
 section {{ margin-top: 1.5em; }}

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 import compiler
 from compiler.errors import PackageCorruptError
-from compiler.report_page import MAX_DRAWN, MAX_ROWS, render_report
+from compiler.report_page import MAX_DRAWN, MAX_ROWS, render_package_report, render_report
 from compiler.validation_report import ValidationReport
 from flows.cli import app
 from tests.untrusted_probe import _reseal_data
@@ -80,8 +80,9 @@ def test_cli_report_draws_engines_and_fallback_and_fills_the_tables(browser, pac
     assert graph.is_visible() and graph.bounding_box()["width"] > 300
     assert page.locator("svg#graph g.node.input").count() == 1
     assert page.locator("svg#graph g.node.engine").count() == 2
-    assert page.locator("svg#graph g.node.torch").count() == 1  # the custom op feeding engine_1
-    assert page.locator("svg#graph line.edge").count() == 2
+    assert page.locator("svg#graph g.node.torch").count() == 1  # the custom op between the engines
+    assert page.locator("svg#graph g.node.output").count() == 1
+    assert page.locator("svg#graph line.edge").count() == 4
     fingerprints = [p["fingerprint"] for p in manifest.report.partitions]
     engine_text = page.locator("svg#graph g.node.engine").all_text_contents()
     assert all(any(fp[:12] in text for text in engine_text) for fp in fingerprints)
@@ -95,11 +96,70 @@ def test_cli_report_draws_engines_and_fallback_and_fills_the_tables(browser, pac
     assert len(shot) > 20_000  # a rendered page, not a blank one
 
 
+EDGES = (
+    """() => [...document.querySelectorAll('svg#graph line.edge')].map(e => [e.dataset.from, e.dataset.to])"""
+)
+
+
+def test_the_map_draws_the_dataflow_from_inputs_through_engines_and_fallback_to_outputs(
+    browser, package, tmp_path
+):
+    """mlp_with_fallback: x -> engine_0 -> the custom op in PyTorch -> engine_1 -> the output, drawn from
+    the split graph the package saved; the same for the package loaded from disk (a load runs from
+    runtime_graph.json) and saved again."""
+    loaded = compiler.load(package, allowed_modules=["zoo.models"])
+    resaved = compiler.save(loaded, tmp_path / "resaved.kiln").path
+    assert (resaved / "runtime_graph.json").is_file()
+    expected = [
+        ("x", "engine_0"),
+        ("engine_0", "soft_sign_clip"),
+        ("soft_sign_clip", "engine_1"),
+        ("engine_1", "output_0"),
+    ]
+    for name, source in (("saved", package), ("resaved", resaved)):
+        out = tmp_path / f"{name}.html"
+        result = _render_cli(source, out)
+        assert result.exit_code == 0, result.output
+        page = _open(browser, out)
+        assert sorted(map(tuple, page.evaluate(EDGES))) == sorted(expected), name
+        order = [page.locator(f'svg#graph g.node[data-id="{box}"]') for box, _ in expected] + [
+            page.locator('svg#graph g.node[data-id="output_0"]')
+        ]
+        kinds = [box.get_attribute("class") for box in order]
+        assert kinds == ["node input", "node engine", "node torch", "node engine", "node output"], name
+        assert "kiln_zoo::soft_sign_clip" in order[2].text_content()
+        xs = [box.bounding_box()["x"] for box in order]
+        assert xs == sorted(xs) and len(set(xs)) == len(xs), name  # drawn left to right in dataflow order
+        assert page.locator("#graph-section .partial").count() == 0
+
+
+def test_a_malformed_split_graph_is_refused_like_load(package, tmp_path):
+    """A resealed runtime graph whose first engine takes a value made after it: no page, the file named."""
+    bad = tmp_path / "bad.kiln"
+    shutil.copytree(package, bad)
+    graph = json.loads((bad / "runtime_graph.json").read_text())
+    nodes = graph["graph"]["nodes"]
+    engine = next(n for n in nodes if n["op"] == "call_module")
+    engine["args"]["tuple"][0] = {"node": len(nodes) - 2}
+    (bad / "runtime_graph.json").write_text(json.dumps(graph))
+    _reseal_data(bad, json.loads((bad / "manifest.json").read_text()))
+    out = tmp_path / "never.html"
+    result = _render_cli(bad, out)
+    assert result.exit_code == 2, result.output
+    assert "runtime_graph.json" in result.output and "not an earlier node" in result.output
+    assert not out.exists()
+    with pytest.raises(PackageCorruptError, match=r"runtime_graph\.json"):
+        compiler.load(bad, allowed_modules=["zoo.models"])
+
+
 def test_format1_package_renders_what_it_has(browser, tmp_path):
     out = tmp_path / "old.html"
-    out.write_text(render_report(compiler.read_manifest(FORMAT1), FORMAT1.name))
+    out.write_text(render_package_report(FORMAT1, compiler.read_manifest(FORMAT1), FORMAT1.name))
     page = _open(browser, out)
     assert page.locator("svg#graph g.node.engine").count() == 2
+    # No split graph saved: each engine with what feeds it, and the page says the rest is not recorded.
+    assert page.locator("svg#graph g.node.output").count() == 0
+    assert "not the whole dataflow" in page.inner_text("#graph-section .partial")
     assert page.locator("table#accuracy tbody tr").count() == 1  # format 1 recorded its validation
     lineage = page.inner_text("#lineage")
     assert "not recorded (format 1" in lineage and "1" in lineage
