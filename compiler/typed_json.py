@@ -122,7 +122,7 @@ def check(value: Any, schema: Any, where: str) -> Any:
             _refuse(where, "an object", value)
         missing = sorted(schema.required - set(value))
         if missing:
-            raise PackageCorruptError(f"{where} lacks the field {missing[0]!r}")
+            raise PackageCorruptError(f"{where} is malformed: it lacks the field {missing[0]!r}")
         for name, field_schema in schema.fields.items():
             if name in value:
                 check(value[name], field_schema, f"{where}.{name}")
