@@ -6,6 +6,13 @@ One frozen :class:`Manifest` per package, with one JSON codec (:meth:`Manifest.f
 ``target_device`` becomes ``engine_target``, an engine without a ``backend`` runs on the package's,
 the volatile ``created`` stamp is dropped and ``op_modules`` come from the program archive.
 
+Every value is typed at read: :meth:`Manifest.from_json` checks the whole manifest against
+:data:`MANIFEST` (and the report and validation against their own schemas) before it builds anything,
+so an integer field holding a string, a list where a number goes or a string where true/false goes is
+a :class:`PackageCorruptError` naming the field (``manifest.report.engines_built``), never coerced.
+What the records mean (the plan replays, the dedup fits, the specs are valid) is checked by their
+decoders and at load.
+
 The layout rules (:func:`check_layout`) are pure: every path the manifest names is relative, inside
 the package and listed in ``files``, and an engine's file is exactly ``engines/<fingerprint>.engine``.
 Hashing lives in :mod:`compiler.package_digest`, checksums of the bytes on disk in
@@ -24,8 +31,9 @@ from compiler.backends import TORCH  # the "backend" of a build that fell back t
 from compiler.backends.base import EngineIO
 from compiler.errors import PackageCorruptError
 from compiler.options import CompileOptions
-from compiler.report import CompileReport
+from compiler.report import BUILD_FAILURE, QUANTIZATION, CompileReport
 from compiler.specs import InputSpec
+from compiler.typed_json import ANY, DIGITS, ListOf, MapOf, OneOf, Opt, Record, check
 from compiler.validation_report import ValidationReport
 
 FORMAT_VERSION = 2
@@ -38,6 +46,118 @@ ENGINE_DIR = "engines"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _FINGERPRINT = re.compile(r"^[0-9a-zA-Z_-]{1,128}$")
 _MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+_SPEC = Record(  # InputSpec.to_dict()
+    {
+        "name": str,
+        "dtype": str,
+        "min_shape": ListOf(int),
+        "opt_shape": ListOf(int),
+        "max_shape": ListOf(int),
+        "dynamic_dims": MapOf(str, keys=DIGITS),
+        "value_range": Opt(ListOf(float)),
+    },
+    required=frozenset({"name", "dtype", "min_shape", "opt_shape", "max_shape"}),
+)
+_ENGINE = Record(
+    {
+        "file": Opt(str),
+        "io": Record(
+            {"inputs": ListOf(_SPEC), "output_names": ListOf(str), "output_dtypes": ListOf(str)},
+            required=frozenset({"inputs", "output_names", "output_dtypes"}),
+        ),
+        "cache_key": str,
+        "bytes": int,
+        "stripped": bool,
+        "backend": Opt(str),  # format 1: absent, the package's
+        "build_failure": Opt(BUILD_FAILURE),
+    },
+    required=frozenset({"file", "io", "cache_key", "bytes", "stripped"}),
+)
+_PLAN_PARTITION = Record(  # compiler.partition.Partition.to_dict()
+    {
+        "name": str,
+        "nodes": ListOf(str),
+        "block": Opt(str),
+        "ops": MapOf(int),
+        "num_outputs": int,
+        "inputs": ListOf(
+            Record(
+                {"node": str, "kind": OneOf(("activation", "weight")), "weight_key": Opt(str)},
+                required=frozenset({"node", "kind"}),
+            )
+        ),
+    },
+    required=frozenset({"name", "nodes", "inputs", "num_outputs", "ops"}),
+)
+_PLAN = Record(  # PartitionPlan.to_dict(); options are decoded by CompileOptions.from_dict where used
+    {
+        "options": Record({"partition_precision": MapOf(str)}),
+        "partitions": ListOf(_PLAN_PARTITION),
+        "fallback_ops": MapOf(int),
+        "quantization": Opt(QUANTIZATION),
+        "elided_weights": ListOf(str),
+    }
+)
+_DEDUP = Record(  # DedupPlan.to_dict()
+    {
+        "unique": MapOf(str),
+        "instances": ListOf(
+            Record(
+                {"partition": str, "fingerprint": str, "weights": MapOf(str)},
+                required=frozenset({"partition", "fingerprint", "weights"}),
+            )
+        ),
+    }
+)
+_SOURCE = Record(
+    {"uri": str, "kind": str, "version": str, "identity": str, "run_id": Opt(str)},
+    required=frozenset({"uri"}),
+)
+MANIFEST = Record(
+    {
+        "format_version": int,
+        "kiln_version": str,
+        "torch_version": str,
+        "input_specs": ListOf(_SPEC),
+        "backend": str,
+        "backend_version": str,
+        "engine_target": str,
+        "target_device": str,  # format 1's name for engine_target
+        "precision": str,
+        "strip_weights": bool,
+        "input_weights": ListOf(str),
+        "plan": _PLAN,
+        "dedup": _DEDUP,
+        "engines": MapOf(_ENGINE),
+        "report": ANY,  # CompileReport.from_dict checks it
+        "validation": ANY,  # ValidationReport.from_dict checks it
+        "files": MapOf(Record({"sha256": str, "bytes": int}, required=frozenset({"sha256", "bytes"}))),
+        "op_modules": ListOf(str),
+        "source": Opt(_SOURCE),
+        "content_hash": str,
+        "signature": Opt(str),
+    },
+    required=frozenset(
+        {
+            "format_version",
+            "kiln_version",
+            "torch_version",
+            "input_specs",
+            "backend",
+            "backend_version",
+            "precision",
+            "strip_weights",
+            "input_weights",
+            "plan",
+            "dedup",
+            "engines",
+            "report",
+            "files",
+        }
+    ),
+)
 
 
 def engine_file(fingerprint: str) -> str:
@@ -57,7 +177,8 @@ class FileRecord:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> FileRecord:
-        return cls(sha256=str(data["sha256"]), bytes=int(data["bytes"]))
+        check(data, MANIFEST.fields["files"].of, "file record")
+        return cls(sha256=data["sha256"], bytes=data["bytes"])
 
 
 @dataclass(frozen=True)
@@ -86,14 +207,15 @@ class EngineRecord:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], package_backend: str) -> EngineRecord:
+        check(data, _ENGINE, "engine record")
         # Format-1 packages from before per-engine backends: every engine runs on the package's.
         return cls(
             file=data["file"],
             io=EngineIO.from_dict(data["io"]),
-            cache_key=str(data["cache_key"]),
-            bytes=int(data["bytes"]),
-            stripped=bool(data["stripped"]),
-            backend=str(data.get("backend") or package_backend),
+            cache_key=data["cache_key"],
+            bytes=data["bytes"],
+            stripped=data["stripped"],
+            backend=data.get("backend") or package_backend,
             build_failure=data.get("build_failure"),
         )
 
@@ -119,11 +241,12 @@ class SourceRecord:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SourceRecord:
+        check(data, _SOURCE, "source")
         return cls(
-            uri=str(data["uri"]),
-            kind=str(data.get("kind", "")),
-            version=str(data.get("version", "")),
-            identity=str(data.get("identity", "")),
+            uri=data["uri"],
+            kind=data.get("kind", ""),
+            version=data.get("version", ""),
+            identity=data.get("identity", ""),
             run_id=data.get("run_id"),
         )
 
@@ -214,42 +337,38 @@ class Manifest:
 
     @classmethod
     def _from_json(cls, data: Mapping[str, Any]) -> Manifest:
+        check(data, MANIFEST, "manifest")
         version = data["format_version"]
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise PackageCorruptError("the manifest has no integer format_version")
-        backend = str(data["backend"])
+        backend = data["backend"]
         # Format 1 called the engine target "target_device"; "device" now means where a model runs.
-        engine_target = data["engine_target"] if version >= 2 else data["target_device"]
+        target_field = "engine_target" if version >= 2 else "target_device"
+        check(data, Record({}, required=frozenset({target_field})), "manifest")
         validation = data.get("validation")
         source = data.get("source")
         return cls(
             format_version=version,
-            kiln_version=str(data["kiln_version"]),
-            torch_version=str(data["torch_version"]),
+            kiln_version=data["kiln_version"],
+            torch_version=data["torch_version"],
             input_specs=tuple(InputSpec.from_dict(s) for s in data["input_specs"]),
             backend=backend,
-            backend_version=str(data["backend_version"]),
-            engine_target=str(engine_target),
-            precision=str(data["precision"]),
-            strip_weights=_bool(data["strip_weights"], "strip_weights"),
-            input_weights=tuple(str(w) for w in data["input_weights"]),
+            backend_version=data["backend_version"],
+            engine_target=data[target_field],
+            precision=data["precision"],
+            strip_weights=data["strip_weights"],
+            input_weights=tuple(data["input_weights"]),
             plan=dict(data["plan"]),
             dedup=dict(data["dedup"]),
-            engines={str(fp): EngineRecord.from_json(e, backend) for fp, e in data["engines"].items()},
-            report=CompileReport.from_dict(data["report"]),
-            validation=None if validation is None else ValidationReport.from_dict(validation),
-            files={str(rel): FileRecord.from_json(f) for rel, f in data["files"].items()},
-            op_modules=tuple(str(m) for m in data.get("op_modules", ())),
+            engines={fp: EngineRecord.from_json(e, backend) for fp, e in data["engines"].items()},
+            report=CompileReport.from_dict(data["report"], "manifest.report"),
+            validation=None
+            if validation is None
+            else ValidationReport.from_dict(validation, "manifest.validation"),
+            files={rel: FileRecord.from_json(f) for rel, f in data["files"].items()},
+            op_modules=tuple(data.get("op_modules", ())),
             source=None if source is None else SourceRecord.from_json(source),
-            content_hash=str(data.get("content_hash", "")),
+            content_hash=data.get("content_hash", ""),
             signature=data.get("signature"),
         )
-
-
-def _bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise PackageCorruptError(f"the manifest's {name} must be true or false, got {value!r}")
-    return value
 
 
 def safe_relative(rel: str) -> bool:

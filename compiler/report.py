@@ -1,8 +1,128 @@
-"""CompileReport: what a compile did, carried by the compiled module and its package (seed 002)."""
+"""CompileReport: what a compile did, carried by the compiled module and its package (seed 002).
+
+A package's report is read, never trusted: :meth:`CompileReport.from_dict` checks every field, and
+the records in it that readers index (partitions, build failures, repair, profiles, quantization),
+against :data:`REPORT` before anything is built (:mod:`compiler.typed_json`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
+from compiler.typed_json import NUMBER_TEXT, ListOf, MapOf, Opt, Record, check
+
+_NUMBER = (float, NUMBER_TEXT)  # compiler.repair writes a non-finite error as "inf" / "nan"
+
+BUILD_FAILURE = Record(
+    {
+        "error": str,
+        "node": Opt(str),
+        "partition": Opt(str),
+        "fingerprint": str,
+        "backend": str,
+        "fell_back_to": str,
+        "fallback_error": str,
+        "partitions": ListOf(str),
+    }
+)
+QUANTIZATION = Record(  # compiler.quantize.QuantizationRecord.to_dict()
+    {
+        "mode": str,
+        "method": Opt(str),
+        "per_channel": bool,
+        "data_source": Opt(str),
+        "samples": int,
+        "sample_digests": ListOf(str),
+        "partitions": ListOf(str),
+        "fallbacks": MapOf(str),
+        "warnings": ListOf(str),
+        "seconds": float,
+    }
+)
+_STEP_FIELDS = {
+    "round": int,
+    "partition": str,
+    "precision_before": str,
+    "precision_after": str,
+    "fingerprint_before": str,
+    "fingerprint_after": str,
+    "rel_l2_before": _NUMBER,
+    "rel_l2_after": _NUMBER,
+}
+_ACCURACY = Record(
+    {
+        "max_rel_l2": Opt(_NUMBER),
+        "min_cosine": Opt(_NUMBER),
+        "min_top1_agreement": Opt(_NUMBER),
+        "failures": ListOf(str),
+    }
+)
+REPAIR = Record(  # compiler.repair.RepairRecord.to_dict()
+    {
+        "steps": ListOf(Record(_STEP_FIELDS, required=frozenset(_STEP_FIELDS))),
+        "before": _ACCURACY,
+        "after": _ACCURACY,
+        "partition_precision": MapOf(str),
+        "rounds": int,
+        "engines_built": int,
+        "engines_from_cache": int,
+        "build_seconds": _NUMBER,
+        "seconds": _NUMBER,
+        "data_source": str,
+        "note": str,
+        "passed": bool,
+        "lines": ListOf(str),
+    }
+)
+_PROFILE = Record(  # CompiledModule.measure_profiles() rows, with compiler.padding's verdict
+    {
+        "profile": MapOf((int, ListOf(int))),
+        "kind": str,
+        "shapes": ListOf(ListOf(int)),
+        "latency_ms": float,
+        "dispatch": str,
+        "engines": MapOf(str),
+        "padding": Opt(Record({"allowed": bool, "reason": Opt(str)})),
+    }
+)
+_PARTITION = Record(
+    {
+        "name": str,
+        "fingerprint": str,
+        "backend": Opt(str),
+        "nodes": int,
+        "num_outputs": int,
+        "ops": MapOf(int),
+        "block": Opt(str),
+    },
+    required=frozenset({"name"}),
+)
+REPORT = Record(
+    {
+        "backend": str,
+        "backend_version": str,
+        "engine_target": str,
+        "target_device": str,  # format 1's name for engine_target
+        "precision": str,
+        "strip_weights": bool,
+        "partitions": ListOf(_PARTITION),
+        "fallback_ops": MapOf(int),
+        "unique_fingerprints": int,
+        "engines_built": int,
+        "cache_hits": int,
+        "refits": int,
+        "engine_bytes": int,
+        "stage_seconds": MapOf(float),
+        "build_failures": ListOf(BUILD_FAILURE),
+        "accuracy_repair": Opt(REPAIR),
+        "cuda_graphs": Opt(Record({})),  # then decoded by CaptureCheck.from_dict
+        "profiles": Opt(ListOf(_PROFILE)),
+        "quantization": Opt(QUANTIZATION),
+        "num_partitions": int,
+        "fallback_op_count": int,
+    },
+    required=frozenset({"backend", "backend_version", "precision", "strip_weights"}),
+)
 
 
 @dataclass
@@ -43,17 +163,14 @@ class CompileReport:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> CompileReport:
+    def from_dict(cls, data: dict, where: str = "report") -> CompileReport:
+        """The report ``to_dict`` wrote. A field of the wrong type (a string where a count goes, say)
+        is a PackageCorruptError naming ``where`` and the field."""
+        check(data, REPORT, where)
         fields = set(cls.__dataclass_fields__)
         if "target_device" in data and "engine_target" not in data:  # reports written before the rename
             data = {**data, "engine_target": data["target_device"]}
-        for name, spec in cls.__dataclass_fields__.items():  # a package's report is read, never trusted
-            kind = spec.default_factory
-            if name in data and kind in (list, dict) and not isinstance(data[name], kind):
-                raise TypeError(f"report field {name!r} must be a {kind.__name__}, got {data[name]!r:.60}")
-        for name in ("accuracy_repair", "cuda_graphs"):
-            if data.get(name) is not None and not isinstance(data[name], dict):
-                raise TypeError(f"report field {name!r} must be a mapping or null, got {data[name]!r:.60}")
+        check(data, Record({}, required=frozenset({"engine_target"})), where)
         if data.get("cuda_graphs") is not None:
             from compiler.cudagraph_policy import CaptureCheck
 

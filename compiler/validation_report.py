@@ -2,8 +2,10 @@
 :class:`ValidationReport` (accuracy per output, latency of both sides) and its
 :meth:`~ValidationReport.failures` (the reasons it fails; empty = pass).
 
-Plain data, no torch: zoo files (tolerances) and manifests (reports) are read without importing it.
-Measuring is :mod:`compiler.validate`'s job, which re-exports every name here.
+Plain data, no torch: zoo files (tolerances) and manifests (reports) are read without importing it;
+a report read back is checked field by field against :data:`VALIDATION` first
+(:mod:`compiler.typed_json`). Measuring is :mod:`compiler.validate`'s job, which re-exports every
+name here.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from compiler.errors import ToleranceError
+from compiler.typed_json import ANY, ListOf, MapOf, Opt, Record, check
 
 # Accuracy tolerance (relative L2 vs eager) per precision, when a caller sets none. The one copy.
 # int8: static QDQ BERT-base measured cosine 0.9976 (rel L2 ~0.07) against fp32 (issue 19).
@@ -221,17 +224,60 @@ class ValidationReport:
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ValidationReport:
-        """The report ``to_dict`` wrote (derived values such as ``max_rel_l2`` are recomputed)."""
+    def from_dict(cls, data: Mapping[str, Any], where: str = "validation") -> ValidationReport:
+        """The report ``to_dict`` wrote (derived values such as ``max_rel_l2`` are recomputed). A field
+        of the wrong type is a PackageCorruptError naming ``where`` and the field."""
+        # Rows and latencies may come as the dataclasses themselves (a report handed to save in memory).
+        data = dict(data)
+        if isinstance(data.get("outputs"), list | tuple):
+            data["outputs"] = [asdict(o) if isinstance(o, OutputAccuracy) else o for o in data["outputs"]]
+        for key in ("eager", "compiled"):
+            if isinstance(data.get(key), Latency):
+                data[key] = asdict(data[key])
+        check(data, VALIDATION, where)
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
-        values["outputs"] = [
-            o if isinstance(o, OutputAccuracy) else OutputAccuracy(**o) for o in data.get("outputs", [])
-        ]
-        for key in ("eager", "compiled"):
-            if isinstance(values.get(key), Mapping):
-                values[key] = Latency(**values[key])
+        values["outputs"] = [OutputAccuracy(**o) for o in data["outputs"]]
+        values["eager"], values["compiled"] = Latency(**data["eager"]), Latency(**data["compiled"])
         return cls(**values)
+
+
+_OUTPUT = Record(
+    {"output": str, "max_abs": float, "rel_l2": float, "cosine": float, "top1_agreement": Opt(float)},
+    required=frozenset({"output", "max_abs", "rel_l2", "cosine"}),
+)
+_LATENCY = Record(
+    {"median_ms": float, "p95_ms": float, "runs": int}, required=frozenset({"median_ms", "p95_ms", "runs"})
+)
+_PARTITION_ROW = Record(  # compiler.compare.PartitionRow.to_dict()
+    {
+        "partition": str,
+        "fingerprint": str,
+        "precision": str,
+        "backend": str,
+        "max_abs": float,
+        "rel_l2": float,
+        "cosine": float,
+        "latency_ms": float,
+        "latency_share": float,
+    },
+    required=frozenset({"partition", "precision", "rel_l2", "latency_ms"}),
+)
+VALIDATION = Record(
+    {
+        "outputs": ListOf(_OUTPUT),
+        "shapes": ListOf(ListOf(ListOf(int))),
+        "eager": _LATENCY,
+        "compiled": _LATENCY,
+        "precision": str,
+        "extras": MapOf(ANY),
+        "data_source": str,
+        "samples": int,
+        "skipped": ListOf(str),
+        "precision_plan": ListOf(_PARTITION_ROW),
+    },
+    required=frozenset({"outputs", "shapes", "eager", "compiled"}),
+)
 
 
 def nan_as_worst(value: float) -> float:

@@ -116,7 +116,7 @@ def report_cmd(
     from compiler.atomic import write_bytes_atomic
     from compiler.errors import KilnError
     from compiler.package_check import read_manifest
-    from compiler.report_page import render_report
+    from compiler.report_page import render_package_report
 
     try:
         if Path(target).is_dir():
@@ -130,10 +130,12 @@ def report_cmd(
             )
             manifest, title = found.manifest, f"{found.name} version {found.version}"
             package = found.package_dir
+        # The map draws the whole dataflow from the split graph the package saved (checked first).
+        page = render_package_report(package, manifest, title)
     except KilnError as exc:
         raise bad_input(f"{type(exc).__name__}: {exc}") from None
     path = out or Path(f"{Path(package).name.removesuffix('.kiln')}.report.html")
-    write_bytes_atomic(path, render_report(manifest, title).encode())
+    write_bytes_atomic(path, page.encode())
     console.print(f"report: {path.resolve()}", soft_wrap=True)
 
 

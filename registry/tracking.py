@@ -41,6 +41,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
 
 from compiler.manifest import Manifest
 from compiler.package_signing import Signer, sign_package
+from compiler.report_map import SplitGraph, read_split_graph
 from compiler.report_page import render_report
 from registry import config, payload
 from registry.config import RetryPolicy, call_with_retry
@@ -147,8 +148,10 @@ def record_package(
     package_dir = Path(package_dir).resolve()
     signer = Signer.from_env()  # a bad signing configuration fails before anything is recorded
     # Verify before touching MLflow: a corrupt package must never be registered. One this process is
-    # about to sign need not be signed yet (its copy is verified again once signed).
+    # about to sign need not be signed yet (its copy is verified again once signed). Its split graph
+    # too (the report's map reads it): a malformed one is refused here, not in the middle of a run.
     manifest = package.read_manifest(package_dir, signature=signer is None)
+    split = read_split_graph(package_dir, manifest)
     request_json = payload.request_data(request)
     content_hash = manifest.content_hash
     policy = policy or RetryPolicy.from_env()
@@ -240,6 +243,7 @@ def record_package(
             policy,
             on_progress,
             signer,
+            split,
         )
     except BaseException as exc:
         _mark_failed(mlclient, run_id, exc)
@@ -269,6 +273,7 @@ def _log_and_register(
     policy: RetryPolicy,
     on_progress: ProgressCallback | None = None,
     signer: Signer | None = None,
+    split: SplitGraph | None = None,
 ) -> tuple[str, Registered]:
     params = payload.params_for(manifest, model)
     metrics = payload.metrics_for(manifest, _package_bytes(package_dir))
@@ -307,7 +312,7 @@ def _log_and_register(
         title = f"{model} ({manifest.backend}, {manifest.precision}, {manifest.engine_target})"
         payload.latency_chart(manifest.validation, title, tmp_path / "latency.png")
         # What the compile decided, as one page (kiln report): linked from the description.
-        page = render_report(manifest, f"{registered}: {model}")
+        page = render_report(manifest, f"{registered}: {model}", split)
         (tmp_path / payload.REPORT_ARTIFACT).write_text(page, encoding="utf-8")
         call_with_retry(lambda: mlclient.log_artifacts(run_id, tmp), f"log artifacts of {model}", policy)
 
