@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from compiler.manifest import Manifest
+from compiler.manifest import SIGNATURE, Manifest
 from compiler.report_html import Markup, h, join
 from compiler.report_map import (
     MAX_DRAWN,
@@ -37,10 +37,13 @@ MAX_ROWS = 400  # rows per table
 __all__ = ["MAX_DRAWN", "MAX_ROWS", "render_package_report", "render_report"]
 
 
-def render_report(manifest: Manifest, title: str, split: SplitGraph | None = None) -> str:
+def render_report(
+    manifest: Manifest, title: str, split: SplitGraph | None = None, *, signed: bool | None = None
+) -> str:
     """The whole page for one package (``title``: what it is called, e.g. its folder or version).
     ``split``: the package's split graph (:func:`compiler.report_map.read_split_graph`), which the map
-    draws the whole dataflow from; without it the map shows what the partition plan records."""
+    draws the whole dataflow from; without it the map shows what the partition plan records.
+    ``signed``: whether the package holds a model-signing signature (``model.sig``; None: unknown)."""
     sections = [
         _overview(manifest, title),
         map_section(manifest, split),
@@ -50,7 +53,7 @@ def render_report(manifest: Manifest, title: str, split: SplitGraph | None = Non
         _specs_section(manifest),
         _validation_section(manifest),
         _time_section(manifest),
-        _lineage_section(manifest),
+        _lineage_section(manifest, signed),
     ]
     return str(h(_PAGE, title=f"kiln report: {title}", body=join(sections, "\n")))
 
@@ -58,7 +61,8 @@ def render_report(manifest: Manifest, title: str, split: SplitGraph | None = Non
 def render_package_report(path: str | Path, manifest: Manifest, title: str) -> str:
     """:func:`render_report` for the package at ``path`` (its ``manifest`` already read and verified),
     with the split graph it saved."""
-    return render_report(manifest, title, read_split_graph(path, manifest))
+    signed = (Path(path) / SIGNATURE).is_file()
+    return render_report(manifest, title, read_split_graph(path, manifest), signed=signed)
 
 
 # ---------------------------------------------------------------- tables
@@ -258,7 +262,15 @@ def _overview(manifest: Manifest, title: str) -> Markup:
     )
 
 
-def _lineage_section(manifest: Manifest) -> Markup:
+def _signed(signed: bool | None, manifest: Manifest) -> str:
+    if signed:
+        return f"yes: {SIGNATURE} (model-signing; verified at load where a key or roots are configured)"
+    if manifest.signature:
+        return "only kiln's retired HMAC field (not verified; re-sign with model-signing)"
+    return "no" if signed is False else "not known (the page was made without the package folder)"
+
+
+def _lineage_section(manifest: Manifest, signed: bool | None = None) -> Markup:
     source = manifest.source
     facts = [
         ("source", source.uri if source else "not recorded (format 1, or compiled from a model object)"),
@@ -270,7 +282,7 @@ def _lineage_section(manifest: Manifest) -> Markup:
         ("kiln", manifest.kiln_version),
         ("torch", manifest.torch_version),
         ("content hash", manifest.content_hash or "none"),
-        ("signed", "yes" if manifest.signature else "no"),
+        ("signed", _signed(signed, manifest)),
         ("op modules", ", ".join(manifest.op_modules) or "none"),
     ]
     files = _table(

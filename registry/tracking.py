@@ -39,7 +39,7 @@ from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric, Param,
 from mlflow.models.model import Model
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
 
-from compiler.manifest import Manifest
+from compiler.manifest import SIGNATURE, Manifest
 from compiler.package_signing import Signer, sign_package
 from compiler.report_map import SplitGraph, read_split_graph
 from compiler.report_page import render_report
@@ -312,7 +312,8 @@ def _log_and_register(
         title = f"{model} ({manifest.backend}, {manifest.precision}, {manifest.engine_target})"
         payload.latency_chart(manifest.validation, title, tmp_path / "latency.png")
         # What the compile decided, as one page (kiln report): linked from the description.
-        page = render_report(manifest, f"{registered}: {model}", split)
+        signed = signer is not None or (package_dir / SIGNATURE).is_file()
+        page = render_report(manifest, f"{registered}: {model}", split, signed=signed)
         (tmp_path / payload.REPORT_ARTIFACT).write_text(page, encoding="utf-8")
         call_with_retry(lambda: mlclient.log_artifacts(run_id, tmp), f"log artifacts of {model}", policy)
 

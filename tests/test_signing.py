@@ -259,3 +259,13 @@ def test_record_signs_what_it_uploads_and_lookup_verifies_it(
         lookup("signed_mlp", dst=tmp_path / "w", allowed_modules=["zoo"])
     monkeypatch.delenv(PUBLIC)
     assert lookup("signed_mlp", dst=tmp_path / "x", allowed_modules=["zoo"]).module.trust_engine_code is False
+
+
+def test_the_report_says_whether_a_package_is_signed(signed):
+    from compiler.report_page import render_package_report
+
+    manifest = compiler.read_manifest(signed)
+    assert f"yes: {SIGNATURE} (model-signing" in render_package_report(signed, manifest, "signed")
+    unsigned = signed.parent / "unsigned.kiln"
+    page = render_package_report(unsigned, compiler.read_manifest(unsigned), "unsigned")
+    assert ">no<" in page and "model-signing" not in page.split('id="lineage"')[1].split("</table>")[0]
