@@ -50,6 +50,7 @@ CHECKS = textwrap.dedent(
         result = {"rel_l2": float((got - want).norm() / want.norm()), "described": loaded.plan.described}
         result["precisions"] = dict(loaded.plan.options.partition_precision)
         result["partitions"] = len(loaded.plan.partitions)
+        result["pad_targets"] = [t.batch for t in loaded._pad_targets if t.allowed]
         result["engines"] = len(loaded.engines)
         # What a plan read back from disk must support, as a compiled one does:
         # (an int8 package holds no float weights for its int8 partitions: rebuild a raised one)
@@ -127,7 +128,8 @@ def zoo_run(tmp_path_factory, s3_server) -> dict:
             "factory": "zoo.models:mlp_with_fallback",
             "factory_kwargs": MODELS[2][2],
             "strip_weights": True,
-            "profiles": [{"batch": 1}, {"batch": [2, 32]}],
+            "profiles": [{"batch": 1}, {"batch": 4}, {"batch": [5, 32]}],
+            "pad_to_profile": "auto",
         },
         {
             "name": "dedup",
@@ -218,6 +220,8 @@ def test_split_blocks_share_engines_and_fallback_runs_between_engines(zoo_run):
     results = zoo_run["results"]
     assert results["dedup"]["engines"] < results["dedup"]["partitions"], results["dedup"]
     assert results["fallback"]["rel_l2"] < 1e-5 and results["dedup"]["rel_l2"] < 1e-5
+    # pad_to_profile survived the zoo and the package: a batch of 3 pads up to the profile of 4
+    assert 4 in results["fallback"]["pad_targets"], results["fallback"]
 
 
 def test_an_hf_source_validated_on_recorded_data_answers_as_transformers_does(zoo_run):
