@@ -248,6 +248,95 @@ def test_remote_code_needs_trust_remote_code(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+def test_remote_code_identity_covers_every_python_file_below_the_folder(tmp_path: Path) -> None:
+    """Issue 31 N23: code in a subfolder (or imported by a dotted relative name) changed, and the identity
+    said "nothing changed", so a stale package answered for a model that no longer existed."""
+    folder = _tiny_hf("feature-extraction", tmp_path / "nested")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="kiln_nested", auto_map={"AutoModel": "modeling_top.TopModel"})
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_top.py").write_text("from .sub.modeling_x import Layer\n")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "modeling_x.py").write_text("SCALE = 1.0\n")
+    (folder / "sub" / "deeper").mkdir()
+    (folder / "sub" / "deeper" / "helpers.py").write_text("EPS = 1e-5\n")
+    source = source_for(f"hf:{folder}", task="feature-extraction", trust_remote_code=True)
+    before = source.identity().digest
+    (folder / "sub" / "modeling_x.py").write_text("SCALE = 3.0\n")
+    after = source.identity().digest
+    assert after != before
+    (folder / "sub" / "deeper" / "helpers.py").write_text("EPS = 1e-6\n")
+    assert source.identity().digest != after
+    # A file's place is part of what it is: the same bytes moved to another module path is other code.
+    moved = source.identity().digest
+    (folder / "sub" / "deeper" / "helpers.py").rename(folder / "sub" / "helpers.py")
+    assert source.identity().digest != moved
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [
+        ("config", "kernels-community/flash-attn"),
+        ("config", {"": "sdpa", "text_config": "kernels-community/flash-attn"}),
+        ("entry", "kernels-community/flash-attn@v2:flash_attn"),
+        ("entry", "my_custom_attention"),
+    ],
+)
+def test_attention_implementations_that_load_hub_kernels_are_refused_before_loading(
+    hf_dir: Path, tmp_path: Path, monkeypatch, where: str, value
+) -> None:
+    """transformers fetches a kernel from the hub (and runs it) for an attn_implementation that names a
+    hub repository: kiln compiles offline from the files the entry names, so it is refused in preflight."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = _tiny_hf("feature-extraction", tmp_path / "kernel")
+    entry = {"name": "k", "source": f"hf:{folder}", "task": "feature-extraction"}
+    if where == "config":
+        config = json.loads((folder / "config.json").read_text())
+        config["attn_implementation"] = value
+        (folder / "config.json").write_text(json.dumps(config))
+        message = _preflight_error(entry)
+        assert message.startswith("models[k].source:") and "config.json" in message
+    else:
+        zoo = parse_zoo({"models": [{**entry, "attn_implementation": value}]})
+        assert zoo.invalid, "the schema accepted a hub kernel"
+        message = zoo.invalid[0].error
+        assert "attn_implementation" in message
+    assert "hub" in message and "sdpa" in message and "eager" in message, message
+
+
+def test_flash_attention_that_transformers_would_fetch_from_the_hub_is_refused(
+    hf_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Without flash-attn installed (or usable: no CUDA here), transformers serves flash_attention_2 with
+    a hub kernel wherever the ``kernels`` package is installed; without ``kernels`` it cannot fetch."""
+    folder = _tiny_hf("feature-extraction", hf_dir / "flash")
+    entry = {"name": "f", "source": f"hf:{folder}", "task": "feature-extraction"}
+    zoo = parse_zoo({"models": [{**entry, "attn_implementation": "flash_attention_2"}]})
+    preflight(zoo.requests(zoo.entries[0])[0])  # no kernels package: nothing would be fetched
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")  # the package transformers fetches hub kernels with
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ZooConfigError) as exc:
+        preflight(zoo.requests(zoo.entries[0])[0])
+    assert _error(exc).startswith("models[f].attn_implementation: attn_implementation 'flash_attention_2'")
+    assert "from the Hugging Face hub" in _error(exc) and "sdpa or eager" in _error(exc)
+
+
+def test_built_in_attention_implementations_compile_and_are_part_of_the_identity(hf_dir: Path) -> None:
+    folder = _tiny_hf("feature-extraction", hf_dir / "attn")
+    entry = {"name": "a", "source": f"hf:{folder}", "task": "feature-extraction"}
+    digests = set()
+    for value in (None, "eager", "sdpa"):
+        request = parse_zoo({"models": [{**entry, "attn_implementation": value}]}).entries[0].requests()[0]
+        preflight(request)
+        digests.add(request.identity().digest)
+    assert len(digests) == 3
+    case = _entry(f"hf:{folder}", task="feature-extraction", attn_implementation="eager").requests()[0]
+    assert case.load_case().model.config._attn_implementation == "eager"
+    wrong = parse_zoo({"models": [{"name": "p", "source": "pt2:x.pt2", "attn_implementation": "eager"}]})
+    assert "attn_implementation: applies to hf: sources only" in wrong.invalid[0].error
+
+
 def test_offline_hub_id_not_in_the_cache_is_named(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -39,6 +39,7 @@ from zoo.errors import ZooConfigError
 from zoo.request import CompileRequest, ValidationPlan
 from zoo.sources import HF_TASKS, SOURCE_KINDS, source_for, source_kind
 from zoo.sources.factory import DEFAULT_FACTORY_PACKAGES, FACTORY_RE, FactoryPolicy
+from zoo.sources.hf_tasks import attention_problem
 
 __all__ = ["Zoo", "ZooConfigError", "ZooEntry", "ZooSettings", "load_zoo", "parse_zoo"]
 
@@ -149,6 +150,10 @@ class ZooEntry(_Strict):
     trust_remote_code: bool = Field(
         default=False, description="hf: sources: run the Python code shipped with the model"
     )
+    attn_implementation: str | None = Field(
+        default=None,
+        description="hf: sources: transformers' attention (eager, sdpa, ...); hub kernels are refused",
+    )
     inputs: dict[str, InputOverride] = Field(default_factory=dict)
     precision: Literal["fp32", "fp16", "bf16", "int8", "fp8"] = "fp32"
     quantization: Literal["static", "dynamic"] = Field(
@@ -232,6 +237,14 @@ class ZooEntry(_Strict):
             raise ValueError(f"unknown task {v!r}; use one of {', '.join(HF_TASKS)}")
         return v
 
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attention(cls, v: str | None) -> str | None:
+        problem = attention_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
+
     @model_validator(mode="after")
     def _one_source(self) -> ZooEntry:
         if (self.source is None) == (self.factory is None):
@@ -242,7 +255,8 @@ class ZooEntry(_Strict):
         kind = source_kind(self.source_uri)[0]
         if kind == "hf" and self.task is None:
             raise ValueError(f"task: required for hf: sources; use one of {', '.join(HF_TASKS)}")
-        hf_only = [f for f in ("task", "revision", "trust_remote_code") if f in self.model_fields_set]
+        hf_fields = ("task", "revision", "trust_remote_code", "attn_implementation")
+        hf_only = [f for f in hf_fields if f in self.model_fields_set]
         if kind != "hf" and hf_only:
             raise ValueError(f"{hf_only[0]}: applies to hf: sources only; remove it for {SOURCE_KINDS[kind]}")
         factory_only = [f for f in ("factory_kwargs", "seed") if f in self.model_fields_set]
@@ -341,6 +355,7 @@ class ZooEntry(_Strict):
             task=self.task,
             revision=self.revision,
             trust_remote_code=self.trust_remote_code,
+            attn_implementation=self.attn_implementation,
             inputs=dict(self.inputs),
             factory_kwargs=dict(self.factory_kwargs),
             seed=self.seed,
