@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from compiler.options import CompileOptions
+from compiler.torchao_guard import keep_torchao_out_of_transformers
 from compiler.validation_report import Tolerances
 from zoo.errors import ZooConfigError
 from zoo.inputs import InputOverrideLike, apply_overrides
@@ -59,6 +60,7 @@ class CompileRequest:
     def load_case(self) -> LoadedCase:
         """The source's model with this request's input ranges, on this request's device."""
         where = f"models[{self.name}]"
+        keep_torchao_out_of_transformers()  # a source may load transformers (hf:, factories)
         try:
             loaded = self.source.load()
         except ZooConfigError as exc:  # sources name the field ("source: ..."); add the entry
