@@ -107,12 +107,29 @@ class PartitionOptions(_Strict):
     )
 
 
+def _ignored_need_data(data: str | None, ignore_fields: list[str], where: str) -> None:
+    if ignore_fields and data is None:
+        raise ValueError(
+            f"{where}.ignore_fields applies to recorded data (fields of {where}.data to leave out); "
+            f"set {where}.data, or remove ignore_fields"
+        )
+
+
 class EntryValidation(_Strict):
     """What an entry is validated on: recorded inputs (else random inputs inside the ranges)."""
 
     data: str | None = Field(
         default=None, description="a .safetensors or .npz file, one array per input with a sample axis"
     )
+    ignore_fields: list[str] = Field(
+        default_factory=list,
+        description="fields of data that name no model input, to leave out (e.g. token_type_ids)",
+    )
+
+    @model_validator(mode="after")
+    def _ignore_needs_data(self) -> EntryValidation:
+        _ignored_need_data(self.data, self.ignore_fields, "validation")
+        return self
 
 
 class EntryCalibration(_Strict):
@@ -127,6 +144,15 @@ class EntryCalibration(_Strict):
     allow_random: bool = Field(
         default=False, description="calibrate on random inputs when data is unset (meaningless scales)"
     )
+    ignore_fields: list[str] = Field(
+        default_factory=list,
+        description="fields of data that name no model input, to leave out (as validation.ignore_fields)",
+    )
+
+    @model_validator(mode="after")
+    def _ignore_needs_data(self) -> EntryCalibration:
+        _ignored_need_data(self.data, self.ignore_fields, "calibration")
+        return self
 
 
 class ZooEntry(_Strict):
@@ -365,7 +391,9 @@ class ZooEntry(_Strict):
         data = self.validation.data
         if data is not None and zoo_dir is not None and not Path(data).is_absolute():
             data = str(Path(zoo_dir) / data)  # relative to the zoo file, like its other paths
-        validation = ValidationPlan(**settings.validation.model_dump(), data=data)
+        validation = ValidationPlan(
+            **settings.validation.model_dump(), data=data, ignore_fields=tuple(self.validation.ignore_fields)
+        )
         calibration = self.calibration.data
         if calibration is not None and zoo_dir is not None and not Path(calibration).is_absolute():
             calibration = str(Path(zoo_dir) / calibration)
