@@ -102,8 +102,9 @@ def test_hf_identity_hashes_files_without_loading_and_follows_the_weights(hf_dir
 @pytest.mark.parametrize(
     ("task", "inputs", "output_shape"),
     [
-        ("feature-extraction", {"input_ids", "attention_mask"}, None),
-        ("sequence-classification", {"input_ids", "attention_mask"}, (3,)),
+        # BERT takes token_type_ids (type_vocab_size 2); DistilBERT's forward has none; GPT-2 has no types.
+        ("feature-extraction", {"input_ids", "attention_mask", "token_type_ids"}, None),
+        ("sequence-classification", {"input_ids", "attention_mask", "token_type_ids"}, (3,)),
         ("token-classification", {"input_ids", "attention_mask"}, (5,)),
         ("image-classification", {"pixel_values"}, (4,)),
         ("causal-lm", {"input_ids", "attention_mask"}, (96,)),
@@ -126,6 +127,17 @@ def test_hf_folder_loads_and_exports_with_ranges_from_config_and_task(
         assert (ids.min_shape, ids.max_shape) == ((1, 1), (8, max_seq))
         assert ids.value_range == (0.0, 95.0)
         x = {"input_ids": torch.randint(0, 96, (3, 7)), "attention_mask": torch.ones(3, 7, dtype=torch.int64)}
+        if (
+            "token_type_ids" in specs
+        ):  # the tokenizer's segments: the same ranges, values 0..type_vocab_size-1
+            types = specs["token_type_ids"]
+            assert types.dtype == "int64" and types.dynamic_dims == ids.dynamic_dims
+            assert (types.min_shape, types.max_shape, types.value_range) == (
+                ids.min_shape,
+                ids.max_shape,
+                (0, 1),
+            )
+            x["token_type_ids"] = (torch.arange(7) >= 4).long().expand(3, 7)  # a sentence pair
     else:
         pixels = specs["pixel_values"]
         assert pixels.dtype == "float32" and (pixels.min_shape, pixels.max_shape) == (
@@ -151,6 +163,47 @@ def test_inputs_override_the_hf_ranges_and_the_example_moves_inside_them(hf_dir:
     program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
     ids = next(s for s in compiler.input_specs(program) if s.name == "input_ids")
     assert (ids.min_shape, ids.opt_shape, ids.max_shape) == ((2, 24), (2, 24), (2, 32))
+
+
+def test_an_entry_drops_or_narrows_an_input_the_model_would_take(hf_dir: Path) -> None:
+    folder = _tiny_hf("feature-extraction", hf_dir / "drop")
+    seq = {"axis": 1, "name": "seq", "min": 4, "max": 24}
+    batch = {"axis": 0, "name": "batch", "min": 1, "max": 4}
+    inputs = {"token_type_ids": {"drop": True}, "input_ids": {"dims": [batch, seq]}}
+    request = _entry(f"hf:{folder}", task="feature-extraction", inputs=inputs).requests()[0]
+    case = request.load_case()
+    assert set(case.kwargs) == {"input_ids", "attention_mask"}
+    program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+    specs = {s.name: s for s in compiler.input_specs(program)}
+    # The mask, not listed, has input_ids' narrowed ranges: one tokenizer call gives both.
+    assert list(specs) == ["input_ids", "attention_mask"]
+    assert specs["input_ids"].max_shape == specs["attention_mask"].max_shape == (4, 24)
+    # A dropped input is another compile than a static one (``dims: []``).
+    static = _entry(f"hf:{folder}", task="feature-extraction", inputs={"token_type_ids": {"dims": []}})
+    assert static.requests()[0].cache_identity() != request.cache_identity()
+
+    # What cannot be dropped is named: the main input, a parameter without a default, a typo.
+    with pytest.raises(ZooConfigError, match=r"models\[m\]\.inputs\.input_ids\.drop: .*main input"):
+        _entry(f"hf:{folder}", task="feature-extraction", inputs={"input_ids": {"drop": True}}).requests()[
+            0
+        ].load_case()
+    with pytest.raises(ZooConfigError, match=r"inputs\.token_types: the model has no input 'token_types'"):
+        _entry(f"hf:{folder}", task="feature-extraction", inputs={"token_types": {"drop": True}}).requests()[
+            0
+        ].load_case()
+    both = parse_zoo(
+        {
+            "models": [
+                {
+                    "name": "b",
+                    "source": f"hf:{folder}",
+                    "task": "feature-extraction",
+                    "inputs": {"token_type_ids": {"drop": True, "dims": [seq]}},
+                }
+            ]
+        }
+    )
+    assert "drop: true takes no dims" in both.invalid[0].error
 
 
 def test_an_offline_hub_id_resolves_from_the_local_cache(hf_dir: Path, tmp_path: Path, monkeypatch) -> None:
@@ -435,6 +488,14 @@ def test_pt2_round_trip_keeps_the_ranges(pt2_files: dict, which: str) -> None:
     module = program.module()
     out = module(ids=ids, mask=mask) if case.kwargs else module(ids, mask)
     torch.testing.assert_close(out, pt2_files["model"](ids, mask))
+    # A program's inputs are all required: dropping one is refused by name, before any export.
+    dropped = ZooEntry.model_validate(
+        {"name": "t", "source": f"pt2:{path.name}", "inputs": {"mask": {"drop": True}}}
+    )
+    with pytest.raises(
+        ZooConfigError, match=r"models\[t\]\.inputs\.mask\.drop: .*'mask'.* cannot be dropped"
+    ):
+        dropped.requests(zoo_dir=str(pt2_files["dir"]))[0].load_case()
 
 
 def test_truncated_corrupt_or_unsafe_pt2_is_refused(pt2_files: dict, tmp_path: Path) -> None:

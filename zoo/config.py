@@ -84,15 +84,20 @@ class DimRange(_Strict):
 
 
 class InputOverride(_Strict):
-    """Replaces the factory's dynamic dims for one input. ``dims: []`` makes the input static."""
+    """Replaces the source's dynamic dims for one input. ``dims: []`` makes the input static;
+    ``drop: true`` leaves out an optional input the source would pass (``token_type_ids`` of an
+    ``hf:`` model: the compiled model then answers as with every token in segment A)."""
 
     dims: list[DimRange] = Field(default_factory=list)
+    drop: bool = Field(default=False, description="compile without this (optional) input")
 
     @model_validator(mode="after")
     def _unique_axes(self) -> InputOverride:
         axes = [d.axis for d in self.dims]
         if len(axes) != len(set(axes)):
             raise ValueError(f"axes {axes} repeat; give each axis at most once")
+        if self.drop and self.dims:
+            raise ValueError("drop: true takes no dims (a dropped input has no ranges); remove one of them")
         return self
 
 

@@ -111,7 +111,10 @@ class CompileRequest:
             "options": self.options.to_dict(),
             "tolerances": self.tolerances.to_dict(),
             "inputs": {
-                name: [{"axis": d.axis, "name": d.name, "min": d.min, "max": d.max} for d in o.dims]
+                # A dropped input differs from a static one (``dims: []``): another graph.
+                name: {"drop": True}
+                if getattr(o, "drop", False)
+                else [{"axis": d.axis, "name": d.name, "min": d.min, "max": d.max} for d in o.dims]
                 for name, o in sorted(self.inputs.items())
             },
             "validation": _validation_dict(self.validation),

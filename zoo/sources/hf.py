@@ -16,10 +16,12 @@ tokenizers or ``*.bin``); with ``HF_HUB_OFFLINE=1`` only the cache is used, and 
 :class:`ZooConfigError` naming the source. A source object resolves its hub id once and loads that
 commit, so a branch that moves mid-compile cannot swap the model under its key.
 
-Inputs from the config and the task: text models take ``input_ids`` (and ``attention_mask`` where the
-model does), int64, batch 1..8 and sequence 1..min(512, max_position_embeddings); vision models take
-float32 ``pixel_values`` at the config's ``image_size`` (224 where the config has none), batch 1..8.
-The entry's ``inputs:`` override these ranges as for every source.
+Inputs from the config and the task: text models take what a tokenizer gives that their ``forward``
+takes and their config uses (``input_ids``; ``attention_mask``; ``token_type_ids`` where
+``type_vocab_size > 1``, its example a sentence pair spanning the segment ids), int64, batch 1..8 and
+sequence 1..min(512, max_position_embeddings); vision models take float32 ``pixel_values`` at the
+config's ``image_size`` (224 where the config has none), batch 1..8. The entry's ``inputs:`` override
+these ranges, or drop an optional input, as for every source (``zoo.inputs``).
 """
 
 from __future__ import annotations
@@ -327,20 +329,38 @@ class HfSource:
         max_seq = min(MAX_SEQ, int(positions)) if positions else MAX_SEQ
         if self.task == "causal-lm":
             model = LogitsOnly(model).eval()
-        takes_mask = "attention_mask" in inspect.signature(model.forward).parameters
-        names = ["input_ids", "attention_mask"] if takes_mask else ["input_ids"]
+        if getattr(self.inputs.get("input_ids"), "drop", False):
+            raise ZooConfigError(
+                "inputs.input_ids.drop: input_ids is the model's main input (the token ids); it cannot be "
+                "dropped; remove drop"
+            )
+        names = _tokenizer_inputs(model)
         # seq min 1: torch.export accepts it for these models (a one-token request is real traffic).
         batch, seq = Dim("batch", min=1, max=MAX_BATCH), Dim("seq", min=1, max=max_seq)
         default = [EXAMPLE_BATCH, example_size(EXAMPLE_SEQ, 1, max_seq)]
-        b, s = fit_example_shape(default, override_dims(self.inputs, "input_ids"))
+        ids_dims = override_dims(self.inputs, "input_ids")
+        b, s = fit_example_shape(default, ids_dims)
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (b, s), generator=generator)
         # The example's values set the range validation draws token ids from: the whole vocabulary.
         ids.view(-1)[0], ids.view(-1)[-1] = 0, vocab - 1
         kwargs: dict[str, Any] = {"input_ids": ids}
-        if takes_mask:
+        if "attention_mask" in names:
             kwargs["attention_mask"] = torch.ones_like(ids)
-        shapes = {name: {0: batch, 1: seq} for name in names}
+        if "token_type_ids" in names:
+            # A sentence pair (segment A, then B, ...): its values span 0..type_vocab_size-1, the range
+            # validation draws segment ids from.
+            types = _type_vocab_size(model)
+            kwargs["token_type_ids"] = (torch.arange(s) * types // s).expand(b, s).clone()
+            kwargs["token_type_ids"].view(-1)[-1] = types - 1
+        shapes: dict[str, Any] = {name: {0: batch, 1: seq} for name in names}
+        if ids_dims is not None:
+            # One tokenizer call gives them all, of input_ids' shape: an input the entry does not list
+            # takes input_ids' listed dims (an entry written before token_type_ids was an input keeps
+            # compiling).
+            for name in names:
+                if name not in self.inputs:
+                    shapes[name] = {d.axis: Dim(d.name, min=d.min, max=d.max) for d in ids_dims} or None
         return LoadedCase(model, (), kwargs, shapes)
 
     def _vision_case(self, model: torch.nn.Module, config: Mapping[str, Any]) -> LoadedCase:
@@ -353,6 +373,23 @@ class HfSource:
         return LoadedCase(
             model, (), {"pixel_values": pixels}, {"pixel_values": {0: Dim("batch", min=1, max=MAX_BATCH)}}
         )
+
+
+def _type_vocab_size(model: torch.nn.Module) -> int:
+    return int(getattr(getattr(model, "config", None), "type_vocab_size", 0) or 0)
+
+
+def _tokenizer_inputs(model: torch.nn.Module) -> list[str]:
+    """What a tokenizer gives that this model's ``forward`` takes and its config uses, in the tokenizer's
+    order: ``input_ids``; ``attention_mask``; ``token_type_ids`` where there are several segment types
+    (BERT-style sentence pairs; a RoBERTa's single type, or a GPT-2's none, is only ever 0)."""
+    parameters = inspect.signature(model.forward).parameters
+    names = ["input_ids"]
+    if "attention_mask" in parameters:
+        names.append("attention_mask")
+    if "token_type_ids" in parameters and _type_vocab_size(model) > 1:
+        names.append("token_type_ids")
+    return names
 
 
 def _attention_settings(config: Mapping[str, Any], where: str) -> list[tuple[str, Any]]:
