@@ -54,12 +54,15 @@ class Calibration:
     scales and are refused unless ``allow_random``. ``samples``: how many (the first N); fewer is a
     warning naming the count. ``method``: ONNX Runtime's calibrator (``minmax``, ``entropy``,
     ``percentile``). The samples used are never validated on (``compiler.quantize.held_out``).
+    ``ignore_fields``: recorded fields to leave out, which no model input takes (``token_type_ids``
+    from a tokenizer, for a model without them): any other field is an error naming this list.
     """
 
     data: str | None = None
     samples: int = 16
     method: str = "minmax"
     allow_random: bool = False
+    ignore_fields: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in CALIBRATION_METHODS:
@@ -70,9 +73,19 @@ class Calibration:
             raise PartitionError(f"calibration.samples must be an integer >= 1, got {self.samples!r}")
         if self.data is not None:
             object.__setattr__(self, "data", str(self.data))
+        if isinstance(self.ignore_fields, str) or not all(isinstance(f, str) for f in self.ignore_fields):
+            raise PartitionError(
+                f"calibration.ignore_fields must be a list of field names, got {self.ignore_fields!r}"
+            )
+        object.__setattr__(self, "ignore_fields", tuple(self.ignore_fields))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if not self.ignore_fields:  # unset: the same dict (and so the same keys) as before the field
+            del data["ignore_fields"]
+        else:
+            data["ignore_fields"] = list(self.ignore_fields)
+        return data
 
 
 @dataclass(frozen=True)

@@ -193,7 +193,14 @@ def calibration_samples(
         dataset = random_data(plan.specs, calibration.samples, seed)
     else:
         try:
-            dataset = validation_data(plan.specs, source, samples=calibration.samples, seed=seed)
+            dataset = validation_data(
+                plan.specs,
+                source,
+                samples=calibration.samples,
+                seed=seed,
+                ignore_fields=calibration.ignore_fields,
+                ignore_option="calibration.ignore_fields",
+            )
         except ValidationDataError as exc:
             raise CalibrationError(f"calibration.data: {exc}") from exc
     chosen = dataset.samples[: calibration.samples]

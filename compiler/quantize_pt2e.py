@@ -33,6 +33,7 @@ from compiler.errors import QuantizationError
 from compiler.export import quiet_trace
 from compiler.lower import export_partition
 from compiler.partition import PartitionPlan
+from compiler.torchao_guard import import_torchao
 
 # aten ops the x86 quantizer finds by their source (``get_source_partitions``), and the functional
 # they come from. A partition's program is traced from a GraphModule, so its nodes record no
@@ -48,7 +49,7 @@ _SOURCES = {
 def pt2e_available() -> str | None:
     """None where torchao's PT2E quantizer imports here; else why not (the install hint)."""
     try:
-        import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
+        import_torchao("torchao.quantization.pt2e.quantize_pt2e")
     except ImportError as exc:
         return f"torchao is not installed ({exc}); pip install 'kiln[int8-inductor]'"
     return None

@@ -6,7 +6,11 @@ is stored as ``[samples, batch, seq]``. Every array must have the spec's dtype a
 same number of samples; floating arrays hold no NaN. One array holds one shape, so samples of other
 shapes (another sequence length) go in groups: fields named ``<group>/<input>`` (``seq128/input_ids``),
 each group complete and checked on its own. What is wrong is a :class:`ValidationDataError` naming
-the file and the field, before any model runs.
+the file and the field, before any model runs. A field that names no model input (``token_type_ids``
+recorded from a tokenizer, for a model compiled without it) is such an error, never skipped silently:
+the caller lists the fields to leave out in ``ignore_fields`` (a zoo entry's
+``validation.ignore_fields`` / ``calibration.ignore_fields``), which must each be in the data and be
+no model input.
 
 A group whose shapes fall outside the compiled ranges is skipped and reported, never clipped: a
 clipped sample is not the input the user recorded. The data's identity (path and sha256 of its bytes)
@@ -100,10 +104,15 @@ def validation_data(
     *,
     samples: int = 3,
     seed: int = 0,
+    ignore_fields: Sequence[str] = (),
+    ignore_option: str = "ignore_fields",
 ) -> ValidationData:
     """The inputs to validate on: ``data`` (a file, a mapping of arrays, or ready ValidationData) when
     given, else ``samples`` random sets. Recorded samples outside the ranges are skipped; when none
-    is left, that is an error (nothing would be validated)."""
+    is left, that is an error (nothing would be validated).
+
+    ``ignore_fields``: recorded fields (input names, in every group) to leave out; ``ignore_option``:
+    how the caller's users spell that list, for the error that names a field no input takes."""
     if data is None:
         return random_data(specs, samples, seed)
     if isinstance(data, ValidationData):
@@ -117,7 +126,8 @@ def validation_data(
         label = str(path)
         arrays = read_arrays(path)
         digest = _file_digest(path)
-    result = _samples(arrays, specs, label, f"{label} sha256:{digest}")
+    arrays = _without(arrays, specs, label, tuple(ignore_fields), ignore_option)
+    result = _samples(arrays, specs, label, f"{label} sha256:{digest}", ignore_option)
     if not result.samples:
         raise ValidationDataError(
             f"{label}: none of its samples lies inside the compiled input ranges, nothing to validate on: "
@@ -173,8 +183,35 @@ def _as_tensor(value: object, label: str, name: str) -> torch.Tensor:
     raise ValidationDataError(f"{label}: field {name!r} is a {type(value).__name__}; expected an array")
 
 
+def _without(
+    arrays: Mapping[str, torch.Tensor], specs: Sequence[InputSpec], label: str, ignore: tuple, option: str
+) -> dict[str, torch.Tensor]:
+    """``arrays`` less the fields ``ignore`` names (by input name, in every group); a list naming a
+    field the data lacks or a model input is refused, so it cannot hide a typo or drop an input."""
+    if not ignore:
+        return dict(arrays)
+    held = {key.rpartition("/")[2] for key in arrays}
+    absent = [name for name in dict.fromkeys(ignore) if name not in held]
+    if absent:
+        raise ValidationDataError(
+            f"{label}: {option} lists {absent}, which the data does not hold (its fields are "
+            f"{sorted(held)}); remove them from {option}"
+        )
+    needed = [name for name in dict.fromkeys(ignore) if name in {s.name for s in specs}]
+    if needed:
+        raise ValidationDataError(
+            f"{label}: {option} lists model input(s) {needed}; the model takes them, so the data must give "
+            f"them: remove them from {option}"
+        )
+    return {key: array for key, array in arrays.items() if key.rpartition("/")[2] not in ignore}
+
+
 def _samples(
-    arrays: Mapping[str, torch.Tensor], specs: Sequence[InputSpec], label: str, source: str
+    arrays: Mapping[str, torch.Tensor],
+    specs: Sequence[InputSpec],
+    label: str,
+    source: str,
+    ignore_option: str = "ignore_fields",
 ) -> ValidationData:
     groups: dict[str, dict[str, torch.Tensor]] = {}
     for key, array in arrays.items():
@@ -183,7 +220,7 @@ def _samples(
     kept: list[tuple[torch.Tensor, ...]] = []
     skipped: list[str] = []
     for group, fields in sorted(groups.items()):
-        count = _check_group(fields, specs, label, group)
+        count = _check_group(fields, specs, label, group, ignore_option)
         samples = [tuple(fields[s.name][i] for s in specs) for i in range(count)]
         # One array per input: every sample of a group has one shape, so the first speaks for all.
         try:
@@ -197,14 +234,21 @@ def _samples(
 
 
 def _check_group(
-    fields: Mapping[str, torch.Tensor], specs: Sequence[InputSpec], label: str, group: str
+    fields: Mapping[str, torch.Tensor],
+    specs: Sequence[InputSpec],
+    label: str,
+    group: str,
+    ignore_option: str = "ignore_fields",
 ) -> int:
     """The group's sample count, after checking its fields against the specs."""
     names = [s.name for s in specs]
     prefix = f"{group}/" if group else ""
-    unknown = sorted(f"{prefix}{n}" for n in set(fields) - set(names))
-    if unknown:
-        raise ValidationDataError(f"{label}: field(s) {unknown} name no model input; the inputs are {names}")
+    extra = sorted(set(fields) - set(names))
+    if extra:
+        raise ValidationDataError(
+            f"{label}: field(s) {[f'{prefix}{n}' for n in extra]} name no model input; the inputs are "
+            f"{names}. Leave them out of the data, or list them in {ignore_option}: {extra}"
+        )
     missing = [f"{prefix}{n}" for n in names if n not in fields]
     if missing:
         raise ValidationDataError(f"{label}: no field for model input(s) {missing}; the inputs are {names}")

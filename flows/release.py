@@ -113,9 +113,12 @@ def release(
     )
     # Candidate and champion are measured against the original on the same data (the entry's
     # recorded inputs, when it has them); only the candidate's numbers gate the release.
-    data = request.validation.data
+    # Read for each version's own specs: the entry's validation.ignore_fields applies to both.
+    plan = request.validation
+    data = plan.dataset(candidate.input_specs)
     accuracy = accuracy_gate(original, candidate, tolerances, samples=samples, data=data)
     if champion is not None:
+        data = plan.dataset(champion.input_specs)
         accuracy["champion"] = accuracy_gate(original, champion, tolerances, samples=samples, data=data)
     latency = latency_gate(candidate, champion, max_latency_ratio, runs=runs)
     reasons = []

@@ -118,10 +118,11 @@ def accuracy_gate(
     tolerances: Tolerances,
     samples: int = 3,
     seed: int = 0,
-    data: str | None = None,
+    data: str | compiler.ValidationData | None = None,
 ) -> dict:
-    """A compiled version vs the original model: on ``data`` (the entry's recorded inputs) when given,
-    else on fresh inputs inside the spec ranges (min, max, random)."""
+    """A compiled version vs the original model: on ``data`` (the entry's recorded inputs, a file or
+    read for this version's specs: ``ValidationPlan.dataset``) when given, else on fresh inputs inside
+    the spec ranges (min, max, random)."""
     result = compiler.validate(original, candidate, samples=samples, warmup=1, runs=3, seed=seed, data=data)
     failures = [f for f in result.failures(tolerances) if not f.startswith("latency")]
     report = result.to_dict()

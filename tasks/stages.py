@@ -387,7 +387,7 @@ def validate_package(
                 case.model,
                 compiled,
                 request.tolerances,
-                data=plan.data,
+                data=plan.dataset(compiled.input_specs),  # recorded (less validation.ignore_fields), or None
                 samples=plan.samples,
                 warmup=plan.warmup,
                 runs=plan.runs,

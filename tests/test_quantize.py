@@ -218,7 +218,11 @@ def plan():
 @pytest.mark.parametrize(
     ("arrays", "match"),
     [
-        ({"y": torch.randn(4, 4, 8)}, r"calibration\.data: .*field\(s\) \['y'\] name no model input"),
+        (
+            {"x": torch.randn(4, 4, 8), "y": torch.randn(4, 4, 8)},
+            r"calibration\.data: .*field\(s\) \['y'\] name no model input.* "
+            r"calibration\.ignore_fields: \['y'\]",
+        ),
         (
             {"x": torch.randn(4, 4, 8).double()},
             r"calibration\.data: .*'x' has dtype float64; the model input is float32",

@@ -102,8 +102,9 @@ def test_hf_identity_hashes_files_without_loading_and_follows_the_weights(hf_dir
 @pytest.mark.parametrize(
     ("task", "inputs", "output_shape"),
     [
-        ("feature-extraction", {"input_ids", "attention_mask"}, None),
-        ("sequence-classification", {"input_ids", "attention_mask"}, (3,)),
+        # BERT takes token_type_ids (type_vocab_size 2); DistilBERT's forward has none; GPT-2 has no types.
+        ("feature-extraction", {"input_ids", "attention_mask", "token_type_ids"}, None),
+        ("sequence-classification", {"input_ids", "attention_mask", "token_type_ids"}, (3,)),
         ("token-classification", {"input_ids", "attention_mask"}, (5,)),
         ("image-classification", {"pixel_values"}, (4,)),
         ("causal-lm", {"input_ids", "attention_mask"}, (96,)),
@@ -126,6 +127,17 @@ def test_hf_folder_loads_and_exports_with_ranges_from_config_and_task(
         assert (ids.min_shape, ids.max_shape) == ((1, 1), (8, max_seq))
         assert ids.value_range == (0.0, 95.0)
         x = {"input_ids": torch.randint(0, 96, (3, 7)), "attention_mask": torch.ones(3, 7, dtype=torch.int64)}
+        if (
+            "token_type_ids" in specs
+        ):  # the tokenizer's segments: the same ranges, values 0..type_vocab_size-1
+            types = specs["token_type_ids"]
+            assert types.dtype == "int64" and types.dynamic_dims == ids.dynamic_dims
+            assert (types.min_shape, types.max_shape, types.value_range) == (
+                ids.min_shape,
+                ids.max_shape,
+                (0, 1),
+            )
+            x["token_type_ids"] = (torch.arange(7) >= 4).long().expand(3, 7)  # a sentence pair
     else:
         pixels = specs["pixel_values"]
         assert pixels.dtype == "float32" and (pixels.min_shape, pixels.max_shape) == (
@@ -151,6 +163,47 @@ def test_inputs_override_the_hf_ranges_and_the_example_moves_inside_them(hf_dir:
     program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
     ids = next(s for s in compiler.input_specs(program) if s.name == "input_ids")
     assert (ids.min_shape, ids.opt_shape, ids.max_shape) == ((2, 24), (2, 24), (2, 32))
+
+
+def test_an_entry_drops_or_narrows_an_input_the_model_would_take(hf_dir: Path) -> None:
+    folder = _tiny_hf("feature-extraction", hf_dir / "drop")
+    seq = {"axis": 1, "name": "seq", "min": 4, "max": 24}
+    batch = {"axis": 0, "name": "batch", "min": 1, "max": 4}
+    inputs = {"token_type_ids": {"drop": True}, "input_ids": {"dims": [batch, seq]}}
+    request = _entry(f"hf:{folder}", task="feature-extraction", inputs=inputs).requests()[0]
+    case = request.load_case()
+    assert set(case.kwargs) == {"input_ids", "attention_mask"}
+    program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+    specs = {s.name: s for s in compiler.input_specs(program)}
+    # The mask, not listed, has input_ids' narrowed ranges: one tokenizer call gives both.
+    assert list(specs) == ["input_ids", "attention_mask"]
+    assert specs["input_ids"].max_shape == specs["attention_mask"].max_shape == (4, 24)
+    # A dropped input is another compile than a static one (``dims: []``).
+    static = _entry(f"hf:{folder}", task="feature-extraction", inputs={"token_type_ids": {"dims": []}})
+    assert static.requests()[0].cache_identity() != request.cache_identity()
+
+    # What cannot be dropped is named: the main input, a parameter without a default, a typo.
+    with pytest.raises(ZooConfigError, match=r"models\[m\]\.inputs\.input_ids\.drop: .*main input"):
+        _entry(f"hf:{folder}", task="feature-extraction", inputs={"input_ids": {"drop": True}}).requests()[
+            0
+        ].load_case()
+    with pytest.raises(ZooConfigError, match=r"inputs\.token_types: the model has no input 'token_types'"):
+        _entry(f"hf:{folder}", task="feature-extraction", inputs={"token_types": {"drop": True}}).requests()[
+            0
+        ].load_case()
+    both = parse_zoo(
+        {
+            "models": [
+                {
+                    "name": "b",
+                    "source": f"hf:{folder}",
+                    "task": "feature-extraction",
+                    "inputs": {"token_type_ids": {"drop": True, "dims": [seq]}},
+                }
+            ]
+        }
+    )
+    assert "drop: true takes no dims" in both.invalid[0].error
 
 
 def test_an_offline_hub_id_resolves_from_the_local_cache(hf_dir: Path, tmp_path: Path, monkeypatch) -> None:
@@ -246,6 +299,95 @@ def test_remote_code_needs_trust_remote_code(tmp_path: Path) -> None:
     (folder / "modeling_custom.py").write_text("# changed\n")
     assert trusted.identity().digest != before
     assert not marker.exists()
+
+
+def test_remote_code_identity_covers_every_python_file_below_the_folder(tmp_path: Path) -> None:
+    """Issue 31 N23: code in a subfolder (or imported by a dotted relative name) changed, and the identity
+    said "nothing changed", so a stale package answered for a model that no longer existed."""
+    folder = _tiny_hf("feature-extraction", tmp_path / "nested")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="kiln_nested", auto_map={"AutoModel": "modeling_top.TopModel"})
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_top.py").write_text("from .sub.modeling_x import Layer\n")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "modeling_x.py").write_text("SCALE = 1.0\n")
+    (folder / "sub" / "deeper").mkdir()
+    (folder / "sub" / "deeper" / "helpers.py").write_text("EPS = 1e-5\n")
+    source = source_for(f"hf:{folder}", task="feature-extraction", trust_remote_code=True)
+    before = source.identity().digest
+    (folder / "sub" / "modeling_x.py").write_text("SCALE = 3.0\n")
+    after = source.identity().digest
+    assert after != before
+    (folder / "sub" / "deeper" / "helpers.py").write_text("EPS = 1e-6\n")
+    assert source.identity().digest != after
+    # A file's place is part of what it is: the same bytes moved to another module path is other code.
+    moved = source.identity().digest
+    (folder / "sub" / "deeper" / "helpers.py").rename(folder / "sub" / "helpers.py")
+    assert source.identity().digest != moved
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [
+        ("config", "kernels-community/flash-attn"),
+        ("config", {"": "sdpa", "text_config": "kernels-community/flash-attn"}),
+        ("entry", "kernels-community/flash-attn@v2:flash_attn"),
+        ("entry", "my_custom_attention"),
+    ],
+)
+def test_attention_implementations_that_load_hub_kernels_are_refused_before_loading(
+    hf_dir: Path, tmp_path: Path, monkeypatch, where: str, value
+) -> None:
+    """transformers fetches a kernel from the hub (and runs it) for an attn_implementation that names a
+    hub repository: kiln compiles offline from the files the entry names, so it is refused in preflight."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = _tiny_hf("feature-extraction", tmp_path / "kernel")
+    entry = {"name": "k", "source": f"hf:{folder}", "task": "feature-extraction"}
+    if where == "config":
+        config = json.loads((folder / "config.json").read_text())
+        config["attn_implementation"] = value
+        (folder / "config.json").write_text(json.dumps(config))
+        message = _preflight_error(entry)
+        assert message.startswith("models[k].source:") and "config.json" in message
+    else:
+        zoo = parse_zoo({"models": [{**entry, "attn_implementation": value}]})
+        assert zoo.invalid, "the schema accepted a hub kernel"
+        message = zoo.invalid[0].error
+        assert "attn_implementation" in message
+    assert "hub" in message and "sdpa" in message and "eager" in message, message
+
+
+def test_flash_attention_that_transformers_would_fetch_from_the_hub_is_refused(
+    hf_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Without flash-attn installed (or usable: no CUDA here), transformers serves flash_attention_2 with
+    a hub kernel wherever the ``kernels`` package is installed; without ``kernels`` it cannot fetch."""
+    folder = _tiny_hf("feature-extraction", hf_dir / "flash")
+    entry = {"name": "f", "source": f"hf:{folder}", "task": "feature-extraction"}
+    zoo = parse_zoo({"models": [{**entry, "attn_implementation": "flash_attention_2"}]})
+    preflight(zoo.requests(zoo.entries[0])[0])  # no kernels package: nothing would be fetched
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")  # the package transformers fetches hub kernels with
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ZooConfigError) as exc:
+        preflight(zoo.requests(zoo.entries[0])[0])
+    assert _error(exc).startswith("models[f].attn_implementation: attn_implementation 'flash_attention_2'")
+    assert "from the Hugging Face hub" in _error(exc) and "sdpa or eager" in _error(exc)
+
+
+def test_built_in_attention_implementations_compile_and_are_part_of_the_identity(hf_dir: Path) -> None:
+    folder = _tiny_hf("feature-extraction", hf_dir / "attn")
+    entry = {"name": "a", "source": f"hf:{folder}", "task": "feature-extraction"}
+    digests = set()
+    for value in (None, "eager", "sdpa"):
+        request = parse_zoo({"models": [{**entry, "attn_implementation": value}]}).entries[0].requests()[0]
+        preflight(request)
+        digests.add(request.identity().digest)
+    assert len(digests) == 3
+    case = _entry(f"hf:{folder}", task="feature-extraction", attn_implementation="eager").requests()[0]
+    assert case.load_case().model.config._attn_implementation == "eager"
+    wrong = parse_zoo({"models": [{"name": "p", "source": "pt2:x.pt2", "attn_implementation": "eager"}]})
+    assert "attn_implementation: applies to hf: sources only" in wrong.invalid[0].error
 
 
 def test_offline_hub_id_not_in_the_cache_is_named(tmp_path: Path, monkeypatch) -> None:
@@ -346,6 +488,14 @@ def test_pt2_round_trip_keeps_the_ranges(pt2_files: dict, which: str) -> None:
     module = program.module()
     out = module(ids=ids, mask=mask) if case.kwargs else module(ids, mask)
     torch.testing.assert_close(out, pt2_files["model"](ids, mask))
+    # A program's inputs are all required: dropping one is refused by name, before any export.
+    dropped = ZooEntry.model_validate(
+        {"name": "t", "source": f"pt2:{path.name}", "inputs": {"mask": {"drop": True}}}
+    )
+    with pytest.raises(
+        ZooConfigError, match=r"models\[t\]\.inputs\.mask\.drop: .*'mask'.* cannot be dropped"
+    ):
+        dropped.requests(zoo_dir=str(pt2_files["dir"]))[0].load_case()
 
 
 def test_truncated_corrupt_or_unsafe_pt2_is_refused(pt2_files: dict, tmp_path: Path) -> None:

@@ -106,3 +106,23 @@ def test_source_identities_name_the_torch_version_torch_reports():
     from zoo.sources.base import torch_version
 
     assert torch_version() == torch.__version__
+
+
+def test_loading_a_transformers_model_leaves_torchao_to_the_recipes_that_need_it():
+    """transformers' modeling code imports torchao wherever it is installed (its quantizers), which logs
+    warnings on every run (issue 32): loading a model for kiln must not, and the Inductor int8 recipe
+    must still import it afterwards in the same process."""
+    out = _fresh(
+        """
+        import sys
+        from zoo.config import ZooEntry
+
+        kwargs = {"num_layers": 1, "hidden": 32}
+        entry = {"name": "b", "factory": "zoo.models:tiny_bert", "factory_kwargs": kwargs}
+        ZooEntry.model_validate(entry).requests()[0].load_case()
+        print("transformers.modeling_utils" in sys.modules, "torchao" in sys.modules)
+        from compiler.quantize_pt2e import pt2e_available
+        print(pt2e_available(), "torchao" in sys.modules)
+        """
+    )
+    assert out.split() == ["True", "False", "None", "True"]

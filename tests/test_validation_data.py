@@ -184,3 +184,27 @@ def test_special_files_are_refused_never_read(tmp_path):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_fields_the_model_does_not_take_are_named_with_the_option_that_leaves_them_out():
+    """A BERT tokenizer's output recorded for a model compiled without token_type_ids: refused, never
+    silently ignored; listed in ``ignore_fields``, those fields are left out (every group's)."""
+    arrays = {**_arrays(), "token_type_ids": torch.zeros(3, 2, 8, dtype=torch.int64)}
+    with pytest.raises(
+        ValidationDataError,
+        match=r"field\(s\) \['token_type_ids'\] name no model input; .* or list them in "
+        r"validation\.ignore_fields: \['token_type_ids'\]",
+    ):
+        validation_data(SPECS, arrays, ignore_option="validation.ignore_fields")
+    kept = validation_data(SPECS, arrays, ignore_fields=["token_type_ids"])
+    assert len(kept) == 3 and torch.equal(kept.samples[0][0], arrays["input_ids"][0])
+    grouped = {f"{group}/{k}": v for group in ("a", "b") for k, v in arrays.items()}
+    assert len(validation_data(SPECS, grouped, ignore_fields=["token_type_ids"])) == 6
+
+    # An ignore list must mean something: a field the data lacks, or one the model needs, is named.
+    with pytest.raises(
+        ValidationDataError, match=r"ignore_fields lists \['typo'\], which the data does not hold"
+    ):
+        validation_data(SPECS, arrays, ignore_fields=["token_type_ids", "typo"])
+    with pytest.raises(ValidationDataError, match=r"ignore_fields lists model input\(s\) \['mask'\]"):
+        validation_data(SPECS, arrays, ignore_fields=["token_type_ids", "mask"])

@@ -338,3 +338,51 @@ def test_recorded_validation_data_is_part_of_the_compile_key(tmp_path: Path) -> 
     before = compile_key(request)
     np.savez(data, x=np.ones((2, 3, 64), "float32"))  # edited in place: validate again
     assert compile_key(request) != before
+
+
+def test_recorded_fields_the_model_does_not_take_are_refused_naming_the_zoo_option(tmp_path: Path) -> None:
+    """Recorded as a BERT tokenizer writes them, for a model that takes no token_type_ids (dropped, or
+    an architecture without them): the entry's ``validation.ignore_fields`` / ``calibration.ignore_fields``
+    leaves the field out; without it the error names the field and that option."""
+    import numpy as np
+
+    from compiler.errors import ValidationDataError
+    from compiler.specs import InputSpec
+
+    ids = np.random.randint(0, 50, (3, 2, 8))
+    np.savez(tmp_path / "rec.npz", input_ids=ids, attention_mask=np.ones_like(ids), token_type_ids=0 * ids)
+    dims = {0: "batch", 1: "seq"}
+    specs = tuple(
+        InputSpec(n, "int64", (1, 1), (2, 8), (8, 32), dims, (0, 49)) for n in ("input_ids", "attention_mask")
+    )
+    entry = {"name": "m", "factory": "zoo.models:tiny_bert", "validation": {"data": "rec.npz"}}
+    plan = ZooEntry.model_validate(entry).requests(zoo_dir=str(tmp_path))[0].validation
+    with pytest.raises(ValidationDataError) as exc:
+        plan.dataset(specs)
+    message = str(exc.value)
+    assert message.startswith(f"validation.data: {tmp_path / 'rec.npz'}: field(s) ['token_type_ids']")
+    assert message.endswith("or list them in validation.ignore_fields: ['token_type_ids']")
+
+    entry["validation"]["ignore_fields"] = ["token_type_ids"]
+    ignoring = ZooEntry.model_validate(entry).requests(zoo_dir=str(tmp_path))[0]
+    assert len(ignoring.validation.dataset(specs)) == 3
+    assert (
+        ignoring.cache_identity()
+        != ZooEntry.model_validate({**entry, "validation": {"data": "rec.npz"}})
+        .requests(zoo_dir=str(tmp_path))[0]
+        .cache_identity()
+    )
+    calibrated = {
+        **entry,
+        "precision": "int8",
+        "calibration": {"data": "rec.npz", "ignore_fields": ["token_type_ids"]},
+    }
+    options = ZooEntry.model_validate(calibrated).requests(zoo_dir=str(tmp_path))[0].options
+    assert options.calibration.ignore_fields == ("token_type_ids",)
+    assert CompileOptions.from_dict(options.to_dict()) == options  # travels in packages
+
+    # Without recorded data there is nothing to leave out.
+    zoo = parse_zoo(
+        _zoo({"name": "n", "factory": "zoo.models:tiny_bert", "validation": {"ignore_fields": ["x"]}})
+    )
+    assert "ignore_fields applies to recorded data" in zoo.invalid[0].error

@@ -39,6 +39,7 @@ from zoo.errors import ZooConfigError
 from zoo.request import CompileRequest, ValidationPlan
 from zoo.sources import HF_TASKS, SOURCE_KINDS, source_for, source_kind
 from zoo.sources.factory import DEFAULT_FACTORY_PACKAGES, FACTORY_RE, FactoryPolicy
+from zoo.sources.hf_tasks import attention_problem
 
 __all__ = ["Zoo", "ZooConfigError", "ZooEntry", "ZooSettings", "load_zoo", "parse_zoo"]
 
@@ -83,15 +84,20 @@ class DimRange(_Strict):
 
 
 class InputOverride(_Strict):
-    """Replaces the factory's dynamic dims for one input. ``dims: []`` makes the input static."""
+    """Replaces the source's dynamic dims for one input. ``dims: []`` makes the input static;
+    ``drop: true`` leaves out an optional input the source would pass (``token_type_ids`` of an
+    ``hf:`` model: the compiled model then answers as with every token in segment A)."""
 
     dims: list[DimRange] = Field(default_factory=list)
+    drop: bool = Field(default=False, description="compile without this (optional) input")
 
     @model_validator(mode="after")
     def _unique_axes(self) -> InputOverride:
         axes = [d.axis for d in self.dims]
         if len(axes) != len(set(axes)):
             raise ValueError(f"axes {axes} repeat; give each axis at most once")
+        if self.drop and self.dims:
+            raise ValueError("drop: true takes no dims (a dropped input has no ranges); remove one of them")
         return self
 
 
@@ -106,12 +112,29 @@ class PartitionOptions(_Strict):
     )
 
 
+def _ignored_need_data(data: str | None, ignore_fields: list[str], where: str) -> None:
+    if ignore_fields and data is None:
+        raise ValueError(
+            f"{where}.ignore_fields applies to recorded data (fields of {where}.data to leave out); "
+            f"set {where}.data, or remove ignore_fields"
+        )
+
+
 class EntryValidation(_Strict):
     """What an entry is validated on: recorded inputs (else random inputs inside the ranges)."""
 
     data: str | None = Field(
         default=None, description="a .safetensors or .npz file, one array per input with a sample axis"
     )
+    ignore_fields: list[str] = Field(
+        default_factory=list,
+        description="fields of data that name no model input, to leave out (e.g. token_type_ids)",
+    )
+
+    @model_validator(mode="after")
+    def _ignore_needs_data(self) -> EntryValidation:
+        _ignored_need_data(self.data, self.ignore_fields, "validation")
+        return self
 
 
 class EntryCalibration(_Strict):
@@ -126,6 +149,15 @@ class EntryCalibration(_Strict):
     allow_random: bool = Field(
         default=False, description="calibrate on random inputs when data is unset (meaningless scales)"
     )
+    ignore_fields: list[str] = Field(
+        default_factory=list,
+        description="fields of data that name no model input, to leave out (as validation.ignore_fields)",
+    )
+
+    @model_validator(mode="after")
+    def _ignore_needs_data(self) -> EntryCalibration:
+        _ignored_need_data(self.data, self.ignore_fields, "calibration")
+        return self
 
 
 class ZooEntry(_Strict):
@@ -148,6 +180,10 @@ class ZooEntry(_Strict):
     revision: str | None = Field(default=None, description="hf: hub ids: a branch, tag or commit")
     trust_remote_code: bool = Field(
         default=False, description="hf: sources: run the Python code shipped with the model"
+    )
+    attn_implementation: str | None = Field(
+        default=None,
+        description="hf: sources: transformers' attention (eager, sdpa, ...); hub kernels are refused",
     )
     inputs: dict[str, InputOverride] = Field(default_factory=dict)
     precision: Literal["fp32", "fp16", "bf16", "int8", "fp8"] = "fp32"
@@ -232,6 +268,14 @@ class ZooEntry(_Strict):
             raise ValueError(f"unknown task {v!r}; use one of {', '.join(HF_TASKS)}")
         return v
 
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attention(cls, v: str | None) -> str | None:
+        problem = attention_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
+
     @model_validator(mode="after")
     def _one_source(self) -> ZooEntry:
         if (self.source is None) == (self.factory is None):
@@ -242,7 +286,8 @@ class ZooEntry(_Strict):
         kind = source_kind(self.source_uri)[0]
         if kind == "hf" and self.task is None:
             raise ValueError(f"task: required for hf: sources; use one of {', '.join(HF_TASKS)}")
-        hf_only = [f for f in ("task", "revision", "trust_remote_code") if f in self.model_fields_set]
+        hf_fields = ("task", "revision", "trust_remote_code", "attn_implementation")
+        hf_only = [f for f in hf_fields if f in self.model_fields_set]
         if kind != "hf" and hf_only:
             raise ValueError(f"{hf_only[0]}: applies to hf: sources only; remove it for {SOURCE_KINDS[kind]}")
         factory_only = [f for f in ("factory_kwargs", "seed") if f in self.model_fields_set]
@@ -341,6 +386,7 @@ class ZooEntry(_Strict):
             task=self.task,
             revision=self.revision,
             trust_remote_code=self.trust_remote_code,
+            attn_implementation=self.attn_implementation,
             inputs=dict(self.inputs),
             factory_kwargs=dict(self.factory_kwargs),
             seed=self.seed,
@@ -350,7 +396,9 @@ class ZooEntry(_Strict):
         data = self.validation.data
         if data is not None and zoo_dir is not None and not Path(data).is_absolute():
             data = str(Path(zoo_dir) / data)  # relative to the zoo file, like its other paths
-        validation = ValidationPlan(**settings.validation.model_dump(), data=data)
+        validation = ValidationPlan(
+            **settings.validation.model_dump(), data=data, ignore_fields=tuple(self.validation.ignore_fields)
+        )
         calibration = self.calibration.data
         if calibration is not None and zoo_dir is not None and not Path(calibration).is_absolute():
             calibration = str(Path(zoo_dir) / calibration)

@@ -1,7 +1,9 @@
 """Input-range overrides: a zoo entry's ``inputs:`` replace a source's dynamic dims, per input.
 
 A dimension name given there applies to every input that uses it, so ``seq`` stays one dimension
-across ``input_ids`` and ``attention_mask``. ``dims: []`` makes an input static.
+across ``input_ids`` and ``attention_mask``. ``dims: []`` makes an input static. ``drop: true`` leaves
+out an input the source passes by keyword to a ``forward`` parameter with a default (an ``hf:`` model's
+``token_type_ids``): the model is exported without it, and runs on that default.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class DimOverride(Protocol):
 
 @runtime_checkable
 class InputOverrideLike(Protocol):
-    dims: list[DimOverride]
+    dims: list[DimOverride]  # (and ``drop: bool``, read with a False default)
 
 
 def bound_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -66,10 +68,15 @@ def apply_overrides(case: LoadedCase, overrides: Mapping[str, InputOverrideLike]
         return spec
 
     shapes = {name: rename(spec) for name, spec in shapes.items()}
+    kwargs = dict(case.kwargs)
     for input_name, override in overrides.items():
         at = f"{where}.inputs.{input_name}"
         if input_name not in inputs:
             raise ZooConfigError(f"{at}: the model has no input {input_name!r}; its inputs are {names}")
+        if getattr(override, "drop", False):
+            _check_droppable(case, input_name, f"{at}.drop")
+            del kwargs[input_name], shapes[input_name]
+            continue
         value = inputs[input_name]
         if not isinstance(value, torch.Tensor):
             raise ZooConfigError(f"{at}: input is a {type(value).__name__}, ranges apply to tensors only")
@@ -83,7 +90,23 @@ def apply_overrides(case: LoadedCase, overrides: Mapping[str, InputOverrideLike]
                     f"outside [{d.min}, {d.max}]; widen the range to include {size}"
                 )
         shapes[input_name] = {d.axis: dims[d.name] for d in override.dims} or None
-    return LoadedCase(case.model, case.args, case.kwargs, shapes)
+    return LoadedCase(case.model, case.args, kwargs, shapes)
+
+
+def _check_droppable(case: LoadedCase, name: str, at: str) -> None:
+    """An input can be left out only where the call can go without it: a keyword with a default."""
+    model = type(case.model).__name__
+    if name not in case.kwargs:
+        raise ZooConfigError(
+            f"{at}: the source passes input {name!r} to {model}.forward by position, so it cannot be "
+            "dropped; remove drop"
+        )
+    parameter = inspect.signature(case.model.forward).parameters.get(name)
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        raise ZooConfigError(
+            f"{at}: {model}.forward requires input {name!r} (it has no default), so it cannot be dropped; "
+            "remove drop"
+        )
 
 
 def largest_input_bytes(case: LoadedCase, overrides: Mapping[str, InputOverrideLike]) -> dict[str, int]:

@@ -9,16 +9,21 @@ validation settings.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compiler.options import CompileOptions
+from compiler.torchao_guard import keep_torchao_out_of_transformers
 from compiler.validation_report import Tolerances
 from zoo.errors import ZooConfigError
 from zoo.inputs import InputOverrideLike, apply_overrides
 from zoo.sources.base import LoadedCase, ModelSource, SourceIdentity
+
+if TYPE_CHECKING:  # requests are data: torch only where recorded inputs are read
+    from compiler.specs import InputSpec
+    from compiler.validation_data import ValidationData
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,27 @@ class ValidationPlan:
     runs: int = 20
     seed: int = 0
     data: str | None = None  # recorded inputs (compiler.validation_data); None: random inside the ranges
+    ignore_fields: tuple[str, ...] = ()  # fields of data that name no model input, left out
+
+    def dataset(self, specs: Sequence[InputSpec]) -> ValidationData | None:
+        """The recorded inputs for a model with these input specs (None: validate on random inputs).
+
+        A :class:`ValidationDataError` starting ``validation.data:``; a field no input takes is named
+        with ``validation.ignore_fields``, the entry's way to leave it out."""
+        if self.data is None:
+            return None
+        from compiler.errors import ValidationDataError
+        from compiler.validation_data import validation_data
+
+        try:
+            return validation_data(
+                specs,
+                self.data,
+                ignore_fields=self.ignore_fields,
+                ignore_option="validation.ignore_fields",
+            )
+        except ValidationDataError as exc:
+            raise ValidationDataError(f"validation.data: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -59,6 +85,7 @@ class CompileRequest:
     def load_case(self) -> LoadedCase:
         """The source's model with this request's input ranges, on this request's device."""
         where = f"models[{self.name}]"
+        keep_torchao_out_of_transformers()  # a source may load transformers (hf:, factories)
         try:
             loaded = self.source.load()
         except ZooConfigError as exc:  # sources name the field ("source: ..."); add the entry
@@ -84,10 +111,13 @@ class CompileRequest:
             "options": self.options.to_dict(),
             "tolerances": self.tolerances.to_dict(),
             "inputs": {
-                name: [{"axis": d.axis, "name": d.name, "min": d.min, "max": d.max} for d in o.dims]
+                # A dropped input differs from a static one (``dims: []``): another graph.
+                name: {"drop": True}
+                if getattr(o, "drop", False)
+                else [{"axis": d.axis, "name": d.name, "min": d.min, "max": d.max} for d in o.dims]
                 for name, o in sorted(self.inputs.items())
             },
-            "validation": vars(self.validation).copy(),
+            "validation": _validation_dict(self.validation),
             "package_name": self.package_name,
         }
 
@@ -103,3 +133,12 @@ class CompileRequest:
                 path = Path(data)
                 identity[f"{use}_data_sha256"] = sha256_file(path) if path.is_file() else "missing"
         return identity
+
+
+def _validation_dict(plan: ValidationPlan) -> dict[str, Any]:
+    data = vars(plan).copy()
+    if not plan.ignore_fields:  # unset: the same dict (and so the same keys) as before the field
+        del data["ignore_fields"]
+    else:
+        data["ignore_fields"] = list(plan.ignore_fields)
+    return data

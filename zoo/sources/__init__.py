@@ -79,6 +79,7 @@ def source_for(
     task: str | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
     inputs: Mapping[str, Any] | None = None,
     factory_kwargs: Mapping[str, Any] | None = None,
     seed: int = 0,
@@ -87,14 +88,18 @@ def source_for(
 ) -> ModelSource:
     """The source a ``source:`` string names. Nothing is resolved or loaded here.
 
-    ``task``, ``revision``, ``trust_remote_code``: the hf: kind's fields. ``inputs``: the entry's
-    ranges (sources place their example inputs inside them). ``factory_kwargs``, ``seed``, ``policy``:
-    the factory: kind's. ``base_dir``: relative paths resolve against it (the zoo file's directory).
+    ``task``, ``revision``, ``trust_remote_code``, ``attn_implementation``: the hf: kind's fields.
+    ``inputs``: the entry's ranges (sources place their example inputs inside them).
+    ``factory_kwargs``, ``seed``, ``policy``: the factory: kind's. ``base_dir``: relative paths
+    resolve against it (the zoo file's directory).
     """
     kind, rest = parse_source(uri)
-    if kind != "hf" and (task is not None or revision is not None or trust_remote_code):
+    if kind != "hf" and (
+        task is not None or revision is not None or trust_remote_code or attn_implementation
+    ):
         raise ZooConfigError(
-            f"task: task, revision and trust_remote_code apply to hf: sources, not {SOURCE_KINDS[kind]}"
+            f"task: task, revision, trust_remote_code and attn_implementation apply to hf: sources, not "
+            f"{SOURCE_KINDS[kind]}"
         )
     if kind != "factory" and factory_kwargs:
         raise ZooConfigError(f"factory_kwargs: apply to factory: sources, not {SOURCE_KINDS[kind]}")
@@ -104,7 +109,15 @@ def source_for(
     if kind == "hf":
         from zoo.sources.hf import HfSource  # here: its module imports torch for the models it wraps
 
-        return HfSource(rest, check_task(task), revision, trust_remote_code, dict(inputs or {}), base_dir)
+        return HfSource(
+            rest,
+            check_task(task),
+            revision,
+            trust_remote_code,
+            dict(inputs or {}),
+            base_dir,
+            attn_implementation=attn_implementation,
+        )
     if kind == "pt2":
         return Pt2Source(rest, dict(inputs or {}), base_dir)
     if kind == "mlflow":

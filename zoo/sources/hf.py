@@ -6,17 +6,22 @@ weights only (a folder with only ``pytorch_model.bin`` is refused: loading it wo
 weights (precision is the compiler's job) and ``trust_remote_code`` only when the entry sets it.
 
 Identity without loading: the resolved revision (a hub commit; a folder has none) and the sha256 of
-``config.json``, the safetensors weights and their index (with remote code, the folder's ``*.py``
-too), plus the task and the transformers and torch versions that turn them into a graph. A hub id is
+``config.json``, the safetensors weights and their index (with remote code, every ``*.py`` below the
+folder, keyed by its path: whatever that code can import), plus the task, the entry's
+``attn_implementation`` and the transformers and torch versions that turn them into a graph. An
+``attn_implementation`` (the entry's or in ``config.json``) that would make transformers fetch a kernel
+from the hub is refused before loading (``hf_tasks.attention_problem``). A hub id is
 resolved to a snapshot in the local Hugging Face cache first (online: those files are downloaded, never
 tokenizers or ``*.bin``); with ``HF_HUB_OFFLINE=1`` only the cache is used, and a hub id not in it is a
 :class:`ZooConfigError` naming the source. A source object resolves its hub id once and loads that
 commit, so a branch that moves mid-compile cannot swap the model under its key.
 
-Inputs from the config and the task: text models take ``input_ids`` (and ``attention_mask`` where the
-model does), int64, batch 1..8 and sequence 1..min(512, max_position_embeddings); vision models take
-float32 ``pixel_values`` at the config's ``image_size`` (224 where the config has none), batch 1..8.
-The entry's ``inputs:`` override these ranges as for every source.
+Inputs from the config and the task: text models take what a tokenizer gives that their ``forward``
+takes and their config uses (``input_ids``; ``attention_mask``; ``token_type_ids`` where
+``type_vocab_size > 1``, its example a sentence pair spanning the segment ids), int64, batch 1..8 and
+sequence 1..min(512, max_position_embeddings); vision models take float32 ``pixel_values`` at the
+config's ``image_size`` (224 where the config has none), batch 1..8. The entry's ``inputs:`` override
+these ranges, or drop an optional input, as for every source (``zoo.inputs``).
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ from torch.export import Dim
 
 from compiler.errors import SpecialFileError
 from compiler.input_files import regular_file
+from compiler.torchao_guard import keep_torchao_out_of_transformers
 from zoo.errors import UntrustedCodeError, ZooConfigError
 from zoo.sources.base import LoadedCase, SourceIdentity, digest_of, torch_version
 from zoo.sources.common import example_size, fit_example_shape, override_dims, resolve_path, sha256_file
-from zoo.sources.hf_tasks import HF_TASKS, check_task
+from zoo.sources.hf_tasks import HF_TASKS, check_attention, check_task
 
 MAX_BATCH = 8
 MAX_SEQ = 512
@@ -79,6 +85,7 @@ class HfSource:
     trust_remote_code: bool = False
     inputs: Mapping[str, Any] = field(default_factory=dict)  # the entry's ranges: examples sit inside
     base_dir: str | None = None  # the zoo file's directory, for relative folders
+    attn_implementation: str | None = None  # transformers' built-in ones only (hf_tasks.check_attention)
     # A hub id's snapshot, resolved once: load() reads the commit identity() keyed, even if the branch
     # moved since (and a compile asks the hub once, not at every identity()).
     pinned: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -96,16 +103,16 @@ class HfSource:
         check_task(self.task)
         folder, revision = self.snapshot()
         config = self.read_config(folder)
-        files = {path.name: sha256_file(path) for path in self.model_files(folder, config)}
-        digest = digest_of(
-            "hf",
-            self.task,
-            self.trust_remote_code,
-            files,
-            _transformers_version(),
-            torch_version(),
-        )
-        return SourceIdentity("hf", self.uri, revision, digest)
+        # Keyed by the path inside the folder: remote code imports modules by their place.
+        files = {
+            path.relative_to(folder).as_posix(): sha256_file(path)
+            for path in self.model_files(folder, config)
+        }
+        parts: list[Any] = ["hf", self.task, self.trust_remote_code, files]
+        parts += [_transformers_version(), torch_version()]
+        if self.attn_implementation is not None:  # unset keeps the identities of earlier compiles
+            parts.append({"attn_implementation": self.attn_implementation})
+        return SourceIdentity("hf", self.uri, revision, digest_of(*parts))
 
     def snapshot(self) -> tuple[Path, str]:
         """(local folder holding the model, resolved revision: the hub commit, "" for a folder)."""
@@ -199,7 +206,20 @@ class HfSource:
         if not isinstance(config, dict):
             raise ZooConfigError(f"source: {self.uri}: config.json must hold a JSON object")
         self._check_code(config)
+        self._check_attention(config)
         return config
+
+    def _check_attention(self, config: Mapping[str, Any]) -> None:
+        """The entry's and config.json's attn_implementation (sub-configs too) load no hub kernel."""
+        check_attention(self.attn_implementation, "attn_implementation")
+        chosen = [("attn_implementation", self.attn_implementation)] if self.attn_implementation else []
+        for where, value in _attention_settings(config, "config.json"):
+            check_attention(value, f"source: {self.uri}: {where}")
+            chosen.append((f"source: {self.uri}: {where}", value))
+        for where, value in chosen:
+            for one in value.values() if isinstance(value, dict) else [value]:
+                if isinstance(one, str) and one.startswith("flash_attention_"):
+                    _check_flash_attention(one, where)
 
     def _check_code(self, config: dict[str, Any]) -> None:
         from transformers.models.auto import modeling_auto
@@ -257,7 +277,9 @@ class HfSource:
             )
         files = [folder / "config.json", *weights, *sorted(folder.glob("*.safetensors.index.json"))]
         if self.trust_remote_code and config.get("auto_map"):
-            files += sorted(folder.glob("*.py"))
+            # Whatever the remote code can import: transformers copies a module's relative imports
+            # (dotted names too) into its module cache, and the code may import by path below the folder.
+            files += sorted(folder.rglob("*.py"))
         for file in files:  # transformers would block on a FIFO or read /dev/zero forever
             try:
                 regular_file(file, f"source: {self.uri}:")
@@ -271,9 +293,11 @@ class HfSource:
         folder, _ = self.snapshot()
         config = self.read_config(folder)
         self.model_files(folder, config)  # safetensors present
+        keep_torchao_out_of_transformers()  # its modeling code would import torchao (compiler.torchao_guard)
         import transformers
 
         auto = getattr(transformers, HF_TASKS[self.task][0])
+        chosen = {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
         try:
             model = auto.from_pretrained(
                 str(folder),
@@ -281,6 +305,7 @@ class HfSource:
                 local_files_only=True,
                 trust_remote_code=self.trust_remote_code,
                 dtype=torch.float32,
+                **chosen,
             )
         except Exception as exc:  # transformers raises OSError, ValueError, KeyError, ... for bad folders
             raise ZooConfigError(
@@ -304,20 +329,38 @@ class HfSource:
         max_seq = min(MAX_SEQ, int(positions)) if positions else MAX_SEQ
         if self.task == "causal-lm":
             model = LogitsOnly(model).eval()
-        takes_mask = "attention_mask" in inspect.signature(model.forward).parameters
-        names = ["input_ids", "attention_mask"] if takes_mask else ["input_ids"]
+        if getattr(self.inputs.get("input_ids"), "drop", False):
+            raise ZooConfigError(
+                "inputs.input_ids.drop: input_ids is the model's main input (the token ids); it cannot be "
+                "dropped; remove drop"
+            )
+        names = _tokenizer_inputs(model)
         # seq min 1: torch.export accepts it for these models (a one-token request is real traffic).
         batch, seq = Dim("batch", min=1, max=MAX_BATCH), Dim("seq", min=1, max=max_seq)
         default = [EXAMPLE_BATCH, example_size(EXAMPLE_SEQ, 1, max_seq)]
-        b, s = fit_example_shape(default, override_dims(self.inputs, "input_ids"))
+        ids_dims = override_dims(self.inputs, "input_ids")
+        b, s = fit_example_shape(default, ids_dims)
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (b, s), generator=generator)
         # The example's values set the range validation draws token ids from: the whole vocabulary.
         ids.view(-1)[0], ids.view(-1)[-1] = 0, vocab - 1
         kwargs: dict[str, Any] = {"input_ids": ids}
-        if takes_mask:
+        if "attention_mask" in names:
             kwargs["attention_mask"] = torch.ones_like(ids)
-        shapes = {name: {0: batch, 1: seq} for name in names}
+        if "token_type_ids" in names:
+            # A sentence pair (segment A, then B, ...): its values span 0..type_vocab_size-1, the range
+            # validation draws segment ids from.
+            types = _type_vocab_size(model)
+            kwargs["token_type_ids"] = (torch.arange(s) * types // s).expand(b, s).clone()
+            kwargs["token_type_ids"].view(-1)[-1] = types - 1
+        shapes: dict[str, Any] = {name: {0: batch, 1: seq} for name in names}
+        if ids_dims is not None:
+            # One tokenizer call gives them all, of input_ids' shape: an input the entry does not list
+            # takes input_ids' listed dims (an entry written before token_type_ids was an input keeps
+            # compiling).
+            for name in names:
+                if name not in self.inputs:
+                    shapes[name] = {d.axis: Dim(d.name, min=d.min, max=d.max) for d in ids_dims} or None
         return LoadedCase(model, (), kwargs, shapes)
 
     def _vision_case(self, model: torch.nn.Module, config: Mapping[str, Any]) -> LoadedCase:
@@ -329,6 +372,57 @@ class HfSource:
         pixels = torch.randn(shape, generator=torch.Generator().manual_seed(0))
         return LoadedCase(
             model, (), {"pixel_values": pixels}, {"pixel_values": {0: Dim("batch", min=1, max=MAX_BATCH)}}
+        )
+
+
+def _type_vocab_size(model: torch.nn.Module) -> int:
+    return int(getattr(getattr(model, "config", None), "type_vocab_size", 0) or 0)
+
+
+def _tokenizer_inputs(model: torch.nn.Module) -> list[str]:
+    """What a tokenizer gives that this model's ``forward`` takes and its config uses, in the tokenizer's
+    order: ``input_ids``; ``attention_mask``; ``token_type_ids`` where there are several segment types
+    (BERT-style sentence pairs; a RoBERTa's single type, or a GPT-2's none, is only ever 0)."""
+    parameters = inspect.signature(model.forward).parameters
+    names = ["input_ids"]
+    if "attention_mask" in parameters:
+        names.append("attention_mask")
+    if "token_type_ids" in parameters and _type_vocab_size(model) > 1:
+        names.append("token_type_ids")
+    return names
+
+
+def _attention_settings(config: Mapping[str, Any], where: str) -> list[tuple[str, Any]]:
+    """(where, value) of every attn_implementation in a config, its sub-configs' included."""
+    found = []
+    for key, value in config.items():
+        if key in ("attn_implementation", "_attn_implementation") and value is not None:
+            found.append((f"{where}.{key}", value))
+        elif isinstance(value, Mapping):
+            found += _attention_settings(value, f"{where}.{key}")
+    return found
+
+
+def _check_flash_attention(value: str, where: str) -> None:
+    """flash_attention_<N> without its package: where the ``kernels`` package is installed,
+    transformers then fetches the hub kernel it names as the fallback (FLASH_ATTN_KERNEL_FALLBACK)."""
+    import importlib.util
+
+    if importlib.util.find_spec("kernels") is None:
+        return  # nothing to fetch with: transformers uses the package or raises its own error
+    try:
+        from transformers.modeling_flash_attention_utils import FLASH_ATTENTION_COMPATIBILITY_MATRIX
+
+        local = bool(
+            FLASH_ATTENTION_COMPATIBILITY_MATRIX[int(value.rsplit("_", 1)[1])]["general_availability_check"]()
+        )
+    except Exception:  # a version or layout this kiln does not know: assume the fallback
+        local = False
+    if not local:
+        raise ZooConfigError(
+            f"{where}: attn_implementation {value!r} cannot run from an installed flash-attn package here, "
+            "so transformers would fetch a flash attention kernel from the Hugging Face hub and run it; kiln "
+            "compiles offline. Install the flash-attn package on this machine, or use sdpa or eager"
         )
 
 
