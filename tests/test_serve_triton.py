@@ -142,7 +142,7 @@ def server(store: dict, repository: Path):
             f"kiln serve triton run did not come up:\n{(store['root'] / 'serve.log').read_text()[-4000:]}"
         )
     yield {"http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}", "proc": proc, "control": control}
-    os.killpg(proc.pid, signal.SIGTERM)
+    proc.terminate()  # the command stops its server, which stops its stubs
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
