@@ -462,6 +462,54 @@ def test_a_repository_the_server_cannot_read_is_refused(tmp_path):
         TritonServer(tmp_path / "repo", http_port=free_port(), grpc_port=free_port()).start(timeout=60)
 
 
+def test_the_kserve_runtime_loads_the_exported_repository(store, repository, tmp_path):
+    """deploy/kserve's runtime arguments, run by the same server binary on the exported repository
+    (KServe copies storageUri to /mnt/models); only the listen addresses are this machine's."""
+    import yaml
+
+    from serving.triton.server import backend_directory, find_tritonserver, server_environment
+
+    runtime, service = yaml.safe_load_all((ROOT / "deploy" / "kserve" / "kiln-triton.yaml").read_text())
+    predictor = service["spec"]["predictor"]["model"]
+    assert (service["kind"], runtime["kind"]) == ("InferenceService", "ServingRuntime")
+    assert predictor["runtime"] == runtime["metadata"]["name"] and predictor["storageUri"]
+    assert predictor["modelFormat"]["name"] in [f["name"] for f in runtime["spec"]["supportedModelFormats"]]
+    container = runtime["spec"]["containers"][0]
+    http, grpc = free_port(), free_port()
+    ports = {
+        "--model-store=/mnt/models": f"--model-store={repository}",
+        "--http-port=8080": f"--http-port={http}",
+        "--grpc-port=9000": f"--grpc-port={grpc}",
+    }
+    assert container["args"][0] == "tritonserver" and set(ports) <= set(container["args"])
+    install = find_tritonserver()
+    command = [str(install.binary), *(ports.get(a, a) for a in container["args"][1:])]
+    command += [f"--backend-directory={backend_directory(install, tmp_path)}", "--allow-metrics=false"]
+    command += ["--http-address=127.0.0.1", "--grpc-address=127.0.0.1"]
+    env = server_environment({e["name"]: e["value"] for e in container.get("env", [])})
+    with open(tmp_path / "kserve.log", "wb") as log:
+        proc = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        control = TritonControl(f"127.0.0.1:{http}", timeout=2)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(ServerUnavailableError):
+                control.ready()
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, (tmp_path / "kserve.log").read_text()[-3000:]
+        assert control.served_versions("tiny") == [store["won"]]
+        x = _x(2, 9, seed=8)
+        answer, version = _infer_grpc(f"127.0.0.1:{grpc}", x)
+        assert version == store["won"]
+        np.testing.assert_allclose(answer, _expected(store, store["won"], x), rtol=0, atol=TOL)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
 def test_a_model_with_no_champion_is_a_typed_error_naming_it_and_its_aliases(store, repository):
     from typer.testing import CliRunner
 
