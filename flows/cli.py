@@ -31,6 +31,7 @@ from flows.render import (
     progress_bar,
     report,
 )
+from flows.serve_cli import register_commands as register_serve_commands
 
 if TYPE_CHECKING:
     from zoo.config import ZooSettings
@@ -584,6 +585,7 @@ else:
 
 register_ops_commands(app)
 register_cache_commands(app)
+register_serve_commands(app)
 
 
 def main() -> None:

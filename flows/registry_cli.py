@@ -26,6 +26,47 @@ TrackingUri = Annotated[
 Target = Annotated[
     str, typer.Option("--target", help="target device the engines were built for: cpu, cuda:sm_90")
 ]
+TritonUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--triton",
+        help="a running Triton server (http://127.0.0.1:8000) that must serve the new champion before the "
+        "aliases move; with --repository",
+        show_default=False,
+    ),
+]
+TritonRepository = Annotated[
+    str | None,
+    typer.Option(
+        "--repository", help="the server's model repository (kiln serve triton export)", show_default=False
+    ),
+]
+TritonTimeout = Annotated[
+    float, typer.Option("--triton-timeout", help="seconds to wait for the server to answer a call")
+]
+
+
+def _live(
+    model: str,
+    target: str,
+    triton: str | None,
+    repository: str | None,
+    timeout: float,
+    tracking_uri: str | None,
+) -> dict | None:
+    """TritonRelease's arguments, checked now: both flags or neither."""
+    if (triton is None) != (repository is None):
+        raise typer.BadParameter("--triton and --repository go together: the server and its model repository")
+    if triton is None:
+        return None
+    return {
+        "url": triton,
+        "repository": repository,
+        "model": model,
+        "target": target,
+        "timeout": timeout,
+        "tracking_uri": tracking_uri,
+    }
 
 
 def parse_shapes(values: list[str]) -> tuple[int, ...] | list[tuple[int, ...]] | dict[str, tuple[int, ...]]:
@@ -181,12 +222,19 @@ def release_cmd(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the outcome as JSON")] = False,
     tracking_uri: TrackingUri = None,
+    triton: TritonUrl = None,
+    repository: TritonRepository = None,
+    triton_timeout: TritonTimeout = 10.0,
 ) -> None:
-    """Re-validate a candidate against the original model and the champion; promote it or reject it."""
+    """Re-validate a candidate against the original model and the champion; promote it or reject it.
+
+    With --triton and --repository the server serves the new champion before the aliases move; if it
+    refuses, nothing moves."""
     from flows.release import release
     from flows.server import prefect_api
     from registry.errors import KilnError
 
+    live = _live(model, target, triton, repository, triton_timeout, tracking_uri)
     try:
         with prefect_api():  # a temporary API server that dies with this process, even by SIGKILL
             outcome = release(
@@ -199,6 +247,7 @@ def release_cmd(
                 zoo_path=zoo_file,
                 tracking_uri=tracking_uri,
                 force_replace_broken=force_replace_broken,
+                live=live and {k: v for k, v in live.items() if k != "tracking_uri"},
             )
     except KilnError as exc:
         raise _fail(f"{type(exc).__name__}: {exc}") from None
@@ -227,13 +276,24 @@ def rollback_cmd(
         typer.Option("--to", help="version to make the champion (default: the 'previous' alias)"),
     ] = None,
     tracking_uri: TrackingUri = None,
+    triton: TritonUrl = None,
+    repository: TritonRepository = None,
+    triton_timeout: TritonTimeout = 10.0,
 ) -> None:
-    """Move the champion alias back to the previous champion, or to the version given with --to."""
+    """Move the champion alias back to the previous champion, or to the version given with --to.
+
+    With --triton and --repository the server serves it before the aliases move; if it refuses, nothing
+    moves."""
     from registry.errors import KilnError
     from registry.release import rollback
+    from serving.triton.live import triton_release
 
+    live = _live(model, target, triton, repository, triton_timeout, tracking_uri)
     try:
-        outcome = rollback(model, target, to_version=to, tracking_uri=tracking_uri)
+        target_server = triton_release(live)
+        if target_server is not None:
+            target_server.check()  # the server answers before anything moves
+        outcome = rollback(model, target, to_version=to, tracking_uri=tracking_uri, live=target_server)
     except KilnError as exc:
         raise _fail(f"{type(exc).__name__}: {exc}") from None
     console.print(

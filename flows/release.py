@@ -62,6 +62,7 @@ def release(
     runs: int = 30,
     tracking_uri: str | None = None,
     force_replace_broken: bool = False,
+    live: dict | None = None,
 ) -> dict:
     """Release ``version`` (default: the newest open candidate) of ``kiln.<model>.<target>``.
 
@@ -69,11 +70,19 @@ def release(
     ``rel_l2``: accuracy tolerance vs the original model (default: the zoo entry's, by precision).
     ``zoo_path``: the zoo file whose entry builds the original model (never a registry tag).
     ``force_replace_broken``: release even when the champion fails verification (recorded on both).
+    ``live``: a Triton server and repository that must serve the new champion before the aliases move
+    (``TritonRelease``'s arguments: url, repository, model, target, timeout); checked before anything
+    is measured, so a server that does not answer costs no measurement and moves nothing.
     Returns the outcome (``promoted``, ``champion``, ``previous``, ``reasons``, the measured report).
     """
     logger = get_run_logger()
     config.configure(tracking_uri)
     name = registered_model_name(model, target)
+    if live:
+        from serving.triton.live import triton_release
+
+        live = {**live, "tracking_uri": tracking_uri}
+        triton_release(live).check()
     resolved = resolve_candidate(name, version)
     candidate_version, champion_version = resolved["candidate"], resolved["champion"]
     if candidate_version == champion_version:
@@ -132,7 +141,7 @@ def release(
     report = GateReport(
         name, candidate_version, champion_version, accuracy, latency, reasons, replaced_broken_champion=broken
     )
-    outcome = decide(report)
+    outcome = decide(report, live)
     verdict = "promoted to champion" if outcome.promoted else f"rejected: {'; '.join(reasons)}"
     logger.info("%s version %s %s", name, candidate_version, verdict)
     return outcome.to_dict()

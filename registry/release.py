@@ -16,12 +16,14 @@ rejected, with or without a ``previous`` alias.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
@@ -89,6 +91,21 @@ class ReleaseOutcome:
 
 
 Step = tuple[str, Callable[[], None], Callable[[], None]]
+
+
+class GoLive(Protocol):
+    """A server that must follow the champion (``serving.triton.live.TritonRelease``). Its steps join
+    the release's all-or-nothing list: ``before`` run ahead of the alias moves (a server that refuses the
+    new champion stops the release before any alias moves, and is undone if a later step fails),
+    ``after`` once the aliases moved. ``hold()`` is held for the whole release, beside the registry lock."""
+
+    def hold(self) -> AbstractContextManager[Any]: ...
+
+    def steps(self, champion: str, previous: str | None) -> tuple[list[Step], list[Step]]: ...
+
+
+def _live_hold(live: GoLive | None) -> AbstractContextManager[Any]:
+    return live.hold() if live is not None else contextlib.nullcontext()
 
 
 def _run_steps(steps: list[Step], policy: RetryPolicy | None) -> None:
@@ -174,13 +191,20 @@ def _compact_json(data: dict, limit: int = 4900) -> str:
 
 
 def apply_decision(
-    report: GateReport, *, tracking_uri: str | None = None, policy: RetryPolicy | None = None
+    report: GateReport,
+    *,
+    tracking_uri: str | None = None,
+    policy: RetryPolicy | None = None,
+    live: GoLive | None = None,
 ) -> ReleaseOutcome:
-    """Promote (gates passed) or reject (tag ``rejected`` with the reasons); all-or-nothing."""
+    """Promote (gates passed) or reject (tag ``rejected`` with the reasons); all-or-nothing.
+
+    ``live``: a server that must serve the new champion before the aliases move (see :class:`GoLive`);
+    a rejection leaves it alone."""
     mlclient = config.client(tracking_uri)
     name, version = report.registered_model, report.candidate
     report_json = _compact_json(report.to_dict())
-    with registry_lock(mlclient, name):
+    with registry_lock(mlclient, name), _live_hold(live):
         aliases = get_aliases(mlclient, name, policy)
         champion = aliases.get(CHAMPION)
         if champion != report.champion:
@@ -226,7 +250,10 @@ def apply_decision(
                 targets[PREVIOUS] = champion
             moves.append(_alias_step(mlclient, name, CHAMPION, version, champion))
             targets[CHAMPION] = version
-            steps += _alias_moves(mlclient, name, "release", moves, targets)
+            before, after = (
+                live.steps(version, targets.get(PREVIOUS, aliases.get(PREVIOUS))) if live else ([], [])
+            )
+            steps += before + _alias_moves(mlclient, name, "release", moves, targets) + after
         else:
             reasons = json.dumps([r[:1000] for r in report.reasons][:4])
             steps.append(
@@ -275,9 +302,10 @@ def rollback(
     to_version: str | None = None,
     tracking_uri: str | None = None,
     policy: RetryPolicy | None = None,
+    live: GoLive | None = None,
 ) -> ReleaseOutcome:
     """Move ``champion`` back: to ``previous`` (default) or to ``to_version``; the demoted champion is
-    tagged ``rolled_back``.
+    tagged ``rolled_back``. ``live``: a server that must serve it first (see :class:`GoLive`).
 
     Without ``to_version``, ``previous`` is removed (there is no older champion on record to point it
     at), so a second rollback without a release in between is refused rather than bouncing back to the
@@ -286,7 +314,7 @@ def rollback(
     """
     mlclient = config.client(tracking_uri)
     name = registered_model_name(model, target)
-    with registry_lock(mlclient, name):
+    with registry_lock(mlclient, name), _live_hold(live):
         aliases = get_aliases(mlclient, name, policy)
         champion, previous = aliases.get(CHAMPION), aliases.get(PREVIOUS)
         target_version = previous if to_version is None else str(to_version)
@@ -327,7 +355,8 @@ def rollback(
         if previous is not None and (to_version is None or previous == target_version):
             moves.append(_alias_step(mlclient, name, PREVIOUS, None, previous))
             targets[PREVIOUS] = None
-        steps += _alias_moves(mlclient, name, "rollback", moves, targets)
+        before, after = live.steps(target_version, targets.get(PREVIOUS, previous)) if live else ([], [])
+        steps += before + _alias_moves(mlclient, name, "rollback", moves, targets) + after
         _run_steps(steps, policy)
         after = get_aliases(mlclient, name, policy)
     return ReleaseOutcome(

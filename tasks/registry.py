@@ -175,5 +175,9 @@ def latency_gate(
 
 
 @task(name="apply-release-decision", cache_policy=NO_CACHE, persist_result=False)
-def decide(report: GateReport) -> ReleaseOutcome:
-    return apply_decision(report)
+def decide(report: GateReport, live: dict | None = None) -> ReleaseOutcome:
+    """``live``: a Triton server to move with the champion (``serving.triton.live.TritonRelease``'s
+    arguments: url, repository, model, target, timeout, tracking_uri)."""
+    from serving.triton.live import triton_release
+
+    return apply_decision(report, live=triton_release(live))

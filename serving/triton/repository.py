@@ -1,0 +1,339 @@
+"""A Triton model repository written from the registry (``kiln serve triton export``).
+
+Layout, one folder per kiln model (the Triton model name is the kiln model name: the registered name
+``kiln.<model>.<target>`` without ``kiln.`` and the target)::
+
+    <repository>/<model>/config.pbtxt          serves exactly the champion (version_policy specific)
+    <repository>/<model>/kiln-serving.json     what kiln needs to rewrite it: registered name, settings
+    <repository>/<model>/<N>/model.py          kiln's Python backend (serving/triton/backend/model.py)
+    <repository>/<model>/<N>/kiln.json         the version as served (config.ServedModel)
+    <repository>/<model>/<N>/package/          the verified package of registry version N
+
+``N`` is the registry version: the champion's folder and, when there is one, ``previous``'s, so a
+rollback needs no download. Every folder is built beside its final place (``.kiln-staging-*``, which
+Triton skips: not a number) from a download that ``registry.lookup.fetch_version`` verified (every
+checksum, and the content hash the registry recorded), loaded once here to learn the outputs, and
+renamed into place; ``config.pbtxt`` is replaced atomically. A failed export leaves what was there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from compiler.atomic import write_bytes_atomic
+from serving.triton.config import (
+    BACKEND_FILE,
+    DEFAULT_QUEUE_DELAY_US,
+    PACKAGE_DIR,
+    SERVED_FILE,
+    ServedModel,
+    render_config,
+)
+from serving.triton.errors import NoChampionError, RepositoryBusyError, RepositoryError, TritonConfigError
+
+SETTINGS_FILE = "kiln-serving.json"
+CONFIG_FILE = "config.pbtxt"
+STAGING_PREFIX = ".kiln-staging-"
+
+
+def backend_bytes() -> bytes:
+    """kiln's ``model.py``: the same bytes in every version folder."""
+    import serving.triton.backend as backend
+
+    return (Path(backend.__file__).parent / BACKEND_FILE).read_bytes()
+
+
+def triton_model_name(model: str) -> str:
+    """``tiny_mlp`` for kiln model ``tiny_mlp`` (registered as ``kiln.tiny_mlp.cpu``)."""
+    from registry.models import PREFIX, registered_model_name
+
+    return registered_model_name(model, "x").removeprefix(PREFIX + ".").removesuffix(".x")
+
+
+def check_repository(repository: str | os.PathLike, *, write: bool, create: bool = False) -> Path:
+    """The repository as an absolute path; RepositoryError naming it unless usable."""
+    path = Path(repository).expanduser().absolute()
+    if create and not path.exists():
+        try:
+            path.mkdir(parents=True)
+        except OSError as exc:
+            raise RepositoryError(f"cannot create the model repository {path}: {exc}") from exc
+    if not path.is_dir():
+        what = "does not exist" if not path.exists() else "is not a directory"
+        raise RepositoryError(
+            f"the model repository {path} {what}; write one with `kiln serve triton export MODEL "
+            f"--repository {path}`"
+        )
+    if not os.access(path, os.R_OK | os.X_OK) or (write and not os.access(path, os.W_OK)):
+        need = "read and write" if write else "read"
+        raise RepositoryError(
+            f"the model repository {path} is not readable{' and writable' * write} here "
+            f"(this process must {need} it); fix its permissions or name another"
+        )
+    return path
+
+
+@contextlib.contextmanager
+def repository_lock(repository: Path, model: str) -> Iterator[None]:
+    """One writer per model of a repository, across processes; a second is refused, not queued (it
+    would act on a champion that has moved)."""
+    key = hashlib.sha256(f"{repository.resolve()}|{model}".encode()).hexdigest()[:24]
+    root = Path(tempfile.gettempdir()) / "kiln-triton-locks"
+    root.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(root / f"{key}.lock"), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RepositoryBusyError(
+            f"another release or rollback is updating {model} in {repository}; nothing was changed, "
+            "run again once it has finished"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """``kiln-serving.json``: what a release needs to rewrite a model's config as export wrote it."""
+
+    registered_model: str
+    model: str
+    target: str
+    queue_delay_us: int = DEFAULT_QUEUE_DELAY_US
+    instances: int = 1
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=1, sort_keys=True)
+
+    @classmethod
+    def read(cls, model_dir: Path) -> ServingSettings:
+        path = model_dir / SETTINGS_FILE
+        try:
+            data = json.loads(path.read_text())
+            return cls(
+                **{k: data[k] for k in ("registered_model", "model", "target", "queue_delay_us", "instances")}
+            )
+        except FileNotFoundError:
+            raise RepositoryError(
+                f"{model_dir} has no {SETTINGS_FILE}: kiln did not write this model folder; export it "
+                f"with `kiln serve triton export {model_dir.name} --repository {model_dir.parent}`"
+            ) from None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise RepositoryError(f"{path} is unreadable ({exc}); export the model again") from exc
+
+
+def read_config(model_dir: Path) -> str | None:
+    try:
+        return (model_dir / CONFIG_FILE).read_text()
+    except FileNotFoundError:
+        return None
+
+
+def served_version(config_text: str | None) -> str | None:
+    """The version a kiln ``config.pbtxt`` serves (its ``version_policy``), or None."""
+    found = re.search(r"versions: \[ ([0-9]+) \]", config_text or "")
+    return found.group(1) if found else None
+
+
+def write_config(model_dir: Path, text: str | None) -> None:
+    """Replace ``config.pbtxt`` atomically; None removes it (undo of a first export)."""
+    if text is None:
+        with contextlib.suppress(FileNotFoundError):
+            (model_dir / CONFIG_FILE).unlink()
+        return
+    write_bytes_atomic(model_dir / CONFIG_FILE, text.encode())
+
+
+def config_for(model_dir: Path, version: str) -> str:
+    """The ``config.pbtxt`` that serves staged version ``version``."""
+    settings = ServingSettings.read(model_dir)
+    served = staged(model_dir, version)
+    if served is None:
+        raise RepositoryError(
+            f"version {version} of {settings.registered_model} is not staged in {model_dir}"
+        )
+    return render_config(served, queue_delay_us=settings.queue_delay_us, instances=settings.instances)
+
+
+def staged(model_dir: Path, version: str) -> ServedModel | None:
+    """The staged version's record when its folder is complete and its ``model.py`` is this kiln's."""
+    folder = model_dir / str(version)
+    try:
+        served = ServedModel.from_json((folder / SERVED_FILE).read_text(), str(folder / SERVED_FILE))
+        backend = (folder / BACKEND_FILE).read_bytes()
+    except (OSError, TritonConfigError):
+        return None
+    if backend != backend_bytes() or not (folder / PACKAGE_DIR / "manifest.json").is_file():
+        return None
+    return served if served.version == str(version) else None
+
+
+def stage_version(
+    mlclient: Any,
+    model_dir: Path,
+    model: str,
+    registered: str,
+    version: str,
+    *,
+    allowed_modules: Sequence[str] | None = None,
+    policy: Any = None,
+) -> tuple[ServedModel, bool]:
+    """Make ``<model_dir>/<version>`` hold the verified package of that registry version, kiln's
+    ``model.py`` and its ``kiln.json``. (record, created): a complete folder with the registry's content
+    hash is kept as is."""
+    from registry.lookup import fetch_version, load_package
+    from registry.models import content_hash_of
+    from serving.triton.runtime import describe
+
+    version = str(version)
+    folder = model_dir / version
+    present = staged(model_dir, version)
+    if present is not None:
+        expected = content_hash_of(mlclient.get_model_version(registered, version).tags)
+        if present.content_hash == expected:
+            return present, False
+    model_dir.mkdir(parents=True, exist_ok=True)
+    staging = model_dir / f"{STAGING_PREFIX}{uuid.uuid4().hex[:8]}"
+    try:
+        package_dir, manifest, _ = fetch_version(
+            mlclient, registered, version, dst=staging / "download", policy=policy
+        )
+        os.replace(package_dir, staging / PACKAGE_DIR)
+        shutil.rmtree(staging / "download")
+        module = load_package(staging / PACKAGE_DIR, allowed_modules=allowed_modules)
+        served = describe(
+            module,
+            manifest.input_specs,
+            name=triton_model_name(model),
+            registered=registered,
+            version=version,
+            content_hash=manifest.content_hash,
+            engine_target=manifest.engine_target,
+            profiles=manifest.options.profiles,
+        )
+        (staging / BACKEND_FILE).write_bytes(backend_bytes())
+        (staging / SERVED_FILE).write_text(served.to_json())
+        if folder.exists():  # an incomplete or stale folder: out of the way, then removed
+            old = model_dir / f"{STAGING_PREFIX}old-{uuid.uuid4().hex[:8]}"
+            os.replace(folder, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return served, True
+
+
+def prune(model_dir: Path, keep: Sequence[str]) -> list[str]:
+    """Remove version folders (and left-over staging folders) other than ``keep``; the removed versions."""
+    removed = []
+    for child in model_dir.iterdir():
+        if child.is_dir() and (
+            child.name.startswith(STAGING_PREFIX) or (child.name.isdigit() and child.name not in keep)
+        ):
+            shutil.rmtree(child, ignore_errors=True)
+            if child.name.isdigit():
+                removed.append(child.name)
+    return sorted(removed, key=int)
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    model: str  # the Triton model name
+    registered_model: str
+    champion: str
+    previous: str | None
+    model_dir: Path
+    staged: tuple[str, ...]  # versions downloaded by this export (the others were already in place)
+    removed: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.__dict__,
+            "model_dir": str(self.model_dir),
+            "staged": list(self.staged),
+            "removed": list(self.removed),
+        }
+
+
+def champion_of(mlclient: Any, registered: str, policy: Any = None) -> tuple[str, str | None]:
+    """(champion, previous) of a registered model; NoChampionError naming the aliases it has."""
+    from registry.models import CHAMPION, PREVIOUS, all_versions, get_aliases
+
+    aliases = get_aliases(mlclient, registered, policy)
+    champion = aliases.get(CHAMPION)
+    if champion is None:
+        versions = [str(v.version) for v in all_versions(mlclient, registered, policy)]
+        has = ", ".join(f"{a} -> {v}" for a, v in sorted(aliases.items())) or "none"
+        where = f"versions {versions}" if versions else "no versions (nothing is registered under that name)"
+        raise NoChampionError(
+            f"{registered} has no 'champion' alias (aliases: {has}; {where}); nothing to serve. Release a "
+            f"version first: kiln release {registered.split('.')[1]} --version N",
+            registered_model=registered,
+            aliases=aliases,
+        )
+    previous = aliases.get(PREVIOUS)
+    return champion, previous if previous != champion else None
+
+
+def export(
+    models: Sequence[str],
+    repository: str | os.PathLike,
+    *,
+    target: str = "cpu",
+    tracking_uri: str | None = None,
+    queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
+    instances: int = 1,
+    allowed_modules: Sequence[str] | None = None,
+) -> list[ExportResult]:
+    """Write (or bring up to date) each model's folder in ``repository`` from its champion and previous.
+
+    Every model is checked for a champion before anything is written."""
+    from registry import config
+    from registry.models import registered_model_name
+
+    if instances < 1 or queue_delay_us < 0:
+        raise TritonConfigError(
+            f"instances must be >= 1 and the queue delay >= 0 (got {instances}, {queue_delay_us})"
+        )
+    repo = check_repository(repository, write=True, create=True)
+    mlclient = config.client(tracking_uri)
+    plans = []
+    for model in models:
+        registered = registered_model_name(model, target)
+        plans.append((model, registered, *champion_of(mlclient, registered)))
+    results = []
+    for model, registered, champion, previous in plans:
+        name = triton_model_name(model)
+        model_dir = repo / name
+        keep = [champion] + ([previous] if previous else [])
+        with repository_lock(repo, name):
+            created = []
+            for version in keep:
+                _, new = stage_version(
+                    mlclient, model_dir, model, registered, version, allowed_modules=allowed_modules
+                )
+                if new:
+                    created.append(version)
+            settings = ServingSettings(registered, model, target, queue_delay_us, instances)
+            write_bytes_atomic(model_dir / SETTINGS_FILE, settings.to_json().encode())
+            write_config(model_dir, config_for(model_dir, champion))
+            removed = prune(model_dir, keep)
+        results.append(
+            ExportResult(name, registered, champion, previous, model_dir, tuple(created), tuple(removed))
+        )
+    return results

@@ -1,0 +1,263 @@
+"""What kiln's Python backend runs inside Triton's stub: load a staged version, answer batches.
+
+``backend/model.py`` (the file Triton runs, the same bytes in every version folder) only makes kiln
+importable and hands Triton's calls to :class:`ServedRuntime`.
+
+Load: the version folder's ``kiln.json`` (:class:`serving.triton.config.ServedModel`) says which
+content the registry recorded; the package is loaded with ``compiler.load``, which verifies every
+checksum (and the signature where ``KILN_SIGNING_KEY`` is set) before anything is used, and its content
+hash must equal the recorded one. Any failure raises, so Triton marks the version unavailable and keeps
+serving what it had.
+
+Execute: Triton's dynamic batcher hands over several requests at once. Each request's inputs are
+checked against the package's input specs (dtype and range, so an out-of-range shape is refused with
+the reason in that request's error, not the others'); requests whose shapes agree past the batch axis
+are concatenated and run as one call, and the outputs split back. Tensors cross through DLPack, not
+numpy: the stub's numpy bridge is built for numpy 1 and misreads numpy 2 arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from serving.triton.config import PACKAGE_DIR, SERVED_FILE, ServedModel
+
+Loader = Callable[[Path, str, ServedModel], tuple[Any, Sequence[Any]]]
+
+
+def flatten_outputs(value: Any) -> list[tuple[str, Any]]:
+    """(name, tensor) per output, in one order for the exporter and the backend: a dict's keys, else
+    ``output_<i>`` over the flattened leaves. A leaf that is not a tensor is refused by the caller."""
+    import torch
+    from torch.utils import _pytree
+
+    if isinstance(value, dict):
+        return [(str(k), v) for k, v in value.items()]
+    if isinstance(value, torch.Tensor):
+        return [("output_0", value)]
+    leaves, _ = _pytree.tree_flatten(value)
+    return [(f"output_{i}", leaf) for i, leaf in enumerate(leaves)]
+
+
+class ServedRuntime:
+    """One Triton model instance: a loaded module and the signature it is served with."""
+
+    def __init__(self, module: Any, served: ServedModel, specs: Sequence[Any], device: str, pb_utils: Any):
+        self.module = module
+        self.served = served
+        self.specs = list(specs)
+        self.device = device
+        self.pb = pb_utils
+        self.batched = served.max_batch_size > 0
+
+    @classmethod
+    def from_triton_args(cls, args: dict, pb_utils: Any, load: Loader | None = None) -> ServedRuntime:
+        """From ``initialize``'s arguments. ``load(package_dir, device, served) -> (module, input specs)``: by
+        default ``compiler.load`` of the verified package (a benchmark passes an eager model instead)."""
+        version_dir = Path(args["model_repository"]) / str(args["model_version"])
+        served = ServedModel.from_json(
+            (version_dir / SERVED_FILE).read_text(), str(version_dir / SERVED_FILE)
+        )
+        device = "cpu"
+        if args.get("model_instance_kind") == "GPU":
+            device = f"cuda:{int(args.get('model_instance_device_id', 0))}"
+        module, specs = (load or load_verified)(version_dir / PACKAGE_DIR, device, served)
+        return cls(module, served, specs, device, pb_utils)
+
+    def execute(self, requests: list) -> list:
+        import torch
+
+        responses: list[Any] = [None] * len(requests)
+        ready: list[tuple[int, list[torch.Tensor]]] = []
+        for index, request in enumerate(requests):
+            try:
+                ready.append((index, self._inputs(request)))
+            except Exception as exc:  # that request's answer, not the batch's
+                responses[index] = self._error(exc)
+        # Requests whose shapes agree past the batch axis run as one call.
+        groups: dict[tuple, list[tuple[int, list[torch.Tensor]]]] = {}
+        for item in ready:
+            key = tuple(tuple(t.shape[1:]) for t in item[1]) if self.batched else ("one", item[0])
+            groups.setdefault(key, []).append(item)
+        for items in groups.values():
+            try:
+                for index, outputs in self._run(items):
+                    responses[index] = self.pb.InferenceResponse(output_tensors=outputs)
+            except Exception as exc:
+                for index, _ in items:
+                    responses[index] = self._error(exc)
+        return responses
+
+    def _inputs(self, request: Any) -> list:
+        import torch
+
+        from compiler.specs import dtype_name
+
+        tensors = []
+        for spec in self.specs:
+            found = self.pb.get_input_tensor_by_name(request, spec.name)
+            if found is None:
+                raise ValueError(f"input {spec.name!r} is missing")
+            tensor = torch.from_dlpack(found.to_dlpack())
+            if dtype_name(tensor.dtype) != spec.dtype:
+                raise ValueError(
+                    f"input {spec.name!r}: expected dtype {spec.dtype}, got {dtype_name(tensor.dtype)}"
+                )
+            spec.check(tensor)  # InputSpecError naming the input and its range
+            tensors.append(tensor)
+        return tensors
+
+    def _run(self, items: list[tuple[int, list]]) -> list[tuple[int, list]]:
+        import torch
+        from torch.utils import dlpack
+
+        sizes = [item[1][0].shape[0] for item in items] if self.batched else [None] * len(items)
+        if self.batched and len(items) > 1:
+            inputs = [torch.cat([item[1][i] for item in items]) for i in range(len(self.specs))]
+        else:
+            inputs = items[0][1] if len(items) == 1 else None
+        results = []
+        if inputs is None:  # not batched: one call per request
+            for item in items:
+                results += self._run([item])
+            return results
+        with torch.inference_mode():
+            out = self.module(*[t.to(self.device) for t in inputs])
+        named = flatten_outputs(out)
+        if [n for n, _ in named] != [o.name for o in self.served.outputs]:
+            raise RuntimeError(
+                f"the module returned outputs {[n for n, _ in named]}, but {self.served.version} is served "
+                f"with {[o.name for o in self.served.outputs]}; export the repository again"
+            )
+        start = 0
+        for (index, _), size in zip(items, sizes, strict=True):
+            tensors = []
+            for name, value in named:
+                part = value if size is None else value[start : start + size]
+                tensors.append(
+                    self.pb.Tensor.from_dlpack(name, dlpack.to_dlpack(part.detach().cpu().contiguous()))
+                )
+            results.append((index, tensors))
+            start += size or 0
+        return results
+
+    def _error(self, exc: BaseException) -> Any:
+        return self.pb.InferenceResponse(
+            output_tensors=[], error=self.pb.TritonError(f"{type(exc).__name__}: {exc}")
+        )
+
+
+def load_verified(package_dir: Path, device: str, served: ServedModel) -> tuple[Any, Sequence[Any]]:
+    """``compiler.load`` (every checksum, the signature with ``KILN_SIGNING_KEY``), then the content
+    hash the registry recorded: another valid package put in its place is refused too."""
+    import compiler
+    from compiler.errors import PackageCorruptError
+
+    module = compiler.load(package_dir, device=device)
+    manifest = compiler.read_manifest(package_dir)
+    if manifest.content_hash != served.content_hash:
+        raise PackageCorruptError(
+            f"{package_dir} holds content {manifest.content_hash[:16]}..., but {served.registered_model} "
+            f"version {served.version} is {served.content_hash[:16]}... in the registry: refused"
+        )
+    return module, manifest.input_specs
+
+
+def served_record(version_dir: Path) -> ServedModel:
+    path = version_dir / SERVED_FILE
+    return ServedModel.from_json(path.read_text(), str(path))
+
+
+def probe_outputs(module: Any, specs: Sequence[Any], registered: str) -> list[tuple[str, str, list, list]]:
+    """Run ``module`` at the specs' smallest and largest shapes: (name, dtype, shape at min, at max) per
+    output. Integer inputs are drawn inside their recorded value range."""
+    import torch
+
+    from compiler.specs import dtype_name
+    from serving.triton.errors import TritonConfigError
+
+    def inputs(shapes: str) -> list:
+        made = []
+        for spec in specs:
+            shape = getattr(spec, shapes)
+            if spec.dtype.startswith(("float", "bfloat")):
+                made.append(torch.randn(shape).to(spec.torch_dtype))
+            elif spec.dtype == "bool":
+                made.append(torch.zeros(shape, dtype=torch.bool))
+            else:
+                lo, hi = spec.value_range or (0, 1)
+                made.append(torch.randint(int(lo), int(hi) + 1, shape, dtype=spec.torch_dtype))
+        return made
+
+    runs = []
+    with torch.inference_mode():
+        for shapes in ("min_shape", "max_shape"):
+            runs.append(flatten_outputs(module(*inputs(shapes))))
+    found = []
+    for (name, small), (_, large) in zip(runs[0], runs[1], strict=True):
+        if not isinstance(small, torch.Tensor):
+            raise TritonConfigError(
+                f"{registered}: output {name!r} is a {type(small).__name__}, not a tensor; Triton serves "
+                "tensors only"
+            )
+        found.append((name, dtype_name(small.dtype), list(small.shape), list(large.shape)))
+    return found
+
+
+def describe(
+    module: Any,
+    specs: Sequence[Any],
+    *,
+    name: str,
+    registered: str,
+    version: str,
+    content_hash: str,
+    engine_target: str,
+    profiles: Sequence[Any],
+) -> ServedModel:
+    """The :class:`ServedModel` of a loaded package: inputs from its specs, outputs probed."""
+    from serving.triton.config import TensorSig, batch_axis, preferred_sizes
+
+    outputs = probe_outputs(module, specs, registered)
+    batch = batch_axis(specs)
+    if batch is not None:
+        lo = max(spec.min_shape[0] for spec in specs)
+        hi = min(spec.max_shape[0] for spec in specs)
+        # Triton's batch axis must be every output's axis 0, following the inputs' batch.
+        if lo == hi or not all(s and b and s[0] == lo and b[0] == hi for _, _, s, b in outputs):
+            batch = None
+    inputs = tuple(
+        TensorSig(
+            spec.name,
+            spec.dtype,
+            [-1 if axis in spec.dynamic_dims else d for axis, d in enumerate(spec.max_shape)],
+        )
+        for spec in specs
+    )
+    out = tuple(
+        TensorSig(
+            n,
+            dtype,
+            [
+                -1 if (s != b or (batch and axis == 0)) else s
+                for axis, (s, b) in enumerate(zip(small, large, strict=True))
+            ],
+        )
+        for n, dtype, small, large in outputs
+    )
+    if batch is not None:
+        dim, max_batch = batch
+        return ServedModel(
+            name,
+            registered,
+            version,
+            content_hash,
+            engine_target,
+            inputs,
+            out,
+            max_batch,
+            preferred_sizes(profiles, dim, max_batch),
+        )
+    return ServedModel(name, registered, version, content_hash, engine_target, inputs, out)

@@ -1,0 +1,258 @@
+"""Running ``tritonserver`` on a kiln repository (``kiln serve triton run``; tests; the benchmark).
+
+Which binary: ``$KILN_TRITONSERVER``, else the one inside the ``nvidia-pytriton`` wheel (installed with
+``--no-deps``: kiln uses its server, not its Python package, which pins numpy<2), else
+``tritonserver`` on PATH. The Python backend comes from beside the binary (``backends/python``) with
+the stub built for this interpreter's Python version (the wheel ships one per version); they are
+linked into a private backend folder, as the stub must sit beside ``libtriton_python.so``.
+
+The server runs with explicit model control (every model of the repository loaded at start, later
+changes only through the load API), auto-completion off (kiln's ``config.pbtxt`` is complete), and
+HTTP and gRPC bound to 127.0.0.1 unless told otherwise. The stub ignores PYTHONPATH, so the server's
+environment carries ``KILN_TRITON_PYTHONPATH`` (see ``backend/model.py``): this kiln's checkout and
+this interpreter's site-packages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import site
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from serving.triton.control import TritonControl
+from serving.triton.errors import ServerStartError, ServerUnavailableError, TritonNotFoundError
+from serving.triton.repository import check_repository
+
+ENV_BINARY = "KILN_TRITONSERVER"
+ENV_PYTHONPATH = "KILN_TRITON_PYTHONPATH"
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    python_backend: Path  # the folder holding libtriton_python.so
+    stub: Path  # triton_python_backend_stub for this interpreter's Python version
+
+
+def find_tritonserver() -> TritonInstall:
+    """The server to run and its Python backend; TritonNotFoundError saying how to get one."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    candidates: list[Path] = []
+    if os.environ.get(ENV_BINARY):
+        candidates.append(Path(os.environ[ENV_BINARY]))
+    else:
+        spec = importlib.util.find_spec("pytriton")  # finds the folder; imports nothing of it
+        if spec is not None and spec.submodule_search_locations:
+            candidates.append(
+                Path(next(iter(spec.submodule_search_locations))) / "tritonserver" / "bin" / "tritonserver"
+            )
+        on_path = shutil.which("tritonserver")
+        if on_path:
+            candidates.append(Path(on_path))
+    for binary in candidates:
+        if not binary.is_file():
+            continue
+        home = binary.resolve().parent.parent
+        backend = home / "backends" / "python"
+        stubs = [
+            home / "python_backend_stubs" / version / "triton_python_backend_stub",
+            backend / "triton_python_backend_stub",
+        ]
+        stub = next((s for s in stubs if s.is_file()), None)
+        if (backend / "libtriton_python.so").is_file() and stub is not None:
+            return TritonInstall(binary, backend, stub)
+    raise TritonNotFoundError(
+        f"no tritonserver with a Python backend for Python {version} found (looked at "
+        f"{[str(c) for c in candidates] or 'nothing'}); install the server with "
+        "`pip install --no-deps nvidia-pytriton==0.7.0` (as the README does), or set "
+        f"{ENV_BINARY} to a tritonserver whose folder has backends/python"
+    )
+
+
+def backend_directory(install: TritonInstall, home: Path) -> Path:
+    """``home/backends/python``: the backend's files and the stub, linked (their RPATHs are relative to
+    where they really are, which a copy would break)."""
+    python = home / "backends" / "python"
+    python.mkdir(parents=True, exist_ok=True)
+    for source in [*install.python_backend.iterdir(), install.stub]:
+        if source.is_file():
+            link = python / source.name
+            with contextlib.suppress(FileNotFoundError):
+                link.unlink()
+            link.symlink_to(source.resolve())
+    return home / "backends"
+
+
+def kiln_pythonpath() -> list[str]:
+    """Where this process finds kiln and torch, for the stub's interpreter: kiln's checkout first."""
+    import serving
+
+    kiln_root = str(Path(serving.__file__).resolve().parents[1])
+    paths = [kiln_root]
+    for key in ("purelib", "platlib"):
+        paths.append(sysconfig.get_paths()[key])
+    with contextlib.suppress(AttributeError):
+        paths += site.getsitepackages()
+    seen: list[str] = []
+    for p in paths:
+        if p not in seen and Path(p).is_dir():
+            seen.append(p)
+    return seen
+
+
+def server_command(
+    install: TritonInstall,
+    repository: Path,
+    backends: Path,
+    *,
+    http_port: int,
+    grpc_port: int,
+    address: str = "127.0.0.1",
+    metrics_port: int | None = None,
+) -> list[str]:
+    command = [
+        str(install.binary),
+        f"--model-repository={repository}",
+        "--model-control-mode=explicit",
+        "--load-model=*",
+        "--disable-auto-complete-config",
+        f"--backend-directory={backends}",
+        f"--http-address={address}",
+        f"--http-port={http_port}",
+        f"--grpc-address={address}",
+        f"--grpc-port={grpc_port}",
+        "--exit-timeout-secs=10",
+    ]
+    if metrics_port is None:
+        command.append("--allow-metrics=false")
+    else:
+        command += [f"--metrics-address={address}", f"--metrics-port={metrics_port}"]
+    return command
+
+
+def server_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env[ENV_PYTHONPATH] = os.pathsep.join(
+        kiln_pythonpath() + [p for p in env.get(ENV_PYTHONPATH, "").split(os.pathsep) if p]
+    )
+    env.update(extra or {})
+    return env
+
+
+class TritonServer:
+    """A ``tritonserver`` child process in its own process group, with its log in ``home``."""
+
+    def __init__(
+        self,
+        repository: str | os.PathLike,
+        *,
+        http_port: int = 8000,
+        grpc_port: int = 8001,
+        address: str = "127.0.0.1",
+        metrics_port: int | None = None,
+        home: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
+        inherit_output: bool = False,
+    ):
+        # Foreground (`kiln serve triton run`): the server's log on this process's stdout, and the server
+        # in this process's group, so Ctrl-C or a signal to the group stops it with its stubs.
+        self.inherit_output = inherit_output
+        self.repository = check_repository(repository, write=False)
+        self.install = find_tritonserver()
+        self.http_port, self.grpc_port, self.address = http_port, grpc_port, address
+        self._own_home = home is None
+        self.home = Path(home) if home else Path(tempfile.mkdtemp(prefix="kiln-triton-"))
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.home / "tritonserver.log"
+        self.command = server_command(
+            self.install,
+            self.repository,
+            backend_directory(self.install, self.home),
+            http_port=http_port,
+            grpc_port=grpc_port,
+            address=address,
+            metrics_port=metrics_port,
+        )
+        self.env = server_environment(env)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        host = "127.0.0.1" if self.address in ("0.0.0.0", "") else self.address
+        return f"http://{host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        host = "127.0.0.1" if self.address in ("0.0.0.0", "") else self.address
+        return f"{host}:{self.grpc_port}"
+
+    def start(self, timeout: float = 300.0) -> TritonServer:
+        log = None if self.inherit_output else open(self.log_path, "ab")  # noqa: SIM115 - the child's
+        self.proc = subprocess.Popen(
+            self.command,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=not self.inherit_output,
+        )
+        if log is not None:
+            log.close()
+        control = TritonControl(self.http_url, timeout=2)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                message = (
+                    f"tritonserver exited with {self.proc.returncode} while loading {self.repository}:\n"
+                    f"{self.log_tail()}"
+                )
+                self.stop()
+                raise ServerStartError(message)
+            with contextlib.suppress(ServerUnavailableError):
+                control.ready()
+                return self
+            time.sleep(0.2)
+        message = f"tritonserver not ready after {timeout:g} s:\n{self.log_tail()}"
+        self.stop()
+        raise ServerStartError(message)
+
+    def wait(self) -> int:
+        assert self.proc is not None
+        return self.proc.wait()
+
+    def stop(self, grace: float = 15.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            # Own group: the server and its stubs; foreground: the server, which stops its stubs.
+            kill = proc.send_signal if self.inherit_output else lambda sig: os.killpg(proc.pid, sig)
+            with contextlib.suppress(ProcessLookupError):
+                kill(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    kill(signal.SIGKILL)
+                proc.wait(timeout=15)
+        if self._own_home:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
