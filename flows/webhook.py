@@ -13,10 +13,10 @@ are answered 200, logged, and ignored.
 Each delivery id is accepted once: ids seen within the replay window are kept in a small JSON file
 (``--state``, default ``.kiln/webhook-deliveries.json``, so a restarted receiver remembers them), and a
 replay is answered 200 without starting anything. The body is bounded before it is read: a missing
-``Content-Length`` is 411, a negative or non-numeric one 400, one over ``MAX_BODY_BYTES`` 413; a
-connection that stops sending times out after ``READ_TIMEOUT_S``. Every request gets an HTTP answer: a
-failure after verification (a broken zoo file, Prefect down) is a 500 naming it, and the delivery id is
-released so MLflow's retry can succeed once the cause is fixed.
+``Content-Length`` is 411, anything but ASCII digits (or two different lengths) 400, one over
+``MAX_BODY_BYTES`` 413; a connection that stops sending times out after ``READ_TIMEOUT_S``. Every
+request gets an HTTP answer: a failure after verification (a broken zoo file, Prefect down) is a 500
+naming it, and the delivery id is released so MLflow's retry can succeed once the cause is fixed.
 
 The secret comes from ``$KILN_WEBHOOK_SECRET``; the zoo file is re-read on every event, so entries
 added since the receiver started are seen.
@@ -31,6 +31,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ MAX_BODY_BYTES = 1 << 20
 READ_TIMEOUT_S = 10.0
 DEFAULT_STATE = ".kiln/webhook-deliveries.json"
 EVENTS = ("model_version.created", "model_version_alias.created")
+# A decimal byte count in ASCII: str.isdigit() also takes "²" (which int() refuses) and int() takes
+# other scripts' digits; a bound on the digits keeps int() away from its 4300-digit limit.
+_LENGTH_RE = re.compile(r"[0-9]{1,32}")
 
 
 class WebhookSignatureError(KilnError):
@@ -208,7 +212,7 @@ def serve(
         timeout = read_timeout  # a half-open connection does not hold a thread forever
 
         def do_POST(self) -> None:
-            length, refusal = _body_length(self.headers.get("Content-Length"))
+            length, refusal = _body_length(self.headers.get_all("Content-Length"))
             if refusal is not None:
                 # Nothing of the body is read: the connection closes after the answer.
                 self.close_connection = True
@@ -241,13 +245,16 @@ def serve(
     return ThreadingHTTPServer((host, port), Handler)
 
 
-def _body_length(header: str | None) -> tuple[int, tuple[int, dict] | None]:
+def _body_length(headers: list[str] | None) -> tuple[int, tuple[int, dict] | None]:
     """(body length, None), or (0, (status, answer)) refusing the request before its body is read."""
-    if header is None:
+    if not headers:
         return 0, (411, {"error": "Content-Length is required"})
-    text = header.strip()
-    if not text.isdigit():  # no sign, no spaces inside, no hex: a plain decimal count
-        return 0, (400, {"error": f"Content-Length {header!r} is not a byte count"})
+    texts = {header.strip() for header in headers}
+    if len(texts) > 1:
+        return 0, (400, {"error": f"Content-Length is given {len(headers)} times with different values"})
+    text = texts.pop()
+    if not _LENGTH_RE.fullmatch(text):  # no sign, no spaces inside, no hex, no non-ASCII digits
+        return 0, (400, {"error": f"Content-Length {headers[0]!r} is not a byte count (ASCII digits)"})
     length = int(text)
     if length > MAX_BODY_BYTES:
         return 0, (413, {"error": f"body of {length} bytes is over {MAX_BODY_BYTES} bytes"})

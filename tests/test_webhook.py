@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,33 @@ def test_every_request_gets_an_answer_and_bodies_are_bounded_before_reading(tmp_
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextlib.contextmanager
+def _serving(tmp_path: Path, **options: float) -> Iterator[int]:
+    """A receiver (zoo without models:/ entries) on a free port; yields the port."""
+    zoo = tmp_path / "zoo.yaml"
+    zoo.write_text("models: [{name: mlp, factory: 'zoo.models:mlp_with_fallback'}]\n")
+    receiver = Receiver(str(zoo), "recompile-zoo/none", SECRET, str(tmp_path / "seen.json"))
+    server = serve(receiver, "127.0.0.1", 0, **options)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_content_length_of_non_ascii_or_too_many_digits_is_a_400(tmp_path: Path) -> None:
+    """'²' passes str.isdigit() and then breaks int(): the connection used to close with no answer."""
+    head = b"POST / HTTP/1.1\r\nHost: x\r\n"
+    with _serving(tmp_path, read_timeout=2.0) as port:
+        for value in (b"\xb2", b"1\xb9", b"9" * 5000, b"\xd9\xa3"):
+            answer = _raw(port, head + b"Content-Length: " + value + b"\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.0 400") and b"not a byte count" in answer, (value, answer[:200])
+        # Two different lengths: which one frames the body is ambiguous, so neither is used.
+        answer = _raw(port, head + b"Content-Length: 3\r\nContent-Length: 4\r\n\r\nabcd")
+        assert answer.startswith(b"HTTP/1.0 400") and b"different values" in answer, answer[:200]
 
 
 def test_only_a_fresh_delivery_signed_with_the_secret_is_read() -> None:
