@@ -158,13 +158,17 @@ def webhook_serve(
     """Receive MLflow registry webhooks (signed with $KILN_WEBHOOK_SECRET) and start recompiles."""
     quiet_prefect(verbose)
     from compiler.errors import KilnError
-    from flows.webhook import Receiver, secret_from_env, serve
+    from flows.webhook import DeliveryStateError, Receiver, secret_from_env, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         receiver = Receiver(str(zoo_file.resolve()), deployment, secret_from_env(), str(state))
     except KilnError as exc:
         raise bad_input(str(exc)) from None
+    try:
+        receiver.deliveries.check()
+    except DeliveryStateError as exc:  # served anyway: each delivery is refused with this reason
+        logging.getLogger("kiln.webhook").error("%s", exc)
     server = serve(receiver, host, port)
     console.print(f"kiln webhook receiver on http://{host}:{server.server_port}/ for {zoo_file}")
     try:

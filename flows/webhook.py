@@ -12,7 +12,13 @@ are answered 200, logged, and ignored.
 
 Each delivery id is accepted once: ids seen within the replay window are kept in a small JSON file
 (``--state``, default ``.kiln/webhook-deliveries.json``, so a restarted receiver remembers them), and a
-replay is answered 200 without starting anything. The body is bounded before it is read: a missing
+replay is answered 200 without starting anything. The file is replaced atomically (and its directory
+synced) on every write. A state file that cannot be read, or is not what the receiver writes, fails
+closed: every delivery is answered 503 naming it, since a replay cannot be told from a first delivery.
+Once the file was last written more than ``2 * MAX_AGE_S`` ago, no delivery it may have recorded can
+verify again, so it is moved aside (``<state>.corrupt-<time>``) and the receiver starts afresh.
+
+The body is bounded before it is read: a missing
 ``Content-Length`` is 411, anything but ASCII digits (or two different lengths) 400, one over
 ``MAX_BODY_BYTES`` 413; a connection that stops sending times out after ``READ_TIMEOUT_S``. Every
 request gets an HTTP answer: a failure after verification (a broken zoo file, Prefect down) is a 500
@@ -30,6 +36,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -57,6 +64,11 @@ _LENGTH_RE = re.compile(r"[0-9]{1,32}")
 
 class WebhookSignatureError(KilnError):
     """A delivery whose signature or timestamp does not verify."""
+
+
+class DeliveryStateError(KilnError):
+    """The file of accepted delivery ids cannot be read, or holds something the receiver never writes:
+    deliveries are refused until it is repaired, or old enough that nothing it recorded verifies."""
 
 
 def sign(secret: str, delivery_id: str, timestamp: str, body: str) -> str:
@@ -106,32 +118,90 @@ def entries_for(zoo_path: str, model_name: str) -> list[str]:
     return names
 
 
+def _parse_state(raw: bytes) -> dict[str, float] | None:
+    """The ids and acceptance times of a state file, or None when it is not what ``_write`` writes."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    seen = {}
+    for key, value in data.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return None
+        seen[key] = float(value)
+    return seen
+
+
 class DeliveryLog:
     """Delivery ids accepted within the replay window, kept in a JSON file (id -> time accepted).
 
     An id older than twice ``MAX_AGE_S`` can be forgotten: its signed timestamp no longer verifies.
+    For the same reason a damaged file whose last write is older than that is safe to start over from;
+    a younger one is refused (:class:`DeliveryStateError`), never read as empty.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._lock = threading.Lock()
 
-    def _read(self) -> dict[str, float]:
+    def _read(self, now: float) -> dict[str, float]:
         try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            raw = self.path.read_bytes()
+            written = self.path.stat().st_mtime
+        except FileNotFoundError:
             return {}
-        return {str(k): float(v) for k, v in data.items()} if isinstance(data, dict) else {}
+        except OSError as exc:
+            raise DeliveryStateError(
+                f"the delivery state {self.path} cannot be read ({exc.strerror or exc}); deliveries are "
+                "refused until it can (fix its permissions or --state)"
+            ) from None
+        seen = _parse_state(raw)
+        if seen is not None:
+            return seen
+        safe_at = written + 2 * MAX_AGE_S
+        if now < safe_at:
+            raise DeliveryStateError(
+                f"the delivery state {self.path} is corrupt (not a JSON object of delivery id -> time): "
+                f"a replay cannot be told from a first delivery, so deliveries are refused for "
+                f"{safe_at - now:.0f} s more, until nothing it recorded can verify again (it is then "
+                "moved aside and the receiver starts afresh); or restore it from a copy"
+            )
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(now)}")
+        os.replace(self.path, aside)
+        log.warning(
+            "the delivery state %s was corrupt; last written %.0f s ago, so no delivery it recorded "
+            "verifies any more: kept as %s, starting afresh",
+            self.path,
+            now - written,
+            aside,
+        )
+        return {}
 
     def _write(self, seen: dict[str, float]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(self.path, json.dumps(seen, sort_keys=True).encode())
+        # The rename is durable only once the directory is synced: a crash must not bring back a state
+        # without the ids just accepted.
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def check(self, now: float | None = None) -> None:
+        """Raise DeliveryStateError when deliveries would be refused because of the state file."""
+        with self._lock:
+            self._read(time.time() if now is None else now)
 
     def claim(self, delivery_id: str, now: float | None = None) -> bool:
-        """True the first time ``delivery_id`` is claimed within the window (recorded on disk first)."""
+        """True the first time ``delivery_id`` is claimed within the window (recorded on disk first).
+
+        Raises DeliveryStateError when the state cannot be trusted (see the class)."""
         now = time.time() if now is None else now
         with self._lock:
-            seen = {k: t for k, t in self._read().items() if now - t <= 2 * MAX_AGE_S}
+            seen = {k: t for k, t in self._read(now).items() if now - t <= 2 * MAX_AGE_S}
             if delivery_id in seen:
                 return False
             seen[delivery_id] = now
@@ -141,7 +211,7 @@ class DeliveryLog:
     def release(self, delivery_id: str) -> None:
         """Forget a claimed id whose handling failed, so that a retry of the delivery is accepted."""
         with self._lock:
-            seen = self._read()
+            seen = self._read(time.time())
             if seen.pop(delivery_id, None) is not None:
                 self._write(seen)
 
@@ -168,13 +238,21 @@ class Receiver:
             log.warning("refused a webhook delivery: %s", exc)
             return 401, {"error": str(exc)}
         delivery = headers.get("X-MLflow-Delivery-Id")
-        if not self.deliveries.claim(delivery):
+        try:
+            first = self.deliveries.claim(delivery)
+        except DeliveryStateError as exc:
+            log.error("refused webhook delivery %s: %s", delivery, exc)
+            return 503, {"error": str(exc)}
+        if not first:
             log.warning("webhook delivery %s replayed; ignored", delivery)
             return 200, {"ignored": f"delivery {delivery!r} was already accepted"}
         try:
             return self._start(event)
         except Exception as exc:
-            self.deliveries.release(delivery)
+            try:
+                self.deliveries.release(delivery)
+            except DeliveryStateError as state_exc:
+                log.error("could not release delivery %s for a retry: %s", delivery, state_exc)
             log.error("webhook delivery %s failed: %s: %s", delivery, type(exc).__name__, exc)
             return 500, {"error": f"{type(exc).__name__}: {exc}"}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.webhook import Receiver, WebhookSignatureError, serve, sign, verify
+from flows.webhook import MAX_AGE_S, Receiver, WebhookSignatureError, serve, sign, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "kiln-test-secret-0123456789"
@@ -121,6 +122,43 @@ def test_a_content_length_of_non_ascii_or_too_many_digits_is_a_400(tmp_path: Pat
         # Two different lengths: which one frames the body is ambiguous, so neither is used.
         answer = _raw(port, head + b"Content-Length: 3\r\nContent-Length: 4\r\n\r\nabcd")
         assert answer.startswith(b"HTTP/1.0 400") and b"different values" in answer, answer[:200]
+
+
+def test_a_corrupt_delivery_state_refuses_deliveries_until_nothing_in_it_verifies(tmp_path: Path) -> None:
+    """A damaged state file used to read as empty: the replay of an accepted delivery went through."""
+    zoo = tmp_path / "zoo.yaml"
+    zoo.write_text("models: [{name: mlp, factory: 'zoo.models:mlp_with_fallback'}]\n")
+    state = tmp_path / "seen.json"
+    receiver = Receiver(str(zoo), "recompile-zoo/none", SECRET, str(state))
+    body = json.dumps({"entity": "model_version", "action": "created", "data": {"name": "m"}})
+    accepted = _headers(body, delivery="accepted")
+    status, answer = receiver.handle(accepted, body.encode())
+    assert status == 200 and "uses registered model" in answer["ignored"], answer
+    inode = state.stat().st_ino
+    receiver.handle(_headers(body, delivery="second"), body.encode())
+    assert state.stat().st_ino != inode  # replaced by a rename, never rewritten in place
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".seen")] == []  # no temp files left
+
+    for damage in (b'{"accepted": 17', b"[]", b'{"accepted": "yesterday"}', b'{"accepted": NaN}'):
+        state.write_bytes(damage)
+        for delivery in ("accepted", "new"):  # the replay, and a delivery never seen: both refused
+            status, answer = receiver.handle(_headers(body, delivery=delivery), body.encode())
+            assert status == 503 and f"{state} is corrupt" in answer["error"], (damage, answer)
+            assert "refused for" in answer["error"]
+        assert state.read_bytes() == damage  # kept as found, for whoever repairs it
+    # Last written more than twice the replay window ago: nothing it recorded verifies, so it is moved
+    # aside and deliveries are accepted again.
+    old = time.time() - 2 * MAX_AGE_S - 5
+    os.utime(state, (old, old))
+    status, answer = receiver.handle(_headers(body, delivery="new"), body.encode())
+    assert status == 200 and "uses registered model" in answer["ignored"], answer
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("seen.json.corrupt-")]
+    assert len(aside) == 1 and aside[0].read_bytes() == b'{"accepted": NaN}'
+    # A state that cannot be read at all (here a directory) is refused too, naming it.
+    state.unlink()
+    state.mkdir()
+    status, answer = receiver.handle(_headers(body, delivery="third"), body.encode())
+    assert status == 503 and f"{state} cannot be read" in answer["error"], answer
 
 
 def test_only_a_fresh_delivery_signed_with_the_secret_is_read() -> None:
