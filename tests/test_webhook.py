@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import socket
 import threading
 import time
@@ -66,7 +67,7 @@ def test_every_request_gets_an_answer_and_bodies_are_bounded_before_reading(tmp_
     zoo = tmp_path / "zoo.yaml"
     zoo.write_text("models: [\n")  # broken while a verified delivery arrives
     receiver = Receiver(str(zoo), "recompile-zoo/none", SECRET, str(tmp_path / "seen.json"))
-    server = serve(receiver, "127.0.0.1", 0, read_timeout=1.0)
+    server = serve(receiver, "127.0.0.1", 0, request_timeout=1.0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_port
     try:
@@ -115,13 +116,62 @@ def _serving(tmp_path: Path, **options: float) -> Iterator[int]:
 def test_a_content_length_of_non_ascii_or_too_many_digits_is_a_400(tmp_path: Path) -> None:
     """'²' passes str.isdigit() and then breaks int(): the connection used to close with no answer."""
     head = b"POST / HTTP/1.1\r\nHost: x\r\n"
-    with _serving(tmp_path, read_timeout=2.0) as port:
+    with _serving(tmp_path, request_timeout=2.0) as port:
         for value in (b"\xb2", b"1\xb9", b"9" * 5000, b"\xd9\xa3"):
             answer = _raw(port, head + b"Content-Length: " + value + b"\r\n\r\n")
             assert answer.startswith(b"HTTP/1.0 400") and b"not a byte count" in answer, (value, answer[:200])
         # Two different lengths: which one frames the body is ambiguous, so neither is used.
         answer = _raw(port, head + b"Content-Length: 3\r\nContent-Length: 4\r\n\r\nabcd")
         assert answer.startswith(b"HTTP/1.0 400") and b"different values" in answer, answer[:200]
+
+
+def _trickle(port: int, interval: float, limit: float) -> tuple[float, bytes]:
+    """Send one header line every ``interval`` s until the server answers or ``limit`` s pass:
+    (seconds until the server answered or closed, its answer)."""
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\n")
+        line = 0
+        while time.monotonic() - start < limit:
+            if select.select([sock], [], [], interval)[0]:
+                answer = b""
+                with contextlib.suppress(ConnectionResetError):
+                    while chunk := sock.recv(1 << 16):
+                        answer += chunk
+                return time.monotonic() - start, answer
+            line += 1
+            with contextlib.suppress(OSError):
+                sock.sendall(f"X-Slow-{line}: {line}\r\n".encode())
+        return time.monotonic() - start, b""
+
+
+def test_a_trickling_client_is_cut_off_at_the_whole_request_deadline(tmp_path: Path) -> None:
+    """A header line every 0.3 s never trips a 1 s per-read timeout; the request's deadline is 1 s."""
+    with _serving(tmp_path, request_timeout=1.0) as port:
+        seconds, answer = _trickle(port, interval=0.3, limit=4.0)
+    assert answer.startswith(b"HTTP/1.0 408") and b"within 1 s" in answer, answer[:200]
+    assert seconds < 2.5
+
+
+def test_handler_threads_are_bounded_and_excess_connections_get_a_503(tmp_path: Path) -> None:
+    threads_before = threading.active_count()
+    with _serving(tmp_path, request_timeout=1.0, max_connections=2) as port:
+        # Two silent connections take both handler threads until their deadline.
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        time.sleep(0.2)
+        extra = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(10)]
+        try:
+            start = time.monotonic()
+            answer = _raw(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            assert time.monotonic() - start < 1.0  # answered at once, not after a holder's deadline
+            assert answer.startswith(b"HTTP/1.0 503") and b"Retry-After: 5" in answer, answer[:200]
+            assert threading.active_count() <= threads_before + 1 + 2  # serve_forever + 2 handlers
+        finally:
+            for sock in silent + extra:
+                sock.close()
+        # The holders' slots come free at their deadline: a request is handled again.
+        time.sleep(1.2)
+        assert _raw(port, b"POST / HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.0 411")
 
 
 def test_a_corrupt_delivery_state_refuses_deliveries_until_nothing_in_it_verifies(tmp_path: Path) -> None:
