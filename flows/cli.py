@@ -113,12 +113,14 @@ def _check_environment() -> None:
         raise ZooConfigError(str(exc)) from None
 
 
-def _check_out_dir(out_dir: str) -> None:
+def _check_writable(out_dir: str, workspace: str) -> None:
+    """Where packages and stage outputs go must be writable: else exit 2 before any model is read."""
     from zoo.config import ZooConfigError
-    from zoo.preflight import check_out_dir
+    from zoo.preflight import check_out_dir, check_workspace
 
     try:
         check_out_dir(out_dir)
+        check_workspace(workspace)
     except ZooConfigError as exc:
         raise bad_input(str(exc)) from None
 
@@ -249,11 +251,11 @@ def zoo_cmd(
     except ZooConfigError as exc:
         raise bad_input(str(exc)) from None
     if check:
-        raise typer.Exit(_check(zoo, model, device, settings.engine_cache_dir()))
+        raise typer.Exit(_check(zoo, model, device, settings.engine_cache_dir(), settings.workspace))
     requests = _selected_requests(zoo, model, device)
     invalid = [i for i in zoo.invalid if not model or i.name in model]
     out_dir = str(Path(out or settings.out_dir).resolve())
-    _check_out_dir(out_dir)
+    _check_writable(out_dir, settings.workspace)
     if not invalid:
         summary = _unchanged_summary(requests, out_dir, settings, str(zoo_file))
         if summary is not None:
@@ -291,13 +293,24 @@ def _engine_cache_usable(location: str | None) -> None:
             raise ZooConfigError(str(exc)) from None
 
 
-def _check(zoo: Any, models: list[str] | None, devices: list[str] | None, cache: str | None = None) -> int:
-    """The flows' own preflight for every selected request, sizing the largest inputs, and a probe of
-    an object-store engine cache (reachable, credentials accepted, writable)."""
+def _check(
+    zoo: Any,
+    models: list[str] | None,
+    devices: list[str] | None,
+    cache: str | None = None,
+    workspace: str | None = None,
+) -> int:
+    """The flows' own preflight for every selected request, sizing the largest inputs, a probe of
+    an object-store engine cache (reachable, credentials accepted, writable) and of the workspace."""
     from zoo.config import ZooConfigError
-    from zoo.preflight import preflight
+    from zoo.preflight import check_workspace, preflight
 
     problems = [(bad.name, bad.error) for bad in zoo.invalid if not models or bad.name in models]
+    if workspace is not None:
+        try:
+            check_workspace(workspace)
+        except ZooConfigError as exc:
+            problems.append(("workspace", str(exc)))
     if cache and "://" in cache:
         from compiler.cache import EngineCache
         from compiler.errors import CacheError
@@ -547,7 +560,7 @@ def compile_cmd(
     except ZooConfigError as exc:
         raise bad_input(str(exc)) from None
     out_dir = str((out or Path(settings.out_dir)).resolve())
-    _check_out_dir(out_dir)
+    _check_writable(out_dir, settings.workspace)
     summary = _unchanged_summary([request], out_dir, settings, str(zoo_file))
     if summary is not None:
         _finish(summary, as_json, settings.tracking_enabled())

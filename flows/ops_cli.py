@@ -155,19 +155,30 @@ def webhook_serve(
     state: Annotated[
         Path, typer.Option(help="file keeping the ids of accepted deliveries (each is accepted once)")
     ] = Path(".kiln/webhook-deliveries.json"),
+    request_timeout: Annotated[
+        float,
+        typer.Option(help="seconds a client has to send its whole request (line, headers, body)", min=0.1),
+    ] = 10.0,
+    max_connections: Annotated[
+        int, typer.Option(help="requests handled at once; a connection beyond them is answered 503", min=1)
+    ] = 16,
     verbose: Verbose = False,
 ) -> None:
     """Receive MLflow registry webhooks (signed with $KILN_WEBHOOK_SECRET) and start recompiles."""
     quiet_prefect(verbose)
     from compiler.errors import KilnError
-    from flows.webhook import Receiver, secret_from_env, serve
+    from flows.webhook import DeliveryStateError, Receiver, secret_from_env, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         receiver = Receiver(str(zoo_file.resolve()), deployment, secret_from_env(), str(state))
     except KilnError as exc:
         raise bad_input(str(exc)) from None
-    server = serve(receiver, host, port)
+    try:
+        receiver.deliveries.check()
+    except DeliveryStateError as exc:  # served anyway: each delivery is refused with this reason
+        logging.getLogger("kiln.webhook").error("%s", exc)
+    server = serve(receiver, host, port, request_timeout=request_timeout, max_connections=max_connections)
     console.print(f"kiln webhook receiver on http://{host}:{server.server_port}/ for {zoo_file}")
     try:
         server.serve_forever()

@@ -27,6 +27,7 @@ from flows.runners import (
     task_runner_for,
 )
 from zoo.config import ZooSettings, load_zoo
+from zoo.preflight import check_workspace
 from zoo.request import CompileRequest
 
 SUMMARY_ARTIFACT = "zoo-summary"
@@ -142,6 +143,7 @@ def recompile_zoo(
     zoo = load_zoo(zoo_path)
     settings = zoo.settings.with_overrides(settings_overrides)
     out = str(Path(out_dir or settings.out_dir).resolve())
+    check_workspace(settings.workspace)  # every model writes there: one clear failure, before any model
     if models:
         unknown = sorted(set(models) - set(zoo.names))
         if unknown:

@@ -15,12 +15,19 @@ out its slot timeout. The temporary server therefore keeps leases on disk next t
 (Prefect's filesystem lease storage), and the next run's server revokes the expired ones within its
 repossessor loop (``REPOSSESSOR_LOOP_S``). A long-lived server keeps its leases in memory and
 revokes them itself; one that is restarted should use the filesystem storage (or Redis) too.
+
+Prefect sends run logs and events from background workers, in batches (logs every 2 s), and what is
+still queued at interpreter exit. By then the temporary server was already stopped: ``kiln release``
+ended with "Error logging to API", and where a batch was in flight as the server went down, the
+client retried the dead server with backoff for about a minute first (a 25 s release took 94 s).
+So before the temporary server is stopped, :func:`flush_to_api` sends what is queued.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -35,6 +42,7 @@ from pathlib import Path
 
 from compiler.errors import KilnError
 
+FLUSH_TIMEOUT_S = 10.0
 STARTUP_TIMEOUT = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"))
 SIGTERM_GRACE_S = 10.0
 REPOSSESSOR_LOOP_S = 5
@@ -100,6 +108,7 @@ def prefect_api() -> Iterator[str]:
             yield url
     finally:
         signal.signal(signal.SIGTERM, previous)
+        flush_to_api()  # while the server still answers
         proc.terminate()
         try:
             proc.wait(timeout=15)
@@ -107,6 +116,20 @@ def prefect_api() -> Iterator[str]:
             proc.kill()
         log.close()
         Path(log.name).unlink(missing_ok=True)
+
+
+def flush_to_api(timeout: float = FLUSH_TIMEOUT_S) -> None:
+    """Send the run logs and events Prefect still holds to the API now; wait at most ``timeout`` s.
+
+    Prefect's workers stop once drained; the next log or event starts a new one."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        try:
+            worker.drain_all(timeout=timeout)
+        except Exception as exc:  # the server is going away anyway: never stop that
+            logging.getLogger("kiln").debug("could not flush %s: %s", worker.__name__, exc)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:

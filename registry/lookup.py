@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,11 +45,14 @@ from registry.models import (
 )
 from registry.pyfunc import PACKAGE_ARTIFACT
 from registry.transfer import ProgressCallback, download_model_dir
+from zoo.sources.staging import new_staging_dir
 
 if TYPE_CHECKING:  # the manifest's module imports torch: a look-up that loads nothing never needs it
     from compiler.manifest import Manifest
 
 log = logging.getLogger("kiln.registry")
+
+STAGING_PREFIX = ".kiln-staging-"
 
 Shapes = Sequence[int] | Sequence[Sequence[int]] | Mapping[str, Sequence[int]]
 
@@ -243,8 +245,8 @@ def fetch_version(
     mv = call_with_retry(lambda: mlclient.get_model_version(name, version), f"read {name}/{version}", policy)
     tags = dict(mv.tags)
     root = Path(dst) if dst else default_download_root() / name / f"v{version}"
-    root.parent.mkdir(parents=True, exist_ok=True)
-    staging = root.parent / f".{root.name}.{uuid.uuid4().hex[:8]}"
+    # Owned by this process: a download killed midway is swept by the next look-up of the model.
+    staging = new_staging_dir(root.parent, STAGING_PREFIX, root.name)
 
     try:
         uri = call_with_retry(

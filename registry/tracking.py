@@ -26,7 +26,6 @@ import logging
 import os
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -60,6 +59,7 @@ from registry.models import (
 )
 from registry.pyfunc import PACKAGE_ARTIFACT, KilnPackageModel
 from registry.transfer import ProgressCallback, upload_model_dir
+from zoo.sources.staging import staging_dir
 
 log = logging.getLogger("kiln.registry")
 
@@ -305,8 +305,8 @@ def _log_and_register(
             f"log the validation and calibration data of {model}",
             policy,
         )
-    with tempfile.TemporaryDirectory(prefix="kiln-mlflow-") as tmp:
-        tmp_path = Path(tmp)
+    with staging_dir("record") as tmp_path:
+        tmp = str(tmp_path)
         for name, data in payload.artifacts_for(manifest, request, report).items():
             (tmp_path / name).write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
         title = f"{model} ({manifest.backend}, {manifest.precision}, {manifest.engine_target})"
@@ -331,8 +331,8 @@ def _log_and_register(
     # save the pyfunc model locally, upload it (MLmodel last), link it to the run, mark it READY.
     before = set(sys.path)
     try:
-        with tempfile.TemporaryDirectory(prefix="kiln-model-") as tmp:
-            local = Path(tmp) / MODEL_ARTIFACT
+        with staging_dir("model") as tmp:  # a copy of the package: swept if this process is killed
+            local = tmp / MODEL_ARTIFACT
             mlflow.pyfunc.save_model(
                 path=str(local),
                 mlflow_model=Model(

@@ -70,6 +70,10 @@ def test_check_names_each_problem_and_exits_1(tmp_path: Path) -> None:
         # A path under a regular file cannot be created, as on a read-only filesystem (even for root).
         (("zoo", "deploy/zoo.yaml", "--out", "{file}/out"), "packages cannot be written there"),
         (("compile", "zoo.models:mlp_with_fallback", "--out", "{file}/out"), "packages cannot be written"),
+        (
+            ("compile", "zoo.models:mlp_with_fallback", "--workspace", "{file}/ws"),
+            "settings.workspace '{file}/ws': stage outputs cannot be written there",
+        ),
         (("zoo", "deploy/zoo.yaml", "--model", "nope"), "--model ['nope']: not in deploy/zoo.yaml"),
         (("zoo", "deploy/zoo.yaml", "--task-runner", "spark"), "use 'thread' or 'dask'"),
         (("compile", "nope"), "'nope' is not a model of deploy/zoo.yaml"),
@@ -86,7 +90,7 @@ def test_unusable_input_exits_2_with_the_reason(tmp_path: Path, args: tuple[str,
     paths["file"] = str(broken)
     proc = _kiln(*(a.format(**paths) for a in args))
     assert proc.returncode == 2, proc.stderr
-    assert message in " ".join(proc.stderr.split()), proc.stderr
+    assert message.format(**paths) in " ".join(proc.stderr.split()), proc.stderr
 
 
 def _read_only_mount_works(where: Path) -> bool:
@@ -115,6 +119,32 @@ def test_an_out_dir_on_a_read_only_filesystem_is_exit_2_naming_it(tmp_path: Path
     assert proc.returncode == 2, proc.stderr
     text = " ".join(proc.stderr.split())
     assert f"--out '{mount}': packages cannot be written there (Read-only file system)" in text, text
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_workspace_on_a_read_only_filesystem_is_exit_2_naming_it(tmp_path: Path) -> None:
+    """settings.workspace on a real read-only filesystem: exit 2 naming the directory and the fix,
+    before any model is looked at (was an OSError traceback, exit 1)."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if not _read_only_mount_works(mount):
+        pytest.skip("no user namespaces here to mount a read-only filesystem (unshare -rm)")
+    zoo = tmp_path / "zoo.yaml"
+    zoo.write_text(
+        f"settings: {{workspace: '{mount}/ws', tracking: false}}\n"
+        "models: [{name: mlp, factory: 'zoo.models:mlp_with_fallback'}]\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update({"PYTHONPATH": str(ROOT), "COLUMNS": "200"})
+    script = 'mount -t tmpfs -o ro none "$0" && exec "$1" -m flows.cli zoo "$2" --out "$3"'
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, str(mount), sys.executable, str(zoo), str(tmp_path / "out")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    text = " ".join(proc.stderr.split())
+    assert f"settings.workspace '{mount}/ws': stage outputs cannot be written there" in text, text
+    assert "(Read-only file system)" in text and "--workspace" in text, text
     assert "Traceback" not in proc.stderr
 
 

@@ -218,3 +218,28 @@ def test_fleet_workers_starting_at_once_all_get_the_build_limit(prefect_api) -> 
     assert errors == []
     with get_client(sync_client=True) as client:
         assert client.read_global_concurrency_limit_by_name(limit_name(device)).limit == 2
+
+
+def test_run_logs_reach_the_server_before_a_temporary_one_is_stopped(prefect_api) -> None:
+    """Prefect sends run logs in batches (every 2 s) and the rest at interpreter exit: by then
+    `prefect_api()` had stopped its temporary server, so `kiln release` printed "Error logging to API",
+    once after a minute of retries. `flush_to_api`, which `prefect_api()` calls before stopping its
+    server, must leave nothing queued."""
+    import uuid
+
+    from prefect import flow, get_client, get_run_logger
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from flows.server import flush_to_api
+
+    words = f"last words {uuid.uuid4()}"
+
+    @flow(name="last-words")
+    def last_words() -> None:
+        get_run_logger().info(words)
+
+    flow_run_id = last_words(return_state=True).state_details.flow_run_id
+    flush_to_api(timeout=30)
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=50)
+    assert words in [log.message for log in logs], [log.message for log in logs]

@@ -284,10 +284,15 @@ def test_logged_model_loads_in_a_fresh_process_and_matches_eager(mlflow_server, 
 
 
 def test_lookup_picks_the_version_whose_ranges_cover_the_shape(mlflow_server, recorded):
-    from registry.lookup import lookup
+    from registry.lookup import STAGING_PREFIX, default_download_root, lookup
+    from tests.fixtures.downloads import killed_download
 
+    # A look-up killed mid-download left its staging directory; the next look-up of the model sweeps it.
+    stale = killed_download(default_download_root() / NAME, "v1", STAGING_PREFIX)
     # v1: batch 1..32, v2: batch 16..64, no champion yet -> newest that fits.
     assert lookup("mlp", (8, 64), backend="onnxruntime", precision="fp32").version == "1"
+    assert not stale.exists()
+    assert not [p for p in stale.parent.iterdir() if p.name.startswith(STAGING_PREFIX)]  # nor its own
     found = lookup("mlp", {"x": (48, 64)})
     assert found.version == "2"
     out = found.module(torch.randn(48, 64))

@@ -7,18 +7,24 @@ a real Hugging Face cache layout for the offline hub case, real .pt2 files and a
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import compiler
+from tests.fixtures.downloads import downloading, killed_download
 from zoo.config import ZooEntry, parse_zoo
 from zoo.errors import UntrustedCodeError, ZooConfigError
 from zoo.preflight import preflight
 from zoo.sources import default_name, source_for
 from zoo.sources.hf import HfSource
+from zoo.sources.staging import TEMP_PREFIX, staging_dir
 
 
 def _tiny_hf(task: str, folder: Path, seed: int = 0) -> Path:
@@ -621,10 +627,16 @@ def test_registered_model_resolves_without_loading_and_exports(registered: dict)
         client.set_registered_model_alias("kiln-src-mlp", "production", "1")
 
 
-def test_inputs_give_the_registered_model_its_ranges(registered: dict) -> None:
+def test_inputs_give_the_registered_model_its_ranges(
+    registered: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the downloads' staging parent
+    stale = killed_download(tmp_path, "source")  # a download killed midway leaves its staging directory
     batch = {"axis": 0, "name": "rows", "min": 2, "max": 64}
     entry = _entry("models:/kiln-src-mlp/1", inputs={"input": {"dims": [batch]}})
     case = entry.requests()[0].load_case()
+    # The next download swept it; its own directory is gone too.
+    assert not stale.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(TEMP_PREFIX)]
     program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
     (spec,) = compiler.input_specs(program)
     assert (spec.min_shape, spec.max_shape, spec.dynamic_dims) == ((2, 8), (64, 8), {0: "rows"})
@@ -658,6 +670,31 @@ def test_registry_bad_input_is_named(registered: dict, uri: str, field: str, exp
     assert message.startswith(f"models[reg].{field}: {uri}") and expected in message, message
 
 
+def test_staging_dirs_of_killed_downloads_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    killed_dir = killed_download(tmp_path, "killed")
+    assert killed_dir.is_dir()  # no cleanup ran
+    live, live_dir = downloading(tmp_path, "live")
+    try:
+        day = 24 * 3600
+        # Another machine's downloads (a shared disk) are judged by age only; names not ours are left.
+        other_old = tmp_path / f"{TEMP_PREFIX}0123456789ab-1-1-source-abc"
+        other_new = tmp_path / f"{TEMP_PREFIX}0123456789ab-2-2-source-def"
+        foreign = tmp_path / f"{TEMP_PREFIX}someone-elses"
+        for path in (other_old, other_new, foreign):
+            path.mkdir()
+        os.utime(other_old, (time.time() - day - 60, time.time() - day - 60))
+        os.utime(foreign, (time.time() - 3 * day, time.time() - 3 * day))
+        with staging_dir("mine", tmp_path) as mine:
+            assert mine.is_dir() and mine.name.startswith(TEMP_PREFIX)
+            assert not killed_dir.exists() and not other_old.exists()
+            assert (live_dir / "weights.part").is_file()  # a live download, however old, is never touched
+            assert other_new.is_dir() and foreign.is_dir()
+        assert not mine.exists()
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_malformed_models_uri_fails_its_entry() -> None:
     zoo = parse_zoo({"models": [{"name": "x", "source": "models:/fraud-bert/latest"}]})
     assert (
@@ -669,7 +706,6 @@ def test_malformed_models_uri_fails_its_entry() -> None:
 
 def test_weights_and_programs_that_are_special_files_are_refused_not_read(tmp_path: Path) -> None:
     import os
-    import signal
 
     folder = _tiny_hf("sequence-classification", tmp_path / "fifo")
     (folder / "model.safetensors").unlink()

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import select
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from flows.webhook import Receiver, WebhookSignatureError, serve, sign, verify
+from flows.webhook import MAX_AGE_S, Receiver, WebhookSignatureError, serve, sign, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "kiln-test-secret-0123456789"
@@ -64,7 +67,7 @@ def test_every_request_gets_an_answer_and_bodies_are_bounded_before_reading(tmp_
     zoo = tmp_path / "zoo.yaml"
     zoo.write_text("models: [\n")  # broken while a verified delivery arrives
     receiver = Receiver(str(zoo), "recompile-zoo/none", SECRET, str(tmp_path / "seen.json"))
-    server = serve(receiver, "127.0.0.1", 0, read_timeout=1.0)
+    server = serve(receiver, "127.0.0.1", 0, request_timeout=1.0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_port
     try:
@@ -93,6 +96,119 @@ def test_every_request_gets_an_answer_and_bodies_are_bounded_before_reading(tmp_
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextlib.contextmanager
+def _serving(tmp_path: Path, **options: float) -> Iterator[int]:
+    """A receiver (zoo without models:/ entries) on a free port; yields the port."""
+    zoo = tmp_path / "zoo.yaml"
+    zoo.write_text("models: [{name: mlp, factory: 'zoo.models:mlp_with_fallback'}]\n")
+    receiver = Receiver(str(zoo), "recompile-zoo/none", SECRET, str(tmp_path / "seen.json"))
+    server = serve(receiver, "127.0.0.1", 0, **options)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_content_length_of_non_ascii_or_too_many_digits_is_a_400(tmp_path: Path) -> None:
+    """'²' passes str.isdigit() and then breaks int(): the connection used to close with no answer."""
+    head = b"POST / HTTP/1.1\r\nHost: x\r\n"
+    with _serving(tmp_path, request_timeout=2.0) as port:
+        for value in (b"\xb2", b"1\xb9", b"9" * 5000, b"\xd9\xa3"):
+            answer = _raw(port, head + b"Content-Length: " + value + b"\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.0 400") and b"not a byte count" in answer, (value, answer[:200])
+        # Two different lengths: which one frames the body is ambiguous, so neither is used.
+        answer = _raw(port, head + b"Content-Length: 3\r\nContent-Length: 4\r\n\r\nabcd")
+        assert answer.startswith(b"HTTP/1.0 400") and b"different values" in answer, answer[:200]
+
+
+def _trickle(port: int, interval: float, limit: float) -> tuple[float, bytes]:
+    """Send one header line every ``interval`` s until the server answers or ``limit`` s pass:
+    (seconds until the server answered or closed, its answer)."""
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\n")
+        line = 0
+        while time.monotonic() - start < limit:
+            if select.select([sock], [], [], interval)[0]:
+                answer = b""
+                with contextlib.suppress(ConnectionResetError):
+                    while chunk := sock.recv(1 << 16):
+                        answer += chunk
+                return time.monotonic() - start, answer
+            line += 1
+            with contextlib.suppress(OSError):
+                sock.sendall(f"X-Slow-{line}: {line}\r\n".encode())
+        return time.monotonic() - start, b""
+
+
+def test_a_trickling_client_is_cut_off_at_the_whole_request_deadline(tmp_path: Path) -> None:
+    """A header line every 0.3 s never trips a 1 s per-read timeout; the request's deadline is 1 s."""
+    with _serving(tmp_path, request_timeout=1.0) as port:
+        seconds, answer = _trickle(port, interval=0.3, limit=4.0)
+    assert answer.startswith(b"HTTP/1.0 408") and b"within 1 s" in answer, answer[:200]
+    assert seconds < 2.5
+
+
+def test_handler_threads_are_bounded_and_excess_connections_get_a_503(tmp_path: Path) -> None:
+    threads_before = threading.active_count()
+    with _serving(tmp_path, request_timeout=1.0, max_connections=2) as port:
+        # Two silent connections take both handler threads until their deadline.
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        time.sleep(0.2)
+        extra = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(10)]
+        try:
+            start = time.monotonic()
+            answer = _raw(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            assert time.monotonic() - start < 1.0  # answered at once, not after a holder's deadline
+            assert answer.startswith(b"HTTP/1.0 503") and b"Retry-After: 5" in answer, answer[:200]
+            assert threading.active_count() <= threads_before + 1 + 2  # serve_forever + 2 handlers
+        finally:
+            for sock in silent + extra:
+                sock.close()
+        # The holders' slots come free at their deadline: a request is handled again.
+        time.sleep(1.2)
+        assert _raw(port, b"POST / HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.0 411")
+
+
+def test_a_corrupt_delivery_state_refuses_deliveries_until_nothing_in_it_verifies(tmp_path: Path) -> None:
+    """A damaged state file used to read as empty: the replay of an accepted delivery went through."""
+    zoo = tmp_path / "zoo.yaml"
+    zoo.write_text("models: [{name: mlp, factory: 'zoo.models:mlp_with_fallback'}]\n")
+    state = tmp_path / "seen.json"
+    receiver = Receiver(str(zoo), "recompile-zoo/none", SECRET, str(state))
+    body = json.dumps({"entity": "model_version", "action": "created", "data": {"name": "m"}})
+    accepted = _headers(body, delivery="accepted")
+    status, answer = receiver.handle(accepted, body.encode())
+    assert status == 200 and "uses registered model" in answer["ignored"], answer
+    inode = state.stat().st_ino
+    receiver.handle(_headers(body, delivery="second"), body.encode())
+    assert state.stat().st_ino != inode  # replaced by a rename, never rewritten in place
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".seen")] == []  # no temp files left
+
+    for damage in (b'{"accepted": 17', b"[]", b'{"accepted": "yesterday"}', b'{"accepted": NaN}'):
+        state.write_bytes(damage)
+        for delivery in ("accepted", "new"):  # the replay, and a delivery never seen: both refused
+            status, answer = receiver.handle(_headers(body, delivery=delivery), body.encode())
+            assert status == 503 and f"{state} is corrupt" in answer["error"], (damage, answer)
+            assert "refused for" in answer["error"]
+        assert state.read_bytes() == damage  # kept as found, for whoever repairs it
+    # Last written more than twice the replay window ago: nothing it recorded verifies, so it is moved
+    # aside and deliveries are accepted again.
+    old = time.time() - 2 * MAX_AGE_S - 5
+    os.utime(state, (old, old))
+    status, answer = receiver.handle(_headers(body, delivery="new"), body.encode())
+    assert status == 200 and "uses registered model" in answer["ignored"], answer
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("seen.json.corrupt-")]
+    assert len(aside) == 1 and aside[0].read_bytes() == b'{"accepted": NaN}'
+    # A state that cannot be read at all (here a directory) is refused too, naming it.
+    state.unlink()
+    state.mkdir()
+    status, answer = receiver.handle(_headers(body, delivery="third"), body.encode())
+    assert status == 503 and f"{state} cannot be read" in answer["error"], answer
 
 
 def test_only_a_fresh_delivery_signed_with_the_secret_is_read() -> None:

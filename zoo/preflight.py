@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
+from pathlib import Path
 
 from compiler.errors import KilnError
 from compiler.specs import InputSpec
@@ -75,6 +76,28 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
         raise ZooConfigError(
             f"--out {str(out_dir)!r}: packages cannot be written there ({exc.strerror or exc}); "
             "choose a writable directory (settings.out_dir or --out)"
+        ) from None
+
+
+def check_workspace(workspace: str | os.PathLike) -> None:
+    """Raise ZooConfigError unless stage outputs can be written under ``workspace``.
+
+    Every stage of every model writes there (and an unchanged model's record is read from there), so a
+    directory that cannot be created or written fails every model: unusable input, named before any
+    model is looked at. It is created as ``tasks.workspace.Workspace`` creates it (private, 0700).
+    """
+    import tempfile
+
+    path = Path(workspace).resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with tempfile.TemporaryFile(dir=path, prefix=".kiln-write-check-"):
+            pass
+    except OSError as exc:
+        raise ZooConfigError(
+            f"settings.workspace {str(path)!r}: stage outputs cannot be written there "
+            f"({exc.strerror or exc}); choose a writable directory (settings.workspace in the zoo file, "
+            "or --workspace)"
         ) from None
 
 

@@ -29,7 +29,6 @@ import inspect
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from compiler.errors import KilnError, OpModuleNotAllowedError, UnsafeProgramErr
 from zoo.errors import SourceUnavailableError, UntrustedCodeError, ZooConfigError
 from zoo.sources.base import LoadedCase, SourceIdentity, digest_of, torch_version
 from zoo.sources.common import example_size, fit_example_shape, override_dims
+from zoo.sources.staging import staging_dir
 
 if TYPE_CHECKING:  # torch where a signature is read or a model loads, not on import
     import torch
@@ -175,10 +175,11 @@ class MlflowSource:
         from mlflow.models import Model
 
         version = self.resolve()["version"]
-        with tempfile.TemporaryDirectory(prefix="kiln-mlflow-") as tmp:
+        # A download killed midway is swept by the next one (zoo.sources.staging).
+        with staging_dir("source") as tmp:
             with _registry_errors(self.uri, None):
                 uri = f"models:/{self.name}/{version}"
-                local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp)
+                local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp))
             mlmodel = Model.load(local)
             specs = self.tensor_inputs(mlmodel)
             model = self._model(Path(local), mlmodel)
