@@ -126,3 +126,20 @@ def test_loading_a_transformers_model_leaves_torchao_to_the_recipes_that_need_it
         """
     )
     assert out.split() == ["True", "False", "None", "True"]
+
+
+def test_source_identities_name_torch_version_not_its_metadata(tmp_path):
+    """PyPI's CUDA build of torch 2.13.0 has the version 2.13.0 in its metadata and 2.13.0+cu130 as
+    torch.__version__, which packages record: identities name the latter, still without importing torch.
+    A torch laid out as that wheel is, whose import would fail, stands first on the path."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+    (tmp_path / "torch" / "version.py").write_text("__version__ = '2.13.0+cu130'\ncuda = '13.0'\n")
+    (tmp_path / "torch-2.13.0.dist-info").mkdir()
+    (tmp_path / "torch-2.13.0.dist-info" / "METADATA").write_text("Name: torch\nVersion: 2.13.0\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    code = "import importlib.metadata, sys; from zoo.sources.base import torch_version; "
+    code += "print(torch_version(), importlib.metadata.version('torch'), 'torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["2.13.0+cu130", "2.13.0", "False"]

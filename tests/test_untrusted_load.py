@@ -120,6 +120,60 @@ def test_the_audit_hook_sees_a_process_and_a_file_outside_the_package(probe):
     """Positive control: os.system, subprocess and reading the secret beside the package are caught."""
     seen = " | ".join(probe["control"]["violations"])
     assert "os.system" in seen and "subprocess.Popen" in seen and "secrets.env" in seen, seen
+    assert "ctypes.dlopen" in seen and "libkilnpwn.so" in seen, seen
+
+
+def test_the_hook_tells_torch_probing_the_driver_from_a_library_a_package_brings(tmp_path):
+    """The CUDA build of torch asks NVML for the device count (ctypes, 'libnvidia-ml.so.1') on every
+    device query of a machine without a GPU: torch's own doing, as is its driver API probe. A library
+    inside the package, any other bare name, a driver library at a path elsewhere, or the driver's name
+    asked for by code that is not torch's, are violations."""
+    package = tmp_path / "pkg.kiln"
+    package.mkdir()
+    code = """
+import contextlib, ctypes, json, sys
+import torch
+import torch.cuda._utils
+from untrusted_probe import Watch
+
+loaded = []
+sys.addaudithook(lambda event, args: event == "ctypes.dlopen" and loaded.append(args[0]))
+watch = Watch([sys.prefix, sys.base_prefix], set())
+sys.addaudithook(watch)
+
+def attempt(call, *args):
+    loaded.clear()
+    watch.package, watch.violations = sys.argv[1], []
+    with contextlib.suppress(Exception):
+        call(*args)
+    watch.package = None
+    return {"loaded": list(loaded), "violations": list(watch.violations)}
+
+print(json.dumps({
+    "torch: NVML": attempt(torch.cuda._raw_device_count_nvml),
+    "torch: driver": attempt(torch.cuda._utils._get_cuda_library),
+    "in the package": attempt(ctypes.CDLL, sys.argv[1] + "/libengine.so"),
+    "another bare name": attempt(ctypes.CDLL, "libkilnpwn.so"),
+    "the driver's name, not by torch": attempt(ctypes.CDLL, "libnvidia-ml.so.1"),
+    "the driver's name elsewhere": attempt(ctypes.CDLL, sys.argv[2] + "/libnvidia-ml.so.1"),
+}))
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(package), str(tmp_path / "elsewhere")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout)
+    assert seen["torch: NVML"] == {"loaded": ["libnvidia-ml.so.1"], "violations": []}, seen
+    assert seen["torch: driver"] == {"loaded": ["libcuda.so.1"], "violations": []}, seen
+    for name in ("in the package", "another bare name", "the driver's name, not by torch"):
+        assert len(seen[name]["loaded"]) == 1, (name, seen[name])
+        assert seen[name]["violations"] == [f"ctypes.dlopen {seen[name]['loaded'][0]!r}"], (name, seen[name])
+    assert seen["the driver's name elsewhere"]["violations"], seen
 
 
 # ---------------------------------------------------------------- defect 23.1

@@ -11,8 +11,11 @@ and every audited event that breaks the rule "an untrusted load reads nothing ou
 starts no process": a process started (``subprocess.Popen``, ``os.system``, ``os.exec``, ``os.spawn``,
 ``os.posix_spawn``, ``os.fork``) other than the host C++ compiler or this interpreter (Inductor's own
 compile, whose command line must carry nothing of the package's: no argument containing the attack
-token), a library loaded or a file opened outside the package, Python's own directories and
-Inductor's cache. Last, a positive control does what the rule forbids, to prove the hook sees it.
+token), a file opened outside the package, Python's own directories and Inductor's cache, or a
+library loaded from anywhere but those directories (never from the package itself). The one library
+load by bare name allowed is torch's own probe of the system's NVIDIA driver (NVML, the driver API,
+NVRTC), made by torch's code: the CUDA build of torch counts devices through NVML on every call where
+no GPU is up. Last, a positive control does what the rule forbids, to prove the hook sees it.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -217,6 +222,23 @@ def stage(config: dict, scratch: Path) -> list[dict]:
 # ---------------------------------------------------------------- phase 2: loading under the hook
 
 
+# The NVIDIA driver's libraries, which torch's CUDA build opens by bare name (the system's dynamic
+# linker finds them, never in a package): NVML (torch.cuda.device_count, on every call while no GPU is
+# up), the driver API and NVRTC (torch.cuda._utils).
+TORCH_DRIVER_PROBES = re.compile(r"lib(nvidia-ml|cuda|nvrtc)\.so(\.\d+)*")
+
+
+def _package_dir(name: str) -> str | None:
+    """An installed package's directory, found without importing it."""
+    spec = importlib.util.find_spec(name)
+    locations = spec.submodule_search_locations if spec else None
+    return os.path.realpath(locations[0]) if locations else None
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
 class Watch:
     """The audit hook's rule: what an untrusted load may open, load and start."""
 
@@ -228,8 +250,11 @@ class Watch:
         self.package: str | None = None
         self.violations: list[str] = []
         self.processes: list[str] = []
+        self.torch_dir = _package_dir("torch")
+        self.ctypes_dir = _package_dir("ctypes")
 
-    def allowed(self, path: Any) -> bool:
+    def allowed(self, path: Any, *, package: bool = True) -> bool:
+        """Whether ``path`` lies in a trusted root (or the package, unless ``package`` is False)."""
         if isinstance(path, int):
             return True  # an already open descriptor
         if isinstance(path, bytes):
@@ -237,14 +262,44 @@ class Watch:
         if not isinstance(path, str):
             return True
         real = os.path.realpath(path)
-        roots = [*self.roots, *([os.path.realpath(self.package)] if self.package else [])]
-        return any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots)
+        if self.package and _inside(real, os.path.realpath(self.package)):
+            return package
+        return any(_inside(real, r) for r in self.roots)
+
+    def library_allowed(self, name: Any) -> bool:
+        """A library load: from a trusted root but never from the package (what it brings is not run),
+        or by bare name one of the driver libraries torch's own code probes."""
+        if isinstance(name, bytes):
+            name = name.decode(errors="replace")
+        if isinstance(name, str) and "/" not in name:
+            return bool(TORCH_DRIVER_PROBES.fullmatch(name)) and self._called_by_torch()
+        return self.allowed(name, package=False)
+
+    def _called_by_torch(self) -> bool:
+        """Whether the code that asked ctypes for the library is torch's own."""
+
+        def in_ctypes(frame: Any) -> bool:
+            return bool(self.ctypes_dir) and _inside(
+                os.path.realpath(frame.f_code.co_filename), self.ctypes_dir
+            )
+
+        # Up the stack to ctypes' own frames (CDLL.__init__), then past them: the frame beyond asked.
+        frame = sys._getframe(1)
+        while frame is not None and not in_ctypes(frame):
+            frame = frame.f_back
+        while frame is not None and in_ctypes(frame):
+            frame = frame.f_back
+        if frame is None or not self.torch_dir:
+            return False
+        return _inside(os.path.realpath(frame.f_code.co_filename), self.torch_dir)
 
     def __call__(self, event: str, args: tuple) -> None:
         if self.package is None:
             return
-        if event in ("open", "ctypes.dlopen") and args and not self.allowed(args[0]):
-            self.violations.append(f"{event} {args[0]!r}")
+        if event in ("open", "ctypes.dlopen") and args:
+            allowed = self.allowed if event == "open" else self.library_allowed
+            if not allowed(args[0]):
+                self.violations.append(f"{event} {args[0]!r}")
         elif event in self.PROCESS_EVENTS:
             words = [str(a) for a in args if a is not None]
             text = " ".join(words)
@@ -368,6 +423,10 @@ def run(config: dict, results_path: Path) -> None:
     import subprocess
 
     subprocess.run(["/bin/echo", TOKEN], capture_output=True, check=False)
+    import ctypes
+
+    with contextlib.suppress(OSError):  # a library the package brings: the event comes before the load
+        ctypes.CDLL(os.path.join(str(scratch), f"lib{TOKEN}.so"))
     control = {"name": "positive control", "violations": list(watch.violations)}
     watch.package = None
     results_path.write_text(

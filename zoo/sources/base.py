@@ -13,11 +13,13 @@ from the entry's ``source:`` string.
 
 from __future__ import annotations
 
+import ast
 import hashlib
-import importlib.metadata
+import importlib.util
 import json
 from dataclasses import asdict, dataclass
 from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # identities are computed without torch (an unchanged zoo's re-run never needs it)
@@ -68,11 +70,31 @@ def digest_of(*parts: Any) -> str:
 
 @cache
 def torch_version() -> str:
-    """``torch.__version__``, read from torch's installed metadata (the same string) so that an identity
-    that names the torch version turning a model into a graph does not import torch for it."""
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:  # a torch without metadata (a source tree on the path)
-        import torch
+    """``torch.__version__``, the string packages record (the manifest's ``torch_version``, Inductor's
+    engine headers and cache keys), read from torch's own ``torch/version.py`` so that an identity that
+    names the torch version turning a model into a graph does not import torch for it.
 
-        return torch.__version__
+    Not the installed metadata's version: PyPI's CUDA build of torch 2.13.0 says ``2.13.0`` there and
+    ``2.13.0+cu130`` in ``torch.__version__`` (the CPU build says ``2.13.0+cpu`` in both, so identities
+    made with it are unchanged)."""
+    spec = importlib.util.find_spec("torch")  # finds torch's folder without importing it
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            tree = ast.parse((Path(folder) / "version.py").read_text())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if (
+                isinstance(node, ast.Assign | ast.AnnAssign)
+                and any(isinstance(t, ast.Name) and t.id == "__version__" for t in _targets(node))
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
+                return node.value.value
+    import torch  # a torch without a plain version.py: ask it
+
+    return str(torch.__version__)
+
+
+def _targets(node: ast.Assign | ast.AnnAssign) -> list[ast.expr]:
+    return node.targets if isinstance(node, ast.Assign) else [node.target]
