@@ -119,15 +119,17 @@ def prefect_api() -> Iterator[str]:
 
 
 def flush_to_api(timeout: float = FLUSH_TIMEOUT_S) -> None:
-    """Send the run logs and events Prefect still holds to the API now; wait at most ``timeout`` s.
+    """Send the run logs and events Prefect still holds to the API now; wait at most ``timeout`` s in
+    all (an unresponsive server must not hold the exit longer).
 
     Prefect's workers stop once drained; the next log or event starts a new one."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
+    deadline = time.monotonic() + timeout
     for worker in (APILogWorker, EventsWorker):
         try:
-            worker.drain_all(timeout=timeout)
+            worker.drain_all(timeout=max(deadline - time.monotonic(), 0.1))
         except Exception as exc:  # the server is going away anyway: never stop that
             logging.getLogger("kiln").debug("could not flush %s: %s", worker.__name__, exc)
 

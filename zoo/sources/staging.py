@@ -109,6 +109,8 @@ def sweep(parent: str | os.PathLike, prefix: str, stale_after: float = STALE_AFT
     except OSError:  # no parent yet, or not readable: nothing of ours to sweep
         return removed
     for path in entries:
+        if not path.name.startswith(prefix):  # the name first: /tmp may hold thousands of others
+            continue
         if path.is_symlink() or not path.is_dir() or not is_stale(path, prefix, stale_after=stale_after):
             continue
         shutil.rmtree(path, ignore_errors=True)
