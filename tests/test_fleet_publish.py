@@ -32,7 +32,7 @@ from torch.export import Dim
 import compiler
 from registry import config
 from registry.errors import ArtifactMissingError, ArtifactVerificationError, NoMatchingVersionError
-from registry.lookup import fetch_version, lookup
+from registry.lookup import STAGING_PREFIX, fetch_version, lookup
 from registry.models import all_versions, content_hash_of
 from registry.tracking import record_package
 from registry.transfer import LogLines, Progress, reporting
@@ -103,7 +103,7 @@ def test_upload_and_download_report_progress_as_the_files_go(
 
     def downloaded(p: Progress) -> None:
         downloads.append(p)
-        staging = [d for d in tmp_path.iterdir() if d.name.startswith(".fetched.")]
+        staging = [d for d in tmp_path.iterdir() if d.name.startswith(STAGING_PREFIX)]
         assert len(staging) == 1 and not (tmp_path / "fetched").exists()  # nothing unverified at dst
         on_disk.append(sum(f.stat().st_size for f in staging[0].rglob("*") if f.is_file()))
 
