@@ -115,7 +115,7 @@ def write(
     encoded = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     try:  # what is written is what a load reads: a graph the reader would refuse loads from the program
         read(encoded, "the runtime graph being written")
-    except (PackageCorruptError, KilnError):
+    except KilnError:
         return None
     return encoded
 
@@ -147,7 +147,8 @@ def read(
             tuple(None if k is None else _str(k) for k in _list(raw["inputs"])),
             tuple(_int(i) for i in _list(raw["user_outputs"])),
         )
-        symbols = {_name(k): _symbol(v) for k, v in _dict(raw["symbols"]).items()}
+        # Symbol names are data (never written into code): plain identifiers, builtins included.
+        symbols = {_identifier(k): _symbol(v) for k, v in _dict(raw["symbols"]).items()}
         graph_module = _module(raw["graph"], device, depth=0)
         _check_signature(graph_module, signature)
     except PackageCorruptError:
@@ -332,7 +333,9 @@ def _name_refusal(name: object) -> str | None:
     """Why ``name`` may not be written into the code fx generates, or None for a plain identifier."""
     if not isinstance(name, str) or not _NAME.match(name):
         return f"{name!r:.60} is not a plain identifier"
-    if keyword.iskeyword(name) or keyword.issoftkeyword(name) or hasattr(builtins, name):
+    # fx itself never names a node after a keyword or builtin (it renames them), so a graph that does
+    # was not written by fx.
+    if keyword.iskeyword(name) or hasattr(builtins, name):
         return f"{name!r} is a Python keyword or builtin"
     if name in _RESERVED or name.startswith("__"):
         return f"{name!r} is a name fx's generated code uses"
@@ -344,6 +347,12 @@ def _name(value: object) -> str:
     if refusal is not None:
         raise ValueError(f"name {refusal}")
     return value  # type: ignore[return-value]
+
+
+def _identifier(value: object) -> str:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(f"name {value!r:.60} is not a plain identifier")
+    return value
 
 
 def _symbol(value: object) -> tuple[str, int, int, int]:
