@@ -5,8 +5,9 @@ build it got and whether pip backtracked (issue 32's target: <= 180 s on 2 cores
                                        [--keep DIR] [--timeout S]
 
 Creates a venv (a temporary folder, or DIR with --keep), optionally upgrades its pip to the newest
-release, runs the README's first install command there without pip's cache and records the run under
-its scenario name in benchmarks/results/install_time.json, with the machine.
+release, runs the pip commands of the README's first command there (read from README.md) without pip's
+cache and records the run under its scenario name in benchmarks/results/install_time.json, with the
+machine.
 
 --index workplace installs as this machine's pip configuration says (torch's CPU build from the local
 disk); --index pypi ignores that configuration, as on a machine elsewhere, so torch==2.13.0 is PyPI's
@@ -22,6 +23,7 @@ import os
 import platform
 import re
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -34,9 +36,7 @@ from benchmarks.machine import cpu_model
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "install_time.json"
 TARGET_SECONDS = 180
-# The README's first command, less its `kiln zoo` part, without pip's cache.
 LOCK = ["-c", "constraints.txt"]
-COMMAND = ["-m", "pip", "install", "--no-cache-dir", "torch==2.13.0", *LOCK, "-e", ".[dev]"]
 # What pip prints when it backtracks (pip 23.2 through 26.x).
 BACKTRACKING = re.compile(r"pip is looking at multiple versions of|This is taking longer than usual")
 # A distribution file pip fetched or read: its name and version (wheel, wheel metadata or sdist).
@@ -44,6 +44,19 @@ FETCHED = re.compile(
     r"(?:Downloading|Using cached|Processing|File was already downloaded)\s+\S*?"
     r"([A-Za-z0-9][A-Za-z0-9._]*?)-(\d[^-\s]*?)(?:-[^\s]*\.whl(?:\.metadata)?|\.tar\.gz|\.zip)\b"
 )
+
+
+def readme_install() -> list[list[str]]:
+    """The pip commands of the README's first command (its `kiln zoo` part left out), each without
+    pip's cache, as argument lists after ``python3``."""
+    readme = (ROOT / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("python3 -m pip install"))
+    commands = []
+    for part in line.split(" && "):
+        words = shlex.split(part)
+        if words[:4] == ["python3", "-m", "pip", "install"]:
+            commands.append([*words[1:4], "--no-cache-dir", *words[4:]])
+    return commands
 
 
 def versions_fetched(log: str) -> dict[str, set[str]]:
@@ -66,6 +79,12 @@ def pip_environment(index: str) -> dict[str, str]:
     return env
 
 
+def _unlocked(command: list[str]) -> list[str]:
+    """``command`` without ``-c constraints.txt``."""
+    at = next((i for i in range(len(command) - 1) if command[i : i + 2] == LOCK), None)
+    return command if at is None else command[:at] + command[at + 2 :]
+
+
 def run(pip: str, index: str, lock: bool, venv: Path, timeout: float) -> dict:
     env = pip_environment(index)
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
@@ -75,21 +94,27 @@ def run(pip: str, index: str, lock: bool, venv: Path, timeout: float) -> dict:
     pip_version = subprocess.run(
         [python, "-m", "pip", "--version"], capture_output=True, text=True, check=True
     ).stdout.split()[1]
-    command = COMMAND if lock else [a for a in COMMAND if a not in LOCK]
+    commands = [c if lock else _unlocked(c) for c in readme_install()]
     load_before = os.getloadavg()[0]
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    try:
-        done = subprocess.run(
-            [python, *command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-        )
-        returncode, log = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as stopped:
-        returncode = None
-        log = "".join(
-            part.decode(errors="replace") if isinstance(part, bytes) else part or ""
-            for part in (stopped.stdout, stopped.stderr)
-        )
+    returncode: int | None = 0
+    log = ""
+    for command in commands:
+        left = timeout - (time.perf_counter() - start)
+        try:
+            done = subprocess.run(
+                [python, *command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=left
+            )
+            returncode, log = done.returncode, log + done.stdout + done.stderr
+        except subprocess.TimeoutExpired as stopped:
+            returncode = None
+            log += "".join(
+                part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                for part in (stopped.stdout, stopped.stderr)
+            )
+        if returncode != 0:
+            break
     seconds = time.perf_counter() - start
     load_after = os.getloadavg()[0]
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -101,7 +126,7 @@ def run(pip: str, index: str, lock: bool, venv: Path, timeout: float) -> dict:
     fetched = versions_fetched(log)
     several = {name: sorted(v) for name, v in fetched.items() if len(v) > 1}
     return {
-        "command": "python3 " + " ".join(command),
+        "commands": [shlex.join(["python3", *c]) for c in commands],
         "pip": pip_version,
         "index": index,
         "lock": lock,
