@@ -31,7 +31,7 @@ from compiler.backends import TORCH  # the "backend" of a build that fell back t
 from compiler.backends.base import EngineIO
 from compiler.errors import PackageCorruptError
 from compiler.options import CompileOptions
-from compiler.report import BUILD_FAILURE, QUANTIZATION, CompileReport
+from compiler.report import BUILD_FAILURE, ENGINE_FIELDS, QUANTIZATION, CompileReport
 from compiler.specs import InputSpec
 from compiler.typed_json import ANY, DIGITS, ListOf, MapOf, OneOf, Opt, Record, check
 from compiler.validation_report import ValidationReport
@@ -121,12 +121,7 @@ MANIFEST = Record(
         "kiln_version": str,
         "torch_version": str,
         "input_specs": ListOf(_SPEC),
-        "backend": str,
-        "backend_version": str,
-        "engine_target": str,
-        "target_device": str,  # format 1's name for engine_target
-        "precision": str,
-        "strip_weights": bool,
+        **ENGINE_FIELDS,
         "input_weights": ListOf(str),
         "plan": _PLAN,
         "dedup": _DEDUP,

@@ -97,14 +97,18 @@ _PARTITION = Record(
     },
     required=frozenset({"name"}),
 )
+# What a compile was built for: the same fields in the compile report and the manifest.
+ENGINE_FIELDS = {
+    "backend": str,
+    "backend_version": str,
+    "engine_target": str,
+    "target_device": str,  # format 1's name for engine_target
+    "precision": str,
+    "strip_weights": bool,
+}
 REPORT = Record(
     {
-        "backend": str,
-        "backend_version": str,
-        "engine_target": str,
-        "target_device": str,  # format 1's name for engine_target
-        "precision": str,
-        "strip_weights": bool,
+        **ENGINE_FIELDS,
         "partitions": ListOf(_PARTITION),
         "fallback_ops": MapOf(int),
         "unique_fingerprints": int,

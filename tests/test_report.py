@@ -175,16 +175,7 @@ def test_build_failure_and_repair_decisions_are_shown(browser, package, tmp_path
         "partitions": ["engine_1"],
         "fell_back_to": "torch",
     }
-    step = {
-        "round": 1,
-        "partition": "engine_0",
-        "precision_before": "fp16",
-        "precision_after": "fp32",
-        "fingerprint_before": "a" * 64,
-        "fingerprint_after": "b" * 64,
-        "rel_l2_before": 0.5,
-        "rel_l2_after": 1e-6,
-    }
+    step = _repair_step()
     repair = {"steps": [step], "lines": ["engine_0: fp16 -> fp32, its rel L2 5.0e-01 -> 1.0e-06"]}
     report = dataclasses.replace(manifest.report, build_failures=[failure], accuracy_repair=repair)
     out = tmp_path / "failed.html"
@@ -386,16 +377,7 @@ def _staged_everywhere(package: Path, dest: Path, text: Callable[[str], str]) ->
         "fell_back_to": "torch",
         "partitions": ["engine_1"],
     }
-    step = {
-        "round": 1,
-        "partition": "engine_0",
-        "precision_before": "fp16",
-        "precision_after": "fp32",
-        "fingerprint_before": "a" * 64,
-        "fingerprint_after": "b" * 64,
-        "rel_l2_before": 0.5,
-        "rel_l2_after": 1e-6,
-    }
+    step = _repair_step()
     data["report"].update(
         build_failures=[failure], accuracy_repair={"steps": [step], "lines": ["engine_0: fp16 -> fp32"]}
     )
@@ -433,3 +415,17 @@ def test_markup_in_every_string_of_an_untrusted_package_shows_as_text(browser, p
     assert body.count(MARKUP) >= 20
     for section in ("#overview", "#lineage", "table#partitions", "table#repair", "table#accuracy"):
         assert MARKUP in hostile.inner_text(section), section
+
+
+def _repair_step() -> dict:
+    """One accuracy-repair step as a report records it (engine_0 raised fp16 -> fp32)."""
+    return {
+        "round": 1,
+        "partition": "engine_0",
+        "precision_before": "fp16",
+        "precision_after": "fp32",
+        "fingerprint_before": "a" * 64,
+        "fingerprint_after": "b" * 64,
+        "rel_l2_before": 0.5,
+        "rel_l2_after": 1e-6,
+    }
