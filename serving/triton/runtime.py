@@ -5,7 +5,7 @@ importable and hands Triton's calls to :class:`ServedRuntime`.
 
 Load: the version folder's ``kiln.json`` (:class:`serving.triton.config.ServedModel`) says which
 content the registry recorded; the package is loaded with ``compiler.load``, which verifies every
-checksum (and the signature where ``KILN_SIGNING_KEY`` is set) before anything is used, and its content
+checksum (and the model-signing signature where ``KILN_SIGNING_PUBLIC_KEY`` or trusted certificates are set) before anything is used, and its content
 hash must equal the recorded one. Any failure raises, so Triton marks the version unavailable and keeps
 serving what it had.
 
@@ -150,7 +150,7 @@ class ServedRuntime:
 
 
 def load_verified(package_dir: Path, device: str, served: ServedModel) -> tuple[Any, Sequence[Any]]:
-    """``compiler.load`` (every checksum, the signature with ``KILN_SIGNING_KEY``), then the content
+    """``compiler.load`` (every checksum, the model-signing signature where a verification key is set), then the content
     hash the registry recorded: another valid package put in its place is refused too."""
     import compiler
     from compiler.errors import PackageCorruptError
