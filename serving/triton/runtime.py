@@ -5,9 +5,9 @@ importable and hands Triton's calls to :class:`ServedRuntime`.
 
 Load: the version folder's ``kiln.json`` (:class:`serving.triton.config.ServedModel`) says which
 content the registry recorded; the package is loaded with ``compiler.load``, which verifies every
-checksum (and the model-signing signature where ``KILN_SIGNING_PUBLIC_KEY`` or trusted certificates are set) before anything is used, and its content
-hash must equal the recorded one. Any failure raises, so Triton marks the version unavailable and keeps
-serving what it had.
+checksum (and the model-signing signature where a verification key is set) before anything is used,
+and its content hash must equal the recorded one. Any failure raises, so Triton marks the version
+unavailable and keeps serving what it had.
 
 Execute: Triton's dynamic batcher hands over several requests at once. Each request's inputs are
 checked against the package's input specs (dtype and range, so an out-of-range shape is refused with
@@ -150,8 +150,8 @@ class ServedRuntime:
 
 
 def load_verified(package_dir: Path, device: str, served: ServedModel) -> tuple[Any, Sequence[Any]]:
-    """``compiler.load`` (every checksum, the model-signing signature where a verification key is set), then the content
-    hash the registry recorded: another valid package put in its place is refused too."""
+    """``compiler.load`` (every checksum, the model-signing signature where a verification key is set),
+    then the content hash the registry recorded: another valid package put in its place is refused too."""
     import compiler
     from compiler.errors import PackageCorruptError
 
