@@ -8,6 +8,10 @@ engines with stripped weights and shape profiles, and repeated blocks split and 
 process then loads each package from disk (a load runs from its runtime graph) and uses what a plan
 read back must support: calling it, rebuilding a partition at another precision, refitting, comparing
 partitions, re-saving and loading again.
+
+The same run compiles a model registered in MLflow (a ``models:/`` source on the session's real
+``mlflow server``) with Inductor's AOTInductor packages on the CPU, signed at compile: a fresh process
+that holds the verification key runs it natively, with Inductor's compiler never imported.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import yaml
 
 from compiler.cache.local import LOCAL_DIR_ENV
 from tests.fixtures.s3_server import BUCKET
+from tests.fixtures.signing_keys import ec_key_pair
 from zoo.models import sensitive_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,9 +101,55 @@ MODELS = [
 ]
 
 
+NATIVE_CHECK = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import torch
+    import compiler
+
+    data = np.load(sys.argv[2])
+    loaded = compiler.load(sys.argv[1])
+    got = loaded(torch.from_numpy(data["x"]))
+    print(json.dumps({
+        "max_abs": float((got - torch.from_numpy(data["want"])).abs().max()),
+        "dispatch": sorted(set(loaded.last_dispatch().values())),
+        # A native package loads without Inductor's compiler; a standalone graph needs it.
+        "inductor_imported": "torch._inductor.compile_fx" in sys.modules,
+        "source": compiler.read_manifest(sys.argv[1]).source.to_json(),
+    }))
+    """
+)
+
+
+def _register_mlp(root: Path) -> None:
+    """A PyTorch MLP logged in MLflow's own format (torch.export, with an input example), registered as
+    kiln-user-mlp @production; its input and eager answer are kept for the check."""
+    import mlflow
+    import mlflow.pytorch
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    example = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    with mlflow.start_run():
+        mlflow.pytorch.log_model(
+            model,
+            name="model",
+            input_example=example,
+            registered_model_name="kiln-user-mlp",
+            pip_requirements=["torch"],
+        )
+    mlflow.MlflowClient().set_registered_model_alias("kiln-user-mlp", "production", "1")
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        np.savez(root / "registered.npz", x=x.numpy(), want=model(x).numpy())
+
+
 @pytest.fixture(scope="module")
-def zoo_run(tmp_path_factory, s3_server) -> dict:
+def zoo_run(tmp_path_factory, s3_server, mlflow_server) -> dict:
     root = tmp_path_factory.mktemp("user-path")
+    signing = ec_key_pair(root, "release")
+    _register_mlp(root)
     case = sensitive_blocks()
     torch.manual_seed(0)
     np.savez(root / "recorded.npz", x=torch.randn(24, *case.args[0].shape).numpy())
@@ -144,6 +195,12 @@ def zoo_run(tmp_path_factory, s3_server) -> dict:
             "inputs": {"pixel_values": {"dims": [{"axis": 0, "name": "batch", "min": 1, "max": 4}]}},
             "validation": {"data": "pixels.npz"},
         },
+        {
+            "name": "registered",
+            "source": "models:/kiln-user-mlp@production",
+            "backend": "inductor",
+            "backend_options": {"aot": True},
+        },
     ]
     settings = {
         "out_dir": "out",
@@ -158,7 +215,7 @@ def zoo_run(tmp_path_factory, s3_server) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", "zoo", "zoo.yaml", "--out", "out", "--json"],
         cwd=root,
-        env=env,
+        env={**env, "KILN_SIGNING_PRIVATE_KEY": str(signing.private)},  # a release team signs
         capture_output=True,
         text=True,
         timeout=600,
@@ -174,6 +231,21 @@ def zoo_run(tmp_path_factory, s3_server) -> dict:
     )
     assert checks.returncode == 0, checks.stderr[-3000:]
     results = json.loads(checks.stdout.strip().splitlines()[-1])
+    native = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            NATIVE_CHECK,
+            str(root / "out" / "registered.kiln"),
+            str(root / "registered.npz"),
+        ],
+        env={**env, "KILN_SIGNING_PUBLIC_KEY": str(signing.public)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert native.returncode == 0, native.stderr[-3000:]
+    results["registered"] = json.loads(native.stdout.strip().splitlines()[-1])
     return {"root": root, "results": results, "cached": [o["Key"] for o in cached.get("Contents", [])]}
 
 
@@ -196,7 +268,7 @@ def _vit_folder(path: Path) -> None:
 
 def test_every_package_read_back_runs_rebuilds_refits_compares_and_resaves(zoo_run):
     for name, result in zoo_run["results"].items():
-        if name == "vit":
+        if name in ("vit", "registered"):
             continue
         assert not result["described"] or name == "int8", name  # a load runs from the runtime graph
         assert result["rebuilt_rel_l2"] < 5e-2, (name, result)  # rebuilt with its last partition in torch
@@ -234,3 +306,10 @@ def test_engines_went_to_the_object_store_cache(zoo_run):
     keys = zoo_run["cached"]
     assert any(k.startswith("user-path/blobs/") for k in keys), keys[:5]
     assert any(k.startswith("user-path/entries/") for k in keys), keys[:5]
+
+
+def test_a_registered_model_compiled_with_aot_runs_natively_where_its_signature_verifies(zoo_run):
+    result = zoo_run["results"]["registered"]
+    assert result["max_abs"] < 1e-5, result  # answers as the model MLflow holds
+    assert result["dispatch"] == ["aot"] and not result["inductor_imported"], result
+    assert "models:/kiln-user-mlp" in json.dumps(result["source"]), result["source"]
