@@ -68,6 +68,7 @@ ATEN_OPS = frozenset(
         # reductions, normalisations, softmax
         *("sum", "mean", "prod", "amax", "amin", "max", "min", "argmax", "argmin", "any", "all", "var"),
         *("std", "var_mean", "std_mean", "norm", "linalg_vector_norm", "logsumexp", "cumsum", "cumprod"),
+        *("diff",),  # transformers' GPT-2 mask code (position ids)
         *("topk", "sort", "argsort", "softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"),
         *("layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "rms_norm"),
         *("batch_norm", "_native_batch_norm_legit_no_training", "instance_norm", "dropout"),
