@@ -312,11 +312,14 @@ def _load(
         now = time.perf_counter()
         stages[stage], mark = round(now - mark, 4), now
 
-    # Engines with AOTInductor packages (backend_options aot) load natively: the package's own where
-    # trusted, else the one this machine built at the first untrusted load. Nothing of Inductor's to
-    # import then (a first untrusted load imports it when it compiles).
+    # Engines with AOTInductor packages (backend_options aot, on by default on CUDA) load natively: the
+    # package's own where trusted, else the one this machine built after the first untrusted load.
+    # Nothing of Inductor's to import then (a first untrusted load imports it when it compiles): its
+    # compile stack is 2.5-6.7 s of a GPT-2 load on the H200 (benchmarks/results/cold_start_default_*).
     backend_options = options.get("backend_options")
-    native = isinstance(backend_options, dict) and backend_options.get("aot") is True
+    compiled_for_cuda = str(recorded_device).startswith("cuda")
+    aot = backend_options.get("aot", compiled_for_cuda) if isinstance(backend_options, dict) else None
+    native = aot is True
     # The weights are decoded and put on the device by a worker, while this thread reads the graph.
     placed = pool.submit(_weights_on, reads[WEIGHTS], target)
     if light:

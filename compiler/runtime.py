@@ -19,6 +19,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -125,6 +126,17 @@ class CompiledModule(torch.nn.Module):
                 inputs, rows = padded
                 return [y[:rows] for y in self.cuda_graphs(inputs)]
         return self.cuda_graphs(flat)
+
+    def native_builds(self) -> list[Any]:
+        """This machine's own native packages a load started building for the loads after it (Inductor
+        engines whose AOTInductor package may not run here: ``compiler.backends.inductor_native``), one
+        handle per engine, each with ``wait(timeout)``; empty where none was started."""
+        builds = {}
+        for call in self.graph.children():
+            build = getattr(call.engine, "native_build", None) if isinstance(call, EngineCall) else None
+            if build is not None:
+                builds[build.key] = build
+        return list(builds.values())
 
     def last_dispatch(self) -> dict[str, str]:
         """Partition -> what served its last call in an Inductor engine with static specializations

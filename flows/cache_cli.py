@@ -67,7 +67,8 @@ def cache_ls(location: Location = None, as_json: JsonOut = False) -> None:
             }
             for e in found
         ]
-        print(json.dumps({"location": cache.location, "entries": rows}, indent=2))
+        builds = list(_native_builds(cache).values())
+        print(json.dumps({"location": cache.location, "entries": rows, "native_builds": builds}, indent=2))
         return
     from rich.table import Table
 
@@ -89,6 +90,28 @@ def cache_ls(location: Location = None, as_json: JsonOut = False) -> None:
         by_backend.setdefault(e.backend, []).append(e.bytes)
     for backend, sizes in sorted(by_backend.items()):
         console.print(f"{backend}: {len(sizes)} entries, {sum(sizes):,} bytes")
+    builds = _native_builds(cache)
+    if builds:
+        table = Table(title=f"native packages built on this machine ({cache.directory})")
+        for column in ("key", "state", "when (UTC)", "seconds", "reason"):
+            table.add_column(column)
+        for key, event in sorted(builds.items(), key=lambda item: item[1].get("time", 0)):
+            when = event.get("time")
+            table.add_row(
+                key[:16],
+                escape(str(event.get("state"))),
+                _when(when) if isinstance(when, int | float) else "-",
+                escape(str(event.get("seconds", ""))),
+                escape(str(event.get("reason", event.get("compiler", "")))[:300]),
+            )
+        console.print(table)
+
+
+def _native_builds(cache) -> dict[str, dict]:
+    """Key -> the last event of this machine's native builds (compiler.backends.inductor_native's log)."""
+    from compiler.backends import inductor_native
+
+    return inductor_native.latest(cache.directory)
 
 
 @cache_app.command("verify")

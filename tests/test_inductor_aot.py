@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,9 @@ import torch
 from torch.export import Dim
 
 import compiler
+from compiler.backends import inductor_native
 from compiler.backends.inductor_aot import _check_in_fresh_process
-from compiler.backends.inductor_format import AOT, HEADER
+from compiler.backends.inductor_format import AOT, COMPILED, HEADER
 from compiler.errors import BuildSettingsError
 from tests.fixtures.signing_keys import ec_key_pair
 
@@ -69,6 +71,8 @@ def _fresh_load(package: Path, env: dict, device: str = "cpu") -> dict:
             # standalone graph's load needs, and a native one must not.
             "inductor": "torch._inductor.compile_fx" in sys.modules,
             "warnings": [str(w.message) for w in caught if "Inductor" in str(w.message)],
+            # this machine's own native package, built in the background for the loads after this one
+            "native_builds": [b.wait(600) for b in m.native_builds()],
         }}))
         """
     )
@@ -97,6 +101,7 @@ def test_aot_engine_loads_natively_where_trusted_and_never_where_not(device, tmp
     files = _engine_files(module)
     header = json.loads(files[HEADER])
     assert AOT in files and os.path.basename(header["aot"]).startswith(("g++", "c++")), header
+    assert COMPILED not in files and not header["specializations"]  # the package serves every shape
     torch.manual_seed(1)
     with torch.no_grad():
         expected = {b: model(torch.randn(b, 12).to(device)).cpu() for b in (1, 3, 16)}
@@ -116,31 +121,60 @@ def test_aot_engine_loads_natively_where_trusted_and_never_where_not(device, tmp
     assert not signed["warnings"], signed["warnings"]
     if device == "cuda":  # captured once per shape, then replayed
         assert signed["graphs"]["enabled"] and signed["graphs"]["captures"] == 3, signed["graphs"]
-    # Not trusted: the package's native code never runs. The engine is compiled here from its program,
-    # and so is this machine's own AOTInductor package, kept in the local engine cache ...
-    env = {**env, "KILN_CACHE_DIR": str(tmp_path / "cache")}
-    unsigned = _fresh_load(tmp_path / "unsigned.kiln", env, device)
-    assert any("not trusted to run code" in w for w in unsigned["warnings"]), unsigned["warnings"]
-    assert any("building this machine's own" in w for w in unsigned["warnings"]), unsigned["warnings"]
-    kinds = [e.meta.get("kind") for e in compiler.EngineCache(tmp_path / "cache").entries()]
-    assert "inductor-local-aot" in kinds, kinds
+    # Not trusted: the package's native code never runs. The engine is compiled here from its program and
+    # serves at once, while this machine's own AOTInductor package is built in the background into the
+    # local engine cache. A build that fails (here: its compiler) leaves the served graph serving, and
+    # says why in the cache's log, which `kiln cache ls` shows ...
+    cache = tmp_path / "cache"
+    env = {**env, "KILN_CACHE_DIR": str(cache)}
+    failed = _fresh_load(
+        tmp_path / "unsigned.kiln", {**env, "KILN_AOT_CXX": str(_failing_compiler(tmp_path))}, device
+    )
+    assert any("not trusted to run code" in w for w in failed["warnings"]), failed["warnings"]
+    assert any("being built in the background" in w for w in failed["warnings"]), failed["warnings"]
+    assert failed["native_builds"] == [1] and "aot" not in failed["dispatch"].values(), failed
+    events = inductor_native.log_events(cache)
+    assert [e["state"] for e in events] == ["started", "failed"] and "failing-g++" in events[-1]["reason"]
+    listed = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "cache", "ls", str(cache), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    (build,) = json.loads(listed.stdout)["native_builds"]
+    assert build["state"] == "failed" and "failing-g++" in build["reason"], build
+    # ... and the next loads build it again: two processes at once build it once.
+    with ThreadPoolExecutor(2) as pool:
+        unsigned, twin = pool.map(lambda _: _fresh_load(tmp_path / "unsigned.kiln", env, device), range(2))
+    kinds = [e.meta.get("kind") for e in compiler.EngineCache(cache).entries()]
+    assert kinds.count("inductor-local-aot") == 1, kinds
+    states = [e["state"] for e in inductor_native.log_events(cache)][2:]
+    assert states.count("built") == 1 and states.count("started") == 1, states
     # ... so the next untrusted load runs natively, as a trusted one does: nothing compiled.
     again = _fresh_load(tmp_path / "unsigned.kiln", env, device)
     assert set(again["dispatch"].values()) == {"aot"} and not again["inductor"], again
     assert not again["warnings"], again["warnings"]
     for batch, want in expected.items():
-        for got in (signed, unsigned, again):
+        for got in (signed, failed, unsigned, twin, again):
             torch.testing.assert_close(torch.tensor(got["outs"][str(batch)]), want, rtol=1e-5, atol=1e-5)
 
 
-def test_aot_that_cannot_be_built_or_loaded_is_left_out_with_the_reason(program, tmp_path, monkeypatch):
-    model, exported = program
-    failing = tmp_path / "failing-g++"
+def _failing_compiler(directory: Path) -> Path:
+    """A C++ compiler that names itself as g++ does and fails every compile."""
+    failing = directory / "failing-g++"
     failing.write_text(
         '#!/bin/sh\nfor a in "$@"; do [ "$a" = "--version" ] && exec g++ --version; done\nexit 1\n'
     )
     failing.chmod(0o755)
-    monkeypatch.setenv("KILN_AOT_CXX", str(failing))
+    return failing
+
+
+def test_aot_that_cannot_be_built_or_loaded_is_left_out_with_the_reason(program, tmp_path, monkeypatch):
+    model, exported = program
+    monkeypatch.setenv("KILN_AOT_CXX", str(_failing_compiler(tmp_path)))
     with pytest.warns(UserWarning, match="no AOTInductor package for partition .*failing-g\\+\\+"):
         module = compiler.compile(exported, backend="inductor", backend_options={"aot": True}, cache=False)
     files = _engine_files(module)

@@ -145,11 +145,13 @@ def test_with_aot_an_int8_engine_loads_its_native_package_instead_of_compiling(t
         x = torch.randn(rows, 32)
         torch.testing.assert_close(loaded(x), compiled(x), rtol=1e-4, atol=1e-4)
     assert set(loaded.last_dispatch().values()) == {"aot"}
-    # Untrusted: the package's native code never runs; the first load compiles the program and builds
-    # this machine's own package (kept in the local engine cache), which the next load runs.
+    # Untrusted: the package's native code never runs; the first load compiles the program, serves it,
+    # and builds this machine's own package in the background (kept in the local engine cache), which
+    # the next load runs.
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.warns(UserWarning, match="building this machine's own"):
+    with pytest.warns(UserWarning, match="own AOTInductor package is being built in the background"):
         first = compiler.load(tmp_path / "int8-aot.kiln", trust_engine_code=False)
+    assert [build.wait(600) for build in first.native_builds()] == [0]
     again = compiler.load(tmp_path / "int8-aot.kiln", trust_engine_code=False)
     x = torch.randn(3, 32)
     torch.testing.assert_close(again(x), compiled(x), rtol=1e-4, atol=1e-4)

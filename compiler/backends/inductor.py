@@ -149,6 +149,8 @@ class InductorEngine:
             specializations or {}
         )
         self.last_dispatch: str | None = None  # "static" or "dynamic": what served the last call
+        # This machine's own native package being built for the loads after this one (inductor_native)
+        self.native_build: Any = None
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # The graph was compiled for contiguous activations (it asserts their strides): a transposed
@@ -211,7 +213,7 @@ class InductorBackend:
         partition: str | None = None,
         cache_dir: str | os.PathLike | None = None,  # Inductor keeps its own caches
     ) -> bytes:
-        options = build_options(settings)
+        options = build_options(settings, aot_default=self.device.type == "cuda")
         compiler = host_compiler(options)
         if settings.precision == "fp8" and self._fp8_missing():
             raise EngineBuildError(
@@ -240,31 +242,19 @@ class InductorBackend:
             **({"frozen": True} if frozen else {}),
         }
         key = library_key(program, header)
+        artifact, static = None, {}
         with COMPILE_LOCK:
-            compiled, artifact = recall(key)
-            # else this process built the same graph (a stripped or full twin)
-            if compiled is None or (artifact is None and not frozen):
-                try:
-                    compiled = graph.compile(io, options, tuple(weights.values()))
-                    artifact = None if frozen else save_artifact(compiled)  # a frozen graph has none
-                except Exception as exc:  # Inductor raises many types; the report needs the cause
-                    raise EngineBuildError(
-                        f"Inductor could not compile partition {partition or '?'}: {short_error(exc)}",
-                        partition=partition,
-                    ) from exc
-                remember(key, compiled, artifact)
-            static = {}
-            if frozen and settings.profiles:
-                warnings.warn(
-                    f"Inductor: partition {partition or '?'} is int8 (weights frozen in): it gets no static "
-                    "specialization, its dynamic graph serves every shape",
-                    stacklevel=2,
-                )
-            elif not frozen:
-                static = build_specializations(graph, io, settings, options, weights, key, partition)
+            # An AOTInductor package serves every shape with no compiler present: an engine that has one
+            # needs no standalone graph. Where it cannot be built, the standalone graph is the engine.
             aot_bytes, aot_note = self._build_aot(
-                program, io, options, settings, weights, graph.constants, key, partition, frozen=frozen
+                program, io, options, settings, weights, key, partition, graph
             )
+            if aot_bytes is None:
+                if aot_note is not None:  # a failed AOTInductor compile may have consumed the graph
+                    graph = ProgramGraph.load(program, self.device, frozen=frozen)
+                artifact, static = self._build_standalone(
+                    graph, io, settings, options, weights, key, partition
+                )
         header["specializations"] = [[list(s) for s in shapes] for shapes in static]
         if aot_note is not None:  # its compiler, or why there is none
             header["aot" if aot_bytes is not None else "aot_skipped"] = aot_note
@@ -281,6 +271,41 @@ class InductorBackend:
             files[COMPILED] = artifact
         return pack(files)
 
+    def _build_standalone(
+        self,
+        graph: ProgramGraph,
+        io: EngineIO,
+        settings: BuildSettings,
+        options: Mapping[str, Any],
+        weights: Mapping[str, torch.Tensor],
+        key: str,
+        partition: str | None,
+    ) -> tuple[bytes | None, dict]:
+        """(the standalone graph's artifact, its static specializations); compiled once per process per
+        library key (a stripped or full twin recalls it). Under COMPILE_LOCK."""
+        frozen = graph.frozen
+        compiled, artifact = recall(key)
+        if compiled is None or (artifact is None and not frozen):
+            try:
+                compiled = graph.compile(io, options, tuple(weights.values()))
+                artifact = None if frozen else save_artifact(compiled)  # a frozen graph has none
+            except Exception as exc:  # Inductor raises many types; the report needs the cause
+                raise EngineBuildError(
+                    f"Inductor could not compile partition {partition or '?'}: {short_error(exc)}",
+                    partition=partition,
+                ) from exc
+            remember(key, compiled, artifact)
+        if frozen and settings.profiles:
+            warnings.warn(
+                f"Inductor: partition {partition or '?'} is int8 (weights frozen in): it gets no static "
+                "specialization, its dynamic graph serves every shape",
+                stacklevel=3,
+            )
+            return artifact, {}
+        if frozen:
+            return artifact, {}
+        return artifact, build_specializations(graph, io, settings, options, weights, key, partition)
+
     def _fp8_missing(self) -> bool:
         return self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (8, 9)
 
@@ -291,15 +316,14 @@ class InductorBackend:
         options: Mapping[str, Any],
         settings: BuildSettings,
         weights: Mapping[str, torch.Tensor],
-        constants: Mapping[int, torch.Tensor],
         key: str,
         partition: str | None,
-        *,
-        frozen: bool = False,
+        graph: ProgramGraph,
     ) -> tuple[bytes | None, str | None]:
-        """(the AOTInductor package, its compiler) where ``backend_options`` ask for one; (None, why)
-        where it could not be built or did not pass its fresh-process check (warned: the engine keeps
-        its standalone graph); (None, None) where not asked for. Once per process per compiled graph."""
+        """(the AOTInductor package, its compiler) where ``backend_options`` ask for one (the default on
+        CUDA); (None, why) where it could not be built or did not pass its fresh-process check (warned:
+        the engine gets its standalone graph); (None, None) where not asked for. Once per process per
+        library key."""
         if not options.get("aot"):
             return None, None
         if key not in _AOT:
@@ -307,17 +331,16 @@ class InductorBackend:
                 program,
                 io,
                 tuple(weights.values()),
-                constants,
-                recall(key)[0],
                 options,
                 self.device,
                 settings.precision,
-                frozen=frozen,
+                frozen=graph.frozen,
+                graph=graph,  # consumed by the compile
             )
             if built is None:
                 warnings.warn(
                     f"Inductor: no AOTInductor package for partition {partition or '?'}: {note}; its engine "
-                    "loads through its standalone graph",
+                    "is its standalone graph",
                     stacklevel=3,
                 )
             _AOT[key] = built, note
@@ -338,8 +361,10 @@ class InductorBackend:
             weights = load_tensors(files[WEIGHTS], self.device)
         ordered = _ordered(header, weights, self.device)
         constants = {int(i): t for i, t in load_tensors(files.get(CONSTANTS), self.device).items()}
-        local = self._local_aot(files, header, options)  # an untrusted AOT package's: built here
-        aot = self._load_aot(files, header) or local.loaded()
+        aot = self._load_aot(files, header)
+        # A package that may not run here (untrusted, or it does not load): this machine's own, if built
+        local = self._local_aot(files, header, options, wanted=AOT in files and aot is None)
+        aot = aot or local.loaded()
         if aot is not None:  # serves every shape: no Inductor, no Triton imported
             return self._aot_engine(aot, ordered, io, constants, header)
         host_compiler(options)
@@ -360,11 +385,13 @@ class InductorBackend:
                     )
                     remember(shape_key, loaded, None)
                 static[shapes] = loaded
-            if local.wanted:  # built here once, for the loads after this one
-                aot = local.build(io, ordered, constants, compiled)
-                if aot is not None:
-                    return self._aot_engine(aot, ordered, io, constants, header)
-        return InductorEngine(compiled, ordered, io, constants, static, expected_weights=header["weights"])
+        engine = InductorEngine(compiled, ordered, io, constants, static, expected_weights=header["weights"])
+        if local.wanted:  # this graph serves; this machine's own package is built for the loads after this
+            engine.native_build = local.start(io, ordered)
+            aot = local.loaded()  # there already where it was built inline ($KILN_NATIVE_BUILD=inline)
+            if aot is not None:
+                return self._aot_engine(aot, ordered, io, constants, header)
+        return engine
 
     def _aot_engine(
         self,
@@ -379,11 +406,15 @@ class InductorBackend:
         return engine
 
     def _local_aot(
-        self, files: Mapping[str, bytes], header: Mapping[str, Any], options: Mapping[str, Any]
+        self,
+        files: Mapping[str, bytes],
+        header: Mapping[str, Any],
+        options: Mapping[str, Any],
+        *,
+        wanted: bool,
     ) -> LocalAot:
-        """This machine's own AOTInductor package of an engine whose untrusted package carried one (its
-        bytes are never run): wanted for such engines only."""
-        wanted = not self.trust_engine_code and AOT in files
+        """This machine's own AOTInductor package of an engine whose package carried one that does not
+        run here (untrusted: its bytes are never run; or it does not load on this machine)."""
         return LocalAot(wanted, files[PROGRAM], options, self.device, self.target_device(), header)
 
     def _load_aot(self, files: Mapping[str, bytes], header: Mapping[str, Any]) -> AotGraph | None:
@@ -443,6 +474,8 @@ class InductorBackend:
                 "its compiled graph is code and its package is not trusted to run code (sign packages and "
                 "verify them with KILN_SIGNING_PUBLIC_KEY, or load with trust_engine_code=True)"
             )
+        elif name not in files:  # an engine whose AOTInductor package serves: it holds no standalone graph
+            reason = "its AOTInductor package does not run here and it holds no standalone graph"
         else:
             try:
                 compiled = load_artifact(files[name])

@@ -15,12 +15,15 @@ the libstdc++ the loading process has (the H100 image's ``/opt/gcc`` compiler be
 libstdc++) segfaults at load. Hence the compiler (:func:`aot_compiler`): ``$KILN_AOT_CXX`` where set,
 else the system's own ``g++``, whose headers match the system libstdc++ that Python and torch load
 (or predate a newer one a conda environment brings: libstdc++ loads older code, not newer). Each
-build is then loaded in a fresh process and must answer like the standalone graph; one that crashes
-or differs is left out, with a warning naming the compiler and the exit status, and the engine keeps
-its standalone graph.
+build is then loaded in a fresh process and must answer like the program run eagerly; one that crashes
+or differs is left out, with a warning naming the compiler and the exit status, and the engine gets
+its standalone graph instead.
 
-A package is native code: it runs only where engine code is trusted (docs/security.md); an untrusted
-load compiles the engine from its program as before and never reads this file.
+On a CUDA device a package is the default form of an engine (``backend_options: {aot: false}`` asks
+for the standalone graph alone), and an engine that has one holds no standalone graph: the package
+serves every shape. A package is native code: it runs only where engine code is trusted
+(docs/security.md); an untrusted load compiles the engine from its program, serves that, and builds
+this machine's own package in the background (:class:`LocalAot`).
 """
 
 from __future__ import annotations
@@ -92,6 +95,11 @@ def build_aot(
         package = os.path.join(scratch, "engine.pt2")
         exported.example_inputs = (tuple(inputs), {})
         configs = {**inductor_config, "cpp.cxx": (None, compiler)}
+        if device.type == "cuda":
+            # The wrapper of a CUDA package is host glue (its kernels are Triton's): no CPU vector ISA is
+            # needed, and Inductor's ISA probes (a compile and a fresh Python process each) cost 35-40 s
+            # of a 77 s GPT-2 package build on the H200 host (benchmarks/results/probe_aot_cost_h200.json).
+            configs["cpp.vec_isa_ok"] = False
         try:
             from compiler.export import TRACING
 
@@ -172,13 +180,15 @@ class AotGraph:
 
 
 class LocalAot:
-    """This machine's own AOTInductor package of an engine from an untrusted package that carried one.
+    """This machine's own AOTInductor package of an engine whose package carried one that may not run
+    here (not trusted to run code, or it does not load on this machine).
 
-    The package's AOTInductor bytes are native code and never run untrusted. Instead the first
-    untrusted load builds one here, from the engine's program with this process's compiler and kiln's
-    own settings (minutes for a BERT-base), checks it in a fresh process like a compile does, and keeps
-    it in the local engine cache (trusted input, docs/security.md), keyed by what was compiled. The
-    loads after it run natively, as a trusted load does: no Inductor imported, no recompile.
+    The package's AOTInductor bytes are native code and never run untrusted. Instead the first such
+    load serves the engine's graph compiled here and starts building this machine's own package in the
+    background (``compiler.backends.inductor_native``), from the engine's program with this machine's
+    compiler and kiln's own settings, checked in a fresh process like a compile's, kept in the local
+    engine cache (trusted input, docs/security.md) keyed by what was compiled. Loads after it run
+    natively, as a trusted load does: no Inductor imported, no recompile.
     """
 
     def __init__(
@@ -193,7 +203,7 @@ class LocalAot:
         from compiler.backends.inductor_graph import LocalCompiled
 
         self.wanted, self.device, self.options, self.header = wanted, device, options, header
-        self.program = program
+        self.program, self.target = program, target
         self.entry = LocalCompiled(program, options, target, aot=True) if wanted else None
 
     def loaded(self) -> AotGraph | None:
@@ -206,64 +216,64 @@ class LocalAot:
         except Exception:  # built by another torch or toolchain since: build it again
             return None
 
-    def build(
-        self,
-        io: Any,
-        weights: Sequence[torch.Tensor],
-        constants: Mapping[int, torch.Tensor],
-        standalone: Any,
-    ) -> AotGraph | None:
-        """Build, check and keep it; ``standalone``: the engine's graph compiled here (the answer the
-        package must give). None, warned, where it cannot be built here (the standalone graph serves)."""
+    def start(self, io: Any, weights: Sequence[torch.Tensor]) -> Any:
+        """Start building it (``compiler.backends.inductor_native``: a detached process by default,
+        ``$KILN_NATIVE_BUILD=inline`` waits for it, ``off`` builds none), warned; the build handle, or
+        None where there is no local cache or builds are off."""
         import warnings
 
-        if self.entry is None:
+        from compiler.backends import inductor_native
+
+        cache = self.entry._cache() if self.entry is not None else None
+        if cache is None:
             return None
-        warnings.warn(
-            "Inductor engine from an untrusted package with an AOTInductor package: building this "
-            "machine's own from its program (minutes, once: kept in the local engine cache)",
-            stacklevel=4,
-        )
-        built, note = aot_from_program(
-            self.program,
-            io,
-            tuple(weights),
-            constants,
-            standalone,
-            self.options,
-            self.device,
-            str(self.header.get("precision", "fp32")),
-            frozen=bool(self.header.get("frozen")),
-        )
-        if built is None:
-            warnings.warn(f"Inductor engine: no AOTInductor package built here: {note}", stacklevel=4)
-            return None
-        self.entry.write(built)
-        return AotGraph(built, self.device, self.header["constants"])
+        job = {
+            "io": io.to_dict(),
+            "options": dict(self.options),
+            "device": str(self.device),
+            "precision": str(self.header.get("precision", "fp32")),
+            "frozen": bool(self.header.get("frozen")),
+            "target": self.target,
+            "torch": torch.__version__,
+        }
+        build = inductor_native.start(cache.directory, self.entry.key, self.program, weights, job)
+        if build is not None:
+            how = (
+                "was built"
+                if build.process is None
+                else f"is being built in the background (pid {build.process.pid})"
+            )
+            warnings.warn(
+                "Inductor engine: serving its graph compiled here from its program; this machine's own "
+                f"AOTInductor package {how} into the local engine cache {cache.directory}, and loads after "
+                f"it run natively (its log: {cache.directory / inductor_native.LOG_NAME})",
+                stacklevel=4,
+            )
+        return build
 
 
 def aot_from_program(
     program: bytes,
     io: Any,
     weights: Sequence[torch.Tensor],
-    constants: Mapping[int, torch.Tensor],
-    standalone: Any,
     options: Mapping[str, Any],
     device: torch.device,
     precision: str,
     *,
     frozen: bool = False,
+    graph: Any = None,
 ) -> tuple[bytes | None, str]:
-    """An engine's program built by :func:`build_aot` from its own copy of the program (a compile
-    consumes the graph it is given), checked against ``standalone``, the engine's graph compiled here,
-    on example inputs: what a build and an untrusted load's local package both do."""
+    """An engine's program built by :func:`build_aot`, checked on example inputs against the program
+    run eagerly: what a build and a machine's own package (``inductor_native``) both do. ``graph``: the
+    program already loaded as a :class:`~compiler.backends.inductor_graph.ProgramGraph`, which the
+    compile consumes (else it is loaded from ``program``)."""
     from compiler.backends.inductor_graph import ProgramGraph, example_inputs, graph_args
     from compiler.backends.inductor_options import inductor_config
 
-    graph = ProgramGraph.load(program, device, frozen=frozen)
+    graph = graph if graph is not None else ProgramGraph.load(program, device, frozen=frozen)
     activations = example_inputs(io, device)
     with torch.no_grad():
-        expected = list(standalone(*graph_args(activations, tuple(weights), constants)))
+        expected = list(graph.module(*graph_args(activations, tuple(weights), graph.constants)))
     return build_aot(
         graph.exported,
         [*activations, *weights],

@@ -26,8 +26,8 @@ from compiler.errors import BackendUnavailableError, BuildSettingsError, UnsafeE
 from compiler.specs import DTYPES
 
 # backend_options keys: "mode" (torch.compile's mode names, as Inductor config), "compile_options"
-# (Inductor config, torch.compile's ``options``), "aot" (also an AOTInductor package per engine, for
-# fast loads: compiler.backends.inductor_aot).
+# (Inductor config, torch.compile's ``options``), "aot" (an AOTInductor package per engine, for fast
+# loads: compiler.backends.inductor_aot; on by default on CUDA devices).
 BACKEND_OPTIONS = frozenset({"mode", "compile_options", "aot"})
 # CUDA graphs ("reduce-overhead", "max-autotune") need a runtime that replays captured graphs on static
 # buffers; a standalone compiled graph is a plain function, so those modes are refused.
@@ -84,8 +84,10 @@ UNTRUSTED_COMPILE_OPTIONS = {
 }
 
 
-def build_options(settings: BuildSettings) -> dict[str, Any]:
-    """The options a build records in its engines' headers (the operator's: any Inductor config)."""
+def build_options(settings: BuildSettings, *, aot_default: bool = False) -> dict[str, Any]:
+    """The options a build records in its engines' headers (the operator's: any Inductor config).
+    ``aot_default``: whether an engine gets an AOTInductor package when ``aot`` is not given (on CUDA
+    devices: the form that loads in seconds with no compiler present, issue 34)."""
     check_backend_options(settings, BACKEND_OPTIONS, "Inductor")
     mode = settings.options.get("mode", "default")
     if mode not in MODES:
@@ -107,7 +109,7 @@ def build_options(settings: BuildSettings) -> dict[str, Any]:
             "workspace_bytes and optimization_level are TensorRT settings; Inductor takes backend_options "
             "mode and compile_options"
         )
-    aot = settings.options.get("aot", False)
+    aot = settings.options.get("aot", aot_default)
     if not isinstance(aot, bool):
         raise BuildSettingsError(f"backend_options aot must be true or false, not {aot!r}")
     built = {"mode": mode, "compile_options": dict(sorted(compile_options.items()))}

@@ -211,13 +211,18 @@ def test_loaded_package_gets_the_same_runtime(mlp, tmp_path):
     # (tests/test_cuda_graphs.py checks that where MLflow is installed).
 
 
-def test_profiles_are_captured_at_compile_and_load(tmp_path):
-    model, args, _, module = _compiled("mlp_with_fallback", profiles=[{"batch": 1}, {"batch": 8}])
+@pytest.mark.parametrize("aot", [True, False])
+def test_profiles_are_captured_at_compile_and_load(tmp_path, aot):
+    """The default CUDA engine (its AOTInductor package serves every shape) and the standalone form
+    (``aot: false``: a static specialization per profile) both capture every profile at compile."""
+    profiles = [{"batch": 1}, {"batch": 8}]
+    model, args, _, module = _compiled("mlp_with_fallback", profiles=profiles, backend_options={"aot": aot})
     assert module.cuda_graphs.captured_shapes == 2  # both profiles, before any call of ours
     rows = module.report.profiles
-    # Inductor builds a static specialization per profile: the captured graphs replay those.
-    assert all(r["dispatch"].startswith("cuda graph over static specializations in") for r in rows)
-    assert all(set(r["engines"].values()) == {"static"} for r in rows)
+    served = "aot" if aot else "static"
+    assert all(set(r["engines"].values()) == {served} for r in rows), rows
+    if not aot:  # the captured graphs replay the static specializations
+        assert all(r["dispatch"].startswith("cuda graph over static specializations in") for r in rows)
     compiler.save(module, tmp_path / "p.kiln")
     loaded = compiler.load(tmp_path / "p.kiln", trust_engine_code=True)
     graphs = loaded.cuda_graphs
@@ -231,8 +236,11 @@ def test_profiles_are_captured_at_compile_and_load(tmp_path):
 def test_static_specializations_answer_like_the_model_on_cuda(cuda_graphs):
     """BERT with profiles batch 1 and 8: the specializations (graphed and not) and the dynamic engine at
     batch 5 answer like the eager model; synchronised, so a faulting kernel fails here, not later."""
-    model, _, kwargs, module = _compiled(
-        "tiny_bert", profiles=[{"batch": 1}, {"batch": 8}], cuda_graphs=cuda_graphs
+    model, _, kwargs, module = _compiled(  # the standalone form: the default has no specializations
+        "tiny_bert",
+        profiles=[{"batch": 1}, {"batch": 8}],
+        cuda_graphs=cuda_graphs,
+        backend_options={"aot": False},
     )
     for batch, served in ((8, "static"), (1, "static"), (5, "dynamic")):
         inputs = {k: v.repeat(batch, 1)[:batch] for k, v in kwargs.items()}  # token ids stay in range
