@@ -76,6 +76,7 @@ def start(
 
     jobs = cache_dir / JOBS_DIR
     jobs.mkdir(mode=0o700, exist_ok=True)
+    _sweep(jobs)
     # One directory per attempt: a second process's job never overwrites a running worker's files.
     directory = jobs / f"{key}.{uuid.uuid4().hex[:8]}"
     directory.mkdir(mode=0o700)
@@ -99,6 +100,17 @@ def start(
             start_new_session=True,  # not killed with a serving process that exits or is interrupted
         )
     return NativeBuild(key, directory, process)
+
+
+def _sweep(jobs: Path, max_age_s: float = 24 * 3600) -> None:
+    """Remove job directories a killed worker left (a worker removes its own when it ends)."""
+    cutoff = time.time() - max_age_s
+    for job in jobs.iterdir():
+        try:
+            if job.is_dir() and not job.is_symlink() and job.stat().st_mtime < cutoff:
+                shutil.rmtree(job, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _worker_env() -> dict[str, str]:
@@ -165,10 +177,15 @@ def _run(directory: Path) -> int:
 
             built, note = None, short_error(exc)
         seconds = round(time.perf_counter() - start_time, 2)
+        if built is not None:
+            try:
+                meta = {"kind": "inductor-local-aot", "torch": job["torch"], "target": job["target"]}
+                cache.put(key, built, meta)
+            except Exception as exc:  # a cache that cannot take it: the build did not help
+                built, note = None, f"built, but the engine cache did not take it: {exc}"
         if built is None:
             _log(cache.directory, {"key": key, "state": "failed", "seconds": seconds, "reason": note[:2000]})
             return 1
-        cache.put(key, built, {"kind": "inductor-local-aot", "torch": job["torch"], "target": job["target"]})
         _log(cache.directory, {"key": key, "state": "built", "seconds": seconds, "compiler": note})
         return 0
     finally:
