@@ -35,6 +35,10 @@ TRITON_TYPES = {
     "bool": "TYPE_BOOL",
 }
 DEFAULT_QUEUE_DELAY_US = 1000
+# Intra-op threads per model instance (ONNX Runtime's and torch's); 0: one per core of the serving
+# machine left after Triton's own (see runtime.instance_threads).
+DEFAULT_THREADS = 0
+THREADS_PARAMETER = "kiln_threads"
 SERVED_FILE = "kiln.json"  # the ServedModel beside a staged package
 PACKAGE_DIR = "package"  # the verified package inside a version folder
 BACKEND_FILE = "model.py"  # kiln's Python backend, the same bytes in every version folder
@@ -81,6 +85,9 @@ class ServedModel:
     outputs: tuple[TensorSig, ...]
     max_batch_size: int = 0
     preferred_batch_sizes: tuple[int, ...] = field(default_factory=tuple)
+    # What the signature depends on besides weights (repository.signature_key): a later version with
+    # the same key is served with this signature, without loading it (a release stays torch-free).
+    signature_key: str = ""
 
     def __post_init__(self) -> None:
         for sig in self.inputs:
@@ -113,6 +120,7 @@ class ServedModel:
                 ),
                 max_batch_size=int(data["max_batch_size"]),
                 preferred_batch_sizes=tuple(int(b) for b in data["preferred_batch_sizes"]),
+                signature_key=str(data.get("signature_key", "")),
             )
         except (ValueError, KeyError, TypeError) as exc:
             if isinstance(exc, TritonConfigError):
@@ -141,10 +149,13 @@ def render_config(
     *,
     queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
     instances: int = 1,
+    threads: int = DEFAULT_THREADS,
 ) -> str:
     """``config.pbtxt`` serving exactly ``served.version`` (the champion) of ``served.name``."""
     if instances < 1:
         raise TritonConfigError(f"instances must be at least 1, got {instances}")
+    if threads < 0:
+        raise TritonConfigError(f"threads must be >= 0 (0: automatic), got {threads}")
     if queue_delay_us < 0:
         raise TritonConfigError(f"the queue delay must be >= 0 microseconds, got {queue_delay_us}")
     batched = served.max_batch_size > 0
@@ -168,6 +179,7 @@ def render_config(
         f"input [\n{tensors(served.inputs, 'input')}\n]",
         f"output [\n{tensors(served.outputs, 'output')}\n]",
         f"instance_group [ {{ kind: {served.kind} count: {instances} }} ]",
+        f'parameters: {{ key: "{THREADS_PARAMETER}" value: {{ string_value: "{threads}" }} }}',
     ]
     if batched:
         preferred = ", ".join(str(b) for b in served.preferred_batch_sizes)
