@@ -72,8 +72,20 @@ def triton_model_name(model: str) -> str:
 
 
 def check_repository(repository: str | os.PathLike, *, write: bool, create: bool = False) -> Path:
-    """The repository as an absolute path; RepositoryError naming it unless usable."""
-    path = Path(repository).expanduser().absolute()
+    """The repository as an absolute path; RepositoryError naming it unless usable. A URL other than
+    ``file://`` (``s3://``, ``gs://``, ``http://``) is refused before anything is created: kiln writes
+    and serves a local directory, synced to an object store for KServe (deploy/kserve)."""
+    text = os.fspath(repository)
+    scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", text)
+    if scheme and scheme.group(1).lower() != "file":
+        raise RepositoryError(
+            f"the model repository {text} is a {scheme.group(1)} URL; kiln writes and serves a local "
+            "directory: export to one and sync it to the object store (as deploy/kserve/kiln-triton.yaml "
+            "shows), and run the server or release on the local copy"
+        )
+    if scheme:
+        text = text[len("file://") :]
+    path = Path(text).expanduser().absolute()
     if create and not path.exists():
         try:
             path.mkdir(parents=True)
