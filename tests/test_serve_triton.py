@@ -42,7 +42,7 @@ from serving.triton.errors import (
     TritonConfigError,
 )
 from serving.triton.live import TritonRelease
-from serving.triton.repository import backend_bytes, export, repository_lock, stage_version
+from serving.triton.repository import backend_bytes, export, repository_lock
 from serving.triton.server import TritonServer
 from tests.fixtures.server_process import free_port
 
@@ -274,6 +274,14 @@ def _steady_load(server: dict, stop: threading.Event, seen: Counter, x: np.ndarr
             seen[f"error: {exc}"] += 1
 
 
+def _until(condition, timeout: float = 60.0) -> None:
+    """Wait for ``condition()`` (polled every 10 ms); fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached within {timeout} s"
+        time.sleep(0.01)
+
+
 def test_a_release_under_steady_load_swaps_versions_with_no_failed_request(store, server, repository):
     stop, seen = threading.Event(), Counter()
     x = _x(2, 4, seed=5)
@@ -281,7 +289,7 @@ def test_a_release_under_steady_load_swaps_versions_with_no_failed_request(store
     for t in clients:
         t.start()
     try:
-        time.sleep(0.5)
+        _until(lambda: seen["1"] >= 8)  # the load is on before the release starts
         started = time.monotonic()
         outcome = apply_decision(
             GateReport(NAME, "2", "1", {}, {}),
@@ -289,7 +297,8 @@ def test_a_release_under_steady_load_swaps_versions_with_no_failed_request(store
             live=_live(store, server, repository),
         )
         took = time.monotonic() - started
-        time.sleep(0.5)
+        answered = seen["2"]
+        _until(lambda: seen["2"] >= answered + 8)  # and still on once the new version serves
     finally:
         stop.set()
         for t in clients:
@@ -371,11 +380,29 @@ def test_two_releases_at_once_one_wins_and_the_other_is_refused(store, server, r
 
 
 def test_a_tampered_package_is_refused_at_load_and_the_server_keeps_serving(store, server, repository):
-    from registry import config
 
     won, lost = store["won"], store["lost"]
     model_dir = repository / "tiny"
-    stage_version(config.client(store["uri"]), model_dir, "tiny", NAME, lost)
+    # Staged by a fresh process, as a release staging it would: same program as the staged versions,
+    # so its signature is theirs and the process never imports torch (python -X importtime lists it).
+    code = (
+        "import sys, pathlib; from registry import config; "
+        "from serving.triton.repository import stage_version; "
+        f"_, created = stage_version(config.client({store['uri']!r}), pathlib.Path(sys.argv[1]), "
+        f"'tiny', {NAME!r}, {lost!r}); print('created' if created else 'kept')"
+    )
+    staged = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code, str(model_dir)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert staged.returncode == 0 and staged.stdout.strip() == "created", staged.stderr[-3000:]
+    imported = {line.split("|")[-1].strip() for line in staged.stderr.splitlines() if "import time:" in line}
+    assert "serving.triton.repository" in imported and "torch" not in imported
+    assert ServedModel.from_json((model_dir / lost / "kiln.json").read_text(), "x").version == lost
     weights = model_dir / lost / "package" / "weights.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
@@ -403,6 +430,7 @@ def test_a_server_that_does_not_answer_is_named_with_its_timeout_and_nothing_mov
     triton_pid = int(children[0])
     before = _aliases(store)
     config_before = (repository / "tiny" / "config.pbtxt").read_text()
+    folders = sorted(p.name for p in (repository / "tiny").iterdir())
     os.kill(triton_pid, signal.SIGSTOP)
     try:
         live = _live(store, server, repository, timeout=1.0, load_timeout=1.0)
@@ -416,8 +444,20 @@ def test_a_server_that_does_not_answer_is_named_with_its_timeout_and_nothing_mov
         os.kill(triton_pid, signal.SIGCONT)
     assert _aliases(store) == before
     assert (repository / "tiny" / "config.pbtxt").read_text() == config_before
-    time.sleep(1.0)  # the load it was sent while stopped reads the restored config: no change
+    assert sorted(p.name for p in (repository / "tiny").iterdir()) == folders
+    # The load it was sent while stopped reads the restored config; a load of our own queues behind it.
+    server["control"].load("tiny")
     assert server["control"].served_versions("tiny") == [before[CHAMPION]]
+    # Nothing listening there at all: refused before anything is measured or moved.
+    nowhere = TritonRelease(f"127.0.0.1:{free_port()}", repository, "tiny", tracking_uri=store["uri"])
+    with pytest.raises(ServerUnavailableError, match="cannot be reached"):
+        nowhere.check()
+    with pytest.raises(ReleaseError) as caught:
+        rollback("tiny", to_version="1", tracking_uri=store["uri"], live=nowhere)
+    assert isinstance(caught.value.__cause__, ServerUnavailableError)
+    assert _aliases(store) == before
+    assert (repository / "tiny" / "config.pbtxt").read_text() == config_before
+    assert sorted(p.name for p in (repository / "tiny").iterdir()) == folders  # previous's folder kept
 
 
 def test_a_dtype_triton_has_no_type_for_is_refused_naming_the_input():
@@ -453,6 +493,14 @@ def test_a_repository_the_server_cannot_read_is_refused(tmp_path):
     missing = tmp_path / "nowhere"
     with pytest.raises(RepositoryError, match="does not exist"):
         TritonServer(missing)
+    # An object-store URL is named and refused; nothing is created locally (export used to make ./s3:).
+    with contextlib.chdir(tmp_path):
+        for url in ("s3://models/kiln/repo", "gs://models/repo"):
+            with pytest.raises(RepositoryError, match=f"{url.split(':')[0]} URL"):
+                export(["tiny"], url)
+            with pytest.raises(RepositoryError, match=f"{url.split(':')[0]} URL"):
+                TritonServer(url)
+        assert sorted(p.name for p in tmp_path.iterdir()) == []
     result = CliRunner().invoke(app, ["serve", "triton", "run", "--repository", str(tmp_path / "x.txt")])
     assert result.exit_code == 2 and "RepositoryError" in result.output
     broken = tmp_path / "repo" / "broken"
