@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -197,9 +198,23 @@ def test_export_writes_a_repository_triton_loads_from_the_registry(store, reposi
     assert "version_policy: { specific: { versions: [ 1 ] } }" in config  # exactly the champion
     assert '{ name: "x" data_type: TYPE_FP32 dims: [ -1, 8 ] }' in config  # seq dynamic, batch implicit
     assert '{ name: "output_0" data_type: TYPE_FP32 dims: [ 4 ] }' in config
-    assert "preferred_batch_size: [ 4, 8 ]" in config  # the shape profiles
+    assert "preferred_batch_size" not in config  # on the CPU every batch size runs alike (config.py)
+    assert ServedModel.from_json((model_dir / "1" / "kiln.json").read_text(), "x").preferred_batch_sizes == (
+        4,
+        8,
+    )
     assert "max_queue_delay_microseconds: 20000" in config
     assert "instance_group [ { kind: KIND_CPU count: 1 } ]" in config
+    assert 'parameters: { key: "kiln_threads" value: { string_value: "0" } }' in config  # automatic
+    # The stub applied it (cores less one for Triton's front end) and logged what its load cost.
+    from serving.triton.runtime import instance_threads
+
+    loaded = re.search(
+        r"kiln: tiny version 1 ready in [0-9.]+ s \(torch [0-9.]+ s, verify and load [0-9.]+ s, "
+        r"warm-up [0-9.]+ s; (\d+) intra-op threads\)",
+        (store["root"] / "serve.log").read_text(),
+    )
+    assert loaded and int(loaded.group(1)) == instance_threads(0, 1, os.cpu_count())
     assert (model_dir / "1" / "model.py").read_bytes() == backend_bytes()
     assert (
         compiler.read_manifest(model_dir / "1" / "package").content_hash
@@ -483,6 +498,13 @@ def test_a_dtype_triton_has_no_type_for_is_refused_naming_the_input():
     text = render_config(served)
     assert "max_batch_size: 0" in text and "dims: [ -1, 7 ]" in text and "KIND_GPU" in text
     assert "dynamic_batching" not in text  # not batched: no batch axis
+    batched = ServedModel(
+        "q", "kiln.q.cpu", "1", "h", "cuda:sm_90", (TensorSig("x", "float32", (-1, 4)),),
+        (TensorSig("y", "float32", (-1, 4)),), 16, (4, 8),
+    )  # fmt: skip
+    assert "preferred_batch_size: [ 4, 8 ]" in render_config(batched)  # a GPU's captured profile sizes
+    with pytest.raises(TritonConfigError, match="threads must be >= 0"):
+        render_config(batched, threads=-1)
 
 
 def test_a_repository_the_server_cannot_read_is_refused(tmp_path):
