@@ -207,14 +207,14 @@ def test_export_writes_a_repository_triton_loads_from_the_registry(store, reposi
     assert "instance_group [ { kind: KIND_CPU count: 1 } ]" in config
     assert 'parameters: { key: "kiln_threads" value: { string_value: "0" } }' in config  # automatic
     # The stub applied it (cores less one for Triton's front end) and logged what its load cost.
-    from serving.triton.runtime import instance_threads
+    from serving.triton.runtime import available_cores, instance_threads
 
     loaded = re.search(
         r"kiln: tiny version 1 ready in [0-9.]+ s \(torch [0-9.]+ s, verify and load [0-9.]+ s, "
         r"warm-up [0-9.]+ s; (\d+) intra-op threads\)",
         (store["root"] / "serve.log").read_text(),
     )
-    assert loaded and int(loaded.group(1)) == instance_threads(0, 1, os.cpu_count())
+    assert loaded and int(loaded.group(1)) == instance_threads(0, 1, available_cores())
     assert (model_dir / "1" / "model.py").read_bytes() == backend_bytes()
     assert (
         compiler.read_manifest(model_dir / "1" / "package").content_hash
