@@ -1,10 +1,8 @@
 """Serving registered versions on the real Triton Inference Server (issue 33), on the CPU.
 
-The session's real ``mlflow server`` (tests/fixtures/mlflow_server.py: started once per test process
-and shared, so the model has a name of its own) with three versions of a tiny model (one graph, three
-sets of weights, so each version answers differently), one repository written by ``kiln serve triton
-export`` and one ``tritonserver`` started by ``kiln serve triton run`` on free 127.0.0.1 ports,
-shared by the file. The
+One registry (embedded sqlite) with three versions of a tiny model (one graph, three sets of weights,
+so each version answers differently), one repository written by ``kiln serve triton export`` and one
+``tritonserver`` started by ``kiln serve triton run`` on free 127.0.0.1 ports, shared by the file. The
 tests run in file order and build on each other's registry and server state: v1 champion -> release
 v2 under load -> rollback to v1 -> two releases at once -> a tampered candidate -> a silent server ->
 no champion.
@@ -50,8 +48,7 @@ from serving.triton.server import TritonServer
 from tests.fixtures.server_process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = "served_tiny"  # unique on the session's shared MLflow server
-NAME = f"kiln.{MODEL}.cpu"
+NAME = "kiln.tiny.cpu"
 TOL = 1e-6
 
 
@@ -67,13 +64,13 @@ class Tiny(torch.nn.Module):
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory, mlflow_server) -> dict:
-    """Versions 1..3 of kiln.served_tiny.cpu recorded on the MLflow server; champion -> 1."""
+def store(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Versions 1..3 of kiln.tiny.cpu recorded in an embedded store; champion -> 1."""
     from registry import config
     from registry.tracking import record_package
 
     root = tmp_path_factory.mktemp("triton")
-    uri = mlflow_server.uri
+    uri = f"sqlite:///{root / 'mlflow.db'}"
     torch.manual_seed(0)
     model = Tiny()
     program = compiler.export(
@@ -92,8 +89,9 @@ def store(tmp_path_factory: pytest.TempPathFactory, mlflow_server) -> dict:
             path, {k: torch.randn(v.shape, generator=generator) for k, v in weights.items()}
         )
         packages[version] = path
-    for version, path in packages.items():
-        assert record_package(path, MODEL, {"name": MODEL}, tracking_uri=uri).version == version
+    with contextlib.chdir(root):  # the embedded store keeps artifacts under the working folder
+        for version, path in packages.items():
+            assert record_package(path, "tiny", {"name": "tiny"}, tracking_uri=uri).version == version
     set_alias(config.client(uri), NAME, CHAMPION, "1")
     modules = {v: compiler.load(p) for v, p in packages.items()}
     return {"root": root, "uri": uri, "packages": packages, "modules": modules}
@@ -103,7 +101,7 @@ def store(tmp_path_factory: pytest.TempPathFactory, mlflow_server) -> dict:
 def repository(store: dict) -> Path:
     repo = store["root"] / "repository"
     # A long queue delay so that concurrent clients are batched even on a busy 2-core machine.
-    export([MODEL], repo, tracking_uri=store["uri"], queue_delay_us=20000)
+    export(["tiny"], repo, tracking_uri=store["uri"], queue_delay_us=20000)
     return repo
 
 
@@ -160,7 +158,7 @@ def _infer_http(url: str, x: np.ndarray) -> tuple[np.ndarray, str]:
     client = http.InferenceServerClient(url)
     tensor = http.InferInput("x", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)
-    result = client.infer(MODEL, [tensor])
+    result = client.infer("tiny", [tensor])
     return result.as_numpy("output_0"), result.get_response()["model_version"]
 
 
@@ -170,7 +168,7 @@ def _infer_grpc(url: str, x: np.ndarray) -> tuple[np.ndarray, str]:
     client = grpc.InferenceServerClient(url)
     tensor = grpc.InferInput("x", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)
-    result = client.infer(MODEL, [tensor])
+    result = client.infer("tiny", [tensor])
     return result.as_numpy("output_0"), result.get_response().model_version
 
 
@@ -183,7 +181,7 @@ def _x(batch: int = 3, seq: int = 5, seed: int = 0) -> np.ndarray:
 
 
 def _live(store: dict, server: dict, repository: Path, **kw) -> TritonRelease:
-    return TritonRelease(server["http"], repository, MODEL, tracking_uri=store["uri"], **kw)
+    return TritonRelease(server["http"], repository, "tiny", tracking_uri=store["uri"], **kw)
 
 
 def _aliases(store: dict) -> dict[str, str]:
@@ -193,9 +191,9 @@ def _aliases(store: dict) -> dict[str, str]:
 
 
 def test_export_writes_a_repository_triton_loads_from_the_registry(store, repository, server):
-    model_dir = repository / MODEL
+    model_dir = repository / "tiny"
     config = (model_dir / "config.pbtxt").read_text()
-    assert f'name: "{MODEL}"' in config and 'backend: "python"' in config
+    assert 'name: "tiny"' in config and 'backend: "python"' in config
     assert "max_batch_size: 16" in config  # the batch range's maximum
     assert "version_policy: { specific: { versions: [ 1 ] } }" in config  # exactly the champion
     assert '{ name: "x" data_type: TYPE_FP32 dims: [ -1, 8 ] }' in config  # seq dynamic, batch implicit
@@ -212,7 +210,7 @@ def test_export_writes_a_repository_triton_loads_from_the_registry(store, reposi
     from serving.triton.runtime import available_cores, instance_threads
 
     loaded = re.search(
-        rf"kiln: {MODEL} version 1 ready in [0-9.]+ s \(torch [0-9.]+ s, verify and load [0-9.]+ s, "
+        r"kiln: tiny version 1 ready in [0-9.]+ s \(torch [0-9.]+ s, verify and load [0-9.]+ s, "
         r"warm-up [0-9.]+ s; (\d+) intra-op threads\)",
         (store["root"] / "serve.log").read_text(),
     )
@@ -223,7 +221,7 @@ def test_export_writes_a_repository_triton_loads_from_the_registry(store, reposi
         == compiler.read_manifest(store["packages"]["1"]).content_hash
     )
     assert sorted(p.name for p in model_dir.iterdir() if p.is_dir()) == ["1"]  # no previous yet
-    assert server["control"].served_versions(MODEL) == ["1"]
+    assert server["control"].served_versions("tiny") == ["1"]
 
 
 def test_http_and_grpc_answers_equal_the_package_loaded_by_compiler_load(store, server):
@@ -274,7 +272,7 @@ def test_concurrent_clients_are_batched(store, server):
 
 
 def _batches(server: dict) -> dict[int, int]:
-    stats = server["control"].statistics(MODEL)["model_stats"]
+    stats = server["control"].statistics("tiny")["model_stats"]
     return {
         int(b["batch_size"]): int(b["compute_infer"]["count"])
         for s in stats
@@ -324,12 +322,12 @@ def test_a_release_under_steady_load_swaps_versions_with_no_failed_request(store
     assert not errors, errors
     assert seen["1"] > 0 and seen["2"] > 0, seen
     assert (outcome.champion, outcome.previous) == ("2", "1")
-    assert server["control"].served_versions(MODEL) == ["2"]
+    assert server["control"].served_versions("tiny") == ["2"]
     answer, version = _infer_http(server["http"], x)
     assert version == "2"
     np.testing.assert_allclose(answer, _expected(store, "2", x), rtol=0, atol=TOL)
     # champion and previous are both in the repository: a rollback downloads nothing
-    assert sorted(p.name for p in (repository / MODEL).iterdir() if p.is_dir()) == ["1", "2"]
+    assert sorted(p.name for p in (repository / "tiny").iterdir() if p.is_dir()) == ["1", "2"]
     assert took < 60, took
 
 
@@ -342,7 +340,7 @@ def test_kiln_rollback_with_triton_restores_the_previous_version(store, server, 
         app,
         [
             "rollback",
-            MODEL,
+            "tiny",
             "--triton",
             server["http"],
             "--repository",
@@ -357,8 +355,8 @@ def test_kiln_rollback_with_triton_restores_the_previous_version(store, server, 
     answer, version = _infer_http(server["http"], x)
     assert version == "1"
     np.testing.assert_allclose(answer, _expected(store, "1", x), rtol=0, atol=TOL)
-    assert server["control"].served_versions(MODEL) == ["1"]
-    assert sorted(p.name for p in (repository / MODEL).iterdir() if p.is_dir()) == ["1"]
+    assert server["control"].served_versions("tiny") == ["1"]
+    assert sorted(p.name for p in (repository / "tiny").iterdir() if p.is_dir()) == ["1"]
     from registry import config
 
     assert TAG_ROLLED_BACK in config.client(store["uri"]).get_model_version(NAME, "2").tags
@@ -387,11 +385,11 @@ def test_two_releases_at_once_one_wins_and_the_other_is_refused(store, server, r
     assert len(won) == 1 and len(lost) == 1, results
     assert isinstance(results[lost[0]], ReleaseError) and "champion moved" in str(results[lost[0]])
     assert _aliases(store) == {CHAMPION: won[0], PREVIOUS: "1"}
-    assert server["control"].served_versions(MODEL) == [won[0]]
+    assert server["control"].served_versions("tiny") == [won[0]]
     store["won"], store["lost"] = won[0], lost[0]
     # A writer holding the repository is refused at once, not queued behind it.
     live = _live(store, server, repository)
-    with repository_lock(live.repository, MODEL), pytest.raises(RepositoryBusyError, match=MODEL):
+    with repository_lock(live.repository, "tiny"), pytest.raises(RepositoryBusyError, match="tiny"):
         apply_decision(GateReport(NAME, lost[0], won[0], {}, {}), tracking_uri=store["uri"], live=live)
     assert _aliases(store) == {CHAMPION: won[0], PREVIOUS: "1"}
 
@@ -399,14 +397,14 @@ def test_two_releases_at_once_one_wins_and_the_other_is_refused(store, server, r
 def test_a_tampered_package_is_refused_at_load_and_the_server_keeps_serving(store, server, repository):
 
     won, lost = store["won"], store["lost"]
-    model_dir = repository / MODEL
+    model_dir = repository / "tiny"
     # Staged by a fresh process, as a release staging it would: same program as the staged versions,
     # so its signature is theirs and the process never imports torch (python -X importtime lists it).
     code = (
         "import sys, pathlib; from registry import config; "
         "from serving.triton.repository import stage_version; "
         f"_, created = stage_version(config.client({store['uri']!r}), pathlib.Path(sys.argv[1]), "
-        f"{MODEL!r}, {NAME!r}, {lost!r}); print('created' if created else 'kept')"
+        f"'tiny', {NAME!r}, {lost!r}); print('created' if created else 'kept')"
     )
     staged = subprocess.run(
         [sys.executable, "-X", "importtime", "-c", code, str(model_dir)],
@@ -446,35 +444,35 @@ def test_a_server_that_does_not_answer_is_named_with_its_timeout_and_nothing_mov
     children = Path(f"/proc/{server['proc'].pid}/task/{server['proc'].pid}/children").read_text().split()
     triton_pid = int(children[0])
     before = _aliases(store)
-    config_before = (repository / MODEL / "config.pbtxt").read_text()
-    folders = sorted(p.name for p in (repository / MODEL).iterdir())
+    config_before = (repository / "tiny" / "config.pbtxt").read_text()
+    folders = sorted(p.name for p in (repository / "tiny").iterdir())
     os.kill(triton_pid, signal.SIGSTOP)
     try:
         live = _live(store, server, repository, timeout=1.0, load_timeout=1.0)
         with pytest.raises(ServerUnavailableError, match=r"within 1 s \(timeout\)"):
             live.check()
         with pytest.raises(ReleaseError) as caught:
-            rollback(MODEL, to_version="1", tracking_uri=store["uri"], live=live)
+            rollback("tiny", to_version="1", tracking_uri=store["uri"], live=live)
         assert isinstance(caught.value.__cause__, ServerUnavailableError)
         assert "within 1 s (timeout)" in str(caught.value)
     finally:
         os.kill(triton_pid, signal.SIGCONT)
     assert _aliases(store) == before
-    assert (repository / MODEL / "config.pbtxt").read_text() == config_before
-    assert sorted(p.name for p in (repository / MODEL).iterdir()) == folders
+    assert (repository / "tiny" / "config.pbtxt").read_text() == config_before
+    assert sorted(p.name for p in (repository / "tiny").iterdir()) == folders
     # The load it was sent while stopped reads the restored config; a load of our own queues behind it.
-    server["control"].load(MODEL)
-    assert server["control"].served_versions(MODEL) == [before[CHAMPION]]
+    server["control"].load("tiny")
+    assert server["control"].served_versions("tiny") == [before[CHAMPION]]
     # Nothing listening there at all: refused before anything is measured or moved.
-    nowhere = TritonRelease(f"127.0.0.1:{free_port()}", repository, MODEL, tracking_uri=store["uri"])
+    nowhere = TritonRelease(f"127.0.0.1:{free_port()}", repository, "tiny", tracking_uri=store["uri"])
     with pytest.raises(ServerUnavailableError, match="cannot be reached"):
         nowhere.check()
     with pytest.raises(ReleaseError) as caught:
-        rollback(MODEL, to_version="1", tracking_uri=store["uri"], live=nowhere)
+        rollback("tiny", to_version="1", tracking_uri=store["uri"], live=nowhere)
     assert isinstance(caught.value.__cause__, ServerUnavailableError)
     assert _aliases(store) == before
-    assert (repository / MODEL / "config.pbtxt").read_text() == config_before
-    assert sorted(p.name for p in (repository / MODEL).iterdir()) == folders  # previous's folder kept
+    assert (repository / "tiny" / "config.pbtxt").read_text() == config_before
+    assert sorted(p.name for p in (repository / "tiny").iterdir()) == folders  # previous's folder kept
 
 
 def test_a_dtype_triton_has_no_type_for_is_refused_naming_the_input():
@@ -521,7 +519,7 @@ def test_a_repository_the_server_cannot_read_is_refused(tmp_path):
     with contextlib.chdir(tmp_path):
         for url in ("s3://models/kiln/repo", "gs://models/repo"):
             with pytest.raises(RepositoryError, match=f"{url.split(':')[0]} URL"):
-                export([MODEL], url)
+                export(["tiny"], url)
             with pytest.raises(RepositoryError, match=f"{url.split(':')[0]} URL"):
                 TritonServer(url)
         assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -572,7 +570,7 @@ def test_the_kserve_runtime_loads_the_exported_repository(store, repository, tmp
                 break
             time.sleep(0.2)
         assert proc.poll() is None, (tmp_path / "kserve.log").read_text()[-3000:]
-        assert control.served_versions(MODEL) == [store["won"]]
+        assert control.served_versions("tiny") == [store["won"]]
         x = _x(2, 9, seed=8)
         answer, version = _infer_grpc(f"127.0.0.1:{grpc}", x)
         assert version == store["won"]
@@ -591,9 +589,9 @@ def test_a_model_with_no_champion_is_a_typed_error_naming_it_and_its_aliases(sto
     mlclient = config.client(store["uri"])
     set_alias(mlclient, NAME, CHAMPION, None)  # last test: the registry keeps only previous
     with pytest.raises(NoChampionError) as caught:
-        export([MODEL], repository, tracking_uri=store["uri"])
+        export(["tiny"], repository, tracking_uri=store["uri"])
     assert caught.value.registered_model == NAME and caught.value.aliases == {PREVIOUS: "1"}
-    assert "previous -> 1" in str(caught.value) and f"kiln release {MODEL}" in str(caught.value)
+    assert "previous -> 1" in str(caught.value) and "kiln release tiny" in str(caught.value)
     result = CliRunner().invoke(
         app,
         [
