@@ -448,13 +448,13 @@ def test_a_server_that_does_not_answer_is_named_with_its_timeout_and_nothing_mov
     folders = sorted(p.name for p in (repository / "tiny").iterdir())
     os.kill(triton_pid, signal.SIGSTOP)
     try:
-        live = _live(store, server, repository, timeout=1.0, load_timeout=1.0)
-        with pytest.raises(ServerUnavailableError, match=r"within 1 s \(timeout\)"):
+        live = _live(store, server, repository, timeout=0.5, load_timeout=0.5)
+        with pytest.raises(ServerUnavailableError, match=r"within 0.5 s \(timeout\)"):
             live.check()
         with pytest.raises(ReleaseError) as caught:
             rollback("tiny", to_version="1", tracking_uri=store["uri"], live=live)
         assert isinstance(caught.value.__cause__, ServerUnavailableError)
-        assert "within 1 s (timeout)" in str(caught.value)
+        assert "within 0.5 s (timeout)" in str(caught.value)
     finally:
         os.kill(triton_pid, signal.SIGCONT)
     assert _aliases(store) == before
