@@ -40,6 +40,14 @@ def export_cmd(
         int, typer.Option("--queue-delay-us", help="dynamic batching: how long a request may wait for others")
     ] = 1000,
     instances: Annotated[int, typer.Option("--instances", help="model instances per server")] = 1,
+    threads: Annotated[
+        int,
+        typer.Option(
+            "--threads",
+            help="intra-op threads per instance (0: the serving machine's cores less one, shared by the "
+            "instances)",
+        ),
+    ] = 0,
     allow_op_module: Annotated[
         list[str] | None,
         typer.Option("--allow-op-module", help="module (prefix) a package may import for its custom ops"),
@@ -60,6 +68,7 @@ def export_cmd(
             tracking_uri=tracking_uri,
             queue_delay_us=queue_delay_us,
             instances=instances,
+            threads=threads,
             allowed_modules=allow_op_module or None,
         )
     except KilnError as exc:

@@ -240,7 +240,7 @@ def fetch_version(
     The download goes file by file and reports each to ``on_progress`` (see
     :func:`registry.transfer.download_model_dir`); verification follows the last file.
     """
-    import compiler.package as package
+    import compiler.package_check as package  # torch-free: a release that loads nothing needs no torch
 
     mv = call_with_retry(lambda: mlclient.get_model_version(name, version), f"read {name}/{version}", policy)
     tags = dict(mv.tags)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,7 +43,7 @@ from serving.triton.errors import (
     TritonConfigError,
 )
 from serving.triton.live import TritonRelease
-from serving.triton.repository import backend_bytes, export, repository_lock, stage_version
+from serving.triton.repository import backend_bytes, export, repository_lock
 from serving.triton.server import TritonServer
 from tests.fixtures.server_process import free_port
 
@@ -197,9 +198,23 @@ def test_export_writes_a_repository_triton_loads_from_the_registry(store, reposi
     assert "version_policy: { specific: { versions: [ 1 ] } }" in config  # exactly the champion
     assert '{ name: "x" data_type: TYPE_FP32 dims: [ -1, 8 ] }' in config  # seq dynamic, batch implicit
     assert '{ name: "output_0" data_type: TYPE_FP32 dims: [ 4 ] }' in config
-    assert "preferred_batch_size: [ 4, 8 ]" in config  # the shape profiles
+    assert "preferred_batch_size" not in config  # on the CPU every batch size runs alike (config.py)
+    assert ServedModel.from_json((model_dir / "1" / "kiln.json").read_text(), "x").preferred_batch_sizes == (
+        4,
+        8,
+    )
     assert "max_queue_delay_microseconds: 20000" in config
     assert "instance_group [ { kind: KIND_CPU count: 1 } ]" in config
+    assert 'parameters: { key: "kiln_threads" value: { string_value: "0" } }' in config  # automatic
+    # The stub applied it (cores less one for Triton's front end) and logged what its load cost.
+    from serving.triton.runtime import available_cores, instance_threads
+
+    loaded = re.search(
+        r"kiln: tiny version 1 ready in [0-9.]+ s \(torch [0-9.]+ s, verify and load [0-9.]+ s, "
+        r"warm-up [0-9.]+ s; (\d+) intra-op threads\)",
+        (store["root"] / "serve.log").read_text(),
+    )
+    assert loaded and int(loaded.group(1)) == instance_threads(0, 1, available_cores())
     assert (model_dir / "1" / "model.py").read_bytes() == backend_bytes()
     assert (
         compiler.read_manifest(model_dir / "1" / "package").content_hash
@@ -274,6 +289,14 @@ def _steady_load(server: dict, stop: threading.Event, seen: Counter, x: np.ndarr
             seen[f"error: {exc}"] += 1
 
 
+def _until(condition, timeout: float = 60.0) -> None:
+    """Wait for ``condition()`` (polled every 10 ms); fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached within {timeout} s"
+        time.sleep(0.01)
+
+
 def test_a_release_under_steady_load_swaps_versions_with_no_failed_request(store, server, repository):
     stop, seen = threading.Event(), Counter()
     x = _x(2, 4, seed=5)
@@ -281,7 +304,7 @@ def test_a_release_under_steady_load_swaps_versions_with_no_failed_request(store
     for t in clients:
         t.start()
     try:
-        time.sleep(0.5)
+        _until(lambda: seen["1"] >= 8)  # the load is on before the release starts
         started = time.monotonic()
         outcome = apply_decision(
             GateReport(NAME, "2", "1", {}, {}),
@@ -289,7 +312,8 @@ def test_a_release_under_steady_load_swaps_versions_with_no_failed_request(store
             live=_live(store, server, repository),
         )
         took = time.monotonic() - started
-        time.sleep(0.5)
+        answered = seen["2"]
+        _until(lambda: seen["2"] >= answered + 8)  # and still on once the new version serves
     finally:
         stop.set()
         for t in clients:
@@ -371,11 +395,29 @@ def test_two_releases_at_once_one_wins_and_the_other_is_refused(store, server, r
 
 
 def test_a_tampered_package_is_refused_at_load_and_the_server_keeps_serving(store, server, repository):
-    from registry import config
 
     won, lost = store["won"], store["lost"]
     model_dir = repository / "tiny"
-    stage_version(config.client(store["uri"]), model_dir, "tiny", NAME, lost)
+    # Staged by a fresh process, as a release staging it would: same program as the staged versions,
+    # so its signature is theirs and the process never imports torch (nor any torch submodule).
+    code = (
+        "import sys, pathlib; from registry import config; "
+        "from serving.triton.repository import stage_version; "
+        f"_, created = stage_version(config.client({store['uri']!r}), pathlib.Path(sys.argv[1]), "
+        f"'tiny', {NAME!r}, {lost!r}); print('created' if created else 'kept', "
+        "sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    staged = subprocess.run(
+        [sys.executable, "-c", code, str(model_dir)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert staged.returncode == 0, staged.stderr[-3000:]
+    assert staged.stdout.strip() == "created []", staged.stdout  # staged here, and no torch module loaded
+    assert ServedModel.from_json((model_dir / lost / "kiln.json").read_text(), "x").version == lost
     weights = model_dir / lost / "package" / "weights.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
@@ -403,21 +445,34 @@ def test_a_server_that_does_not_answer_is_named_with_its_timeout_and_nothing_mov
     triton_pid = int(children[0])
     before = _aliases(store)
     config_before = (repository / "tiny" / "config.pbtxt").read_text()
+    folders = sorted(p.name for p in (repository / "tiny").iterdir())
     os.kill(triton_pid, signal.SIGSTOP)
     try:
-        live = _live(store, server, repository, timeout=1.0, load_timeout=1.0)
-        with pytest.raises(ServerUnavailableError, match=r"within 1 s \(timeout\)"):
+        live = _live(store, server, repository, timeout=0.5, load_timeout=0.5)
+        with pytest.raises(ServerUnavailableError, match=r"within 0.5 s \(timeout\)"):
             live.check()
         with pytest.raises(ReleaseError) as caught:
             rollback("tiny", to_version="1", tracking_uri=store["uri"], live=live)
         assert isinstance(caught.value.__cause__, ServerUnavailableError)
-        assert "within 1 s (timeout)" in str(caught.value)
+        assert "within 0.5 s (timeout)" in str(caught.value)
     finally:
         os.kill(triton_pid, signal.SIGCONT)
     assert _aliases(store) == before
     assert (repository / "tiny" / "config.pbtxt").read_text() == config_before
-    time.sleep(1.0)  # the load it was sent while stopped reads the restored config: no change
+    assert sorted(p.name for p in (repository / "tiny").iterdir()) == folders
+    # The load it was sent while stopped reads the restored config; a load of our own queues behind it.
+    server["control"].load("tiny")
     assert server["control"].served_versions("tiny") == [before[CHAMPION]]
+    # Nothing listening there at all: refused before anything is measured or moved.
+    nowhere = TritonRelease(f"127.0.0.1:{free_port()}", repository, "tiny", tracking_uri=store["uri"])
+    with pytest.raises(ServerUnavailableError, match="cannot be reached"):
+        nowhere.check()
+    with pytest.raises(ReleaseError) as caught:
+        rollback("tiny", to_version="1", tracking_uri=store["uri"], live=nowhere)
+    assert isinstance(caught.value.__cause__, ServerUnavailableError)
+    assert _aliases(store) == before
+    assert (repository / "tiny" / "config.pbtxt").read_text() == config_before
+    assert sorted(p.name for p in (repository / "tiny").iterdir()) == folders  # previous's folder kept
 
 
 def test_a_dtype_triton_has_no_type_for_is_refused_naming_the_input():
@@ -443,6 +498,13 @@ def test_a_dtype_triton_has_no_type_for_is_refused_naming_the_input():
     text = render_config(served)
     assert "max_batch_size: 0" in text and "dims: [ -1, 7 ]" in text and "KIND_GPU" in text
     assert "dynamic_batching" not in text  # not batched: no batch axis
+    batched = ServedModel(
+        "q", "kiln.q.cpu", "1", "h", "cuda:sm_90", (TensorSig("x", "float32", (-1, 4)),),
+        (TensorSig("y", "float32", (-1, 4)),), 16, (4, 8),
+    )  # fmt: skip
+    assert "preferred_batch_size: [ 4, 8 ]" in render_config(batched)  # a GPU's captured profile sizes
+    with pytest.raises(TritonConfigError, match="threads must be >= 0"):
+        render_config(batched, threads=-1)
 
 
 def test_a_repository_the_server_cannot_read_is_refused(tmp_path):
@@ -453,6 +515,14 @@ def test_a_repository_the_server_cannot_read_is_refused(tmp_path):
     missing = tmp_path / "nowhere"
     with pytest.raises(RepositoryError, match="does not exist"):
         TritonServer(missing)
+    # An object-store URL is named and refused; nothing is created locally (export used to make ./s3:).
+    with contextlib.chdir(tmp_path):
+        for url in ("s3://models/kiln/repo", "gs://models/repo"):
+            with pytest.raises(RepositoryError, match=f"{url.split(':')[0]} URL"):
+                export(["tiny"], url)
+            with pytest.raises(RepositoryError, match=f"{url.split(':')[0]} URL"):
+                TritonServer(url)
+        assert sorted(p.name for p in tmp_path.iterdir()) == []
     result = CliRunner().invoke(app, ["serve", "triton", "run", "--repository", str(tmp_path / "x.txt")])
     assert result.exit_code == 2 and "RepositoryError" in result.output
     broken = tmp_path / "repo" / "broken"

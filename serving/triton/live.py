@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -67,6 +68,9 @@ class TritonRelease:
         self.registered = registered_model_name(model, target)
         self.tracking_uri = tracking_uri
         self.allowed_modules = allowed_modules
+        # Seconds per step of the last release or rollback: "stage" (download, verify, write) and
+        # "load" (the server's load call: the new version's stub started, loaded and warmed up).
+        self.timings: dict[str, float] = {}
 
     def check(self) -> None:
         """Before anything is measured or moved: the model's folder is kiln's, for this registered
@@ -92,6 +96,7 @@ class TritonRelease:
         state: dict[str, Any] = {"created": [], "config": None}
 
         def stage() -> None:
+            started = time.perf_counter()
             mlclient = config.client(self.tracking_uri)
             for version in keep:
                 _, created = stage_version(
@@ -104,6 +109,7 @@ class TritonRelease:
                 )
                 if created:
                     state["created"].append(version)
+            self.timings["stage"] = round(time.perf_counter() - started, 3)
 
         def unstage() -> None:
             for version in state["created"]:
@@ -113,16 +119,20 @@ class TritonRelease:
             state["config"] = read_config(self.model_dir)
             write_config(self.model_dir, config_for(self.model_dir, keep[0]))
             try:
+                started = time.perf_counter()
                 self.control.load(self.name)
+                self.timings["load"] = round(time.perf_counter() - started, 3)
                 if not self.control.version_ready(self.name, keep[0]):
                     raise ServerRefusedError(
                         f"Triton at {self.control.url} loaded {self.name} but version {keep[0]} is not ready"
                     )
-            except BaseException:
-                # The server kept what it had; so does the repository. A refused folder goes too (unless
-                # it is what is being served), so a later release downloads and verifies it afresh.
+            except BaseException as exc:
+                # The server kept what it had; so does the repository. A folder the server refused goes
+                # too (unless it is what is being served), so a later release downloads and verifies it
+                # afresh; a server that did not answer refused nothing, and the folder (previous's, kept
+                # for a rollback) stays.
                 write_config(self.model_dir, state["config"])
-                if keep[0] != served_version(state["config"]):
+                if isinstance(exc, ServerRefusedError) and keep[0] != served_version(state["config"]):
                     shutil.rmtree(self.model_dir / keep[0], ignore_errors=True)
                 raise
 

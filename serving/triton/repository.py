@@ -12,13 +12,20 @@ Layout, one folder per kiln model (the Triton model name is the kiln model name:
 ``N`` is the registry version: the champion's folder and, when there is one, ``previous``'s, so a
 rollback needs no download. Every folder is built beside its final place (``.kiln-staging-*``, which
 Triton skips: not a number) from a download that ``registry.lookup.fetch_version`` verified (every
-checksum, and the content hash the registry recorded), loaded once here to learn the outputs, and
-renamed into place; ``config.pbtxt`` is replaced atomically. A failed export leaves what was there.
+checksum, and the content hash the registry recorded), and renamed into place; ``config.pbtxt`` is
+replaced atomically. A failed export leaves what was there.
+
+The outputs a version is served with are learnt by running it once (``runtime.describe``), which
+needs torch and a load. A version whose :func:`signature_key` (program, split graph, engine inputs
+and outputs, input specs, target and precision: everything but the weights) equals a version already
+staged in the folder has that version's signature, so a release of retrained or refitted weights is
+staged without torch: download, verify, write. Only a new program is loaded here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -37,6 +44,7 @@ from compiler.atomic import write_bytes_atomic
 from serving.triton.config import (
     BACKEND_FILE,
     DEFAULT_QUEUE_DELAY_US,
+    DEFAULT_THREADS,
     PACKAGE_DIR,
     SERVED_FILE,
     ServedModel,
@@ -64,8 +72,20 @@ def triton_model_name(model: str) -> str:
 
 
 def check_repository(repository: str | os.PathLike, *, write: bool, create: bool = False) -> Path:
-    """The repository as an absolute path; RepositoryError naming it unless usable."""
-    path = Path(repository).expanduser().absolute()
+    """The repository as an absolute path; RepositoryError naming it unless usable. A URL other than
+    ``file://`` (``s3://``, ``gs://``, ``http://``) is refused before anything is created: kiln writes
+    and serves a local directory, synced to an object store for KServe (deploy/kserve)."""
+    text = os.fspath(repository)
+    scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", text)
+    if scheme and scheme.group(1).lower() != "file":
+        raise RepositoryError(
+            f"the model repository {text} is a {scheme.group(1)} URL; kiln writes and serves a local "
+            "directory: export to one and sync it to the object store (as deploy/kserve/kiln-triton.yaml "
+            "shows), and run the server or release on the local copy"
+        )
+    if scheme:
+        text = text[len("file://") :]
+    path = Path(text).expanduser().absolute()
     if create and not path.exists():
         try:
             path.mkdir(parents=True)
@@ -116,6 +136,7 @@ class ServingSettings:
     target: str
     queue_delay_us: int = DEFAULT_QUEUE_DELAY_US
     instances: int = 1
+    threads: int = DEFAULT_THREADS
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)
@@ -125,9 +146,8 @@ class ServingSettings:
         path = model_dir / SETTINGS_FILE
         try:
             data = json.loads(path.read_text())
-            return cls(
-                **{k: data[k] for k in ("registered_model", "model", "target", "queue_delay_us", "instances")}
-            )
+            fields = ("registered_model", "model", "target", "queue_delay_us", "instances")
+            return cls(**{k: data[k] for k in fields}, threads=int(data.get("threads", DEFAULT_THREADS)))
         except FileNotFoundError:
             raise RepositoryError(
                 f"{model_dir} has no {SETTINGS_FILE}: kiln did not write this model folder; export it "
@@ -167,7 +187,9 @@ def config_for(model_dir: Path, version: str) -> str:
         raise RepositoryError(
             f"version {version} of {settings.registered_model} is not staged in {model_dir}"
         )
-    return render_config(served, queue_delay_us=settings.queue_delay_us, instances=settings.instances)
+    return render_config(
+        served, queue_delay_us=settings.queue_delay_us, instances=settings.instances, threads=settings.threads
+    )
 
 
 def staged(model_dir: Path, version: str) -> ServedModel | None:
@@ -183,6 +205,35 @@ def staged(model_dir: Path, version: str) -> ServedModel | None:
     return served if served.version == str(version) else None
 
 
+def signature_key(manifest: Any) -> str:
+    """A digest of what a version's served signature depends on besides its weights: the program and
+    split graph files (their checksums), every engine's inputs and outputs, the input specs, the
+    engine target, backend and precision. Torch-free: read from the verified manifest."""
+    from compiler.manifest import PROGRAM, RUNTIME_GRAPH
+
+    files = manifest.files
+    data = {
+        "files": {rel: files[rel].sha256 for rel in (PROGRAM, RUNTIME_GRAPH) if rel in files},
+        "engines": sorted(json.dumps(e.io.to_dict(), sort_keys=True) for e in manifest.engines.values()),
+        "inputs": [spec.to_dict() for spec in manifest.input_specs],
+        "target": [manifest.engine_target, manifest.backend, manifest.precision],
+        "op_modules": list(manifest.op_modules),
+    }
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def same_signature(model_dir: Path, key: str) -> ServedModel | None:
+    """A staged version of this folder whose signature key is ``key``, if any."""
+    if not model_dir.is_dir():
+        return None
+    for child in sorted(model_dir.iterdir(), key=lambda c: c.name):
+        if child.name.isdigit():
+            served = staged(model_dir, child.name)
+            if served is not None and served.signature_key == key:
+                return served
+    return None
+
+
 def stage_version(
     mlclient: Any,
     model_dir: Path,
@@ -195,10 +246,10 @@ def stage_version(
 ) -> tuple[ServedModel, bool]:
     """Make ``<model_dir>/<version>`` hold the verified package of that registry version, kiln's
     ``model.py`` and its ``kiln.json``. (record, created): a complete folder with the registry's content
-    hash is kept as is."""
-    from registry.lookup import fetch_version, load_package
+    hash is kept as is. The signature comes from a staged version with the same :func:`signature_key`
+    when there is one (no torch), else from loading and running the package once."""
+    from registry.lookup import fetch_version
     from registry.models import content_hash_of
-    from serving.triton.runtime import describe
 
     version = str(version)
     folder = model_dir / version
@@ -215,17 +266,13 @@ def stage_version(
         )
         os.replace(package_dir, staging / PACKAGE_DIR)
         shutil.rmtree(staging / "download")
-        module = load_package(staging / PACKAGE_DIR, allowed_modules=allowed_modules)
-        served = describe(
-            module,
-            manifest.input_specs,
-            name=triton_model_name(model),
-            registered=registered,
-            version=version,
-            content_hash=manifest.content_hash,
-            engine_target=manifest.engine_target,
-            profiles=manifest.options.profiles,
-        )
+        key = signature_key(manifest)
+        known = same_signature(model_dir, key)
+        if known is not None:
+            served = dataclasses.replace(known, version=version, content_hash=manifest.content_hash)
+        else:
+            served = _probed(staging / PACKAGE_DIR, manifest, model, registered, version, allowed_modules)
+            served = dataclasses.replace(served, signature_key=key)
         (staging / BACKEND_FILE).write_bytes(backend_bytes())
         (staging / SERVED_FILE).write_text(served.to_json())
         if folder.exists():  # an incomplete or stale folder: out of the way, then removed
@@ -236,6 +283,31 @@ def stage_version(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return served, True
+
+
+def _probed(
+    package_dir: Path,
+    manifest: Any,
+    model: str,
+    registered: str,
+    version: str,
+    allowed_modules: Sequence[str] | None,
+) -> ServedModel:
+    """The signature of a package with a program no staged version has: load it and run it once."""
+    from registry.lookup import load_package
+    from serving.triton.runtime import describe
+
+    module = load_package(package_dir, allowed_modules=allowed_modules)
+    return describe(
+        module,
+        manifest.input_specs,
+        name=triton_model_name(model),
+        registered=registered,
+        version=version,
+        content_hash=manifest.content_hash,
+        engine_target=manifest.engine_target,
+        profiles=manifest.options.profiles,
+    )
 
 
 def prune(model_dir: Path, keep: Sequence[str]) -> list[str]:
@@ -298,6 +370,7 @@ def export(
     tracking_uri: str | None = None,
     queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
     instances: int = 1,
+    threads: int = DEFAULT_THREADS,
     allowed_modules: Sequence[str] | None = None,
 ) -> list[ExportResult]:
     """Write (or bring up to date) each model's folder in ``repository`` from its champion and previous.
@@ -306,9 +379,10 @@ def export(
     from registry import config
     from registry.models import registered_model_name
 
-    if instances < 1 or queue_delay_us < 0:
+    if instances < 1 or queue_delay_us < 0 or threads < 0:
         raise TritonConfigError(
-            f"instances must be >= 1 and the queue delay >= 0 (got {instances}, {queue_delay_us})"
+            f"instances must be >= 1, the queue delay >= 0 and threads >= 0 (got {instances}, "
+            f"{queue_delay_us}, {threads})"
         )
     repo = check_repository(repository, write=True, create=True)
     mlclient = config.client(tracking_uri)
@@ -329,7 +403,7 @@ def export(
                 )
                 if new:
                     created.append(version)
-            settings = ServingSettings(registered, model, target, queue_delay_us, instances)
+            settings = ServingSettings(registered, model, target, queue_delay_us, instances, threads)
             write_bytes_atomic(model_dir / SETTINGS_FILE, settings.to_json().encode())
             write_config(model_dir, config_for(model_dir, champion))
             removed = prune(model_dir, keep)

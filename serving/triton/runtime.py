@@ -14,15 +14,35 @@ checked against the package's input specs (dtype and range, so an out-of-range s
 the reason in that request's error, not the others'); requests whose shapes agree past the batch axis
 are concatenated and run as one call, and the outputs split back. Tensors cross through DLPack, not
 numpy: the stub's numpy bridge is built for numpy 1 and misreads numpy 2 arrays.
+
+Threads: each instance runs its ONNX Runtime sessions and torch ops on :func:`instance_threads`
+intra-op threads (the config's ``kiln_threads``; 0: the cores left after one for Triton's own front
+end, shared by the instances; cores as a container's CPU limit allows, :func:`available_cores`).
+Left to their defaults, ONNX Runtime and torch each start one thread per core in every instance, and
+ONNX Runtime's spin while idle: on a small CPU they take the cores from Triton's HTTP/gRPC threads
+and from the other instances, which shows as a long latency tail (2 threads instead of 1 on 2
+cores: p99/p50 4-6 instead of 1.7-2.8 at 16 clients, side by side, benchmarks/triton_serving.py).
+
+Warm-up: before ``initialize`` returns, the module runs once at its smallest and largest input
+shapes, so the first requests to a new version pay no first-run cost, and a version that cannot run
+is refused at load (Triton keeps serving what it had). The log says what the load cost.
 """
 
 from __future__ import annotations
 
+import gc
+import json
+import math
+import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from serving.triton.config import PACKAGE_DIR, SERVED_FILE, ServedModel
+from serving.triton.config import PACKAGE_DIR, SERVED_FILE, THREADS_PARAMETER, ServedModel
+from serving.triton.errors import TritonConfigError
+
+ORT_THREADS_ENV = "KILN_ORT_THREADS"  # compiler.backends.onnxruntime reads it when a session is made
 
 Loader = Callable[[Path, str, ServedModel], tuple[Any, Sequence[Any]]]
 
@@ -56,6 +76,7 @@ class ServedRuntime:
     def from_triton_args(cls, args: dict, pb_utils: Any, load: Loader | None = None) -> ServedRuntime:
         """From ``initialize``'s arguments. ``load(package_dir, device, served) -> (module, input specs)``: by
         default ``compiler.load`` of the verified package (a benchmark passes an eager model instead)."""
+        started = time.perf_counter()
         version_dir = Path(args["model_repository"]) / str(args["model_version"])
         served = ServedModel.from_json(
             (version_dir / SERVED_FILE).read_text(), str(version_dir / SERVED_FILE)
@@ -63,8 +84,34 @@ class ServedRuntime:
         device = "cpu"
         if args.get("model_instance_kind") == "GPU":
             device = f"cuda:{int(args.get('model_instance_device_id', 0))}"
+        threads = apply_threads(args.get("model_config"), device)
+        imported = time.perf_counter()
         module, specs = (load or load_verified)(version_dir / PACKAGE_DIR, device, served)
-        return cls(module, served, specs, device, pb_utils)
+        loaded = time.perf_counter()
+        runtime = cls(module, served, specs, device, pb_utils)
+        runtime.warm_up()
+        # Everything imported and loaded so far lives as long as the stub: out of the collector's
+        # generations, so a full collection during execute walks only what requests allocate (with
+        # torch imported, hundreds of thousands of objects: milliseconds of a request's latency).
+        gc.collect()
+        gc.freeze()
+        done = time.perf_counter()
+        logger = getattr(pb_utils, "Logger", None)
+        if logger is not None:
+            logger.log_info(
+                f"kiln: {served.name} version {served.version} ready in {done - started:.2f} s (torch "
+                f"{imported - started:.2f} s, verify and load {loaded - imported:.2f} s, warm-up "
+                f"{done - loaded:.2f} s; {threads or 'default'} intra-op threads)"
+            )
+        return runtime
+
+    def warm_up(self) -> None:
+        """Run once at the specs' smallest and largest shapes (first-run costs paid before serving)."""
+        import torch
+
+        with torch.inference_mode():
+            for shapes in ("min_shape", "max_shape"):
+                self.module(*[t.to(self.device) for t in example_inputs(self.specs, shapes)])
 
     def execute(self, requests: list) -> list:
         import torch
@@ -149,6 +196,62 @@ class ServedRuntime:
         )
 
 
+def instance_threads(configured: int, instances: int, cores: int | None) -> int:
+    """Intra-op threads per instance: ``configured`` when > 0, else the cores left after one for
+    Triton's front end, shared by the instances (at least 1: 2 cores, 1 instance -> 1)."""
+    if configured > 0:
+        return configured
+    return max(1, ((cores or 1) - 1) // max(1, instances))
+
+
+def available_cores() -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota (a container's
+    CPU limit, e.g. KServe's ``limits: {cpu: "4"}`` on a 64-core node, which ``os.cpu_count`` ignores)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    quota = None
+    try:  # cgroup v2: "max 100000" or "400000 100000"
+        limit, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        quota = None if limit == "max" else int(limit) / int(period)
+    except (OSError, ValueError):
+        try:  # cgroup v1
+            limit = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+            period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+            quota = limit / period if limit > 0 and period > 0 else None
+        except (OSError, ValueError):
+            quota = None
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores)
+
+
+def apply_threads(model_config: Any, device: str) -> int:
+    """Set this stub's intra-op threads from the model config (``kiln_threads``) before anything is
+    loaded: ``$KILN_ORT_THREADS`` for ONNX Runtime's sessions (an operator's own setting of it in the
+    server's environment wins over the default) and torch's. The count set, or 0 on a GPU (left alone)."""
+    import torch
+
+    config = json.loads(model_config) if isinstance(model_config, str) else dict(model_config or {})
+    raw = (config.get("parameters") or {}).get(THREADS_PARAMETER, {}).get("string_value", "0")
+    try:
+        configured = int(raw)
+    except ValueError:
+        raise TritonConfigError(
+            f"config.pbtxt parameter {THREADS_PARAMETER}={raw!r}: expected a thread count (0: automatic)"
+        ) from None
+    if device != "cpu":
+        return 0
+    if configured == 0 and os.environ.get(ORT_THREADS_ENV, "").strip():
+        configured = int(os.environ[ORT_THREADS_ENV])
+    instances = sum(int(group.get("count", 1)) for group in config.get("instance_group") or [{}])
+    threads = instance_threads(configured, instances, available_cores())
+    os.environ[ORT_THREADS_ENV] = str(threads)
+    torch.set_num_threads(threads)
+    return threads
+
+
 def load_verified(package_dir: Path, device: str, served: ServedModel) -> tuple[Any, Sequence[Any]]:
     """``compiler.load`` (every checksum, the model-signing signature where a verification key is set),
     then the content hash the registry recorded: another valid package put in its place is refused too."""
@@ -170,31 +273,34 @@ def served_record(version_dir: Path) -> ServedModel:
     return ServedModel.from_json(path.read_text(), str(path))
 
 
+def example_inputs(specs: Sequence[Any], shapes: str) -> list:
+    """One tensor per spec at its ``min_shape`` or ``max_shape``; integers inside the recorded range."""
+    import torch
+
+    made = []
+    for spec in specs:
+        shape = getattr(spec, shapes)
+        if spec.dtype.startswith(("float", "bfloat")):
+            made.append(torch.randn(shape).to(spec.torch_dtype))
+        elif spec.dtype == "bool":
+            made.append(torch.zeros(shape, dtype=torch.bool))
+        else:
+            lo, hi = spec.value_range or (0, 1)
+            made.append(torch.randint(int(lo), int(hi) + 1, shape, dtype=spec.torch_dtype))
+    return made
+
+
 def probe_outputs(module: Any, specs: Sequence[Any], registered: str) -> list[tuple[str, str, list, list]]:
     """Run ``module`` at the specs' smallest and largest shapes: (name, dtype, shape at min, at max) per
     output. Integer inputs are drawn inside their recorded value range."""
     import torch
 
     from compiler.specs import dtype_name
-    from serving.triton.errors import TritonConfigError
-
-    def inputs(shapes: str) -> list:
-        made = []
-        for spec in specs:
-            shape = getattr(spec, shapes)
-            if spec.dtype.startswith(("float", "bfloat")):
-                made.append(torch.randn(shape).to(spec.torch_dtype))
-            elif spec.dtype == "bool":
-                made.append(torch.zeros(shape, dtype=torch.bool))
-            else:
-                lo, hi = spec.value_range or (0, 1)
-                made.append(torch.randint(int(lo), int(hi) + 1, shape, dtype=spec.torch_dtype))
-        return made
 
     runs = []
     with torch.inference_mode():
         for shapes in ("min_shape", "max_shape"):
-            runs.append(flatten_outputs(module(*inputs(shapes))))
+            runs.append(flatten_outputs(module(*example_inputs(specs, shapes))))
     found = []
     for (name, small), (_, large) in zip(runs[0], runs[1], strict=True):
         if not isinstance(small, torch.Tensor):
