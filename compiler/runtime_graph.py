@@ -199,7 +199,10 @@ def _graph(gm: torch.fx.GraphModule) -> dict:
     index: dict[torch.fx.Node, int] = {}
     nodes, submodules = [], {}
     for node in gm.graph.nodes:
-        if _name_refusal(node.name) or (node.op == "placeholder" and node.target != node.name):
+        # A placeholder is written by its node name, which its target (the argument name) may differ
+        # from: fx renames an argument called after a builtin (nn.Sequential's `input` is `input_1`).
+        # The graph is called positionally, so the name is all a read needs.
+        if _name_refusal(node.name):
             raise NotData(f"node name {node.name!r}")
         entry: dict[str, Any] = {"op": node.op, "name": node.name}
         if node.op == "call_function":

@@ -545,6 +545,22 @@ def test_runtime_graph_and_program_loads_give_the_same_outputs(compiled_zoo, tmp
         assert torch.equal(a, b)
 
 
+def test_a_sequential_model_whose_input_fx_renames_gets_a_runtime_graph(tmp_path):
+    """nn.Sequential's forward takes `input`, a builtin's name, which fx renames `input_1`: its package
+    still loads from its runtime graph (it once loaded from the program: torch._dynamo imported)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    batch = torch.export.Dim("batch", min=1, max=8)
+    program = compiler.export(model, (torch.randn(2, 8),), dynamic_shapes=({0: batch},))
+    info = compiler.save(compiler.compile(program, cache=False), tmp_path / "seq.kiln")
+    assert "runtime_graph.json" in info.manifest.files
+    loaded = compiler.load(info.path)
+    x = torch.randn(5, 8)
+    assert loaded.plan._program is None  # ran from the runtime graph
+    torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loaded(input=x), model(x), rtol=1e-5, atol=1e-5)
+
+
 def _node(data: dict, name: str) -> dict:
     return next(n for n in data["graph"]["nodes"] if n["name"] == name)
 
