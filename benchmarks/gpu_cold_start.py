@@ -123,7 +123,8 @@ def load_to_first_answer(
         [
             sys.executable,
             "-c",
-            "import compiler.package, compiler.backends.inductor, torch._inductor.compile_fx, "
+            "import compiler.package.save_load, compiler.backends.inductor.backend, "
+            "torch._inductor.compile_fx, "
             "zoo.models, transformers.modeling_outputs",
         ],
         env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},

@@ -18,7 +18,7 @@ eager on held-out samples (calibration takes the first ``--calibration`` samples
 data, validation the rest), and calibration + quantization seconds. The CPU (model and ISA flags:
 AVX2 / AVX512-VNNI / AMX decide whether int8 is faster) is named in the JSON.
 
-With ``--backend inductor`` int8 engines hold their frozen int8 weights (compiler.quantize_pt2e),
+With ``--backend inductor`` int8 engines hold their frozen int8 weights (compiler.quantization.pt2e),
 so their ``weights.safetensors`` share is near 0 and the package bytes are the comparison.
 
 Run: python -m benchmarks.quantization [--layers 12] [--backend inductor] [--out quantization_cpu]
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import compiler
 from benchmarks._common import interleaved, print_table, write_json
+from compiler.accuracy.compare import precision_summary
 from zoo.models import SensitiveModel
 
 # ---------------------------------------------------------------- the deliberately sensitive model
@@ -232,7 +233,7 @@ def run_model(name: str, case, args: argparse.Namespace, out: Path) -> list[dict
     static = variants["int8 static"]
     mixed = compiler.repair(model, static, tolerances, data=recorded).compiled
     seconds["mixed plan"] = seconds["int8 static"] + time.perf_counter() - start
-    plan = compiler.compare.precision_summary(
+    plan = precision_summary(
         compiler.compare_partitions(mixed, [tuple(v[0] for v in held_out.values())], runs=0).rows
     )
     if mixed is static:  # the gate passed int8 as it is: the mixed plan is the static compile

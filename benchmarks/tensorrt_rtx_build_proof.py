@@ -43,10 +43,10 @@ import compiler
 from compiler.backends import get_backend
 from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.backends.tensorrt import TensorRTBackend, canonical_weights, decode_engine
+from compiler.build.lower import lower
 from compiler.errors import KilnError
-from compiler.lower import lower
-from compiler.quantize import quantize
-from compiler.validation_data import sample_inputs
+from compiler.inputs.data import sample_inputs
+from compiler.quantization.quantize import quantize
 from zoo import models as zoo
 
 RESULT = Path(__file__).resolve().parent / "results" / "tensorrt_rtx_build_proof.json"

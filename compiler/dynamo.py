@@ -22,15 +22,15 @@ from typing import Any
 
 import torch
 
-from compiler.build import build_engine
+from compiler.build.engine import build_engine
 from compiler.cache import EngineCache
-from compiler.dedup import dedup
 from compiler.errors import BackendError, PartitionError
-from compiler.export import TRACING
 from compiler.options import CompileOptions
-from compiler.partition import partition
+from compiler.partitioning.dedup import dedup
+from compiler.partitioning.partition import partition
 from compiler.pipeline import resolve_cache
-from compiler.runtime import CompiledModule, assemble
+from compiler.program.export import TRACING
+from compiler.runtime.module import CompiledModule, assemble
 
 
 class KilnBackend:

@@ -114,7 +114,7 @@ class OpModuleNotAllowedError(KilnError):
 
 class PackageSignatureError(PackageCorruptError):
     """A signature verification is configured (``KILN_SIGNING_PUBLIC_KEY``, trusted certificates) and a
-    package is unsigned, signed by another key, or changed after signing (compiler/package_signing.py)."""
+    package is unsigned, signed by another key, or changed after signing (compiler/package/signing.py)."""
 
 
 class SigningConfigError(KilnError, ValueError):

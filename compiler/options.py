@@ -9,9 +9,9 @@ from typing import Any
 
 # Options are built wherever a zoo file is read (a no-op re-run included): these imports need no torch.
 from compiler.backends.base import PRECISIONS, QUANTIZED_PRECISIONS, BuildSettings
-from compiler.cudagraph_policy import check_mode
 from compiler.errors import PartitionError
-from compiler.profiles import Size, fixed_profiles, normalize, to_json
+from compiler.inputs.profiles import Size, fixed_profiles, normalize, to_json
+from compiler.runtime.cudagraph_policy import check_mode
 
 # What a partition whose engine build fails becomes (see CompileOptions.on_build_failure).
 ON_BUILD_FAILURE = ("torch", "onnxruntime", "error")
@@ -27,8 +27,8 @@ CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 # Backends that build each quantized precision; others are refused by name. ONNX Runtime runs int8
 # on the CPU and TensorRT parses explicit Q/DQ (symmetric, as it requires) for int8 and for fp8, whose
 # GEMMs need compute capability 8.9+ (checked at build): both from ONNX Runtime's quantizer's graphs.
-# Inductor runs int8 on x86 CPUs from torchao's PT2E flow (compiler.quantize_pt2e), and int8 and fp8
-# on CUDA with torchao's dynamic rowwise recipes (compiler.quantize_rowwise).
+# Inductor runs int8 on x86 CPUs from torchao's PT2E flow (compiler.quantization.pt2e), and int8 and fp8
+# on CUDA with torchao's dynamic rowwise recipes (compiler.quantization.rowwise).
 QUANTIZING_BACKENDS = {
     "int8": ("onnxruntime", "tensorrt", "tensorrt-rtx", "inductor"),
     "fp8": ("tensorrt", "tensorrt-rtx", "inductor"),
@@ -41,7 +41,7 @@ QUANTIZED_GRAPH = "ort-basic-optimized"
 # weights staying refit inputs.
 PT2E_GRAPH = "pt2e-x86-inductor"
 ROWWISE_GRAPHS = {"fp8": "aten-scaled-mm-rowwise", "int8": "aten-int-mm-rowwise"}
-# Whether a batch between profiles is padded up to the next one (compiler.padding).
+# Whether a batch between profiles is padded up to the next one (compiler.runtime.padding).
 PAD_TO_PROFILE = ("off", "auto")
 
 
@@ -53,7 +53,7 @@ class Calibration:
     per model input with a leading sample axis); ``None`` means random inputs, which give meaningless
     scales and are refused unless ``allow_random``. ``samples``: how many (the first N); fewer is a
     warning naming the count. ``method``: ONNX Runtime's calibrator (``minmax``, ``entropy``,
-    ``percentile``). The samples used are never validated on (``compiler.quantize.held_out``).
+    ``percentile``). The samples used are never validated on (``compiler.quantization.quantize.held_out``).
     ``ignore_fields``: recorded fields to leave out, which no model input takes (``token_type_ids``
     from a tokenizer, for a model without them): any other field is an error naming this list.
     """
@@ -115,18 +115,18 @@ class CompileOptions:
     ``cuda_graphs``: ``"auto"`` (CUDA devices replay the whole module as CUDA graphs where the
     compile-time capture check passes; the CPU runs without), ``"on"`` (required: a CudaGraphError for
     a CPU device, an ONNX Runtime backend or fallback, or a module the check refuses) or ``"off"``.
-    See :mod:`compiler.cudagraphs`. A runtime setting: not a build setting, no engine changes.
+    See :mod:`compiler.runtime.cudagraphs`. A runtime setting: not a build setting, no engine changes.
 
     ``profiles``: shape profiles, one ``{dynamic dimension name: size or (min[, opt], max)}`` per
     profile (``({"batch": 1}, {"batch": 8}, {"batch": (9, 32)})``), checked against the input specs at
     partition time; on CUDA the fixed profiles' graphs are captured when the module is assembled, and
-    each profile's latency is in the report. See :mod:`compiler.profiles`. A build setting: with
+    each profile's latency is in the report. See :mod:`compiler.inputs.profiles`. A build setting: with
     Inductor each engine gets one static-shape specialization per fixed profile, run on an exact shape
     match; with TensorRT one optimization profile per profile, beside the declared range's.
 
     ``pad_to_profile``: ``"off"`` (default) or ``"auto"``: pad a batch up to the next profile where the
     compile-time check showed padded rows leave the real rows' outputs unchanged; refused per profile,
-    with the reason, elsewhere (:mod:`compiler.padding`). Not a build setting.
+    with the reason, elsewhere (:mod:`compiler.runtime.padding`). Not a build setting.
 
     ``quantization`` and ``calibration``: how ``int8`` / ``fp8`` partitions are quantized
     (``compiler.quantize``): ``"static"`` (QDQ, activation scales calibrated on ``calibration.data``)

@@ -103,7 +103,7 @@ def _check_environment() -> None:
     """Settings read from the environment, checked before anything runs (a typo is exit code 2)."""
     from compiler.cache import resolve_max_bytes
     from compiler.errors import CacheError, ValidationDataError
-    from compiler.input_files import data_max_bytes
+    from compiler.inputs.files import data_max_bytes
     from zoo.config import ZooConfigError
 
     try:

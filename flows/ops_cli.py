@@ -115,8 +115,8 @@ def report_cmd(
 ) -> None:
     from compiler.atomic import write_bytes_atomic
     from compiler.errors import KilnError
-    from compiler.package_check import read_manifest
-    from compiler.report_page import render_package_report
+    from compiler.package.check import read_manifest
+    from compiler.package.report_page import render_package_report
 
     try:
         if Path(target).is_dir():

@@ -26,7 +26,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from compiler.errors import PackageError
-from compiler.specs import InputSpec, specs_from_json
+from compiler.inputs.specs import InputSpec, specs_from_json
 from registry import config
 from registry.config import RetryPolicy, call_with_retry, is_transient
 from registry.errors import ArtifactMissingError, ArtifactVerificationError, NoMatchingVersionError
@@ -48,7 +48,7 @@ from registry.transfer import ProgressCallback, download_model_dir
 from zoo.sources.staging import new_staging_dir
 
 if TYPE_CHECKING:  # the manifest's module imports torch: a look-up that loads nothing never needs it
-    from compiler.manifest import Manifest
+    from compiler.package.manifest import Manifest
 
 log = logging.getLogger("kiln.registry")
 
@@ -240,7 +240,7 @@ def fetch_version(
     The download goes file by file and reports each to ``on_progress`` (see
     :func:`registry.transfer.download_model_dir`); verification follows the last file.
     """
-    import compiler.package as package
+    import compiler.package.save_load as package
 
     mv = call_with_retry(lambda: mlclient.get_model_version(name, version), f"read {name}/{version}", policy)
     tags = dict(mv.tags)

@@ -7,7 +7,7 @@ The package itself is the logged model (``python_function`` flavour, see :mod:`r
 
 Signing: with ``$KILN_SIGNING_PRIVATE_KEY`` set, the package that is uploaded (the copy inside the logged
 model, never the caller's directory) is signed in model-signing's format (``model.sig``,
-:mod:`compiler.package_signing`) after it is verified, so every version recorded this way is one that
+:mod:`compiler.package.signing`) after it is verified, so every version recorded this way is one that
 look-ups with the matching public key accept and trust.
 
 Failure handling: every call retries with back-off (:mod:`registry.config`). If the server stays away,
@@ -38,10 +38,10 @@ from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric, Param,
 from mlflow.models.model import Model
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
 
-from compiler.manifest import SIGNATURE, Manifest
-from compiler.package_signing import Signer, sign_package
-from compiler.report_map import SplitGraph, read_split_graph
-from compiler.report_page import render_report
+from compiler.package.manifest import SIGNATURE, Manifest
+from compiler.package.report_map import SplitGraph, read_split_graph
+from compiler.package.report_page import render_report
+from compiler.package.signing import Signer, sign_package
 from registry import config, payload
 from registry.config import RetryPolicy, call_with_retry
 from registry.errors import RegistryUnavailableError
@@ -142,8 +142,8 @@ def record_package(
     done and total (:class:`registry.transfer.Progress`); without it a terminal shows a progress bar.
     Either way ``kiln.registry`` logs the progress every 10 % or 5 s.
     """
-    import compiler.package as package
-    from compiler.package_digest import meaning_hash
+    import compiler.package.save_load as package
+    from compiler.package.digest import meaning_hash
 
     package_dir = Path(package_dir).resolve()
     signer = Signer.from_env()  # a bad signing configuration fails before anything is recorded
@@ -351,7 +351,7 @@ def _log_and_register(
                 metadata={"kiln_content_hash": manifest.content_hash, "kiln_model": model},
             )
             if signer is not None:
-                import compiler.package as package
+                import compiler.package.save_load as package
 
                 copy = package_in(local)
                 sign_package(copy, signer)

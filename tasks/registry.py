@@ -18,8 +18,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 import compiler
-from compiler.specs import check_inputs
-from compiler.validate import Tolerances, measure_latency, sample_inputs
+from compiler.inputs.specs import check_inputs
+from compiler.validation.validate import Tolerances, measure_latency, sample_inputs
 from registry import config
 from registry.errors import ReleaseError
 from registry.lookup import fetch_version, load_package

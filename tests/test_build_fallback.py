@@ -18,7 +18,7 @@ from torch.export import Dim
 
 import compiler
 from compiler.errors import EngineBuildError, PackageCorruptError, PartitionError
-from compiler.runtime import EngineCall
+from compiler.runtime.module import EngineCall
 from tasks.stages import load_artifact, store_artifact
 from tasks.workspace import Workspace
 from zoo.config import ZooEntry

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import compiler
-from compiler.compare import PartitionComparison, compare_partitions
+from compiler.accuracy.compare import PartitionComparison, compare_partitions
 from compiler.errors import PartitionError
-from compiler.validation_data import random_data
+from compiler.inputs.data import random_data
 from zoo.models import mlp_with_fallback
 
 

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 from torch import nn
 
 import compiler
-from compiler.cudagraphs import CaptureCheck, decide
 from compiler.errors import CudaGraphError, InputSpecError
+from compiler.runtime.cudagraphs import CaptureCheck, decide
 from zoo.config import ZooEntry
 
 CUDA = torch.device("cuda:0")

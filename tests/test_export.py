@@ -71,7 +71,7 @@ def test_the_deserializer_gets_typing_answers_once_per_schema_class(tmp_path):
 
     from torch._export.serde import schema, serialize
 
-    from compiler.export import _SchemaTyping
+    from compiler.program.export import _SchemaTyping
 
     program = compiler.export(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
     loaded = compiler.load_program(compiler.save_program(program, tmp_path / "p.pt2"))

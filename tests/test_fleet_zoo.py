@@ -176,7 +176,7 @@ def test_two_processes_open_a_fresh_sqlite_store_at_once(tmp_path: Path) -> None
 
 
 def test_meaning_hash_ignores_what_a_compile_measured_and_nothing_else() -> None:
-    from compiler.package_digest import content_hash, meaning_hash
+    from compiler.package.digest import content_hash, meaning_hash
 
     manifest = {
         "format_version": 2,

@@ -156,7 +156,7 @@ def test_two_runs_writing_one_path_each_record_their_own_package(prefect_api, tm
     import torch
 
     import compiler
-    from compiler.validate import validate
+    from compiler.validation.validate import validate
     from tasks.refs import StagedRef, ValidatedRef
     from tasks.stages import package_model
     from zoo.models import mlp_with_fallback

@@ -107,9 +107,9 @@ def test_engine_build_results_are_keyed_by_engine_library(monkeypatch: pytest.Mo
 def test_refs_are_plain_json_and_round_trip() -> None:
     import json
 
+    from compiler.inputs.specs import InputSpec
     from compiler.options import CompileOptions
-    from compiler.report import CompileReport
-    from compiler.specs import InputSpec
+    from compiler.runtime.compile_report import CompileReport
 
     spec = InputSpec("x", "float32", (1, 4), (2, 4), (8, 4), {0: "batch"})
     program = ProgramRef("m", "k", "/p.pt2", "sha", (spec,))

@@ -18,8 +18,8 @@ import torch
 from torch.export import Dim
 
 import compiler
-from compiler.backends.inductor_aot import _check_in_fresh_process
-from compiler.backends.inductor_format import AOT, HEADER
+from compiler.backends.inductor.aot import _check_in_fresh_process
+from compiler.backends.inductor.format import AOT, HEADER
 from compiler.errors import BuildSettingsError
 from tests.fixtures.signing_keys import ec_key_pair
 

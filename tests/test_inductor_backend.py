@@ -20,8 +20,8 @@ import torch
 
 import compiler
 from compiler.backends import get_backend
-from compiler.backends.inductor import InductorBackend
-from compiler.backends.inductor_format import COMPILED, HEADER, WEIGHTS, read_engine
+from compiler.backends.inductor.backend import InductorBackend
+from compiler.backends.inductor.format import COMPILED, HEADER, WEIGHTS, read_engine
 from compiler.errors import (
     BackendUnavailableError,
     BuildSettingsError,

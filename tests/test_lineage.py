@@ -29,7 +29,7 @@ import torch
 from torch.export import Dim
 
 import compiler
-from compiler.repair import ModelAccuracy, RepairRecord, RepairStep
+from compiler.accuracy.repair import ModelAccuracy, RepairRecord, RepairStep
 from registry.errors import NoMatchingVersionError
 from registry.models import registered_model_name
 
@@ -325,7 +325,7 @@ def test_a_fresh_process_looks_the_version_up_by_source_and_runs_it(
 
 
 def test_recorded_data_names_a_path_never_a_mapping() -> None:
-    from compiler.validate import Latency, ValidationReport
+    from compiler.validation.validate import Latency, ValidationReport
     from registry.payload import recorded_data
 
     def report(source: str) -> ValidationReport:

@@ -1,4 +1,4 @@
-"""The op-module import policy (compiler.module_policy, issue 21): HF packages load with no argument,
+"""The op-module import policy (compiler.program.module_policy, issue 21): HF packages load with no argument,
 anything else is still refused, and a strict policy holds on every load path."""
 
 from __future__ import annotations

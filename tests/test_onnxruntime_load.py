@@ -11,7 +11,7 @@ from torch.export import Dim
 
 import compiler
 from compiler.errors import BuildSettingsError
-from compiler.runtime import EngineCall
+from compiler.runtime.module import EngineCall
 from zoo.models import repeated_fallback
 
 

@@ -19,9 +19,9 @@ from compiler.errors import (
     PackageVersionError,
     UnsafeProgramError,
 )
-from compiler.manifest import Manifest, SourceRecord
-from compiler.package_digest import content_hash
-from compiler.validate import ValidationReport
+from compiler.package.digest import content_hash
+from compiler.package.manifest import Manifest, SourceRecord
+from compiler.validation.validate import ValidationReport
 from zoo.models import mlp_with_fallback
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -412,7 +412,7 @@ def test_in_process_modules_already_imported_need_no_allowance(mlp_package, monk
     compiler.load(mlp_package[2].path)
     path = mlp_package[2].path
     with pytest.raises(OpModuleNotAllowedError):
-        from compiler.export import import_allowed_modules
+        from compiler.program.export import import_allowed_modules
 
         import_allowed_modules(["kiln_no_such_module"], str(path))
 
@@ -648,7 +648,7 @@ def test_runtime_graph_pytree_specs_import_nothing_and_take_only_builtin_factori
     in strict mode); N4: a factory already imported (``os.abort``) passed the module rule and killed
     the process on a missing key. kiln decodes the specs itself: neither is taken."""
     from compiler.errors import UnsafeProgramError
-    from compiler.program_text import check_program_text
+    from compiler.program.text import check_program_text
 
     def factory(module: str, name: str) -> str:
         context = {"default_factory_module": module, "default_factory_name": name, "dict_context": []}
@@ -667,13 +667,13 @@ def test_runtime_graph_pytree_specs_import_nothing_and_take_only_builtin_factori
             check_program_text(json.dumps({"out_spec": factory(module, name)}).encode(), "p.pt2")
     assert "this" not in sys.modules
     # What kiln still takes: a defaultdict of a builtin container, decoded without torch's reader.
-    from compiler.treespec import loads
+    from compiler.partitioning.treespec import loads
 
     assert loads(factory("builtins", "list"), "p").context[0] is list
 
 
 def test_a_graph_the_runtime_form_cannot_hold_is_not_written():
-    from compiler import runtime_graph
+    from compiler.partitioning import runtime_graph
 
     class Attr(torch.nn.Module):
         def __init__(self):

@@ -67,7 +67,7 @@ def test_repeated_blocks_become_their_own_partitions_and_no_size_crosses_a_bound
 
 
 def test_plan_serialises_to_json_and_replays_on_the_same_program():
-    from compiler.partition import replay
+    from compiler.partitioning.partition import replay
 
     program = _program(repeated_fallback(depth=2))
     plan = compiler.partition(program, CompileOptions(split_modules=("RepeatedFallbackBlock",)))

@@ -16,10 +16,10 @@ from torch import nn
 from torch.export import Dim
 
 import compiler
-from compiler.backends.inductor import InductorBackend
-from compiler.backends.inductor_format import HEADER, pack, read_engine
+from compiler.backends.inductor.backend import InductorBackend
+from compiler.backends.inductor.format import HEADER, pack, read_engine
 from compiler.errors import InputSpecError, PartitionError, UnsafeEngineError
-from compiler.profiles import normalize, profile_bounds
+from compiler.inputs.profiles import normalize, profile_bounds
 from zoo.config import ZooEntry
 
 

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 import compiler
 from benchmarks.quantization import sensitive_case
+from compiler.accuracy.compare import precision_summary
 from compiler.errors import (
     CalibrationError,
     CalibrationWarning,
@@ -22,10 +23,10 @@ from compiler.errors import (
     RefitError,
     ValidationDataError,
 )
-from compiler.partition import QUANTIZED_PREFIX
-from compiler.quantize import calibration_samples, quantize
-from compiler.validate import validation_inputs
-from compiler.validation_data import sample_digest
+from compiler.inputs.data import sample_digest
+from compiler.partitioning.partition import QUANTIZED_PREFIX
+from compiler.quantization.quantize import calibration_samples, quantize
+from compiler.validation.validate import validation_inputs
 
 HOT = 2
 INT8 = compiler.Tolerances.for_precision("int8")
@@ -134,7 +135,7 @@ def test_the_gate_raises_only_the_sensitive_block_and_records_the_plan(case, int
     plan = {row["partition"]: row["precision"] for row in report.precision_plan}
     assert plan == {**{f"engine_{i}": "int8" for i in range(5)}, f"engine_{HOT}": "fp32"}
     assert all(row["latency_ms"] > 0 for row in report.precision_plan)
-    assert compiler.compare.precision_summary(report.precision_plan) == f"int8 x4; fp32: engine_{HOT}"
+    assert precision_summary(report.precision_plan) == f"int8 x4; fp32: engine_{HOT}"
     from registry.models import lineage_tags
     from registry.payload import artifacts_for, metrics_for
 

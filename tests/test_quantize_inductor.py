@@ -11,7 +11,7 @@ import torch
 
 import compiler
 from benchmarks.quantization import sensitive_case
-from compiler.backends.inductor_format import AOT, COMPILED, PROGRAM, read_engine
+from compiler.backends.inductor.format import AOT, COMPILED, PROGRAM, read_engine
 from compiler.errors import PartitionError
 
 pytest.importorskip("torchao", reason="Inductor int8 needs torchao (pip install 'kiln[int8-inductor]')")

@@ -13,10 +13,10 @@ import torch
 
 import compiler
 from benchmarks.quantization import sensitive_case
-from compiler.dedup import canonical_weights
 from compiler.errors import PartitionError
-from compiler.partition import QUANTIZED_PREFIX
-from compiler.quantize_rowwise import int8_linear, int8_weight, quantize_fingerprint
+from compiler.partitioning.dedup import canonical_weights
+from compiler.partitioning.partition import QUANTIZED_PREFIX
+from compiler.quantization.rowwise import int8_linear, int8_weight, quantize_fingerprint
 
 BLOCKS = [f"engine_{i}" for i in range(4)]
 GEMMS = {

@@ -551,7 +551,7 @@ def test_a_failing_logging_step_marks_its_run_failed(mlflow_server, packages, tm
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from compiler.manifest import SourceRecord
+    from compiler.package.manifest import SourceRecord
     from registry.tracking import TAG_CONTENT_HASH, record_package
 
     # A source URI over the registry's tag limit (100,000 characters): the version cannot be created.

@@ -9,8 +9,8 @@ import torch
 
 import compiler
 from benchmarks.accuracy_repair import overflow_case
+from compiler.accuracy.repair import RepairRecord
 from compiler.errors import AccuracyError
-from compiler.repair import RepairRecord
 
 HOT = 2
 FP16 = compiler.Tolerances.for_precision("fp16")

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 import compiler
 from compiler.errors import PackageCorruptError
-from compiler.report_page import MAX_DRAWN, MAX_ROWS, render_package_report, render_report
-from compiler.validation_report import ValidationReport
+from compiler.package.report_page import MAX_DRAWN, MAX_ROWS, render_package_report, render_report
+from compiler.validation.report import ValidationReport
 from flows.cli import app
 from tests.untrusted_probe import _reseal_data
 

@@ -1,4 +1,4 @@
-"""Signed packages in OpenSSF model-signing's format (compiler/package_signing.py, docs/security.md):
+"""Signed packages in OpenSSF model-signing's format (compiler/package/signing.py, docs/security.md):
 signed at save and at record with a private key or a certificate, offline; verified by compiler.load,
 read_manifest, kiln lookup and model-signing's own verifier; a verified package is trusted to run its
 engines' code, an unsigned, tampered or foreign-signed one is refused where a verification key is set."""
@@ -19,8 +19,8 @@ import pytest
 
 import compiler
 from compiler.errors import PackageCorruptError, PackageSignatureError, SigningConfigError
-from compiler.package_digest import content_hash
-from compiler.package_signing import SIGNATURE, Signer, Trust, sign_package, verify_package
+from compiler.package.digest import content_hash
+from compiler.package.signing import SIGNATURE, Signer, Trust, sign_package, verify_package
 from tests.fixtures.signing_keys import certificate, ec_key_pair
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,7 +206,7 @@ def test_signing_configuration_errors_are_typed_and_name_the_fix(module, signed,
     with pytest.raises(PackageCorruptError, match=r"lists model\.sig"):
         data = json.loads((signed / "manifest.json").read_text())
         data["files"][SIGNATURE] = {"sha256": "0" * 64, "bytes": 1}
-        from compiler.manifest import Manifest, check_layout
+        from compiler.package.manifest import Manifest, check_layout
 
         check_layout(Manifest.from_json(data), "m.kiln")
 
@@ -215,8 +215,8 @@ def test_verification_needs_no_torch(signed, keys):
     """The one function a Triton model.py (or any manifest-level reader) calls before loading."""
     code = f"""
         import sys
-        from compiler.package_signing import Trust, verify_package
-        from compiler.package_check import read_manifest
+        from compiler.package.signing import Trust, verify_package
+        from compiler.package.check import read_manifest
         verified = verify_package({str(signed)!r}, Trust(public_key={str(keys["release"].public)!r}))
         read_manifest({str(signed)!r})
         assert "torch" not in sys.modules, "torch imported"
@@ -262,7 +262,7 @@ def test_record_signs_what_it_uploads_and_lookup_verifies_it(
 
 
 def test_the_report_says_whether_a_package_is_signed(signed):
-    from compiler.report_page import render_package_report
+    from compiler.package.report_page import render_package_report
 
     manifest = compiler.read_manifest(signed)
     assert f"yes: {SIGNATURE} (model-signing" in render_package_report(signed, manifest, "signed")

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from compiler.errors import InputSpecError
-from compiler.specs import InputSpec, check_inputs, specs_from_json, specs_to_json
+from compiler.inputs.specs import InputSpec, check_inputs, specs_from_json, specs_to_json
 
 
 def spec(**overrides):

@@ -54,7 +54,7 @@ from compiler.errors import (
     KilnError,
     RefitError,
 )
-from compiler.specs import InputSpec
+from compiler.inputs.specs import InputSpec
 
 HAS = {name: importlib.util.find_spec(mod) is not None for name, mod in
        (("tensorrt", "tensorrt"), ("tensorrt-rtx", "tensorrt_rtx"))}  # fmt: skip
@@ -500,7 +500,7 @@ def test_custom_ops_and_control_flow_fall_back():
 
 
 def test_tensorrt_table_is_the_exporter_table_minus_rejected_onnx_ops():
-    from compiler.onnx_support import _registry, onnx_exportable
+    from compiler.backends.onnx_support import _registry, onnx_exportable
 
     overloads = [getattr(getattr(aten, n.split("::")[1].split(".")[0]), [*n.split("."), "default"][1], None)
                  for n in _registry().functions if isinstance(n, str) and n.startswith("aten::")]  # fmt: skip

@@ -25,7 +25,7 @@ import torch
 from onnx import helper, numpy_helper
 
 import compiler
-from compiler.backends.inductor_options import untrusted_options
+from compiler.backends.inductor.options import untrusted_options
 from compiler.backends.onnx_inline import check_self_contained
 from compiler.errors import (
     OpModuleNotAllowedError,
@@ -33,7 +33,7 @@ from compiler.errors import (
     UnsafeEngineError,
     UnsafeProgramError,
 )
-from compiler.package_digest import content_hash
+from compiler.package.digest import content_hash
 from zoo.errors import UntrustedCodeError
 from zoo.sources.pt2 import Pt2Source
 
@@ -220,7 +220,7 @@ def test_untrusted_options_keep_only_checked_tuning_switches():
 def test_an_inductor_header_weight_dtype_that_is_a_list_is_a_typed_refusal():
     """The probe's mutations never turn a string into a list; a dtype ["float32"] raised TypeError
     (unhashable) from the dtype lookup instead of the header's typed refusal."""
-    from compiler.backends.inductor_options import check_header
+    from compiler.backends.inductor.options import check_header
 
     header = {
         "torch": torch.__version__, "library": "inductor", "device": "cpu", "compiler": "g++",
@@ -305,7 +305,7 @@ def test_a_graph_call_that_imports_by_name_follows_the_module_rule(packages, mon
 
     from torch.export.custom_ops import _call_custom_autograd_function_in_pre_dispatch as by_name
 
-    from compiler.export import load_program_bytes
+    from compiler.program.export import load_program_bytes
 
     monkeypatch.delenv("KILN_ALLOWED_OP_MODULES", raising=False)
     program = compiler.export(torch.nn.Sequential(torch.nn.Linear(4, 4)), (torch.randn(2, 4),))
@@ -404,7 +404,7 @@ def test_program_text_torch_would_run_as_code_is_refused(tmp_path, monkeypatch, 
 
 
 def test_unreadable_or_too_deep_program_text_is_refused():
-    from compiler.program_text import check_program_text as named_modules
+    from compiler.program.text import check_program_text as named_modules
 
     assert named_modules(json.dumps({"a": json.dumps({"__enum__": 1, "fqn": "m.x:E"})}).encode(), "p") == [
         "m.x"

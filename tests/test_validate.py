@@ -10,7 +10,7 @@ import torch
 
 import compiler
 from compiler.errors import ToleranceError
-from compiler.validate import (
+from compiler.validation.validate import (
     Latency,
     OutputAccuracy,
     Tolerances,

@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 
 import compiler
 from compiler.errors import ValidationDataError
-from compiler.specs import InputSpec
-from compiler.validation_data import validation_data
+from compiler.inputs.data import validation_data
+from compiler.inputs.specs import InputSpec
 
 SPECS = (
     InputSpec("input_ids", "int64", (1, 2), (2, 8), (4, 16), {0: "batch", 1: "seq"}, (0, 99)),

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 import compiler
 from compiler.errors import ValidationDataError
-from compiler.validation_hf import dataset_data
+from compiler.inputs.hf_data import dataset_data
 
 WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "ran", "fast", "slow", "big", "small"]
 # The compiled BERT takes 4..64 tokens: row 3 is too long, row 4 too short.

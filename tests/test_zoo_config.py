@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compiler.options import CompileOptions
-from compiler.validate import Tolerances
+from compiler.validation.validate import Tolerances
 from tasks.workspace import Workspace, compile_key, content_hash
 from zoo.config import ZooConfigError, ZooEntry, ZooSettings, load_zoo, parse_zoo
 from zoo.errors import UntrustedCodeError
@@ -347,7 +347,7 @@ def test_recorded_fields_the_model_does_not_take_are_refused_naming_the_zoo_opti
     import numpy as np
 
     from compiler.errors import ValidationDataError
-    from compiler.specs import InputSpec
+    from compiler.inputs.specs import InputSpec
 
     ids = np.random.randint(0, 50, (3, 2, 8))
     np.savez(tmp_path / "rec.npz", input_ids=ids, attention_mask=np.ones_like(ids), token_type_ids=0 * ids)

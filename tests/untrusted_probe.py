@@ -4,7 +4,7 @@ Run by tests/test_untrusted_load.py as ``python tests/untrusted_probe.py CONFIG 
 clean packages (an ONNX Runtime one and an Inductor one), the input and the outputs their compiled
 modules gave, and the attacks to stage. Phase 1 stages every tampered package as an attacker with
 write access and no signing key would: edit a field of the manifest or of an engine header, then
-recompute the engine's checksum and the manifest's content hash (``compiler.package_digest.content_hash``).
+recompute the engine's checksum and the manifest's content hash (``compiler.package.digest.content_hash``).
 Phase 2 installs ``sys.addaudithook`` and loads each (``trust_engine_code=False``), recording for each:
 refused (the error's type, whether it is a KilnError) or the outputs (same as the original or not),
 and every audited event that breaks the rule "an untrusted load reads nothing outside its package and
@@ -50,7 +50,7 @@ def _reseal(path: Path) -> None:
 
 def _reseal_data(path: Path, data: Any, *, checksums: bool = True) -> None:
     """Recompute the files' checksums (unless the edit is to them) and the content hash."""
-    from compiler.package_digest import content_hash
+    from compiler.package.digest import content_hash
 
     files = data.get("files") if isinstance(data, dict) and checksums else None
     for rel, record in (files or {}).items() if isinstance(files, dict) else ():

@@ -60,7 +60,7 @@ def _backend(name: str, device: str, trust_engine_code: bool = True) -> EngineBa
 
         return TensorRTBackend(name)
     if name == "inductor":
-        from compiler.backends.inductor import InductorBackend
+        from compiler.backends.inductor.backend import InductorBackend
 
         return InductorBackend(device, trust_engine_code=trust_engine_code)
     if name == "auto":

@@ -22,6 +22,7 @@ from onnx import numpy_helper
 
 from compiler.backends.base import BuildSettings, EngineIO, is_weight_name, to_numpy
 from compiler.backends.onnx_inline import check_self_contained
+from compiler.backends.onnx_support import onnx_exportable
 from compiler.errors import (
     BuildSettingsError,
     EngineBuildError,
@@ -29,7 +30,6 @@ from compiler.errors import (
     RefitError,
     UnsafeEngineError,
 )
-from compiler.onnx_support import onnx_exportable
 
 
 class OnnxRuntimeEngine:

@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from compiler import input_files
 from compiler.cache.files import EntryFileError
 from compiler.errors import CacheError
+from compiler.inputs import files as input_files
 
 FORMAT_VERSION = 1
 DEFAULT_MAX_BYTES = 10 * 1024**3

@@ -51,7 +51,7 @@ open(work + "/program.pt2", "wb").write(files.read("program.pt2"))
 open(work + "/weights.safetensors", "wb").write(files.read("weights.safetensors"))
 header = json.loads(files.read("kiln_inductor_engine.json"))
 # The engine's activations at batch 2 and its reference answer (the standalone graph's).
-from compiler.backends.inductor_graph import example_inputs
+from compiler.backends.inductor.graph import example_inputs
 acts = example_inputs(artifact.io, torch.device(device))
 acts = [a if a.is_floating_point() else torch.randint(0, 2, a.shape, device=device) for a in acts]
 from compiler.backends import get_backend

@@ -20,7 +20,7 @@ L2 4e-7), and every int8 row runs at 0.95-1.02x fp32. The same function on the 2
 Cause, found next: the quantizer finds linear and convolution nodes with torch's
 ``get_source_partitions``, which reads ``source_fn_stack``. Non-strict ``torch.export`` records none;
 torch 2.13 falls back to ``nn_module_stack``, torch 2.11 does not, so there nothing matched. kiln's
-Inductor int8 (``compiler/quantize_pt2e.py``) names each node's functional source itself, which
+Inductor int8 (``compiler/quantization/pt2e.py``) names each node's functional source itself, which
 works on both (``benchmarks/results/quantization_gpu_host_inductor*.json``). This probe keeps its
 first form: it records what the quantizer does with a plain export.
 

@@ -25,7 +25,7 @@ from compiler.backends.tensorrt import (
     canonical_weights,
     profile_shapes,
 )
-from compiler.lower import lower
+from compiler.build.lower import lower
 from zoo import models as zoo
 
 CASES = {

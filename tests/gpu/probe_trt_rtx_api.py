@@ -18,7 +18,7 @@ from torch import nn
 
 from compiler.backends.base import BuildSettings, EngineIO
 from compiler.backends.tensorrt import TensorRTBackend, decode_engine
-from compiler.specs import InputSpec
+from compiler.inputs.specs import InputSpec
 
 
 class MLP(nn.Module):

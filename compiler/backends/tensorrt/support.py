@@ -61,7 +61,7 @@ _NAME_CALL = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\(")
 
 
 def _onnx_registry() -> Any:
-    from compiler import onnx_support
+    from compiler.backends import onnx_support
 
     return onnx_support._registry()  # the one registry ONNX Runtime's op table comes from
 
@@ -123,8 +123,8 @@ def onnx_ops_for(aten_op: Any) -> frozenset[str] | None:
     """ONNX ops the torch.onnx exporter may translate an ATen op (an fx node's ``target``) into:
     from its torchlib function when it has one, empty when the exporter decomposes the op first
     (into ATen ops that then have translations); None if it has no translation at all (the same
-    test as ONNX Runtime's table, ``compiler.onnx_support``)."""
-    from compiler.onnx_support import SYMBOLIC_OPS, onnx_exportable
+    test as ONNX Runtime's table, ``compiler.backends.onnx_support``)."""
+    from compiler.backends.onnx_support import SYMBOLIC_OPS, onnx_exportable
 
     if aten_op in SYMBOLIC_OPS:
         return frozenset({"Shape", "Gather", "Add", "Sub", "Mul", "Div", "Neg", "Mod"})
