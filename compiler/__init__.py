@@ -12,10 +12,7 @@ backend through the ``torch_dynamo_backends`` entry point (pyproject.toml), not 
 
 from __future__ import annotations
 
-import copyreg
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 # public name -> the module that defines it
@@ -123,30 +120,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
-
-
-class _Package(types.ModuleType):
-    """``compiler.export`` (and ``partition``, ``dedup``, ``validate``, ``repair``, ``validation_data``)
-    stays the function: importing the same-named submodule binds the module on its package, which would
-    otherwise replace the function."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if (
-            isinstance(value, types.ModuleType)
-            and name in _EXPORTS
-            and value.__name__ == f"{__name__}.{name}"
-        ):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-def _reduce_package(module: types.ModuleType) -> tuple[Any, tuple[str]]:
-    # Pickled by name like any module (cloudpickle and Dask ship functions whose globals hold it).
-    return importlib.import_module, (module.__name__,)
-
-
-copyreg.pickle(_Package, _reduce_package)
-sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly

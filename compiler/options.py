@@ -9,9 +9,31 @@ from typing import Any
 
 # Options are built wherever a zoo file is read (a no-op re-run included): these imports need no torch.
 from compiler.backends.base import PRECISIONS, QUANTIZED_PRECISIONS, BuildSettings
-from compiler.errors import PartitionError
+from compiler.errors import CudaGraphError, PartitionError
 from compiler.inputs.profiles import Size, fixed_profiles, normalize, to_json
-from compiler.runtime.cudagraph_policy import check_mode
+
+CUDA_GRAPH_MODES = ("auto", "on", "off")
+
+
+def check_mode(mode: str, device: str, backend: str, on_build_failure: str) -> None:
+    """CudaGraphError unless ``mode`` is a mode and, when it is ``"on"``, the compile can be graphed."""
+    if mode not in CUDA_GRAPH_MODES:
+        raise CudaGraphError(f"cuda_graphs {mode!r} is not supported; expected one of {CUDA_GRAPH_MODES}")
+    if mode != "on":
+        return
+    if not str(device).startswith("cuda"):
+        raise CudaGraphError(
+            f"cuda_graphs 'on' needs a CUDA device; this model runs on {device!r} (CUDA graphs replay GPU "
+            "work only): use device 'cuda', or cuda_graphs 'auto' or 'off'"
+        )
+    for role, name in (("backend", backend), ("on_build_failure", on_build_failure)):
+        if name == "onnxruntime":
+            raise CudaGraphError(
+                f"cuda_graphs 'on' with {role} 'onnxruntime': ONNX Runtime runs its engines on its own "
+                "streams, outside a PyTorch capture; use backend 'inductor' or 'tensorrt' (and "
+                "on_build_failure 'torch'), or cuda_graphs 'auto'"
+            )
+
 
 # What a partition whose engine build fails becomes (see CompileOptions.on_build_failure).
 ON_BUILD_FAILURE = ("torch", "onnxruntime", "error")

@@ -14,7 +14,7 @@ from torch import nn
 
 import compiler
 from compiler.errors import CudaGraphError, InputSpecError
-from compiler.runtime.cudagraphs import CaptureCheck, decide
+from compiler.runtime.cudagraph_policy import CaptureCheck, decide
 from zoo.config import ZooEntry
 
 CUDA = torch.device("cuda:0")

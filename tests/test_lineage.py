@@ -325,7 +325,7 @@ def test_a_fresh_process_looks_the_version_up_by_source_and_runs_it(
 
 
 def test_recorded_data_names_a_path_never_a_mapping() -> None:
-    from compiler.validation.validate import Latency, ValidationReport
+    from compiler.validation.report import Latency, ValidationReport
     from registry.payload import recorded_data
 
     def report(source: str) -> ValidationReport:

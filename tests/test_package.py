@@ -21,7 +21,7 @@ from compiler.errors import (
 )
 from compiler.package.digest import content_hash
 from compiler.package.manifest import Manifest, SourceRecord
-from compiler.validation.validate import ValidationReport
+from compiler.validation.report import ValidationReport
 from zoo.models import mlp_with_fallback
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,15 +10,8 @@ import torch
 
 import compiler
 from compiler.errors import ToleranceError
-from compiler.validation.validate import (
-    Latency,
-    OutputAccuracy,
-    Tolerances,
-    ValidationReport,
-    compare_tensors,
-    measure_latency,
-    top1_agreement,
-)
+from compiler.validation.report import Latency, OutputAccuracy, Tolerances, ValidationReport
+from compiler.validation.validate import compare_tensors, measure_latency, top1_agreement
 
 
 def _report(*outputs: OutputAccuracy, eager_ms: float = 1.0, compiled_ms: float = 1.0) -> ValidationReport:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compiler.options import CompileOptions
-from compiler.validation.validate import Tolerances
+from compiler.validation.report import Tolerances
 from tasks.workspace import Workspace, compile_key, content_hash
 from zoo.config import ZooConfigError, ZooEntry, ZooSettings, load_zoo, parse_zoo
 from zoo.errors import UntrustedCodeError

@@ -25,7 +25,8 @@ import torch
 from compiler.build.engine import TORCH
 from compiler.errors import PackageError
 from compiler.runtime.module import CompiledModule
-from compiler.validation.validate import compare_tensors, nan_as_worst
+from compiler.validation.report import nan_as_worst
+from compiler.validation.validate import compare_tensors
 
 
 @dataclass(frozen=True)

@@ -42,15 +42,8 @@ from compiler.partitioning.dedup import dedup
 from compiler.partitioning.partition import QUANTIZED_PREFIX
 from compiler.pipeline import resolve_cache
 from compiler.runtime.module import CompiledModule, assemble
-from compiler.validation.validate import (
-    Latency,
-    Tolerances,
-    ValidationReport,
-    measure_accuracy,
-    nan_as_worst,
-    validate,
-    validation_inputs,
-)
+from compiler.validation.report import Latency, Tolerances, ValidationReport, nan_as_worst
+from compiler.validation.validate import measure_accuracy, validate, validation_inputs
 
 # One step up in accuracy for a partition at each level; "torch" (its PyTorch submodule) is the top.
 # int8 steps to fp16 where fp16 is fast (CUDA) and straight to fp32 on the CPU, where fp16 engines run

@@ -1,8 +1,8 @@
-"""CUDA graphs policy: the modes, the option check, the compile-time check's record and :func:`decide`.
+"""CUDA graphs policy: the compile-time check's record and :func:`decide`.
 
-The half of :mod:`compiler.runtime.cudagraphs` that needs no torch: ``CompileOptions`` check their
-mode here and a manifest's report decodes its ``CaptureCheck`` here, so reading a zoo file or a
-package never imports the CUDA-graph runtime. :mod:`compiler.runtime.cudagraphs` re-exports every name.
+The half of :mod:`compiler.runtime.cudagraphs` that needs no torch: a manifest's report decodes its
+``CaptureCheck`` here, so reading a package never imports the CUDA-graph runtime. The option's modes
+and their check (``check_mode``) live with every other option check in :mod:`compiler.options`.
 """
 
 from __future__ import annotations
@@ -16,30 +16,9 @@ from compiler.errors import CudaGraphError
 if TYPE_CHECKING:
     import torch
 
-CUDA_GRAPH_MODES = ("auto", "on", "off")
 # Backends whose engines run on PyTorch's current CUDA stream, so a stream capture records them.
 # ONNX Runtime launches on its own streams (and its CPU provider on the host): never captured.
 CAPTURABLE_BACKENDS = ("inductor", "tensorrt", "tensorrt-rtx", "auto")
-
-
-def check_mode(mode: str, device: str, backend: str, on_build_failure: str) -> None:
-    """CudaGraphError unless ``mode`` is a mode and, when it is ``"on"``, the compile can be graphed."""
-    if mode not in CUDA_GRAPH_MODES:
-        raise CudaGraphError(f"cuda_graphs {mode!r} is not supported; expected one of {CUDA_GRAPH_MODES}")
-    if mode != "on":
-        return
-    if not str(device).startswith("cuda"):
-        raise CudaGraphError(
-            f"cuda_graphs 'on' needs a CUDA device; this model runs on {device!r} (CUDA graphs replay GPU "
-            "work only): use device 'cuda', or cuda_graphs 'auto' or 'off'"
-        )
-    for role, name in (("backend", backend), ("on_build_failure", on_build_failure)):
-        if name == "onnxruntime":
-            raise CudaGraphError(
-                f"cuda_graphs 'on' with {role} 'onnxruntime': ONNX Runtime runs its engines on its own "
-                "streams, outside a PyTorch capture; use backend 'inductor' or 'tensorrt' (and "
-                "on_build_failure 'torch'), or cuda_graphs 'auto'"
-            )
 
 
 @dataclass(frozen=True)

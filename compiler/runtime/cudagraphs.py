@@ -43,25 +43,12 @@ from dataclasses import dataclass
 
 import torch
 
-from compiler.runtime.cudagraph_policy import (  # re-exported: the policy half, readable without torch
-    CAPTURABLE_BACKENDS,
-    CUDA_GRAPH_MODES,
-    CaptureCheck,
-    Decision,
-    check_mode,
-    decide,
-)
+from compiler.runtime.cudagraph_policy import CaptureCheck, Decision
 
 __all__ = [
-    "CAPTURABLE_BACKENDS",
-    "CUDA_GRAPH_MODES",
     "DEFAULT_MAX_SHAPES",
-    "CaptureCheck",
     "CudaGraphs",
-    "Decision",
     "check_capture",
-    "check_mode",
-    "decide",
     "signature",
 ]
 

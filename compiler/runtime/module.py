@@ -35,7 +35,8 @@ from compiler.partitioning.dedup import DedupPlan
 from compiler.partitioning.partition import PartitionPlan
 from compiler.program.export import custom_op_lock
 from compiler.runtime.compile_report import CompileReport
-from compiler.runtime.cudagraphs import DEFAULT_MAX_SHAPES, CaptureCheck, CudaGraphs, check_capture, decide
+from compiler.runtime.cudagraph_policy import CaptureCheck, decide
+from compiler.runtime.cudagraphs import DEFAULT_MAX_SHAPES, CudaGraphs, check_capture
 from compiler.runtime.padding import check_padding, pad_call, pad_targets
 
 

@@ -27,27 +27,18 @@ from torch.utils import _pytree as pytree
 
 from compiler.inputs.data import ValidationData, held_out, sample_inputs, validation_data
 from compiler.program.export import TRACING
-from compiler.validation.report import (  # re-exported: the records and the policy, without torch
-    DEFAULT_REL_L2,
+from compiler.validation.report import (
     Latency,
     OutputAccuracy,
-    Tolerances,
     ValidationReport,
     nan_as_worst,
 )
 
 __all__ = [
-    "DEFAULT_REL_L2",
-    "Latency",
-    "OutputAccuracy",
-    "Tolerances",
-    "ValidationReport",
     "compare",
     "compare_tensors",
     "measure_accuracy",
     "measure_latency",
-    "nan_as_worst",
-    "sample_inputs",  # re-exported: callers drew inputs from here before validation_data existed
     "top1_agreement",
     "validate",
 ]

@@ -78,6 +78,7 @@ from compiler.backends.inductor.format import (
     pack,
     read_engine,
     save_tensors,
+    static_entry,
 )
 from compiler.backends.inductor.graph import (
     LocalCompiled,
@@ -94,12 +95,7 @@ from compiler.backends.inductor.options import (
     host_compiler,
     untrusted_options,
 )
-from compiler.backends.inductor.static import (
-    build_specializations,
-    specializations,
-    static_entry,
-    static_key,
-)
+from compiler.backends.inductor.static import build_specializations, specializations, static_key
 from compiler.errors import (
     BackendError,
     EngineBuildError,

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 import torch
 
 from compiler.backends.inductor.options import check_header
-from compiler.backends.inductor.static import static_entry
 from compiler.errors import EngineCompatibilityError, UnsafeEngineError
 
 HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED, AOT = (
@@ -28,6 +27,11 @@ _ENTRIES = (HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED, AOT)
 # 1: torch.compile at load from cache artifacts (no longer read: rebuild). 2: standalone compiled graph.
 FORMAT = 2
 MAGIC = "kiln-inductor-engine"
+
+
+def static_entry(index: int) -> str:
+    """The archive entry of the engine's ``index``-th static-shape specialization."""
+    return f"inductor_static_{index}.bin"
 
 
 def read_engine(engine: bytes) -> tuple[dict, dict[str, bytes]]:

@@ -68,10 +68,6 @@ def specializations(header: Mapping[str, Any], engine_io: EngineIO) -> list[tupl
     return result
 
 
-def static_entry(index: int) -> str:
-    return f"inductor_static_{index}.bin"
-
-
 def static_key(key: str, shapes: tuple[tuple[int, ...], ...]) -> str:
     return hashlib.sha256(f"{key}/static/{json.dumps([list(s) for s in shapes])}".encode()).hexdigest()
 
