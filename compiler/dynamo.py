@@ -24,7 +24,7 @@ import torch
 
 from compiler.build.engine import build_engine
 from compiler.cache import EngineCache
-from compiler.errors import BackendError, PartitionError
+from compiler.errors import BackendError, OptionsError
 from compiler.options import CompileOptions
 from compiler.partitioning.dedup import dedup
 from compiler.partitioning.partition import partition
@@ -67,7 +67,7 @@ class KilnBackend:
         device = next((t.device for t in example_inputs if t.device.type != "cpu"), torch.device("cpu"))
         options = dataclasses.replace(self.options, device=str(device))
         if options.quantized:
-            raise PartitionError(
+            raise OptionsError(
                 "precision int8 is compiled ahead of time (compiler.compile, kiln compile), where "
                 "calibration data is given; torch.compile(backend='kiln') takes fp32, fp16 or bf16"
             )

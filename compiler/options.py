@@ -9,7 +9,7 @@ from typing import Any
 
 # Options are built wherever a zoo file is read (a no-op re-run included): these imports need no torch.
 from compiler.backends.base import PRECISIONS, QUANTIZED_PRECISIONS, BuildSettings
-from compiler.errors import CudaGraphError, PartitionError
+from compiler.errors import CudaGraphError, OptionsError
 from compiler.inputs.profiles import Size, fixed_profiles, normalize, to_json
 
 CUDA_GRAPH_MODES = ("auto", "on", "off")
@@ -88,15 +88,15 @@ class Calibration:
 
     def __post_init__(self) -> None:
         if self.method not in CALIBRATION_METHODS:
-            raise PartitionError(
+            raise OptionsError(
                 f"calibration.method {self.method!r} is not supported; expected one of {CALIBRATION_METHODS}"
             )
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
-            raise PartitionError(f"calibration.samples must be an integer >= 1, got {self.samples!r}")
+            raise OptionsError(f"calibration.samples must be an integer >= 1, got {self.samples!r}")
         if self.data is not None:
             object.__setattr__(self, "data", str(self.data))
         if isinstance(self.ignore_fields, str) or not all(isinstance(f, str) for f in self.ignore_fields):
-            raise PartitionError(
+            raise OptionsError(
                 f"calibration.ignore_fields must be a list of field names, got {self.ignore_fields!r}"
             )
         object.__setattr__(self, "ignore_fields", tuple(self.ignore_fields))
@@ -180,17 +180,17 @@ class CompileOptions:
         if isinstance(self.calibration, Mapping):
             object.__setattr__(self, "calibration", Calibration(**dict(self.calibration)))
         if self.quantization not in QUANTIZATION_MODES:
-            raise PartitionError(
+            raise OptionsError(
                 f"quantization {self.quantization!r} is not supported; expected one of {QUANTIZATION_MODES}"
             )
         if self.on_accuracy_failure not in ON_ACCURACY_FAILURE:
-            raise PartitionError(
+            raise OptionsError(
                 f"on_accuracy_failure {self.on_accuracy_failure!r} is not supported; expected one of "
                 f"{ON_ACCURACY_FAILURE}"
             )
         wrong = {k: v for k, v in dict(self.partition_precision).items() if v not in PARTITION_LEVELS}
         if wrong:
-            raise PartitionError(
+            raise OptionsError(
                 f"partition_precision {wrong} is not supported; each value is one of {PARTITION_LEVELS}"
             )
         object.__setattr__(
@@ -199,24 +199,22 @@ class CompileOptions:
             {str(k): str(v) for k, v in sorted(dict(self.partition_precision).items())},
         )
         if not isinstance(self.device, str) or not DEVICE_RE.match(self.device):
-            raise PartitionError(f"device {self.device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
+            raise OptionsError(f"device {self.device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
         if self.precision not in PRECISIONS:
-            raise PartitionError(
-                f"precision {self.precision!r} is not supported; expected one of {PRECISIONS}"
-            )
+            raise OptionsError(f"precision {self.precision!r} is not supported; expected one of {PRECISIONS}")
         self._check_quantizing_backend()
         if self.on_build_failure not in ON_BUILD_FAILURE:
-            raise PartitionError(
+            raise OptionsError(
                 f"on_build_failure {self.on_build_failure!r} is not supported; expected one of "
                 f"{ON_BUILD_FAILURE}"
             )
         if self.on_build_failure == "onnxruntime" and self.backend == "onnxruntime":
-            raise PartitionError(
+            raise OptionsError(
                 "on_build_failure 'onnxruntime' with backend 'onnxruntime': ONNX Runtime cannot fall back "
                 "to itself; use 'torch' or 'error'"
             )
         if not isinstance(self.min_block_size, int) or self.min_block_size < 1:
-            raise PartitionError(f"min_block_size must be an integer >= 1, got {self.min_block_size!r}")
+            raise OptionsError(f"min_block_size must be an integer >= 1, got {self.min_block_size!r}")
         object.__setattr__(self, "torch_executed_ops", tuple(str(op) for op in self.torch_executed_ops))
         split = self.split_modules
         if split is not None and split != "auto":
@@ -225,11 +223,11 @@ class CompileOptions:
         check_mode(self.cuda_graphs, self.device, self.backend, self.on_build_failure)
         object.__setattr__(self, "profiles", normalize(self.profiles))
         if self.pad_to_profile not in PAD_TO_PROFILE:
-            raise PartitionError(
+            raise OptionsError(
                 f"pad_to_profile {self.pad_to_profile!r} is not supported; expected one of {PAD_TO_PROFILE}"
             )
         if self.pad_to_profile == "auto" and not self.profiles:
-            raise PartitionError("pad_to_profile 'auto' needs profiles to pad to; give profiles or use 'off'")
+            raise OptionsError("pad_to_profile 'auto' needs profiles to pad to; give profiles or use 'off'")
 
     def _check_quantizing_backend(self) -> None:
         levels = sorted({self.precision, *self.partition_precision.values()} & set(QUANTIZED_PRECISIONS))
@@ -241,14 +239,14 @@ class CompileOptions:
                     if level == "fp8" and self.backend == "onnxruntime"
                     else f"backend {self.backend!r} has no {level} build here"
                 )
-                raise PartitionError(
+                raise OptionsError(
                     f"precision {level}: {missing}; {level} engines are built by "
                     f"{', '.join(repr(b) for b in backends)} (name one), or use a float precision"
                 )
         if self.backend == "inductor":
             self._check_inductor_quantizing(levels)
         elif levels and self.quantization == "dynamic" and self.backend != "onnxruntime":
-            raise PartitionError(
+            raise OptionsError(
                 f"quantization 'dynamic' with backend {self.backend!r}: TensorRT takes explicit Q/DQ "
                 "graphs only, with activation scales calibrated ahead; use quantization: static"
             )
@@ -259,24 +257,24 @@ class CompileOptions:
         cuda = self.device.startswith("cuda")
         if "int8" in levels and not cuda:
             if self.quantization == "dynamic":
-                raise PartitionError(
+                raise OptionsError(
                     "quantization 'dynamic' with backend 'inductor' and int8 on the CPU: its oneDNN int8 "
                     "kernels take activation scales calibrated ahead; use quantization: static (dynamic "
                     "int8 is Inductor's recipe on CUDA)"
                 )
             if self.calibration.method != "minmax":
-                raise PartitionError(
+                raise OptionsError(
                     f"calibration.method {self.calibration.method!r} is ONNX Runtime's calibrator; "
                     "backend 'inductor' calibrates with torchao's observers: use 'minmax'"
                 )
         if "fp8" in levels and not cuda:
-            raise PartitionError(
+            raise OptionsError(
                 f"precision fp8 with backend 'inductor' on {self.device}: fp8 GEMMs "
                 "(torch._scaled_mm) run on CUDA GPUs of compute capability 8.9+; use device: cuda"
             )
         if cuda and levels and self.quantization != "dynamic":
             level = " and ".join(levels)
-            raise PartitionError(
+            raise OptionsError(
                 f"precision {level} with backend 'inductor' on CUDA scales activations per row at run "
                 "time (torchao's dynamic rowwise recipes): use quantization: dynamic (no calibration data)"
             )

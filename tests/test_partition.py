@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import compiler
-from compiler.errors import PartitionError
+from compiler.errors import OptionsError, PartitionError
 from compiler.options import CompileOptions
 from zoo.models import mlp_with_fallback, repeated_fallback, tiny_bert
 
@@ -55,6 +55,18 @@ def test_bad_settings_are_typed_errors():
         CompileOptions(min_block_size=0)
     with pytest.raises(PartitionError, match="precision 'int4'"):
         CompileOptions(precision="int4")
+
+
+def test_a_bad_option_is_an_options_error_that_older_except_clauses_still_catch():
+    """Bad options raise OptionsError, a PartitionError (what they raised before) and a ValueError."""
+    for bad in ({"min_block_size": 0}, {"device": "tpu"}, {"on_build_failure": "skip"}):
+        with pytest.raises(OptionsError) as caught:
+            CompileOptions(**bad)
+        assert isinstance(caught.value, PartitionError) and isinstance(caught.value, ValueError)
+    with pytest.raises(OptionsError, match="not an ATen op"):
+        compiler.partition(
+            _program(mlp_with_fallback()), CompileOptions(torch_executed_ops=("aten.not_an_op",))
+        )
 
 
 def test_repeated_blocks_become_their_own_partitions_and_no_size_crosses_a_boundary():

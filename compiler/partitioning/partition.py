@@ -29,7 +29,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions, validate_parti
 
 from compiler.backends import get_backend
 from compiler.backends.onnx_support import SYMBOLIC_OPS, op_name
-from compiler.errors import KilnError, PackageError, PartitionError
+from compiler.errors import KilnError, OptionsError, PackageError, PartitionError
 from compiler.inputs.profiles import check_profiles
 from compiler.inputs.specs import InputSpec
 from compiler.options import CompileOptions
@@ -370,7 +370,7 @@ def _resolve_ops(names: Iterable[str]) -> frozenset[Any]:
         except (AttributeError, RuntimeError):
             obj = None
         if not isinstance(obj, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-            raise PartitionError(
+            raise OptionsError(
                 f"torch_executed_ops: {name!r} is not an ATen op; expected names like 'aten.gelu' or "
                 "'aten.gelu.default'"
             )
@@ -589,7 +589,7 @@ def _fuse(
         )
     unknown = sorted(set(options.partition_precision) - {p.name for p in partitions})
     if unknown:
-        raise PartitionError(
+        raise OptionsError(
             f"partition_precision names {unknown}, which this plan does not have; its partitions are "
             f"{[p.name for p in partitions]}"
         )
