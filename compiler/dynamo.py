@@ -29,7 +29,7 @@ from compiler.options import CompileOptions
 from compiler.partitioning.dedup import dedup
 from compiler.partitioning.partition import partition
 from compiler.pipeline import resolve_cache
-from compiler.program.export import TRACING
+from compiler.program.tracing import TRACING
 from compiler.runtime.module import CompiledModule, assemble
 
 

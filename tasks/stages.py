@@ -52,7 +52,7 @@ from zoo.preflight import check_memory, spec_sizes
 from zoo.request import CompileRequest
 from zoo.sources.base import SourceIdentity
 
-# compiler/ serialises its own traces (torch.export, the ONNX exporter: compiler.program.export.TRACING). This
+# compiler/ serialises its own traces (torch.export, the ONNX exporter: compiler.program.tracing). This
 # coarser lock also covers running and timing torch code, so validation latencies of models compiled
 # side by side in one process are not measured against each other; the Dask runner with processes is
 # the way to build engines truly in parallel.

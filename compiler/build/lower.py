@@ -25,7 +25,7 @@ from compiler.errors import LoweringError
 from compiler.inputs.specs import InputSpec, dtype_name
 from compiler.partitioning.dedup import DedupPlan, EngineInstance, canonical_weights
 from compiler.partitioning.partition import Partition, PartitionPlan
-from compiler.program.export import quiet_trace
+from compiler.program.tracing import quiet_trace
 
 PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -13,7 +13,6 @@ weights, which lowering turns into canonically named initializers.
 from __future__ import annotations
 
 import copy
-import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -25,7 +24,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
-from torch.fx.passes.utils.fuser_utils import fuse_by_partitions, validate_partition
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from compiler.backends import get_backend
 from compiler.backends.onnx_support import SYMBOLIC_OPS, op_name
@@ -33,15 +32,17 @@ from compiler.errors import KilnError, OptionsError, PackageError, PartitionErro
 from compiler.inputs.profiles import check_profiles
 from compiler.inputs.specs import InputSpec
 from compiler.options import CompileOptions
+from compiler.partitioning.blocks import split_by_block
+from compiler.partitioning.prepare import prepared_copy
 from compiler.partitioning.runtime_graph import CallSignature, RuntimeGraph
-from compiler.program.export import TRACING, input_specs
+from compiler.program.export import input_specs
+from compiler.program.tracing import TRACING
 
 # Weight keys of quantized partitions' own tensors: "kiln.int8/<partition>/w<k>" (PartitionPlan.quantized).
 QUANTIZED_PREFIX = "kiln.int8/"
 
 ENGINE_PREFIX = "engine_"
 _WEIGHT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
-_DROPPED_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ def partition(
     # Graph edits take the tracing lock: a node created while another thread exports gets that
     # trace's meta (torch.fx's preserved-meta state is process-wide), which fusing then refuses.
     with TRACING:
-        gm = _prepared_copy(program)
+        gm = prepared_copy(program)
         support = _Support(get_backend(options.backend), _resolve_ops(options.torch_executed_ops))
         proposals = CapabilityBasedPartitioner(
             gm, support, allows_single_node_partition=True
@@ -214,7 +215,7 @@ def partition(
         groups = [sorted(p.nodes, key=_order(gm)) for p in proposals]
         blocks: dict[str, str | None] = {}
         if options.split_modules is not None:
-            groups, blocks = _split_by_block(gm, groups, options.split_modules)
+            groups, blocks = split_by_block(gm, groups, options.split_modules)
         groups = [g for g in groups if _compute_count(g) >= options.min_block_size]
         seconds = time.perf_counter() - start
         return _fuse(program, specs, options, gm, groups, blocks, seconds, dict(input_weights or {}))
@@ -226,7 +227,7 @@ def replay(program: ExportedProgram, plan: Mapping[str, Any]) -> PartitionPlan:
     options = CompileOptions.from_dict(plan["options"])
     specs = input_specs(program)
     with TRACING:  # graph edits: see partition()
-        gm = _prepared_copy(program)
+        gm = prepared_copy(program)
         by_name = {n.name: n for n in gm.graph.nodes}
         groups, blocks = [], {}
         for saved in plan["partitions"]:
@@ -378,109 +379,6 @@ def _resolve_ops(names: Iterable[str]) -> frozenset[Any]:
     return frozenset(ops)
 
 
-def _prepared_copy(program: ExportedProgram) -> torch.fx.GraphModule:
-    """A copy of the program's graph to cut up: asserts dropped, simple in-place ops made functional,
-    symbolic sizes private to each user."""
-    gm = copy.deepcopy(program.graph_module)
-    _functionalize_simple_inplace(gm.graph)
-    for node in list(gm.graph.nodes):
-        # Unused multi-output items appear or vanish across torch.export.save/load: drop them so a saved
-        # plan replays on the loaded program node for node.
-        dead_item = node.target is operator.getitem and not node.users
-        if node.op == "call_function" and (node.target in _DROPPED_OPS or dead_item) and not node.users:
-            gm.graph.erase_node(node)
-    _privatize_symbolic_nodes(gm.graph)
-    gm.recompile()
-    return gm
-
-
-def _functionalize_simple_inplace(graph: torch.fx.Graph) -> None:
-    """``x.add_(y)`` -> ``z = x.add(y)`` with later uses of ``x`` reading ``z``, where that is exact.
-
-    Partitioning runs on torch.export's graph as it comes (decomposing a 24-layer model first costs a
-    minute; the ONNX exporter decomposes each unique partition anyway), and that graph may still hold
-    in-place ops. An engine cannot mutate a tensor it received, so a mutation is rewritten when its
-    target is a fresh intermediate that no view aliases; any other mutation stays in PyTorch.
-    """
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    for node in list(graph.nodes):
-        functional = _functional_variant(node)
-        if functional is None:
-            continue
-        target = node.args[0]
-        if not isinstance(target, torch.fx.Node) or target.op != "call_function" or _is_view(target):
-            continue
-        if any(_is_view(user) for user in target.users if user is not node):
-            continue
-        with graph.inserting_before(node):
-            new = graph.call_function(functional, node.args, node.kwargs)
-        new.meta = copy.copy(node.meta)
-        node.replace_all_uses_with(new)
-        for user in list(target.users):
-            if user is not node and user is not new and order.get(user, -1) > order[node]:
-                user.replace_input_with(target, new)
-        graph.erase_node(node)
-
-
-def _functional_variant(node: torch.fx.Node) -> Any:
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return None
-    schema = target._schema
-    first = schema.arguments[0] if schema.arguments else None
-    if first is None or first.alias_info is None or not first.alias_info.is_write:
-        return None
-    name = schema.name.split("::")[-1]
-    if not name.endswith("_") or name.startswith("_"):
-        return None
-    packet = getattr(torch.ops.aten, name[:-1], None)
-    return getattr(packet, target._overloadname, None) if packet is not None else None
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    return any(ret.alias_info is not None for ret in target._schema.returns)
-
-
-def _is_symbolic(node: Any) -> bool:
-    return (
-        isinstance(node, torch.fx.Node)
-        and node.op == "call_function"
-        and node.target in SYMBOLIC_OPS
-        and isinstance(node.meta.get("val"), torch.SymInt | torch.SymFloat | torch.SymBool | int | float)
-    )
-
-
-def _privatize_symbolic_nodes(graph: torch.fx.Graph) -> None:
-    """Give every user of a symbolic size its own copy of the computation, right before it.
-
-    A size (``sym_size``, arithmetic on sizes) shared by two partitions would otherwise cross an engine
-    boundary as a SymInt, which no engine takes; with private copies each partition computes its own
-    sizes from the tensors it receives. Placing each copy right before its user also gives repeated
-    blocks one node order, so their fingerprints agree.
-    """
-
-    def clone(node: torch.fx.Node) -> torch.fx.Node:
-        args = torch.fx.node.map_arg(node.args, lambda a: clone(a) if _is_symbolic(a) else a)
-        kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: clone(a) if _is_symbolic(a) else a)
-        new = graph.call_function(node.target, args, kwargs)
-        new.meta = copy.copy(node.meta)
-        return new
-
-    for user in list(graph.nodes):
-        if _is_symbolic(user) or user.op == "output":
-            continue
-        for arg in list(user.all_input_nodes):
-            if _is_symbolic(arg):
-                with graph.inserting_before(user):
-                    user.replace_input_with(arg, clone(arg))
-    for node in reversed(list(graph.nodes)):
-        if _is_symbolic(node) and not node.users:
-            graph.erase_node(node)
-
-
 def _order(gm: torch.fx.GraphModule):
     index = {node: i for i, node in enumerate(gm.graph.nodes)}
     return lambda node: index[node]
@@ -488,60 +386,6 @@ def _order(gm: torch.fx.GraphModule):
 
 def _compute_count(nodes: Iterable[torch.fx.Node]) -> int:
     return sum(1 for n in nodes if n.op == "call_function" and n.target not in SYMBOLIC_OPS)
-
-
-def _block_of(node: torch.fx.Node, classes: tuple[str, ...]) -> str | None:
-    for path, kind in (node.meta.get("nn_module_stack") or {}).values():
-        name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
-        if name.rsplit(".", 1)[-1] in classes or name in classes:
-            return path
-    return None
-
-
-def detect_repeated_module(gm: torch.fx.GraphModule) -> tuple[str, ...]:
-    """The module class whose instances (>= 2) cover the most compute nodes: the repeated block."""
-    coverage: Counter[str] = Counter()
-    instances: dict[str, set[str]] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target in SYMBOLIC_OPS:
-            continue
-        for path, kind in list((node.meta.get("nn_module_stack") or {}).values())[1:]:
-            name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
-            name = name.rsplit(".", 1)[-1]
-            coverage[name] += 1
-            instances.setdefault(name, set()).add(path)
-    repeated = [(count, name) for name, count in coverage.items() if len(instances[name]) >= 2]
-    return (max(repeated)[1],) if repeated else ()
-
-
-def _split_by_block(
-    gm: torch.fx.GraphModule, groups: list[list[torch.fx.Node]], split: str | tuple[str, ...]
-) -> tuple[list[list[torch.fx.Node]], dict[str, str | None]]:
-    classes = detect_repeated_module(gm) if split == "auto" else tuple(split)
-
-    def key(node: torch.fx.Node) -> str | None:
-        # A (privatized) size computation belongs to the block of its one user.
-        while _is_symbolic(node) and len(node.users) == 1:
-            node = next(iter(node.users))
-        return _block_of(node, classes)
-
-    result, blocks = [], {}
-    for group in groups:
-        # Runs of consecutive nodes with one block key: a block, or the glue before/after blocks.
-        runs: list[list[torch.fx.Node]] = []
-        for node in group:
-            if runs and key(runs[-1][-1]) == key(node):
-                runs[-1].append(node)
-            else:
-                runs.append([node])
-        # Cutting must not create a cycle between pieces; if it would, keep the group whole.
-        if len(runs) > 1 and all(validate_partition(run) for run in runs):
-            for run in runs:
-                result.append(run)
-                blocks[run[0].name] = key(run[0])
-        else:
-            result.append(group)
-    return result, blocks
 
 
 def _fuse(

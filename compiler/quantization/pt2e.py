@@ -32,7 +32,7 @@ from compiler.build.lower import export_partition
 from compiler.errors import QuantizationError
 from compiler.partitioning.dedup import canonical_weights
 from compiler.partitioning.partition import PartitionPlan
-from compiler.program.export import quiet_trace
+from compiler.program.tracing import quiet_trace
 from compiler.quantization.torchao_guard import import_torchao
 
 # aten ops the x86 quantizer finds by their source (``get_source_partitions``), and the functional

@@ -61,7 +61,7 @@ from compiler.errors import CalibrationError, CalibrationWarning, QuantizationEr
 from compiler.inputs.data import ValidationData, random_data, sample_digest, validation_data
 from compiler.options import PT2E_GRAPH, ROWWISE_GRAPHS
 from compiler.partitioning.partition import QUANTIZED_PREFIX, PartitionPlan
-from compiler.program.export import custom_op_lock
+from compiler.program.tracing import custom_op_lock
 
 # The float precision a partition falls back to when quantizing it fails.
 FALLBACK_PRECISION = "fp32"

@@ -33,7 +33,7 @@ from compiler.inputs.profiles import fixed_profiles, is_fixed, profile_inputs, p
 from compiler.inputs.specs import InputSpec, check_inputs
 from compiler.partitioning.dedup import DedupPlan
 from compiler.partitioning.partition import PartitionPlan
-from compiler.program.export import custom_op_lock
+from compiler.program.tracing import custom_op_lock
 from compiler.runtime.compile_report import CompileReport
 from compiler.runtime.cudagraph_policy import CaptureCheck, decide
 from compiler.runtime.cudagraphs import DEFAULT_MAX_SHAPES, CudaGraphs, check_capture

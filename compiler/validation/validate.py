@@ -26,7 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from compiler.inputs.data import ValidationData, held_out, sample_inputs, validation_data
-from compiler.program.export import TRACING
+from compiler.program.tracing import TRACING
 from compiler.validation.report import (
     Latency,
     OutputAccuracy,
@@ -157,7 +157,7 @@ def measure_accuracy(
 
 def _eager_lock(compiled: torch.nn.Module) -> contextlib.AbstractContextManager:
     # The user's eager model calls the ops its compiled module calls: where those are custom ops, it
-    # must not overlap another thread's export either (compiler.program.export.custom_op_lock). A module kiln
+    # must not overlap another thread's export either (compiler.program.tracing.custom_op_lock). A module kiln
     # did not compile is not known: held.
     return getattr(compiled, "trace_lock", TRACING)
 

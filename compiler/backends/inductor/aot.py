@@ -93,7 +93,7 @@ def build_aot(
         exported.example_inputs = (tuple(inputs), {})
         configs = {**inductor_config, "cpp.cxx": (None, compiler)}
         try:
-            from compiler.program.export import TRACING
+            from compiler.program.tracing import TRACING
 
             with TRACING:
                 torch._inductor.aoti_compile_and_package(

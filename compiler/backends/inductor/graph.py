@@ -51,7 +51,8 @@ class ProgramGraph:
     def load(cls, program: bytes, device: torch.device, *, frozen: bool = False) -> ProgramGraph:
         """The program read as a package's is: nothing unpickled, no module imported (ATen, and for a
         frozen int8 program torch's own quantize/dequantize ops)."""
-        from compiler.program.export import TRACING, load_program_bytes
+        from compiler.program.export import load_program_bytes
+        from compiler.program.tracing import TRACING
 
         if frozen:
             import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers quantized_decomposed ops
@@ -95,7 +96,7 @@ class ProgramGraph:
     ) -> Callable[..., Any]:
         """Inductor's standalone compile of the graph from ``inputs`` (fake or real), run once on
         ``args`` so that a first call does no autotuning."""
-        from compiler.program.export import TRACING
+        from compiler.program.tracing import TRACING
 
         patches = inductor_config(options, frozen=self.frozen)
         # Freezing applies to graphs compiled without autograd only.
@@ -112,7 +113,7 @@ def _quiet_if(frozen: bool) -> Iterator[None]:
     """A frozen graph's expected notices left out: Inductor warns that it cannot save it (by design
     here, ``ProgramGraph``) and its oneDNN lowering warns about a tensor copy of its own. Called under
     the trace lock."""
-    from compiler.program.export import quiet_loggers
+    from compiler.program.tracing import quiet_loggers
 
     if not frozen:
         yield

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-# One compile at a time. Always taken before the compiler's tracing lock (compiler.program.export.TRACING,
+# One compile at a time. Always taken before the compiler's tracing lock (compiler.program.tracing.TRACING,
 # taken inside), so exports never overlap a compile and the two locks are never taken in the other order.
 COMPILE_LOCK = threading.RLock()
 RECENT_LIMIT = 128
