@@ -55,6 +55,20 @@ def pt2e_available() -> str | None:
     return None
 
 
+def quantize_fingerprint(
+    plan: PartitionPlan,
+    parts: Sequence[str],
+    feeds: Mapping[str, Sequence[Mapping[str, np.ndarray]]] | None = None,
+    settings: Mapping[str, Any] | None = None,
+    *,
+    fp: str = "",
+) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """The recipe entry point every recipe module shares (:func:`compiler.quantization.quantize.recipe_for`):
+    the program of the first of ``parts`` quantized (:func:`quantize_program`); its weights are frozen in,
+    so it has no tensors of its own. Scales are compiled in: each instance is quantized on its own."""
+    return quantize_program(plan, parts[0], (feeds or {}).get(parts[0], [])), {}
+
+
 def quantize_program(plan: PartitionPlan, name: str, feeds: Sequence[Mapping[str, np.ndarray]]) -> bytes:
     """The saved program of partition ``name`` quantized to int8 with its own weights frozen in,
     calibrated on ``feeds`` (its captured activations, ``x0..xk`` per sample). :class:`QuantizationError`

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import copy
 import io
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -126,10 +127,18 @@ RECIPES = {
 }
 
 
-def quantize_fingerprint(plan: PartitionPlan, parts: Sequence[str]) -> tuple[bytes, dict[str, torch.Tensor]]:
+def quantize_fingerprint(
+    plan: PartitionPlan,
+    parts: Sequence[str],
+    feeds: Mapping[str, Sequence[Any]] | None = None,
+    settings: Mapping[str, Any] | None = None,
+    *,
+    fp: str = "",
+) -> tuple[bytes, dict[str, torch.Tensor]]:
     """(the saved program, each instance's tensors) for the partitions ``parts`` of one fingerprint:
     the graph rewritten once, each instance's eligible weights quantized with their scales, by the
-    recipe of the partitions' precision. :class:`QuantizationError` where no linear is eligible."""
+    recipe of the partitions' precision. :class:`QuantizationError` where no linear is eligible.
+    Dynamic recipes: ``feeds`` and ``settings`` are not needed (the entry point every recipe shares)."""
     by_name = {p.name: p for p in plan.partitions}
     partition = by_name[parts[0]]
     precision = plan.options.precision_of(parts[0])
