@@ -20,7 +20,7 @@ _EXPORTS: dict[str, str] = {
     "get_backend": "compiler.backends",
     "EngineArtifact": "compiler.build.engine",
     "build_engine": "compiler.build.engine",
-    "EngineCache": "compiler.cache",
+    "EngineCache": "compiler.cache.local",
     "PartitionComparison": "compiler.accuracy.compare",
     "compare_partitions": "compiler.accuracy.compare",
     "DedupPlan": "compiler.partitioning.dedup",
@@ -127,7 +127,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from compiler.accuracy.repair import RepairRecord, RepairResult, ensure_accuracy, rebuild, repair
     from compiler.backends import get_backend
     from compiler.build.engine import EngineArtifact, build_engine
-    from compiler.cache import EngineCache
+    from compiler.cache.local import EngineCache
     from compiler.dynamo import KilnBackend, kiln_backend
     from compiler.inputs.data import ValidationData, validation_data
     from compiler.inputs.specs import InputSpec

@@ -23,12 +23,11 @@ from typing import Any
 import torch
 
 from compiler.build.engine import build_engine
-from compiler.cache import EngineCache
+from compiler.cache.local import EngineCache, resolve_cache
 from compiler.errors import BackendError, OptionsError
 from compiler.options import CompileOptions
 from compiler.partitioning.dedup import dedup
 from compiler.partitioning.partition import partition
-from compiler.pipeline import resolve_cache
 from compiler.program.tracing import TRACING
 from compiler.runtime.module import CompiledModule, assemble
 

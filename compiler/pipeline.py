@@ -9,7 +9,7 @@ from typing import Any
 from torch.export import ExportedProgram
 
 from compiler.build.engine import build_engine
-from compiler.cache import EngineCache
+from compiler.cache.local import EngineCache, resolve_cache
 from compiler.device import program_on, resolve
 from compiler.inputs.data import ValidationData
 from compiler.options import CompileOptions
@@ -17,17 +17,6 @@ from compiler.partitioning.dedup import dedup
 from compiler.partitioning.partition import partition
 from compiler.quantization.quantize import quantize
 from compiler.runtime.module import CompiledModule, assemble
-
-
-def resolve_cache(cache: EngineCache | str | os.PathLike | bool | None) -> EngineCache | None:
-    """``None``/``True``: the default persistent cache; ``False``: none; a path: a cache there."""
-    if cache is False:
-        return None
-    if cache is None or cache is True:
-        return EngineCache()
-    if isinstance(cache, EngineCache):
-        return cache
-    return EngineCache(cache)
 
 
 def compile(

@@ -29,7 +29,7 @@ Location = Annotated[
 
 
 def _open(location: str | None):
-    from compiler.cache import EngineCache
+    from compiler.cache.local import EngineCache
     from compiler.errors import CacheError
     from zoo.config import ZooSettings
 
@@ -131,7 +131,8 @@ def cache_gc(
 ) -> None:
     """Remove old entries and the least recently used beyond a size, on both layers; blobs on the
     object store that no entry names go too."""
-    from compiler.cache import maintenance, parse_size
+    from compiler.cache import maintenance
+    from compiler.cache.entry import parse_size
     from compiler.errors import CacheError
 
     if max_bytes is None and older_than is None:

@@ -101,7 +101,7 @@ Tracking = Annotated[
 
 def _check_environment() -> None:
     """Settings read from the environment, checked before anything runs (a typo is exit code 2)."""
-    from compiler.cache import resolve_max_bytes
+    from compiler.cache.entry import resolve_max_bytes
     from compiler.errors import CacheError, ValidationDataError
     from compiler.inputs.files import data_max_bytes
     from zoo.config import ZooConfigError
@@ -282,7 +282,7 @@ def zoo_cmd(
 
 def _engine_cache_usable(location: str | None) -> None:
     """An object-store URL whose fsspec driver is missing (or a bad location) is unusable input."""
-    from compiler.cache import EngineCache
+    from compiler.cache.local import EngineCache
     from compiler.errors import CacheError
     from zoo.config import ZooConfigError
 
@@ -312,7 +312,7 @@ def _check(
         except ZooConfigError as exc:
             problems.append(("workspace", str(exc)))
     if cache and "://" in cache:
-        from compiler.cache import EngineCache
+        from compiler.cache.local import EngineCache
         from compiler.errors import CacheError
 
         try:

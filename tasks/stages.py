@@ -31,7 +31,7 @@ import compiler
 from compiler.backends import get_backend
 from compiler.backends.base import EngineIO
 from compiler.build.engine import TORCH
-from compiler.cache import CacheWarning
+from compiler.cache.entry import CacheWarning
 from compiler.errors import AccuracyError
 from compiler.options import CompileOptions
 from compiler.package.manifest import SourceRecord

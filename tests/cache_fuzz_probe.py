@@ -139,7 +139,7 @@ class Round:
     """One fresh cache holding one clean entry, and the mutations applied to it."""
 
     def __init__(self, base: Path, layer: str, codec: str | None, key: str, engine: bytes, template: Path):
-        from compiler.cache import EngineCache
+        from compiler.cache.local import EngineCache
 
         self.base, self.layer, self.key = base, layer, key
         self.local = base / "local"
@@ -169,7 +169,7 @@ class Round:
         return self.store / "blobs" / (sha if named else "x")
 
     def reader(self):
-        from compiler.cache import EngineCache
+        from compiler.cache.local import EngineCache
 
         if self.store is None:
             return EngineCache(self.local)
@@ -360,7 +360,7 @@ def operate(rnd: Round, engine: bytes, rng: random.Random) -> dict[str, Any]:
 
 def run(config: dict, results_path: Path) -> None:
     import compiler.cache.maintenance  # noqa: F401  (imported before the hook: not the round's doing)
-    from compiler.cache import EngineCache
+    from compiler.cache.local import EngineCache
 
     rng = random.Random(config["seed"])
     scratch = Path(config["scratch"])

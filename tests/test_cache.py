@@ -33,7 +33,8 @@ from pathlib import Path
 import platformdirs
 import pytest
 
-from compiler.cache import CacheKey, CacheWarning, EngineCache
+from compiler.cache.entry import CacheKey, CacheWarning
+from compiler.cache.local import EngineCache
 from compiler.errors import CacheError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -317,7 +318,7 @@ def test_default_directory_is_the_platform_user_cache(
 # ---- concurrency ------------------------------------------------------------------------------------------
 RACE_CHILD = """
     import hashlib
-    from compiler.cache import EngineCache
+    from compiler.cache.local import EngineCache
     cache_dir, key, marker, ready, go = sys.argv[1:6]
     cache = EngineCache(cache_dir)
     open(ready, "w").close()
@@ -459,7 +460,8 @@ def _namespace_or_skip() -> list[str]:
 
 
 UNWRITABLE_CHILD = """
-    from compiler.cache import EngineCache, CacheWarning
+    from compiler.cache.entry import CacheWarning
+    from compiler.cache.local import EngineCache
     cache_dir, existing, new, built_key, size, damaged = sys.argv[1:7]
     big = int(size)
     payload = bytes(range(256)) * (big // 256)

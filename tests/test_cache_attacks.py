@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from compiler.cache import CacheWarning, EngineCache
+from compiler.cache.entry import CacheWarning
+from compiler.cache.local import EngineCache
 from compiler.errors import CacheError
 from flows.cli import app
 
@@ -135,7 +136,7 @@ def _replace_payload(directory: Path, make) -> str:
 
 GET_CHILD = """
     import sys, warnings
-    from compiler.cache import EngineCache
+    from compiler.cache.local import EngineCache
     directory, key = sys.argv[1:3]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from compiler.cache import CacheStoreError, CacheWarning, EngineCache
+from compiler.cache.entry import CacheWarning
+from compiler.cache.local import EngineCache
+from compiler.cache.store import CacheStoreError
 from tests.fixtures.s3_server import BUCKET, MotoServer
 from tests.fixtures.server_process import free_port, scoped_environ
 
@@ -106,7 +108,7 @@ time.time = lambda: _wall() + {skew}  # this worker's wall clock, off by the ske
 compiler = types.ModuleType("compiler")
 compiler.__path__ = [{repo!r} + "/compiler"]
 sys.modules["compiler"] = compiler
-from compiler.cache import EngineCache
+from compiler.cache.local import EngineCache
 cache = EngineCache({url!r}, local_dir=sys.argv[1], lease_seconds={lease})
 key = EngineCache.key(**json.loads(sys.argv[2]))
 def build():

@@ -35,12 +35,11 @@ import torch
 from compiler.accuracy.compare import PartitionComparison, PartitionRow, compare_partitions
 from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.build.engine import EngineArtifact, build_engine
-from compiler.cache import EngineCache
+from compiler.cache.local import EngineCache, resolve_cache
 from compiler.errors import AccuracyError, PackageError
 from compiler.inputs.data import ValidationData
 from compiler.partitioning.dedup import dedup
 from compiler.partitioning.partition import QUANTIZED_PREFIX
-from compiler.pipeline import resolve_cache
 from compiler.runtime.module import CompiledModule, assemble
 from compiler.validation.report import Latency, Tolerances, ValidationReport, nan_as_worst
 from compiler.validation.validate import measure_accuracy, validate, validation_inputs

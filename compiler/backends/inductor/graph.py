@@ -149,7 +149,7 @@ class LocalCompiled:
 
     @staticmethod
     def _cache() -> Any:
-        from compiler.cache import EngineCache
+        from compiler.cache.local import EngineCache
         from compiler.errors import CacheError
 
         try:
