@@ -10,7 +10,7 @@ Models (random weights, built from code):
     so it measures ONNX Runtime's per-node overhead more than int8 convolution;
   * ``sensitive``: 8 residual MLP blocks of one structure, one of which carries an outlier channel
     (x1e4 before a ReLU, undone after it) that per-tensor 8-bit activations cannot represent: the gate
-    must raise exactly that block (a benchmark row and ``tests/test_quantize.py``).
+    must raise exactly that block (a benchmark row and ``tests/compiler/quantization/test_quantize.py``).
 
 Per model and variant: latency at batch 1 and 8 (median, interleaved in one run), package bytes
 (weight-stripped engines off: the int8 weights are what shrinks), top-1 agreement and relative L2 vs

@@ -151,7 +151,8 @@ def _run_quantizer(
                 )
             types = {
                 # uint8 activations (U8S8): with int8 ones BERT's embeddings partition (a Gather over the
-                # vocabulary table) ran at 22-50x fp32 latency at batch 1 (tests/gpu/probe_qdq_types.py).
+                # vocabulary table) ran at 22-50x fp32 latency at batch 1
+                # (benchmarks/probes/probe_qdq_types.py).
                 "u8s8": (QuantType.QUInt8, QuantType.QInt8, {}),
                 # TensorRT: zero points 0 on both sides, biases stay float (it has no int32 dequantize).
                 "s8s8-symmetric": (QuantType.QInt8, QuantType.QInt8, _SYMMETRIC),
@@ -189,7 +190,7 @@ def _optimize_basic(source: Path, target: Path) -> None:
     constant folding and fusions of standard ops, Conv+BatchNorm among them. Unfused, each BatchNorm
     runs in fp32 between a DequantizeLinear and a QuantizeLinear that the fp32 engine never had:
     ResNet-50 int8 ran at 0.99x fp32 on the AMX host, its BatchNorms, Q/DQ and layout Transposes
-    taking 3x the int8 convolutions' time (tests/gpu/probe_resnet_int8.py). Basic level emits only
+    taking 3x the int8 convolutions' time (benchmarks/probes/probe_resnet_int8.py). Basic level emits only
     standard ONNX ops, so the result still parses anywhere (TensorRT included)."""
     import onnxruntime as ort
 

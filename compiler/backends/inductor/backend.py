@@ -3,7 +3,7 @@
 Why not AOTInductor: on the H100 image (torch 2.11+cu130) AOTInductor packages build (74 s for one
 256-wide MLP block) but segfault when loaded, inside the generated wrapper's ``std::regex`` (its C++
 was compiled by ``CXX=/opt/gcc/bin/g++``, whose libstdc++ is not the one the process loaded;
-``tests/gpu/probe_inductor_aoti.h100.json`` holds the backtrace). Why not ``torch.compile`` at load
+``benchmarks/probes/probe_inductor_aoti.h100.json`` holds the backtrace). Why not ``torch.compile`` at load
 (this backend's first form): every engine call then goes through dynamo's frame hook and guards, 40-60
 us on this CPU, paid once per engine per call (14 engines for BERT split per block). Inductor's
 standalone compile (``torch._inductor.standalone_compile``, what vLLM ships its compiled graphs with)

@@ -2,7 +2,7 @@
 the rewrites keep.
 
 Guarantees: a rewrite changes no output beyond floating-point rounding (each is checked against
-ONNX Runtime on CPU in ``tests/test_tensorrt_backend.py``); canonical weights (initializers
+ONNX Runtime on CPU in ``tests/backends/tensorrt/test_tensorrt_backend.py``); canonical weights (initializers
 ``w0..wN``, the ones kiln refits) keep their names, shapes and dtypes and stay consumed by name, so
 TensorRT can mark them refittable. Needs ``onnx``; no TensorRT, no GPU.
 """

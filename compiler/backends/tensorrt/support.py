@@ -4,8 +4,8 @@ Supported ops: the ATen overloads that the torch.onnx exporter translates (the s
 uses) minus those whose translation uses an ONNX op that TensorRT's ONNX parser rejects. The
 rejected ONNX ops are :data:`PARSER_REJECTED_ONNX_OPS`, recorded from
 ``OnnxParser.supports_operator`` over every default-domain ONNX op (TensorRT-RTX 1.7.1;
-``tests/test_tensorrt_backend.py`` re-checks it against any installed library), and which ONNX ops
-an ATen overload's translation uses is read from the exporter's own torchlib functions
+``tests/backends/tensorrt/test_tensorrt_backend.py`` re-checks it against any installed library), and
+which ONNX ops an ATen overload's translation uses is read from the exporter's own torchlib functions
 (over-approximated across dtype branches, so doubt means fallback). Exceptions, each checked on the
 zoo: sequence ops the exporter's optimizer folds into Split/Concat; bitwise ops, which are
 And/Or/Not on bool masks; ops the exporter decomposes first, judged by their op family. The H100
