@@ -276,7 +276,7 @@ def test_lookup_by_alias_serves_what_the_alias_names_now(mlflow_server, source_m
 def test_lookup_cli_selects_by_source(mlflow_server, recorded):
     from typer.testing import CliRunner
 
-    from flows.registry_cli import build_app
+    from flows.cli.registry import build_app
 
     runner = CliRunner()
     found = runner.invoke(build_app(), ["lookup", "fraud", "--source", PROD, "--json"])

@@ -312,7 +312,7 @@ def test_lookup_picks_the_version_whose_ranges_cover_the_shape(mlflow_server, re
 def test_lookup_cli_exit_codes(mlflow_server, recorded):
     from typer.testing import CliRunner
 
-    from flows.registry_cli import build_app
+    from flows.cli.registry import build_app
 
     runner = CliRunner()
     ok = runner.invoke(build_app(), ["lookup", "mlp", "--shape", "8,64", "--json"])
@@ -339,7 +339,7 @@ def test_release_promotes_good_candidates_and_rejects_degraded_weights(
 ):
     import mlflow
 
-    from flows.registry_cli import build_app
+    from flows.cli.registry import build_app
     from flows.release import release
     from registry.tracking import record_package
 
@@ -414,7 +414,7 @@ def test_rollback_moves_champion_back_and_refuses_a_second_time(mlflow_server, r
     import mlflow
     from typer.testing import CliRunner
 
-    from flows.registry_cli import build_app
+    from flows.cli.registry import build_app
 
     client = mlflow.MlflowClient(mlflow_server.uri)
     assert get_aliases(client, NAME) == {CHAMPION: "2", PREVIOUS: "1"}
@@ -663,7 +663,7 @@ def test_lookup_falls_back_past_a_broken_champion_and_says_so(mlflow_server, pac
     import mlflow
     from typer.testing import CliRunner
 
-    from flows.registry_cli import build_app
+    from flows.cli.registry import build_app
     from registry.lookup import lookup
     from registry.tracking import record_package
 
@@ -726,7 +726,7 @@ def test_rollback_to_a_named_version(mlflow_server, recorded):
     import mlflow
     from typer.testing import CliRunner
 
-    from flows.registry_cli import build_app
+    from flows.cli.registry import build_app
     from registry.release import rollback
 
     client = mlflow.MlflowClient(mlflow_server.uri)

@@ -179,7 +179,7 @@ def test_ranges_are_profiles_measured_at_their_opt_point_and_never_padded_to():
 def test_the_cli_reads_sizes_and_ranges_and_names_a_malformed_profile():
     import typer
 
-    from flows.cli_options import parse_profiles
+    from flows.cli.options import parse_profiles
 
     assert parse_profiles(["batch=8,seq=128", "batch=9:32", "batch=9:16:32"]) == [
         {"batch": 8, "seq": 128},

@@ -1,5 +1,5 @@
 """The ``kiln`` commands around compiling: register deployments, report on and look inside a package, receive
-registry webhooks. (Compiling is ``flows.cli``; look-ups and releases ``flows.registry_cli``.)"""
+registry webhooks. (Compiling is ``flows.cli``; look-ups and releases ``flows.cli.registry``.)"""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from flows.cli_options import JsonOut, Verbose, bad_input, quiet_prefect
+from flows.cli.options import JsonOut, Verbose, bad_input, quiet_prefect
 from flows.render import console
 
 DEPLOY_HELP = (

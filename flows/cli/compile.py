@@ -1,4 +1,4 @@
-"""The ``kiln`` command line: compile one model or a whole zoo, then look up and release what was built.
+"""``kiln zoo`` and ``kiln compile``: compile a whole zoo, or one model, into validated packages.
 
 Exit codes, for scripts: 0 every model compiled and validated; 1 at least one model failed (the
 summary names each failure); 2 the input was unusable (a broken zoo file, a bad option).
@@ -6,15 +6,13 @@ summary names each failure); 2 the input was unusable (a broken zoo file, a bad 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
 
-from flows.cache_cli import register_commands as register_cache_commands
-from flows.cli_options import (
+from flows.cli.options import (
     JsonOut,
     Verbose,
     bad_input,
@@ -22,7 +20,6 @@ from flows.cli_options import (
     parse_profiles,
     quiet_prefect,
 )
-from flows.ops_cli import register_commands as register_ops_commands
 from flows.render import (
     EXIT_FAILED,
     EXIT_OK,
@@ -31,27 +28,12 @@ from flows.render import (
     progress_bar,
     report,
 )
-from flows.serve_cli import register_commands as register_serve_commands
 
 if TYPE_CHECKING:
     from zoo.config import ZooSettings
 
 # Only typer and rich at the top: `kiln --help` answers without torch, Prefect or MLflow (issue 21);
 # each command imports what it uses.
-
-app = typer.Typer(
-    name="kiln",
-    no_args_is_help=True,
-    add_completion=False,
-    rich_markup_mode="rich",
-    help=(
-        "Compile PyTorch models into validated inference-engine packages (ONNX Runtime by default, "
-        "TensorRT optionally).\n\n"
-        "Start here:  [bold]kiln zoo deploy/zoo.yaml --out out/[/bold]  compiles the example zoo and "
-        "prints where the packages are.\n\n"
-        "Exit codes: 0 all models ok, 1 a model failed, 2 unusable input."
-    ),
-)
 
 ZooFile = Annotated[
     Path,
@@ -209,7 +191,6 @@ def _finish(summary: dict[str, Any], as_json: bool, tracking: bool) -> None:
     raise typer.Exit(code)
 
 
-@app.command("zoo", help=ZOO_HELP)
 def zoo_cmd(
     zoo_file: ZooFile = Path("deploy/zoo.yaml"),
     out: OutDir = None,
@@ -385,7 +366,6 @@ def _entry_from_flags(zoo_file: Path, model: str, flags: dict[str, Any]) -> tupl
     return entry_data, settings, zoo_dir
 
 
-@app.command("compile", help=COMPILE_HELP)
 def compile_cmd(
     model: Annotated[
         str,
@@ -588,22 +568,7 @@ def compile_cmd(
     _finish(summary, as_json, settings.tracking_enabled())
 
 
-try:
-    from flows.registry_cli import register_commands
-except ModuleNotFoundError as _exc:  # only while the registry half does not exist yet
-    if _exc.name != "flows.registry_cli":
-        raise
-else:
-    register_commands(app)
-
-register_ops_commands(app)
-register_cache_commands(app)
-register_serve_commands(app)
-
-
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def register_commands(app: typer.Typer) -> None:
+    """Add ``zoo`` and ``compile`` to the ``kiln`` CLI."""
+    app.command("zoo", help=ZOO_HELP)(zoo_cmd)
+    app.command("compile", help=COMPILE_HELP)(compile_cmd)

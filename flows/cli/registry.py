@@ -322,7 +322,7 @@ def register_commands(app: typer.Typer) -> None:
 
 
 def build_app() -> typer.Typer:
-    """A CLI with only the registry commands (``python -m flows.registry_cli``), for tests and debugging."""
+    """A CLI with only the registry commands (``python -m flows.cli.registry``), for tests and debugging."""
     app = typer.Typer(no_args_is_help=True, add_completion=False, help="kiln registry commands")
     register_commands(app)
     return app

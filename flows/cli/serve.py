@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from flows.cli_options import JsonOut, bad_input
+from flows.cli.options import JsonOut, bad_input
 from flows.render import console
 
 serve_app = typer.Typer(help="Serve registered versions (Triton Inference Server).", no_args_is_help=True)

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from flows.cli_options import JsonOut, bad_input
+from flows.cli.options import JsonOut, bad_input
 from flows.render import EXIT_FAILED, EXIT_OK, console
 
 cache_app = typer.Typer(help="List, verify and trim the engine cache (local and object store).")
