@@ -1,7 +1,7 @@
 """The ``torch.compile`` front end: the same partition/dedup/cache/strip pipeline as the AOT path.
 
 Recent PyTorch lifts every parameter to a graph input of the graph a backend receives; that is why
-Torch-TensorRT's weight stripping silently does nothing there (seed 000). Here those inputs are
+Torch-TensorRT's weight stripping silently does nothing there. Here those inputs are
 recognised as weights (dynamo marks their source as a parameter/buffer) and handed to partitioning as
 weights, so engines hold them as canonically named constants: ``strip_weights=True`` really strips,
 and the engines are refitted from the live parameters.

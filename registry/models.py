@@ -198,8 +198,8 @@ def source_of(tags: Mapping[str, str]) -> dict[str, str] | None:
     return found if found["uri"] else None
 
 
-# The model-source rule of zoo.sources.mlflow_registry, read here from tags (registry does not import
-# the source kinds): models:/NAME/VERSION or models:/NAME@ALIAS.
+# The model-source rule of zoo.sources.mlflow_registry (models:/NAME/VERSION or models:/NAME@ALIAS),
+# imported only when a look-up matches by source: listings import no source kind.
 def models_uri_parts(uri: str) -> tuple[str, str | None, str | None] | None:
     """(name, version, alias) of ``models:/NAME/VERSION`` or ``models:/NAME@ALIAS``; None otherwise.
 

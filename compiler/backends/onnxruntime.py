@@ -203,15 +203,6 @@ def _error_node(text: str, model: onnx.ModelProto) -> str | None:
     return f"{base} ({op})" if op else base
 
 
-def weight_signature(engine: bytes) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Canonical weight name -> (shape, numpy dtype name) of an engine's initializers."""
-    model = onnx.load_from_string(engine)
-    return {
-        init.name: (tuple(init.dims), np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).name)
-        for init in _weights(model)
-    }
-
-
 def _weights(model: onnx.ModelProto) -> list[onnx.TensorProto]:
     return [init for init in model.graph.initializer if is_weight_name(init.name)]
 

@@ -1,4 +1,4 @@
-"""InputSpec: what one model input may look like, captured once at export (seed 004).
+"""InputSpec: what one model input may look like, captured once at export.
 
 A spec names the input, its dtype and its min/opt/max shape; dynamic dimensions carry a name
 (``batch``, ``seq``) so that engine profiles, fingerprints and registry look-ups speak the same
@@ -217,9 +217,3 @@ def check_inputs(specs: Sequence[InputSpec], values: Sequence[torch.Tensor]) -> 
                     f"input {spec.name!r}; inputs sharing a dimension name must agree"
                 )
             seen[dim] = (spec.name, size)
-
-
-def sample_shapes(specs: Sequence[InputSpec], point: str) -> list[tuple[int, ...]]:
-    """Concrete shapes at ``min``, ``opt`` or ``max``, consistent across inputs sharing a dim name."""
-    attr = {"min": "min_shape", "opt": "opt_shape", "max": "max_shape"}[point]
-    return [tuple(getattr(s, attr)) for s in specs]

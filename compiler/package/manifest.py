@@ -423,10 +423,6 @@ def check_layout(manifest: Manifest, where: str) -> None:
             raise PackageCorruptError(f"{where}: op module {module!r} is not a module name")
 
 
-def valid_module_name(name: str) -> bool:
-    return bool(_MODULE.match(name))
-
-
 __all__ = [
     "FORMAT_VERSION",
     "EngineRecord",

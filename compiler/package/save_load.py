@@ -1,4 +1,4 @@
-"""Package: one self-describing directory per compiled model (seeds 003, 004).
+"""Package: one self-describing directory per compiled model.
 
     manifest.json            the typed Manifest (package/manifest.py): format version, specs, versions,
                              plan, report, validation, op modules, lineage, file checksums, content hash

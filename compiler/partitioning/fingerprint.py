@@ -1,4 +1,4 @@
-"""Structural fingerprint of an engine partition (seed 001): structure, never weight values.
+"""Structural fingerprint of an engine partition: structure, never weight values.
 
 The hash covers op targets, argument structure, edges (as local node indices), input/output shapes
 (dynamic dims by name and min/opt/max range, not by the program's symbol numbers), dtypes, which

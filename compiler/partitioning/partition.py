@@ -1,4 +1,4 @@
-"""Partition: which nodes run in engines and which fall back to PyTorch (seed 002).
+"""Partition: which nodes run in engines and which fall back to PyTorch.
 
 Capability-based over the core ATen graph with torch.fx's ``CapabilityBasedPartitioner``:
 a node goes into an engine when the backend supports its op and the user did not force it to

@@ -1,4 +1,4 @@
-"""Export: torch.export with the input specs captured once and attached to the program (seed 004).
+"""Export: torch.export with the input specs captured once and attached to the program.
 
 The specs ride on the program's user-input placeholders (``node.meta["custom"]``, which survives
 ``run_decompositions``) and, on disk, in the ``.pt2`` archive's extra files. Programs exported with plain

@@ -1,4 +1,4 @@
-"""CompileReport: what a compile did, carried by the compiled module and its package (seed 002).
+"""CompileReport: what a compile did, carried by the compiled module and its package.
 
 A package's report is read, never trusted: :meth:`CompileReport.from_dict` checks every field, and
 the records in it that readers index (partitions, build failures, repair, profiles, quantization),

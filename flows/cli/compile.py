@@ -13,9 +13,12 @@ import typer
 from rich.markup import escape
 
 from flows.cli.options import (
+    DeprecatedDevice,
+    DeprecatedDevices,
     JsonOut,
     Verbose,
     bad_input,
+    devices_with_deprecated_target,
     parse_backend_options,
     parse_profiles,
     quiet_prefect,
@@ -47,7 +50,7 @@ OutDir = Annotated[
 ]
 Devices = Annotated[
     list[str] | None,
-    typer.Option("--device", "--target", "-t", help="only these devices (repeatable): cpu, cuda:0, ..."),
+    typer.Option("--device", "-d", help="only these devices (repeatable): cpu, cuda:0, ..."),
 ]
 TaskRunner = Annotated[
     str | None,
@@ -198,6 +201,7 @@ def zoo_cmd(
         list[str] | None, typer.Option("--model", "-m", help="only these models (repeatable), by name")
     ] = None,
     device: Devices = None,
+    target: DeprecatedDevices = None,
     task_runner: TaskRunner = None,
     dask_address: DaskAddress = None,
     workspace: Workspace = None,
@@ -211,6 +215,7 @@ def zoo_cmd(
     verbose: Verbose = False,
 ) -> None:
     quiet_prefect(verbose)
+    device = devices_with_deprecated_target("zoo", device, target)
     from pydantic import ValidationError
 
     from zoo.config import ZooConfigError, load_zoo
@@ -379,8 +384,9 @@ def compile_cmd(
     ] = Path("deploy/zoo.yaml"),
     out: OutDir = None,
     device: Annotated[
-        str | None, typer.Option("--device", "--target", "-t", help="where the model runs: cpu, cuda, cuda:N")
+        str | None, typer.Option("--device", "-d", help="where the model runs: cpu, cuda, cuda:N")
     ] = None,
+    target: DeprecatedDevice = None,
     backend: Annotated[
         str | None,
         typer.Option("--backend", "-b", help="onnxruntime, tensorrt, tensorrt-rtx, inductor, auto"),
@@ -487,6 +493,7 @@ def compile_cmd(
     verbose: Verbose = False,
 ) -> None:
     quiet_prefect(verbose)
+    device = devices_with_deprecated_target("compile", device, target)
     from pydantic import ValidationError
 
     from zoo.config import ZooConfigError, ZooEntry

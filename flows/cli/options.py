@@ -67,3 +67,24 @@ def parse_backend_options(pairs: list[str] | None) -> dict[str, Any] | None:
             raise bad_input(f"--backend-option {pair!r}: use KEY=VALUE (VALUE as YAML: 3, true, [a, b])")
         options[key] = yaml.safe_load(text)
     return options
+
+
+# --target names the engine target (what engines are built for: cpu, cuda:sm_90) on every command that
+# takes it; where a model runs is --device. kiln zoo and kiln compile once took --target/-t for the
+# device: both still work there, with a deprecation message on stderr.
+TARGET_AS_DEVICE = (
+    "--target/-t on kiln {command} names the device, which is --device now (--target names the engine "
+    "target on lookup, release, rollback and report); it still works here, for now"
+)
+DeprecatedDevices = Annotated[list[str] | None, typer.Option("--target", "-t", hidden=True)]
+DeprecatedDevice = Annotated[str | None, typer.Option("--target", "-t", hidden=True)]
+
+
+def devices_with_deprecated_target(command: str, devices: Any, target: Any) -> Any:
+    """``--device`` plus what the deprecated ``--target``/``-t`` spelling gave (a list, or one device)."""
+    if not target:
+        return devices
+    typer.echo(f"warning: {TARGET_AS_DEVICE.format(command=command)}", err=True)
+    if isinstance(target, list):
+        return [*(devices or []), *target]
+    return devices or target
