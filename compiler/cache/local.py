@@ -14,12 +14,11 @@ most important first:
 - bounded: least-recently-used entries are evicted beyond `max_bytes` (payload bytes as stored).
 
 Layout: `<dir>/<key>.bin` (payload), `<dir>/<key>.json` (written after the payload, so a payload without
-metadata is a detectable half entry), `<dir>/locks/<key>.lock` (never deleted).
-
-Only its own files: the cache reads, lists and deletes only names it writes (`<64 hex>.bin/.json` and its
-writers' temp files), reads them only as regular files of the size their record gives (never through a
-link, never a FIFO or device: `compiler.cache.files`), and uses a directory only when this user (or root)
-owns it and nobody else can write it (`compiler.cache.paths.check_private`): its entries are trusted.
+metadata is a detectable half entry), `<dir>/locks/<key>.lock` (never deleted). Only its own files: the
+cache reads, lists and deletes only names it writes (`compiler.cache.paths.own_files`), reads them only as
+regular files of the size their record gives (never through a link, never a FIFO or device:
+`compiler.cache.files`), and uses a directory only when this user (or root) owns it and nobody else can
+write it (`compiler.cache.paths.check_private`): its entries are trusted.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import threading
 import time
 import warnings
@@ -40,7 +38,6 @@ from typing import Any
 from compiler.atomic import write_bytes_atomic
 from compiler.cache.entry import (
     CODECS,
-    KEY_RE,
     CacheEntryInfo,
     CacheKey,
     CacheStats,
@@ -61,7 +58,14 @@ from compiler.cache.entry import (
 )
 from compiler.cache.files import EntryFileError, read_own_file
 from compiler.cache.locks import KeyLocks
-from compiler.cache.paths import check_private, fsync_directory, local_dir_for, resolve_directory
+from compiler.cache.paths import (
+    check_private,
+    fsync_directory,
+    local_dir_for,
+    own_files,
+    resolve_directory,
+    writer_temp_files,
+)
 from compiler.cache.remote import RemoteEntries
 from compiler.cache.store import is_url
 from compiler.errors import CacheError
@@ -71,8 +75,6 @@ LOCAL_DIR_ENV = "KILN_CACHE_LOCAL_DIR"  # the worker-side layer of an object-sto
 # The disk cannot take the entry: degrade to memory. Any other OSError is unexpected and raised as CacheError.
 _DEGRADE_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.ENOSPC, errno.EDQUOT, errno.EPERM, errno.EFBIG})
 _STALE_TMP_SECONDS = 3600  # temp files of writers that crashed mid-put
-# compiler.atomic's temp files for an entry: ".<key>.<random>.tmp.bin" / ".tmp.json".
-_TMP_RE = re.compile(r"\.[0-9a-f]{64}\.[A-Za-z0-9_]+\.tmp\.(?:bin|json)")
 
 
 class EngineCache:
@@ -266,7 +268,7 @@ class EngineCache:
                 removed += 1
             with contextlib.suppress(OSError):
                 self._meta_path(path.stem).unlink(missing_ok=True)
-        for path in [*self._own_files("*.json"), *self._temp_files()]:
+        for path in [*own_files(self.directory, "*.json"), *writer_temp_files(self.directory)]:
             with contextlib.suppress(OSError):
                 path.unlink()
         return removed
@@ -296,20 +298,7 @@ class EngineCache:
         return self.directory / f"{key}.json"
 
     def _payload_files(self) -> list[Path]:
-        return self._own_files("*.bin")
-
-    def _own_files(self, pattern: str) -> list[Path]:
-        """Entry files by the names this cache writes: ``<64 hex>.bin`` / ``.json``, nothing else."""
-        try:
-            return [p for p in self.directory.glob(pattern) if KEY_RE.fullmatch(p.stem)]
-        except OSError:
-            return []
-
-    def _temp_files(self) -> list[Path]:
-        try:
-            return [p for p in self.directory.glob(".*.tmp.*") if _TMP_RE.fullmatch(p.name)]
-        except OSError:
-            return []
+        return own_files(self.directory, "*.bin")
 
     def _fields_of(self, key: str) -> dict[str, Any]:
         fields = getattr(key, "fields", None) or (self.describe(key) or {}).get("fields")
@@ -452,7 +441,7 @@ class EngineCache:
 
     def _enforce_bound(self, keep: str) -> None:
         now = time.time()
-        for tmp in self._temp_files():
+        for tmp in writer_temp_files(self.directory):
             with contextlib.suppress(OSError):
                 if now - tmp.lstat().st_mtime > _STALE_TMP_SECONDS:
                     tmp.unlink()
