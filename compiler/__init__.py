@@ -1,7 +1,9 @@
 """kiln's compile library: PyTorch models -> validated, packaged inference engines.
 
-The stages, each taking the previous stage's value object (see docs/compiler-api.md):
-export -> partition -> dedup -> build_engine -> assemble (refit) -> validate -> save/load.
+The stages, each taking the previous stage's value object (see docs/compiler-api.md), one package each:
+export (program/) -> partition (partitioning/) -> quantize (quantization/, int8/fp8 partitions only)
+-> dedup (partitioning/) -> build_engine (build/, through cache/ and backends/) -> assemble (runtime/,
+refit) -> validate (validation/; compare_partitions and repair: accuracy/) -> save/load (package/).
 This package never imports Prefect or MLflow.
 
 Importing ``compiler`` costs almost nothing: each public name is imported from its stage module on first

@@ -28,9 +28,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 import compiler
-from compiler.backends import get_backend
+from compiler.backends import TORCH, get_backend
 from compiler.backends.base import EngineIO
-from compiler.build.engine import TORCH
 from compiler.cache.entry import CacheWarning
 from compiler.errors import AccuracyError
 from compiler.options import CompileOptions

@@ -19,12 +19,9 @@ import zlib
 
 import compiler
 from compiler.backends.base import BuildSettings
-from compiler.backends.tensorrt import (
-    TensorRTBackend,
-    builder_flag_names,
-    canonical_weights,
-    profile_shapes,
-)
+from compiler.backends.tensorrt.build_settings import builder_flag_names, optimization_profile
+from compiler.backends.tensorrt.builder import TensorRTBackend
+from compiler.backends.tensorrt.onnx_rewrites import canonical_initializers
 from compiler.build.lower import lower
 from zoo import models as zoo
 
@@ -52,11 +49,11 @@ def build(be: TensorRTBackend, lowered, settings: BuildSettings, variant: dict) 
 
     trt = be.trt
     model = onnx.load_model_from_string(lowered.onnx)
-    weights = canonical_weights(model)
+    weights = canonical_initializers(model)
     logger, builder, network, _parser = be._parsed(lowered.onnx, lowered.io, "probe")
     config = builder.create_builder_config()
     profile = builder.create_optimization_profile()
-    for name, (lo, opt, hi) in profile_shapes(lowered.io).items():
+    for name, (lo, opt, hi) in optimization_profile(lowered.io).items():
         profile.set_shape(name, lo, opt, hi)
     config.add_optimization_profile(profile)
     flags = builder_flag_names(settings)

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from compiler.backends.base import BuildSettings, EngineIO
-from compiler.backends.tensorrt import TensorRTBackend, decode_engine
+from compiler.backends.tensorrt.builder import TensorRTBackend
+from compiler.backends.tensorrt.engine_format import decode_engine
 from compiler.inputs.specs import InputSpec
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from compiler.build.engine import TORCH
+from compiler.backends import TORCH
 from compiler.errors import PackageError
 from compiler.runtime.module import CompiledModule
 from compiler.validation.report import nan_as_worst

@@ -56,7 +56,7 @@ def _backend(name: str, device: str, trust_engine_code: bool = True) -> EngineBa
             )
         return backend
     if name in ("tensorrt", "tensorrt-rtx"):
-        from compiler.backends.tensorrt import TensorRTBackend
+        from compiler.backends.tensorrt.builder import TensorRTBackend
 
         return TensorRTBackend(name)
     if name == "inductor":

@@ -1,4 +1,7 @@
-"""Lower: one partition -> an ONNX model through the official torch.onnx exporter.
+"""Lower: one partition -> the engine input its backend builds: an ONNX model through the official
+torch.onnx exporter (ONNX Runtime, TensorRT: :func:`lower`, :func:`lower_float`), or an exported
+program of the partition alone (Inductor: :func:`lower_program`, :func:`export_partition`); a quantized
+partition's graph is the one its quantization recipe made.
 
 Precision is put into the graph (strongly typed): floating activations are cast to fp16/bf16 at the
 engine's entry and back at its exit, and weights are stored in that precision. Weights are exported as

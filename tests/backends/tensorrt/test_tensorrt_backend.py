@@ -22,28 +22,31 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from compiler.backends.base import BuildSettings, EngineIO
-from compiler.backends.tensorrt import (
-    EXPORTER_FOLDED_SEQUENCE_OPS,
-    PARSER_REJECTED_ONNX_OPS,
-    RTX_DEFAULT_COMPUTE_CAPABILITIES,
-    EngineTarget,
-    TensorRTBackend,
+from compiler.backends.tensorrt.build_settings import (
     builder_flag_names,
-    canonical_weights,
+    choose_profile,
+    optimization_profile,
+    optimization_profiles,
+)
+from compiler.backends.tensorrt.builder import TensorRTBackend, _error_node
+from compiler.backends.tensorrt.engine_format import (
+    EngineTarget,
     check_engine_compatible,
     check_header,
     check_refit_weights,
     decode_engine,
     encode_engine,
+)
+from compiler.backends.tensorrt.library import RTX_DEFAULT_COMPUTE_CAPABILITIES
+from compiler.backends.tensorrt.onnx_rewrites import canonical_initializers, unfold_batch_norm
+from compiler.backends.tensorrt.support import (
+    _BOOL_BITWISE,
+    EXPORTER_FOLDED_SEQUENCE_OPS,
+    PARSER_REJECTED_ONNX_OPS,
     onnx_ops_for,
-    profile_shapes,
     tensorrt_supports,
-    unfold_batch_norm,
     unsupported_reason,
 )
-from compiler.backends.tensorrt.build_settings import choose_profile, optimization_profiles
-from compiler.backends.tensorrt.builder import _error_node
-from compiler.backends.tensorrt.support import _BOOL_BITWISE
 from compiler.errors import (
     BackendError,
     BackendUnavailableError,
@@ -130,7 +133,7 @@ def _header(**over) -> dict:
 def test_profile_is_min_opt_max_of_every_input_in_order():
     ids = InputSpec("x0", "int64", (1, 4), (2, 16), (8, 64), {0: "batch", 1: "seq"})
     mask = InputSpec("x1", "float32", (1, 1, 4), (2, 1, 16), (8, 1, 64), {0: "batch", 2: "seq"})
-    shapes = profile_shapes(EngineIO((ids, mask), ("y0",), ("float32",)))
+    shapes = optimization_profile(EngineIO((ids, mask), ("y0",), ("float32",)))
     assert list(shapes) == ["x0", "x1"]
     assert shapes["x0"] == ((1, 4), (2, 16), (8, 64))
     assert shapes["x1"] == ((1, 1, 4), (2, 1, 16), (8, 1, 64))
@@ -146,7 +149,7 @@ def test_profile_with_min_above_max_is_an_input_spec_error():
 def test_profile_rejects_duplicate_input_names():
     spec = _io().inputs[0]
     with pytest.raises(InputSpecError, match="listed twice"):
-        profile_shapes(EngineIO((spec, spec), ("y0",), ("float32",)))
+        optimization_profile(EngineIO((spec, spec), ("y0",), ("float32",)))
 
 
 def test_each_shape_profile_is_one_more_optimization_profile_after_the_declared_range():
@@ -210,7 +213,7 @@ def test_canonical_weights_are_the_w_initializers_in_index_order():
         helper.make_tensor("w1", TensorProto.BFLOAT16, [5], np.zeros(5, np.uint16).tobytes(), raw=True),
     ]
     graph = helper.make_graph([], "g", [], [], inits)
-    weights = canonical_weights(helper.make_model(graph))
+    weights = canonical_initializers(helper.make_model(graph))
     assert list(weights) == ["w0", "w1", "w2", "w10"]
     assert weights["w1"] == {"shape": [5], "dtype": "bfloat16"}
     assert weights["w2"] == {"shape": [2], "dtype": "float16"}
@@ -274,7 +277,7 @@ def test_batch_norm_unfolds_into_named_weight_arithmetic_with_equal_outputs(dtyp
     onnx.checker.check_model(model)
     ops = [n.op_type for n in model.graph.node]
     assert "BatchNormalization" not in ops and {"Sub", "Div", "Mul", "Sqrt"} <= set(ops)
-    assert list(canonical_weights(model)) == ["w0", "w1", "w2", "w3", "w4"]
+    assert list(canonical_initializers(model)) == ["w0", "w1", "w2", "w3", "w4"]
     # each BatchNorm parameter is still consumed by name (so TensorRT can refit it)
     consumed = {i for n in model.graph.node for i in n.input}
     assert {"w1", "w2", "w3", "w4"} <= consumed
