@@ -5,7 +5,7 @@ each partition lowered to fp32 ONNX, its constant subgraphs folded, ONNX Runtime
 run, quantized by ``onnxruntime.quantization`` (static QDQ or dynamic) and canonicalized, so the
 instances of one fingerprint share one graph and differ only in their tensors. Every recipe module
 (this one, :mod:`compiler.quantization.pt2e`, :mod:`compiler.quantization.rowwise`) has the same
-entry point, :func:`quantize_fingerprint`.
+entry point, :func:`quantize_fingerprint` (:mod:`compiler.quantization.recipe`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import copy
 import io
 import logging
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +25,17 @@ import torch
 from onnx import numpy_helper
 
 from compiler.errors import QuantizationError
-from compiler.partitioning.partition import QUANTIZED_PREFIX, PartitionPlan
+from compiler.partitioning.partition import QUANTIZED_PREFIX
+from compiler.quantization.recipe import RecipeCall
 
 # The quantizer reads each partition lowered in fp32.
 FLOAT_PRECISION = "fp32"
 
 
-def quantize_fingerprint(
-    plan: PartitionPlan,
-    parts: Sequence[str],
-    feeds: Mapping[str, Sequence[Mapping[str, np.ndarray]]] | None = None,
-    settings: Mapping[str, Any] | None = None,
-    *,
-    fp: str = "",
-) -> tuple[bytes, dict[str, torch.Tensor]]:
+def quantize_fingerprint(call: RecipeCall) -> tuple[bytes, dict[str, torch.Tensor]]:
     """(the canonical quantized graph, each instance's tensors) for the partitions of one fingerprint,
-    quantized with the recipe ``settings`` (``CompileOptions.quantization_settings``, by default the
-    recipe of the partitions' precision) and calibrated on ``feeds`` (partition -> its captured
-    activations, ``x0..xk`` per sample); ``fp`` names the fingerprint in errors."""
-    feeds = feeds or {}
-    if settings is None:
-        settings = plan.options.quantization_settings(plan.options.precision_of(parts[0]))
+    quantized with the call's recipe and calibrated on its feeds (:class:`RecipeCall`)."""
+    plan, parts, feeds, settings, fp = call.plan, call.parts, call.feeds, call.recipe, call.fp
     from compiler.backends.onnxruntime import OnnxRuntimeBackend
     from compiler.build.lower import lower_float
     from compiler.partitioning.dedup import canonical_weights

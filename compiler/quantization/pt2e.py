@@ -33,6 +33,7 @@ from compiler.errors import QuantizationError
 from compiler.partitioning.dedup import canonical_weights
 from compiler.partitioning.partition import PartitionPlan
 from compiler.program.tracing import quiet_trace
+from compiler.quantization.recipe import RecipeCall
 from compiler.quantization.torchao_guard import import_torchao
 
 # aten ops the x86 quantizer finds by their source (``get_source_partitions``), and the functional
@@ -55,18 +56,12 @@ def pt2e_available() -> str | None:
     return None
 
 
-def quantize_fingerprint(
-    plan: PartitionPlan,
-    parts: Sequence[str],
-    feeds: Mapping[str, Sequence[Mapping[str, np.ndarray]]] | None = None,
-    settings: Mapping[str, Any] | None = None,
-    *,
-    fp: str = "",
-) -> tuple[bytes, dict[str, torch.Tensor]]:
-    """The recipe entry point every recipe module shares (:func:`compiler.quantization.quantize.recipe_for`):
-    the program of the first of ``parts`` quantized (:func:`quantize_program`); its weights are frozen in,
+def quantize_fingerprint(call: RecipeCall) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """The entry point every recipe module shares (:mod:`compiler.quantization.recipe`): the program of
+    the first of the call's partitions quantized (:func:`quantize_program`); its weights are frozen in,
     so it has no tensors of its own. Scales are compiled in: each instance is quantized on its own."""
-    return quantize_program(plan, parts[0], (feeds or {}).get(parts[0], [])), {}
+    name = call.parts[0]
+    return quantize_program(call.plan, name, call.feeds.get(name, [])), {}
 
 
 def quantize_program(plan: PartitionPlan, name: str, feeds: Sequence[Mapping[str, np.ndarray]]) -> bytes:

@@ -1,8 +1,8 @@
 """Quantize: int8 and fp8 partitions, calibrated on the user's data, with the recipe of the backend that
 builds them (``CompileOptions.quantization_settings``).
 
-Each recipe is one module with one entry point, ``quantize_fingerprint(plan, parts, feeds, settings,
-*, fp)`` -> (the fingerprint's quantized graph, each instance's tensors); :func:`recipe_for` picks it:
+Each recipe is one module with one entry point, ``quantize_fingerprint(RecipeCall)`` -> (the fingerprint's
+quantized graph, each instance's tensors) (:mod:`compiler.quantization.recipe`); :func:`recipe_for` picks it:
 :mod:`compiler.quantization.onnxruntime` (ONNX Runtime and TensorRT engines: ONNX Runtime's own
 quantizer), :mod:`compiler.quantization.pt2e` (Inductor int8 on the CPU: torchao's PT2E flow) and
 :mod:`compiler.quantization.rowwise` (Inductor int8 and fp8 on CUDA: torchao's dynamic rowwise recipes).
@@ -62,6 +62,7 @@ from compiler.inputs.data import ValidationData, random_data, sample_digest, val
 from compiler.options import PT2E_GRAPH, ROWWISE_GRAPHS
 from compiler.partitioning.partition import PartitionPlan
 from compiler.program.tracing import custom_op_lock
+from compiler.quantization.recipe import RecipeCall
 
 # The float precision a partition falls back to when quantizing it fails.
 FALLBACK_PRECISION = "fp32"
@@ -133,7 +134,7 @@ def quantize(
         for group in [[p] for p in parts] if recipe["scales"] == "graph" else [parts]:
             try:
                 recipe_module = recipe_for(recipe["graph"])
-                graph, own = recipe_module.quantize_fingerprint(plan, group, feeds, recipe, fp=fp)
+                graph, own = recipe_module.quantize_fingerprint(RecipeCall(plan, group, feeds, recipe, fp))
             except Exception as exc:  # ONNX Runtime's quantizer raises any type
                 reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 fallbacks.update({name: reason for name in group})
@@ -167,8 +168,8 @@ def quantize(
 
 def recipe_for(graph: str) -> ModuleType:
     """The recipe module for a kind of quantized graph (``CompileOptions.quantization_settings()``'s
-    ``graph``). Each has one entry point, ``quantize_fingerprint(plan, parts, feeds, settings, *, fp)``
-    -> (the fingerprint's quantized graph, each instance's tensors)."""
+    ``graph``). Each has one entry point, ``quantize_fingerprint(RecipeCall)``
+    (:mod:`compiler.quantization.recipe`)."""
     if graph == PT2E_GRAPH:  # Inductor int8 on the CPU: torchao's PT2E flow
         from compiler.quantization import pt2e as module
     elif graph in ROWWISE_GRAPHS.values():  # Inductor on CUDA: torchao's dynamic rowwise recipes

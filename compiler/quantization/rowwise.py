@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import copy
 import io
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +38,7 @@ from compiler.build.lower import PRECISION_DTYPES, export_partition
 from compiler.errors import QuantizationError
 from compiler.partitioning.dedup import canonical_weights
 from compiler.partitioning.partition import QUANTIZED_PREFIX, PartitionPlan
+from compiler.quantization.recipe import RecipeCall
 
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
@@ -127,18 +127,12 @@ RECIPES = {
 }
 
 
-def quantize_fingerprint(
-    plan: PartitionPlan,
-    parts: Sequence[str],
-    feeds: Mapping[str, Sequence[Any]] | None = None,
-    settings: Mapping[str, Any] | None = None,
-    *,
-    fp: str = "",
-) -> tuple[bytes, dict[str, torch.Tensor]]:
-    """(the saved program, each instance's tensors) for the partitions ``parts`` of one fingerprint:
-    the graph rewritten once, each instance's eligible weights quantized with their scales, by the
-    recipe of the partitions' precision. :class:`QuantizationError` where no linear is eligible.
-    Dynamic recipes: ``feeds`` and ``settings`` are not needed (the entry point every recipe shares)."""
+def quantize_fingerprint(call: RecipeCall) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """(the saved program, each instance's tensors) for the call's partitions, of one fingerprint: the
+    graph rewritten once, each instance's eligible weights quantized with their scales, by the recipe of
+    the partitions' precision (dynamic: no feeds needed). :class:`QuantizationError` where no linear is
+    eligible."""
+    plan, parts = call.plan, call.parts
     by_name = {p.name: p for p in plan.partitions}
     partition = by_name[parts[0]]
     precision = plan.options.precision_of(parts[0])

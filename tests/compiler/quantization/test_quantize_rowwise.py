@@ -16,6 +16,7 @@ from benchmarks.quantization import sensitive_case
 from compiler.errors import PartitionError
 from compiler.partitioning.dedup import canonical_weights
 from compiler.partitioning.partition import QUANTIZED_PREFIX
+from compiler.quantization.recipe import RecipeCall
 from compiler.quantization.rowwise import int8_linear, int8_weight, quantize_fingerprint
 
 BLOCKS = [f"engine_{i}" for i in range(4)]
@@ -46,7 +47,7 @@ def _instance(tensors: dict[str, torch.Tensor], name: str) -> list[torch.Tensor]
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_one_program_serves_every_instance_each_with_its_own_quantized_weights_and_scales(precision):
     plan = _plan(precision)
-    program, tensors = quantize_fingerprint(plan, BLOCKS)
+    program, tensors = quantize_fingerprint(RecipeCall(plan, BLOCKS))
     exported = torch.export.load(io.BytesIO(program))
     ops = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
     gemm, dtype = GEMMS[precision]
@@ -78,7 +79,7 @@ def test_one_program_serves_every_instance_each_with_its_own_quantized_weights_a
 
 def test_int8_pads_rows_cublas_refuses_only_where_the_specs_allow_that_few():
     # batch 4: four rows, which cuBLAS's int8 GEMM refuses (it needs 17): the graph pads them
-    program, _ = quantize_fingerprint(_plan("int8"), BLOCKS)
+    program, _ = quantize_fingerprint(RecipeCall(_plan("int8"), BLOCKS))
     ops = [str(n.target) for n in torch.export.load(io.BytesIO(program)).graph.nodes]
     assert "aten.pad.default" in ops and "aten.slice.Tensor" in ops
     # and the padded GEMM gives the unpadded one's rows
@@ -93,7 +94,7 @@ def test_int8_pads_rows_cublas_refuses_only_where_the_specs_allow_that_few():
 def test_a_block_without_an_aligned_linear_is_refused_by_name():
     plan = _plan("fp8", width=24)  # 24: a multiple of 8 (int8) but not of 16 (fp8)
     with pytest.raises(compiler.errors.QuantizationError, match=r"no linear .* multiples of 16 \(fp8"):
-        quantize_fingerprint(plan, ["engine_0"])
+        quantize_fingerprint(RecipeCall(plan, ["engine_0"]))
 
 
 @pytest.mark.parametrize(
