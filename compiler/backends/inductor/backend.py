@@ -46,8 +46,9 @@ code (``trust_engine_code``: engines this process built or took from its engine 
 package's program is, with kiln's own settings: of the header's options only a checked list of tuning
 switches is used (``inductor_options``), never a compiler, flag, path or environment (docs/security.md).
 
-Here: the backend (build, load, refit, compatibility) and the loaded engine. The compile of a program
-and the compiled graph's bytes are :mod:`compiler.backends.inductor.graph`; the engine file format is
+Here: the backend (build, load, refit, compatibility); the loaded engine is
+:mod:`compiler.backends.inductor.engine`. The compile of a program and the compiled graph's bytes are
+:mod:`compiler.backends.inductor.graph`; the engine file format is
 :mod:`compiler.backends.inductor.format`; static specializations :mod:`compiler.backends.inductor.static`;
 the graphs this process compiled :mod:`compiler.backends.inductor.memo`; AOTInductor packages
 :mod:`compiler.backends.inductor.aot`.
@@ -65,6 +66,7 @@ import torch
 
 from compiler.backends.base import BuildSettings, EngineIO, unpack_torch_graph
 from compiler.backends.inductor.aot import AotGraph, LocalAot, aot_from_program
+from compiler.backends.inductor.engine import InductorEngine, ordered_weights
 from compiler.backends.inductor.format import (
     AOT,
     COMPILED,
@@ -122,48 +124,6 @@ def inductor_supports(target: Any) -> bool:
     if not isinstance(target, torch._ops.OpOverload):
         return False
     return target.namespace in ("aten", "prims")
-
-
-class InductorEngine:
-    """A loaded engine: the compiled graph and this instance's weights, on the engine's device."""
-
-    def __init__(
-        self,
-        compiled: Callable[..., Any],
-        weights: tuple[torch.Tensor, ...],
-        io: EngineIO,
-        constants: Mapping[int, torch.Tensor] | None = None,
-        specializations: Mapping[tuple[tuple[int, ...], ...], Callable[..., Any]] | None = None,
-        expected_weights: Mapping[str, Any] | None = None,
-    ):
-        self.compiled, self.weights, self.io = compiled, weights, io
-        self._expected = dict(expected_weights or {})  # the header's {name: [shape, dtype]}
-        self.device = weights[0].device if weights else None
-        self._constants = dict(constants or {})
-        # Activation shapes -> static-shape compiled graph (one per shape profile).
-        self.specializations: dict[tuple[tuple[int, ...], ...], Callable[..., Any]] = dict(
-            specializations or {}
-        )
-        self.last_dispatch: str | None = None  # "static" or "dynamic": what served the last call
-
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # The graph was compiled for contiguous activations (it asserts their strides): a transposed
-        # input, or a view a fallback op returns, is copied first.
-        inputs = tuple(x if x.is_contiguous() else x.contiguous() for x in inputs)
-        compiled = self.compiled
-        if self.specializations:
-            static = self.specializations.get(tuple(tuple(x.shape) for x in inputs))
-            compiled = compiled if static is None else static
-            self.last_dispatch = "dynamic" if static is None else "static"
-        return tuple(compiled(*graph_args(inputs, self.weights, self._constants)))
-
-    def refit_in_place(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """New weights copied into this engine's own tensors (checked like a load's): the compiled
-        graphs take them as inputs, so CUDA graphs captured over this engine replay with the new ones."""
-        new = _ordered({"weights": self._expected}, weights, self.device or torch.device("cpu"))
-        with torch.no_grad():
-            for mine, value in zip(self.weights, new, strict=True):
-                mine.copy_(value)
 
 
 class InductorBackend:
@@ -332,7 +292,7 @@ class InductorBackend:
             if WEIGHTS not in files:
                 raise RefitError("this Inductor engine is weight-stripped: load it with its weights")
             weights = load_tensors(files[WEIGHTS], self.device)
-        ordered = _ordered(header, weights, self.device)
+        ordered = ordered_weights(header, weights, self.device)
         constants = {int(i): t for i, t in load_tensors(files.get(CONSTANTS), self.device).items()}
         local = self._local_aot(files, header, options)  # an untrusted AOT package's: built here
         aot = self._load_aot(files, header) or local.loaded()
@@ -480,7 +440,7 @@ class InductorBackend:
 
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
         header, files = read_engine(engine)
-        ordered = _ordered(header, weights, torch.device("cpu"))
+        ordered = ordered_weights(header, weights, torch.device("cpu"))
         files[WEIGHTS] = save_tensors(dict(zip(header["weights"], ordered, strict=True)))
         return pack(files)
 
@@ -508,24 +468,3 @@ class InductorBackend:
 
 def _device_index(device: torch.device) -> int | None:
     return (device.index or 0) if device.type == "cuda" else None
-
-
-def _ordered(
-    header: Mapping[str, Any], weights: Mapping[str, torch.Tensor], device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """The weights in the engine's input order, checked against the header's names, shapes and dtypes."""
-    expected = header["weights"]
-    missing, unknown = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or unknown:
-        raise RefitError(f"weights do not match the engine: missing {missing}, unexpected {unknown}")
-    ordered = []
-    for name in sorted(expected, key=lambda n: int(n[1:])):
-        shape, dtype = expected[name]
-        tensor = weights[name]
-        if list(tensor.shape) != list(shape) or dtype_name(tensor.dtype) != dtype:
-            raise RefitError(
-                f"weight {name!r}: expected shape {tuple(shape)} dtype {dtype}, got shape "
-                f"{tuple(tensor.shape)} dtype {dtype_name(tensor.dtype)}"
-            )
-        ordered.append(tensor.detach().to(device))
-    return tuple(ordered)
