@@ -60,11 +60,10 @@ import torch
 
 from compiler.atomic import write_bytes_atomic
 from compiler.backends import get_backend
-from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.backends.inductor.backend import warm_inductor_imports
 from compiler.build.engine import EngineArtifact
 from compiler.device import program_on, resolve, same
-from compiler.errors import EngineCompatibilityError, KilnError, PackageCorruptError, PackageError
+from compiler.errors import EngineCompatibilityError, KilnError, PackageCorruptError
 from compiler.package.check import MANIFEST, checked_manifest, read_manifest, read_verified
 from compiler.package.digest import content_hash
 from compiler.package.manifest import (
@@ -79,6 +78,7 @@ from compiler.package.manifest import (
     engine_file,
 )
 from compiler.package.signing import Signer, Trust, sign_package
+from compiler.package.writing import as_validation_report, hollow_program, int8_only_weights, swap_into_place
 from compiler.partitioning import runtime_graph
 from compiler.partitioning.dedup import DedupPlan
 from compiler.partitioning.partition import (
@@ -86,7 +86,6 @@ from compiler.partitioning.partition import (
     from_runtime_graph,
     program_weights,
     replay,
-    weight_placeholders,
     with_weights,
 )
 from compiler.program.export import (
@@ -150,7 +149,7 @@ def save(
     tmp.mkdir(parents=True)
     try:
         plan = compiled.plan
-        files: dict[str, bytes] = {PROGRAM: program_bytes(_hollow(plan.program), record_modules=False)}
+        files: dict[str, bytes] = {PROGRAM: program_bytes(hollow_program(plan.program), record_modules=False)}
         graph = runtime_graph.write(plan.graph_module, plan.signature, plan.symbols)
         if graph is not None:  # what loads run from (None: a graph it cannot hold loads the program)
             files[RUNTIME_GRAPH] = graph
@@ -194,7 +193,7 @@ def save(
             dedup=compiled.dedup.to_dict(),
             engines=engines,
             report=report,
-            validation=_validation(validation),
+            validation=as_validation_report(validation),
             files={
                 rel: FileRecord(hashlib.sha256(data).hexdigest(), len(data))
                 for rel, data in sorted(files.items())
@@ -210,7 +209,7 @@ def save(
         write_bytes_atomic(tmp / MANIFEST, text.encode())
         if signer is not None:  # signed before it is in place: a signed package appears whole
             sign_package(tmp, signer)
-        _swap_into_place(tmp, path)
+        swap_into_place(tmp, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     total = sum(f.bytes for f in manifest.files.values()) + (path / MANIFEST).stat().st_size
@@ -480,67 +479,3 @@ def _check_dedup(dedup: DedupPlan, plan: Any, manifest: Manifest, path: Path) ->
         raise PackageCorruptError(
             f"{path}: the manifest's dedup does not fit its plan: {'; '.join(problems[:3])}"
         )
-
-
-# ---------------------------------------------------------------- writing
-
-
-def int8_only_weights(compiled: CompiledModule) -> set[str]:
-    """Program weights that only int8 engines read (every user of the weight is an int8 engine
-    partition): what ``save(int8_weights_only=True)`` leaves out."""
-    plan = compiled.plan
-    int8 = {
-        p.name
-        for p in plan.partitions
-        if plan.options.precision_of(p.name) in QUANTIZED_PRECISIONS
-        and compiled.engines[compiled.dedup.instance(p.name).fingerprint].is_engine
-    }
-    keys = weight_placeholders(plan.program)
-    return {
-        keys[node.name]
-        for node in plan.graph_module.graph.nodes
-        if node.op == "placeholder"
-        and node.name in keys
-        and node.users
-        and all(user.op == "call_module" and user.target in int8 for user in node.users)
-    }
-
-
-def _hollow(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """The program with every weight replaced by a one-element tensor expanded to its shape.
-
-    The graph and shapes survive torch.export.save; the values live once, in weights.safetensors.
-    Parameters never require grad here (a package is for inference), so a freshly compiled program
-    and the same program loaded from a package save to equal bytes.
-    """
-
-    def hollow(t: torch.Tensor) -> torch.Tensor:
-        empty = torch.zeros((), dtype=t.dtype).expand(t.shape)
-        return torch.nn.Parameter(empty, requires_grad=False) if isinstance(t, torch.nn.Parameter) else empty
-
-    new = copy.copy(program)
-    new._state_dict = {k: hollow(v) for k, v in program.state_dict.items()}
-    new._constants = {
-        k: hollow(v) if isinstance(v, torch.Tensor) else v for k, v in program.constants.items()
-    }
-    return new
-
-
-def _swap_into_place(tmp: Path, path: Path) -> None:
-    if not path.exists():
-        os.replace(tmp, path)
-        return
-    if not (path / MANIFEST).exists() and any(path.iterdir()):
-        raise PackageError(f"{path} exists and is not a kiln package; refusing to replace it")
-    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-    os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _validation(value: ValidationReport | Mapping[str, Any] | None) -> ValidationReport | None:
-    if value is None or isinstance(value, ValidationReport):
-        return value
-    if isinstance(value, Mapping):
-        return ValidationReport.from_dict(value)
-    raise TypeError(f"validation must be a ValidationReport or its to_dict(), got {type(value).__name__}")
