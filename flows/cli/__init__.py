@@ -1,7 +1,7 @@
 """The ``kiln`` command line (the ``kiln`` console script is ``flows.cli:app``).
 
 Every command group, one module each, listed once in :data:`GROUPS`; every option they take is an
-``Annotated`` alias in :mod:`flows.cli.options` or written at its one command:
+``Annotated`` alias in :mod:`flows.cli.options`:
 
 - :mod:`flows.cli.compile`: ``zoo``, ``compile``;
 - :mod:`flows.cli.registry`: ``lookup``, ``release``, ``rollback``, ``versions``;

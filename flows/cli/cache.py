@@ -8,24 +8,21 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Annotated
 
 import typer
 from rich.markup import escape
 
-from flows.cli.options import JsonOut, bad_input
+from flows.cli.options import (
+    Evict,
+    JsonOut,
+    Location,
+    MaxBytes,
+    OlderThan,
+    bad_input,
+)
 from flows.render import EXIT_FAILED, EXIT_OK, console
 
 cache_app = typer.Typer(help="List, verify and trim the engine cache (local and object store).")
-
-Location = Annotated[
-    str | None,
-    typer.Argument(
-        help="a cache directory or URL (s3://bucket/prefix); default: $KILN_CACHE_DIR, "
-        "else .kiln/engine-cache",
-        show_default=False,
-    ),
-]
 
 
 def _open(location: str | None):
@@ -94,9 +91,7 @@ def cache_ls(location: Location = None, as_json: JsonOut = False) -> None:
 @cache_app.command("verify")
 def cache_verify(
     location: Location = None,
-    evict: Annotated[
-        bool, typer.Option("--evict", help="delete every bad entry (it is rebuilt when next needed)")
-    ] = False,
+    evict: Evict = False,
     as_json: JsonOut = False,
 ) -> None:
     """Check every entry's checksums, on this disk and on the object store. Exit 1 if any is bad."""
@@ -121,12 +116,8 @@ def cache_verify(
 @cache_app.command("gc")
 def cache_gc(
     location: Location = None,
-    max_bytes: Annotated[
-        str | None, typer.Option("--max-bytes", help="keep at most this much per layer (10G, 512M, bytes)")
-    ] = None,
-    older_than: Annotated[
-        str | None, typer.Option("--older-than", help="remove entries unused for longer (30m, 12h, 7d, 2w)")
-    ] = None,
+    max_bytes: MaxBytes = None,
+    older_than: OlderThan = None,
     as_json: JsonOut = False,
 ) -> None:
     """Remove old entries and the least recently used beyond a size, on both layers; blobs on the

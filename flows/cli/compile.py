@@ -7,16 +7,52 @@ summary names each failure); 2 the input was unusable (a broken zoo file, a bad 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
 
 from flows.cli.options import (
+    Backend,
+    BackendOption,
+    CalibrationData,
+    CalibrationMethod,
+    CalibrationSamples,
+    Check,
+    CompileModel,
+    CompileZooFile,
+    CudaGraphs,
+    DaskAddress,
     DeprecatedDevice,
     DeprecatedDevices,
+    Device,
+    Devices,
+    EngineCacheDir,
     JsonOut,
+    MinBlockSize,
+    Model,
+    Name,
+    OnAccuracyFailure,
+    OnBuildFailure,
+    OptimizationLevel,
+    OutDir,
+    PadToProfile,
+    Precision,
+    Profile,
+    Quantization,
+    Revision,
+    SplitModule,
+    StripWeights,
+    Task,
+    TaskRunner,
+    TorchExecutedOp,
+    Tracking,
+    TrustRemoteCode,
+    ValidationData,
     Verbose,
+    Workspace,
+    WorkspaceBytes,
+    ZooFile,
     bad_input,
     devices_with_deprecated_target,
     parse_backend_options,
@@ -37,51 +73,6 @@ if TYPE_CHECKING:
 
 # Only typer and rich at the top: `kiln --help` answers without torch, Prefect or MLflow (issue 21);
 # each command imports what it uses.
-
-ZooFile = Annotated[
-    Path,
-    typer.Argument(
-        help="zoo file (YAML): models, input ranges, precision, backend, targets", show_default=True
-    ),
-]
-OutDir = Annotated[
-    Path | None,
-    typer.Option("--out", "-o", help="where packages go (default: the zoo's settings.out_dir, 'out')"),
-]
-Devices = Annotated[
-    list[str] | None,
-    typer.Option("--device", "-d", help="only these devices (repeatable): cpu, cuda:0, ..."),
-]
-TaskRunner = Annotated[
-    str | None,
-    typer.Option(
-        "--task-runner", help="thread (default) or dask: where engine builds run", show_default=False
-    ),
-]
-DaskAddress = Annotated[
-    str | None,
-    typer.Option(
-        "--dask-address", help="Dask scheduler, e.g. tcp://10.0.0.5:8786 (implies --task-runner dask)"
-    ),
-]
-Workspace = Annotated[
-    Path | None, typer.Option("--workspace", help="stage outputs and Prefect's task cache (.kiln/workspace)")
-]
-EngineCacheDir = Annotated[
-    str | None,
-    typer.Option(
-        "--engine-cache",
-        help="persistent engine cache: a directory (.kiln/engine-cache) or a URL shared by workers (s3://...)",
-    ),
-]
-Tracking = Annotated[
-    bool | None,
-    typer.Option(
-        "--tracking/--no-tracking",
-        help="record packages in MLflow (default: the zoo's setting; on when the registry is installed)",
-        show_default=False,
-    ),
-]
 
 
 def _check_environment() -> None:
@@ -197,9 +188,7 @@ def _finish(summary: dict[str, Any], as_json: bool, tracking: bool) -> None:
 def zoo_cmd(
     zoo_file: ZooFile = Path("deploy/zoo.yaml"),
     out: OutDir = None,
-    model: Annotated[
-        list[str] | None, typer.Option("--model", "-m", help="only these models (repeatable), by name")
-    ] = None,
+    model: Model = None,
     device: Devices = None,
     target: DeprecatedDevices = None,
     task_runner: TaskRunner = None,
@@ -207,10 +196,7 @@ def zoo_cmd(
     workspace: Workspace = None,
     engine_cache: EngineCacheDir = None,
     tracking: Tracking = None,
-    check: Annotated[
-        bool,
-        typer.Option("--check", help="only validate the zoo file and preflight each model; build nothing"),
-    ] = False,
+    check: Check = False,
     as_json: JsonOut = False,
     verbose: Verbose = False,
 ) -> None:
@@ -372,118 +358,34 @@ def _entry_from_flags(zoo_file: Path, model: str, flags: dict[str, Any]) -> tupl
 
 
 def compile_cmd(
-    model: Annotated[
-        str,
-        typer.Argument(
-            help="a model name from the zoo file (e.g. bert), a source (hf:./my-bert, pt2:model.pt2, "
-            "models:/fraud@champion, factory:zoo.models:tiny_gpt2) or a factory 'module:function'"
-        ),
-    ],
-    zoo_file: Annotated[
-        Path, typer.Option("--zoo", help="zoo file to take the model and settings from")
-    ] = Path("deploy/zoo.yaml"),
+    model: CompileModel,
+    zoo_file: CompileZooFile = Path("deploy/zoo.yaml"),
     out: OutDir = None,
-    device: Annotated[
-        str | None, typer.Option("--device", "-d", help="where the model runs: cpu, cuda, cuda:N")
-    ] = None,
+    device: Device = None,
     target: DeprecatedDevice = None,
-    backend: Annotated[
-        str | None,
-        typer.Option("--backend", "-b", help="onnxruntime, tensorrt, tensorrt-rtx, inductor, auto"),
-    ] = None,
-    precision: Annotated[
-        str | None,
-        typer.Option(
-            "--precision",
-            "-p",
-            help="fp32, fp16, bf16, int8 (onnxruntime, tensorrt, inductor), fp8 (tensorrt, inductor on cuda)",
-        ),
-    ] = None,
-    quantization: Annotated[
-        str | None,
-        typer.Option(
-            "--quantization", help="static (calibrated, default) or dynamic (onnxruntime; inductor on cuda)"
-        ),
-    ] = None,
-    calibration_data: Annotated[
-        Path | None,
-        typer.Option("--calibration-data", help="int8 static: recorded inputs (.safetensors/.npz)"),
-    ] = None,
-    calibration_samples: Annotated[
-        int | None, typer.Option("--calibration-samples", help="int8 static: samples to calibrate on")
-    ] = None,
-    calibration_method: Annotated[
-        str | None, typer.Option("--calibration-method", help="int8 static: minmax, entropy or percentile")
-    ] = None,
-    strip_weights: Annotated[
-        bool | None,
-        typer.Option("--strip-weights/--keep-weights", help="weight-stripped engines, refitted at load"),
-    ] = None,
-    min_block_size: Annotated[
-        int | None, typer.Option("--min-block-size", help="smallest engine (ops)")
-    ] = None,
-    torch_executed_op: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--torch-executed-op", help="keep this op in PyTorch, e.g. aten.gelu.default (repeatable)"
-        ),
-    ] = None,
-    split_module: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--split-module", help="each instance of this class its own engine, or 'auto' (repeatable)"
-        ),
-    ] = None,
-    workspace_bytes: Annotated[
-        int | None, typer.Option("--workspace-bytes", help="TensorRT builder workspace limit")
-    ] = None,
-    optimization_level: Annotated[
-        int | None, typer.Option("--optimization-level", help="TensorRT builder optimization level")
-    ] = None,
-    backend_option: Annotated[
-        list[str] | None,
-        typer.Option("--backend-option", help="backend setting KEY=VALUE (repeatable), as backend_options"),
-    ] = None,
-    on_build_failure: Annotated[
-        str | None,
-        typer.Option("--on-build-failure", help="a failed engine build: torch, onnxruntime or error"),
-    ] = None,
-    name: Annotated[str | None, typer.Option("--name", help="package name (for a source or factory)")] = None,
-    task: Annotated[
-        str | None, typer.Option("--task", help="hf: sources: sequence-classification, causal-lm, ...")
-    ] = None,
-    revision: Annotated[
-        str | None, typer.Option("--revision", help="hf: hub ids: branch, tag or commit")
-    ] = None,
-    trust_remote_code: Annotated[
-        bool | None,
-        typer.Option("--trust-remote-code", help="hf: run the model's own code (only if you trust it)"),
-    ] = None,
-    on_accuracy_failure: Annotated[
-        str | None,
-        typer.Option(
-            "--on-accuracy-failure",
-            help="int8/fp16/bf16 missing its tolerances: repair (default) or error",
-        ),
-    ] = None,
-    cuda_graphs: Annotated[
-        str | None,
-        typer.Option("--cuda-graphs", help="replay as CUDA graphs: auto (default: CUDA devices), on, off"),
-    ] = None,
-    profile: Annotated[
-        list[str] | None,
-        typer.Option("--profile", help="a shape profile DIM=SIZE[,DIM=SIZE] (repeatable), e.g. batch=8"),
-    ] = None,
-    pad_to_profile: Annotated[
-        str | None,
-        typer.Option(
-            "--pad-to-profile", help="pad a batch up to the next profile where validation allows: auto, off"
-        ),
-    ] = None,
-    validation_data: Annotated[
-        Path | None,
-        typer.Option("--validation-data", help="recorded inputs (.safetensors/.npz, one array per input)"),
-    ] = None,
+    backend: Backend = None,
+    precision: Precision = None,
+    quantization: Quantization = None,
+    calibration_data: CalibrationData = None,
+    calibration_samples: CalibrationSamples = None,
+    calibration_method: CalibrationMethod = None,
+    strip_weights: StripWeights = None,
+    min_block_size: MinBlockSize = None,
+    torch_executed_op: TorchExecutedOp = None,
+    split_module: SplitModule = None,
+    workspace_bytes: WorkspaceBytes = None,
+    optimization_level: OptimizationLevel = None,
+    backend_option: BackendOption = None,
+    on_build_failure: OnBuildFailure = None,
+    name: Name = None,
+    task: Task = None,
+    revision: Revision = None,
+    trust_remote_code: TrustRemoteCode = None,
+    on_accuracy_failure: OnAccuracyFailure = None,
+    cuda_graphs: CudaGraphs = None,
+    profile: Profile = None,
+    pad_to_profile: PadToProfile = None,
+    validation_data: ValidationData = None,
     task_runner: TaskRunner = None,
     dask_address: DaskAddress = None,
     workspace: Workspace = None,

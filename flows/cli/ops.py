@@ -7,12 +7,39 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Annotated
 
 import typer
 from rich.markup import escape
 
-from flows.cli.options import JsonOut, Verbose, bad_input, quiet_prefect
+from flows.cli.options import (
+    AllowModule,
+    Data,
+    DebugCompareRuns,
+    Deployment,
+    DeployName,
+    DeviceTarget,
+    Host,
+    JsonOut,
+    MaxConnections,
+    Out,
+    Package,
+    Port,
+    PrefectFile,
+    Repo,
+    ReportTarget,
+    ReportTrackingUri,
+    ReportVersion,
+    RequestTimeout,
+    Samples,
+    State,
+    Url,
+    Verbose,
+    WebhookRegisterName,
+    WebhookRegisterTrackingUri,
+    WebhookServeZooFile,
+    bad_input,
+    quiet_prefect,
+)
 from flows.render import console
 
 DEPLOY_HELP = (
@@ -23,16 +50,9 @@ DEPLOY_HELP = (
 
 
 def deploy_cmd(
-    prefect_file: Annotated[Path, typer.Argument(help="the prefect.yaml to register")] = Path(
-        "deploy/prefect.yaml"
-    ),
-    name: Annotated[
-        list[str] | None, typer.Option("--name", "-n", help="only these deployments (repeatable)")
-    ] = None,
-    repo: Annotated[
-        Path | None,
-        typer.Option("--repo", help="checkout the workers run from (sets $KILN_REPO; default: current dir)"),
-    ] = None,
+    prefect_file: PrefectFile = Path("deploy/prefect.yaml"),
+    name: DeployName = None,
+    repo: Repo = None,
     verbose: Verbose = False,
 ) -> None:
     quiet_prefect(verbose)
@@ -61,17 +81,11 @@ debug_app = typer.Typer(help="Look inside a compiled package.")
 
 @debug_app.command("compare")
 def debug_compare(
-    package: Annotated[Path, typer.Argument(help="a .kiln package directory")],
-    data: Annotated[
-        Path | None,
-        typer.Option("--data", help="recorded inputs (.safetensors/.npz); default: random in range"),
-    ] = None,
-    samples: Annotated[int, typer.Option(help="random input sets when no --data is given")] = 3,
-    runs: Annotated[int, typer.Option(help="timed passes for each partition's latency share")] = 3,
-    allow_module: Annotated[
-        list[str] | None,
-        typer.Option("--allow-module", help="a custom-op module the package may import (repeatable)"),
-    ] = None,
+    package: Package,
+    data: Data = None,
+    samples: Samples = 3,
+    runs: DebugCompareRuns = 3,
+    allow_module: AllowModule = None,
     as_json: JsonOut = False,
 ) -> None:
     """Each engine against its own PyTorch submodule, on the activations at its inputs: partition,
@@ -103,15 +117,11 @@ REPORT_HELP = (
 
 
 def report_cmd(
-    target: Annotated[str, typer.Argument(help="a .kiln package directory, or a model name in the registry")],
-    out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="the HTML file (default: <package name>.report.html)")
-    ] = None,
-    device_target: Annotated[
-        str, typer.Option("--target", help="registry: engines built for: cpu, cuda:sm_90")
-    ] = "cpu",
-    version: Annotated[str | None, typer.Option(help="registry: this version number")] = None,
-    tracking_uri: Annotated[str | None, typer.Option(help="registry: MLflow tracking URI")] = None,
+    target: ReportTarget,
+    out: Out = None,
+    device_target: DeviceTarget = "cpu",
+    version: ReportVersion = None,
+    tracking_uri: ReportTrackingUri = None,
 ) -> None:
     from compiler.atomic import write_bytes_atomic
     from compiler.errors import KilnError
@@ -144,24 +154,13 @@ webhook_app = typer.Typer(help="Recompile when a source model changes in the MLf
 
 @webhook_app.command("serve")
 def webhook_serve(
-    zoo_file: Annotated[
-        Path, typer.Option("--zoo", help="zoo file whose entries name models:/ sources")
-    ] = Path("deploy/zoo.yaml"),
-    deployment: Annotated[
-        str, typer.Option(help="the Prefect deployment to start for the affected entries")
-    ] = "recompile-zoo/zoo-nightly-cpu",
-    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port to listen on")] = 8765,
-    state: Annotated[
-        Path, typer.Option(help="file keeping the ids of accepted deliveries (each is accepted once)")
-    ] = Path(".kiln/webhook-deliveries.json"),
-    request_timeout: Annotated[
-        float,
-        typer.Option(help="seconds a client has to send its whole request (line, headers, body)", min=0.1),
-    ] = 10.0,
-    max_connections: Annotated[
-        int, typer.Option(help="requests handled at once; a connection beyond them is answered 503", min=1)
-    ] = 16,
+    zoo_file: WebhookServeZooFile = Path("deploy/zoo.yaml"),
+    deployment: Deployment = "recompile-zoo/zoo-nightly-cpu",
+    host: Host = "127.0.0.1",
+    port: Port = 8765,
+    state: State = Path(".kiln/webhook-deliveries.json"),
+    request_timeout: RequestTimeout = 10.0,
+    max_connections: MaxConnections = 16,
     verbose: Verbose = False,
 ) -> None:
     """Receive MLflow registry webhooks (signed with $KILN_WEBHOOK_SECRET) and start recompiles."""
@@ -188,9 +187,9 @@ def webhook_serve(
 
 @webhook_app.command("register")
 def webhook_register(
-    url: Annotated[str, typer.Argument(help="where kiln webhook serve listens, as MLflow reaches it")],
-    name: Annotated[str, typer.Option(help="the webhook's name in MLflow")] = "kiln-recompile",
-    tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking server")] = None,
+    url: Url,
+    name: WebhookRegisterName = "kiln-recompile",
+    tracking_uri: WebhookRegisterTrackingUri = None,
 ) -> None:
     """Create the MLflow webhook (new versions, moved aliases) that calls the receiver at URL."""
     from compiler.errors import KilnError

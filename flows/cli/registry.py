@@ -8,42 +8,37 @@ refused, server unreachable, bad arguments).
 from __future__ import annotations
 
 import json
-from typing import Annotated
 
 import typer
 from rich.console import Console
 
-console = Console()
+from flows.cli.options import (
+    AllowOpModule,
+    AsJson,
+    Dst,
+    ForceReplaceBroken,
+    LookupBackend,
+    LookupModel,
+    LookupPrecision,
+    MaxLatencyRatio,
+    ReleaseAsJson,
+    ReleaseModel,
+    ReleaseVersion,
+    ReleaseZooFile,
+    RelL2,
+    Runs,
+    Shape,
+    Source,
+    Target,
+    To,
+    TrackingUri,
+    TritonRepository,
+    TritonTimeout,
+    TritonUrl,
+    Version,
+)
 
-TrackingUri = Annotated[
-    str | None,
-    typer.Option(
-        "--tracking-uri",
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db)",
-        show_default=False,
-    ),
-]
-Target = Annotated[
-    str, typer.Option("--target", help="target device the engines were built for: cpu, cuda:sm_90")
-]
-TritonUrl = Annotated[
-    str | None,
-    typer.Option(
-        "--triton",
-        help="a running Triton server (http://127.0.0.1:8000) that must serve the new champion before the "
-        "aliases move; with --repository",
-        show_default=False,
-    ),
-]
-TritonRepository = Annotated[
-    str | None,
-    typer.Option(
-        "--repository", help="the server's model repository (kiln serve triton export)", show_default=False
-    ),
-]
-TritonTimeout = Annotated[
-    float, typer.Option("--triton-timeout", help="seconds to wait for the server to answer a call")
-]
+console = Console()
 
 
 def _live(
@@ -102,39 +97,16 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def lookup_cmd(
-    model: Annotated[str, typer.Argument(help="model name as in the zoo file, e.g. tiny_bert")],
-    shape: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--shape",
-            "-s",
-            help="input shape, repeat per input: 4,64 or input_ids=2,16 (optional with --source)",
-        ),
-    ] = None,
-    backend: Annotated[str | None, typer.Option(help="onnxruntime, tensorrt, ... (default: any)")] = None,
+    model: LookupModel,
+    shape: Shape = None,
+    backend: LookupBackend = None,
     target: Target = "cpu",
-    precision: Annotated[str | None, typer.Option(help="fp32, fp16, bf16 (default: any)")] = None,
-    version: Annotated[str | None, typer.Option(help="pin a version number")] = None,
-    source: Annotated[
-        str | None,
-        typer.Option(
-            "--source",
-            help="only versions compiled from this source: models:/NAME@ALIAS (the version the alias "
-            "points at now, or compiled under that exact URI), models:/NAME/N, hf:..., factory:...",
-        ),
-    ] = None,
-    dst: Annotated[
-        str | None, typer.Option(help="download the package here (default: the kiln cache)")
-    ] = None,
-    allow_op_module: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--allow-op-module",
-            help="module (prefix) the package may import for its custom ops, e.g. zoo.models; repeatable "
-            "(adds to $KILN_ALLOWED_OP_MODULES)",
-        ),
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+    precision: LookupPrecision = None,
+    version: Version = None,
+    source: Source = None,
+    dst: Dst = None,
+    allow_op_module: AllowOpModule = None,
+    as_json: AsJson = False,
     tracking_uri: TrackingUri = None,
 ) -> None:
     """Find the champion (else newest) version whose input ranges cover SHAPE (and, with --source, that
@@ -198,29 +170,15 @@ def _source_text(match: dict) -> str:
 
 
 def release_cmd(
-    model: Annotated[str, typer.Argument(help="model name as in the zoo file")],
-    version: Annotated[
-        str | None, typer.Option(help="version to release (default: newest not champion, not rejected)")
-    ] = None,
+    model: ReleaseModel,
+    version: ReleaseVersion = None,
     target: Target = "cpu",
-    max_latency_ratio: Annotated[
-        float, typer.Option(help="candidate median latency may be at most this times the champion's")
-    ] = 1.10,
-    rel_l2: Annotated[
-        float | None, typer.Option(help="accuracy tolerance vs the original (default: the zoo entry's)")
-    ] = None,
-    runs: Annotated[int, typer.Option(help="timed runs per module for the latency gate")] = 30,
-    zoo_file: Annotated[
-        str, typer.Option("--zoo", help="the zoo file whose entry builds the original model (trusted input)")
-    ] = "deploy/zoo.yaml",
-    force_replace_broken: Annotated[
-        bool,
-        typer.Option(
-            "--force-replace-broken",
-            help="release even if the champion fails verification (recorded on both versions)",
-        ),
-    ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="print the outcome as JSON")] = False,
+    max_latency_ratio: MaxLatencyRatio = 1.10,
+    rel_l2: RelL2 = None,
+    runs: Runs = 30,
+    zoo_file: ReleaseZooFile = "deploy/zoo.yaml",
+    force_replace_broken: ForceReplaceBroken = False,
+    as_json: ReleaseAsJson = False,
     tracking_uri: TrackingUri = None,
     triton: TritonUrl = None,
     repository: TritonRepository = None,
@@ -269,12 +227,9 @@ def release_cmd(
 
 
 def rollback_cmd(
-    model: Annotated[str, typer.Argument(help="model name as in the zoo file")],
+    model: ReleaseModel,
     target: Target = "cpu",
-    to: Annotated[
-        str | None,
-        typer.Option("--to", help="version to make the champion (default: the 'previous' alias)"),
-    ] = None,
+    to: To = None,
     tracking_uri: TrackingUri = None,
     triton: TritonUrl = None,
     repository: TritonRepository = None,

@@ -9,13 +9,25 @@ from __future__ import annotations
 import json
 import signal
 import sys
-from pathlib import Path
-from typing import Annotated
 
 import typer
 from rich.markup import escape
 
-from flows.cli.options import JsonOut, bad_input
+from flows.cli.options import (
+    Address,
+    ExportAllowOpModule,
+    ExportTarget,
+    ExportTrackingUri,
+    GrpcPort,
+    HttpPort,
+    Instances,
+    JsonOut,
+    MetricsPort,
+    Models,
+    QueueDelayUs,
+    Repository,
+    bad_input,
+)
 from flows.render import console
 
 serve_app = typer.Typer(help="Serve registered versions (Triton Inference Server).", no_args_is_help=True)
@@ -24,27 +36,16 @@ triton_app = typer.Typer(
 )
 serve_app.add_typer(triton_app, name="triton")
 
-Repository = Annotated[
-    Path, typer.Option("--repository", "-r", help="the Triton model repository (a directory)")
-]
-
 
 @triton_app.command("export")
 def export_cmd(
-    models: Annotated[
-        list[str], typer.Argument(help="kiln model names (as in the zoo file), e.g. tiny_bert")
-    ],
+    models: Models,
     repository: Repository,
-    target: Annotated[str, typer.Option("--target", help="engine target of the registered versions")] = "cpu",
-    queue_delay_us: Annotated[
-        int, typer.Option("--queue-delay-us", help="dynamic batching: how long a request may wait for others")
-    ] = 1000,
-    instances: Annotated[int, typer.Option("--instances", help="model instances per server")] = 1,
-    allow_op_module: Annotated[
-        list[str] | None,
-        typer.Option("--allow-op-module", help="module (prefix) a package may import for its custom ops"),
-    ] = None,
-    tracking_uri: Annotated[str | None, typer.Option("--tracking-uri", help="MLflow tracking URI")] = None,
+    target: ExportTarget = "cpu",
+    queue_delay_us: QueueDelayUs = 1000,
+    instances: Instances = 1,
+    allow_op_module: ExportAllowOpModule = None,
+    tracking_uri: ExportTrackingUri = None,
     as_json: JsonOut = False,
 ) -> None:
     """Write each model's champion (and previous, for rollbacks) into REPOSITORY as Triton versions,
@@ -81,15 +82,10 @@ def export_cmd(
 @triton_app.command("run")
 def run_cmd(
     repository: Repository,
-    http_port: Annotated[int, typer.Option("--http-port")] = 8000,
-    grpc_port: Annotated[int, typer.Option("--grpc-port")] = 8001,
-    address: Annotated[
-        str, typer.Option("--address", help="where HTTP and gRPC listen (0.0.0.0: every interface)")
-    ] = "127.0.0.1",
-    metrics_port: Annotated[
-        int | None,
-        typer.Option("--metrics-port", help="serve Prometheus metrics on this port (default: off)"),
-    ] = None,
+    http_port: HttpPort = 8000,
+    grpc_port: GrpcPort = 8001,
+    address: Address = "127.0.0.1",
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Run tritonserver in the foreground on REPOSITORY: explicit model control, every model loaded,
     bound to 127.0.0.1 unless --address says otherwise. Ctrl-C stops it."""
