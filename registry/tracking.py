@@ -168,21 +168,10 @@ def record_package(
         mlclient, experiment_id, previous, package_dir, manifest, model, parent_run_id, policy
     )
     try:
-        model_uri, version = _log_and_register(
-            mlclient,
-            run_id,
-            experiment_id,
-            package_dir,
-            manifest,
-            model,
-            request_json,
-            report,
-            registered,
-            policy,
-            on_progress,
-            signer,
-            split,
+        recording = _Recording(
+            mlclient, run_id, experiment_id, package_dir, manifest, model, request_json, report, registered
         )
+        model_uri, version = _log_and_register(recording, policy, on_progress, signer, split)
     except BaseException as exc:
         _mark_failed(mlclient, run_id, exc)
         if isinstance(exc, RegistryUnavailableError):
@@ -300,21 +289,31 @@ def _run_to_fill(
     return run_id, resumed
 
 
+@dataclass(frozen=True)
+class _Recording:
+    """One package being recorded into one run: what each step of recording it reads."""
+
+    mlclient: MlflowClient
+    run_id: str
+    experiment_id: str
+    package_dir: Path
+    manifest: Manifest
+    model: str
+    request: dict[str, Any] | None
+    report: Mapping[str, Any] | None
+    registered: str
+
+
 def _log_and_register(
-    mlclient: MlflowClient,
-    run_id: str,
-    experiment_id: str,
-    package_dir: Path,
-    manifest: Manifest,
-    model: str,
-    request: dict[str, Any] | None,
-    report: Mapping[str, Any] | None,
-    registered: str,
+    recording: _Recording,
     policy: RetryPolicy,
     on_progress: ProgressCallback | None = None,
     signer: Signer | None = None,
     split: SplitGraph | None = None,
 ) -> tuple[str, Registered]:
+    mlclient, run_id, experiment_id = recording.mlclient, recording.run_id, recording.experiment_id
+    package_dir, manifest, model = recording.package_dir, recording.manifest, recording.model
+    request, registered = recording.request, recording.registered
     params = payload.params_for(manifest, model)
     metrics = payload.metrics_for(manifest, _package_bytes(package_dir))
     tags = version_tags(manifest, model, request)
@@ -324,10 +323,8 @@ def _log_and_register(
     run_tags = {"kiln.input_ranges": tags["input_ranges"], **lineage_tags(manifest)}
     if description:
         run_tags[MLFLOW_RUN_NOTE] = description
-    _log_run_data(mlclient, run_id, manifest, model, params, metrics, run_tags, policy)
-    _log_run_artifacts(
-        mlclient, run_id, package_dir, manifest, model, request, report, registered, signer, split, policy
-    )
+    _log_run_data(recording, params, metrics, run_tags, policy)
+    _log_run_artifacts(recording, signer, split, policy)
 
     def create_logged_model() -> Any:
         return mlclient.create_logged_model(
@@ -339,9 +336,7 @@ def _log_and_register(
         )
 
     logged = call_with_retry(create_logged_model, f"create the logged model of {model}", policy)
-    size, seconds = _upload_logged_model(
-        mlclient, logged, run_id, package_dir, manifest, model, signer, on_progress, policy
-    )
+    size, seconds = _upload_logged_model(recording, logged, signer, on_progress, policy)
     log.info("uploaded %s: %.1f MB in %.1fs (%.1f MB/s)", model, size / 1e6, seconds, size / 1e6 / seconds)
     model_uri = f"models:/{logged.model_id}"
     registered_version = register_version(
@@ -372,16 +367,19 @@ def _log_and_register(
 
 
 def _log_run_data(
-    mlclient: MlflowClient,
-    run_id: str,
-    manifest: Manifest,
-    model: str,
+    recording: _Recording,
     params: dict[str, str],
     metrics: dict[str, float],
     run_tags: dict[str, str],
     policy: RetryPolicy,
 ) -> None:
     """The run's params, metrics and tags, and its validation and calibration data as inputs."""
+    mlclient, run_id, manifest, model = (
+        recording.mlclient,
+        recording.run_id,
+        recording.manifest,
+        recording.model,
+    )
     now = int(time.time() * 1000)
     call_with_retry(
         lambda: mlclient.log_batch(
@@ -406,19 +404,12 @@ def _log_run_data(
 
 
 def _log_run_artifacts(
-    mlclient: MlflowClient,
-    run_id: str,
-    package_dir: Path,
-    manifest: Manifest,
-    model: str,
-    request: dict[str, Any] | None,
-    report: Mapping[str, Any] | None,
-    registered: str,
-    signer: Signer | None,
-    split: SplitGraph | None,
-    policy: RetryPolicy,
+    recording: _Recording, signer: Signer | None, split: SplitGraph | None, policy: RetryPolicy
 ) -> None:
     """The run's JSON artifacts (request, report, ...), latency chart and report page."""
+    mlclient, run_id, package_dir = recording.mlclient, recording.run_id, recording.package_dir
+    manifest, model, registered = recording.manifest, recording.model, recording.registered
+    request, report = recording.request, recording.report
     with staging_dir("record") as tmp_path:
         tmp = str(tmp_path)
         for name, data in payload.artifacts_for(manifest, request, report).items():
@@ -433,18 +424,16 @@ def _log_run_artifacts(
 
 
 def _upload_logged_model(
-    mlclient: MlflowClient,
+    recording: _Recording,
     logged: Any,
-    run_id: str,
-    package_dir: Path,
-    manifest: Manifest,
-    model: str,
     signer: Signer | None,
     on_progress: ProgressCallback | None,
     policy: RetryPolicy,
 ) -> tuple[int, float]:
     """Save the package as a pyfunc model (signed where a signer is set), upload it file by file, link
     it to the run and mark it READY (FAILED on any error); (bytes uploaded, seconds)."""
+    mlclient, run_id, package_dir = recording.mlclient, recording.run_id, recording.package_dir
+    manifest, model = recording.manifest, recording.model
     # What MLflow's Model.log does, with the upload done file by file so that it reports progress:
     # save the pyfunc model locally, upload it (MLmodel last), link it to the run, mark it READY.
     before = set(sys.path)
