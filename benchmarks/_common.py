@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from compiler.validate import measure_latency
+from compiler.validation.validate import measure_latency
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

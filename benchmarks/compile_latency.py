@@ -49,7 +49,7 @@ def whole_model_session(case) -> tuple[ort.InferenceSession, list[str]]:
 
 
 def inputs_at(compiled, batch: int) -> list[torch.Tensor]:
-    from compiler.validate import sample_inputs
+    from compiler.inputs.data import sample_inputs
 
     specs = [
         compiler.InputSpec(

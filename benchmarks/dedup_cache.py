@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import compiler
 from benchmarks._common import interleaved, print_table, write_json
+from compiler.inputs.data import sample_inputs
 from compiler.options import CompileOptions
-from compiler.validate import sample_inputs
 from zoo.models import bert_encoder, repeated_fallback
 
 

@@ -1,5 +1,6 @@
-"""The format fuzzer of tests/test_fuzz_formats.py, run for longer: resealed mutations of a package's
-runtime graph, pytree specs and manifest, each loaded untrusted under an audit hook in a fresh process.
+"""The format fuzzer of tests/compiler/package/test_fuzz_formats.py, run for longer: resealed mutations of
+a package's runtime graph, pytree specs and manifest, each loaded untrusted under an audit hook in a fresh
+process.
 
     python -m benchmarks.fuzz_formats --seconds 600 --seed 7
 

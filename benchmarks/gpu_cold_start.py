@@ -66,7 +66,7 @@ second_ms = (time.perf_counter() - t) * 1e3
 compiles = sum("compiling it from its program" in str(w.message) for w in caught)
 dispatch = sorted(set(map(str, module.last_dispatch().values())))
 # An engine whose native package may not run here starts building this machine's own in the background
-# (compiler.backends.inductor_native): wait for it, so that the next load finds it (not load time).
+# (compiler.backends.inductor.native): wait for it, so that the next load finds it (not load time).
 t = time.perf_counter()
 native = [b.wait(900) for b in module.native_builds()]
 native_wait_s = time.perf_counter() - t
@@ -131,7 +131,8 @@ def load_to_first_answer(
         [
             sys.executable,
             "-c",
-            "import compiler.package, compiler.backends.inductor, torch._inductor.compile_fx, "
+            "import compiler.package.save_load, compiler.backends.inductor.backend, "
+            "torch._inductor.compile_fx, "
             "zoo.models, transformers.modeling_outputs",
         ],
         env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},

@@ -10,7 +10,7 @@ served by the dynamic engines): latency of eager PyTorch, ``torch.compile`` defa
 compile times; and for BERT-base fp16 (whole graph) the fresh process's load to first answer, trusted,
 untrusted (engines compiled from their programs) and untrusted a second time (what the first kept in the
 local engine cache), with where the trusted load's time goes (cProfile). Timings are interleaved
-(``compiler.validate.measure_latency``, synchronised). Every compile gets a fresh Inductor cache
+(``compiler.validation.validate.measure_latency``, synchronised). Every compile gets a fresh Inductor cache
 directory, so compile times are cold on disk. Results are written after every step, so a run cut short
 leaves what it measured.
 
@@ -41,7 +41,7 @@ from benchmarks._common import print_table
 from benchmarks.gpu_cold_start import RUNS
 from benchmarks.machine import cpu_model
 from compiler.device import to_device
-from compiler.validate import measure_latency
+from compiler.validation.validate import measure_latency
 from zoo import models as zoo
 
 RESULT = Path(__file__).resolve().parent / "results" / "gpu_runtime_h100.json"

@@ -28,9 +28,9 @@ import json, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import compiler
-from compiler.backends.inductor import warm_inductor_imports
-from compiler.manifest import PROGRAM, WEIGHTS
-from compiler.package_check import checked_manifest, read_verified
+from compiler.backends.inductor.backend import warm_inductor_imports
+from compiler.package.manifest import PROGRAM, WEIGHTS
+from compiler.package.check import checked_manifest, read_verified
 path, mode = Path(sys.argv[1]), sys.argv[2]
 manifest = checked_manifest(path, verify=True)
 rels = [PROGRAM, WEIGHTS, *(r.file for r in manifest.engines.values() if r.file)]

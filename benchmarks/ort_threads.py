@@ -30,8 +30,8 @@ import compiler
 from benchmarks._common import print_table, write_json
 from benchmarks.machine import cpu_model
 from compiler.backends import get_backend
-from compiler.lower import engine_weights
-from compiler.runtime import EngineCall
+from compiler.build.lower import engine_weights
+from compiler.runtime.module import EngineCall
 
 
 def with_spinning(module: compiler.CompiledModule, spin: bool) -> compiler.CompiledModule:
@@ -50,7 +50,7 @@ import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 import compiler
 from benchmarks.ort_threads import with_spinning
-from compiler.validate import measure_latency
+from compiler.validation.validate import measure_latency
 package, choice, runs = sys.argv[2], sys.argv[3], int(sys.argv[4])
 module = compiler.load(package)
 if choice != "kiln":

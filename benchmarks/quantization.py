@@ -10,7 +10,7 @@ Models (random weights, built from code):
     so it measures ONNX Runtime's per-node overhead more than int8 convolution;
   * ``sensitive``: 8 residual MLP blocks of one structure, one of which carries an outlier channel
     (x1e4 before a ReLU, undone after it) that per-tensor 8-bit activations cannot represent: the gate
-    must raise exactly that block (a benchmark row and ``tests/test_quantize.py``).
+    must raise exactly that block (a benchmark row and ``tests/compiler/quantization/test_quantize.py``).
 
 Per model and variant: latency at batch 1 and 8 (median, interleaved in one run), package bytes
 (weight-stripped engines off: the int8 weights are what shrinks), top-1 agreement and relative L2 vs
@@ -18,7 +18,7 @@ eager on held-out samples (calibration takes the first ``--calibration`` samples
 data, validation the rest), and calibration + quantization seconds. The CPU (model and ISA flags:
 AVX2 / AVX512-VNNI / AMX decide whether int8 is faster) is named in the JSON.
 
-With ``--backend inductor`` int8 engines hold their frozen int8 weights (compiler.quantize_pt2e),
+With ``--backend inductor`` int8 engines hold their frozen int8 weights (compiler.quantization.pt2e),
 so their ``weights.safetensors`` share is near 0 and the package bytes are the comparison.
 
 Run: python -m benchmarks.quantization [--layers 12] [--backend inductor] [--out quantization_cpu]
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import compiler
 from benchmarks._common import interleaved, print_table, write_json
+from compiler.accuracy.compare import precision_summary
 from zoo.models import SensitiveModel
 
 # ---------------------------------------------------------------- the deliberately sensitive model
@@ -232,7 +233,7 @@ def run_model(name: str, case, args: argparse.Namespace, out: Path) -> list[dict
     static = variants["int8 static"]
     mixed = compiler.repair(model, static, tolerances, data=recorded).compiled
     seconds["mixed plan"] = seconds["int8 static"] + time.perf_counter() - start
-    plan = compiler.compare.precision_summary(
+    plan = precision_summary(
         compiler.compare_partitions(mixed, [tuple(v[0] for v in held_out.values())], runs=0).rows
     )
     if mixed is static:  # the gate passed int8 as it is: the mixed plan is the static compile

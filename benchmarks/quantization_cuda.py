@@ -1,5 +1,5 @@
 """Quantization on Inductor, CUDA (issue 19): fp32 vs bf16 vs int8 vs fp8 (torchao's dynamic rowwise
-recipes as ATen ops, ``compiler.quantize_rowwise``) for a BERT-base-sized classifier split per layer.
+recipes as ATen ops, ``compiler.quantization.rowwise``) for a BERT-base-sized classifier split per layer.
 
 Per variant: latency at batch 1, 8 and 32 (median, interleaved in one run, CUDA graphs as kiln's runtime
 replays them by default), package bytes (weight-stripped engines: the weights each variant ships), top-1

@@ -42,11 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import compiler
 from compiler.backends import get_backend
 from compiler.backends.base import QUANTIZED_PRECISIONS
-from compiler.backends.tensorrt import TensorRTBackend, canonical_weights, decode_engine
+from compiler.backends.tensorrt.builder import TensorRTBackend
+from compiler.backends.tensorrt.engine_format import decode_engine
+from compiler.backends.tensorrt.onnx_rewrites import canonical_initializers
+from compiler.build.lower import lower
 from compiler.errors import KilnError
-from compiler.lower import lower
-from compiler.quantize import quantize
-from compiler.validation_data import sample_inputs
+from compiler.inputs.data import sample_inputs
+from compiler.quantization.quantize import quantize
 from zoo import models as zoo
 
 RESULT = Path(__file__).resolve().parent / "results" / "tensorrt_rtx_build_proof.json"
@@ -74,7 +76,7 @@ def _partition_names(plan: compiler.PartitionPlan) -> list[list[str]]:
 
 
 def _weight_bytes(model: onnx.ModelProto) -> int:
-    names = set(canonical_weights(model))
+    names = set(canonical_initializers(model))
     total = 0
     for init in model.graph.initializer:
         if init.name in names:

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import compiler
 from benchmarks._common import print_table, write_json
-from compiler.validate import measure_accuracy
-from compiler.validation_data import sample_inputs, validation_data
+from compiler.inputs.data import sample_inputs, validation_data
+from compiler.validation.validate import measure_accuracy
 from zoo.models import FACTORIES
 
 MODELS = ("tiny_bert", "tiny_vit", "tiny_resnet", "tiny_gpt2", "mlp_with_fallback")

@@ -1,7 +1,9 @@
 """kiln's compile library: PyTorch models -> validated, packaged inference engines.
 
-The stages, each taking the previous stage's value object (see docs/compiler-api.md):
-export -> partition -> dedup -> build_engine -> assemble (refit) -> validate -> save/load.
+The stages, each taking the previous stage's value object (see docs/compiler-api.md), one package each:
+export (program/) -> partition (partitioning/) -> quantize (quantization/, int8/fp8 partitions only)
+-> dedup (partitioning/) -> build_engine (build/, through cache/ and backends/) -> assemble (runtime/,
+refit) -> validate (validation/; compare_partitions and repair: accuracy/) -> save/load (package/).
 This package never imports Prefect or MLflow.
 
 Importing ``compiler`` costs almost nothing: each public name is imported from its stage module on first
@@ -12,57 +14,54 @@ backend through the ``torch_dynamo_backends`` entry point (pyproject.toml), not 
 
 from __future__ import annotations
 
-import copyreg
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     "get_backend": "compiler.backends",
-    "EngineArtifact": "compiler.build",
-    "build_engine": "compiler.build",
-    "EngineCache": "compiler.cache",
-    "PartitionComparison": "compiler.compare",
-    "compare_partitions": "compiler.compare",
-    "DedupPlan": "compiler.dedup",
-    "dedup": "compiler.dedup",
+    "EngineArtifact": "compiler.build.engine",
+    "build_engine": "compiler.build.engine",
+    "EngineCache": "compiler.cache.local",
+    "PartitionComparison": "compiler.accuracy.compare",
+    "compare_partitions": "compiler.accuracy.compare",
+    "DedupPlan": "compiler.partitioning.dedup",
+    "dedup": "compiler.partitioning.dedup",
     "KilnBackend": "compiler.dynamo",
     "kiln_backend": "compiler.dynamo",
-    "export": "compiler.export",
-    "input_specs": "compiler.export",
-    "load_program": "compiler.export",
-    "save_program": "compiler.export",
-    "Manifest": "compiler.manifest",
-    "SourceRecord": "compiler.manifest",
+    "export": "compiler.program.export",
+    "input_specs": "compiler.program.export",
+    "load_program": "compiler.program.export",
+    "save_program": "compiler.program.export",
+    "Manifest": "compiler.package.manifest",
+    "SourceRecord": "compiler.package.manifest",
     "CompileOptions": "compiler.options",
-    "PackageInfo": "compiler.package",
-    "load": "compiler.package",
-    "read_manifest": "compiler.package_check",
-    "refit_package": "compiler.package",
-    "save": "compiler.package",
-    "PartitionPlan": "compiler.partition",
-    "QuantizationRecord": "compiler.quantize",
-    "quantize": "compiler.quantize",
-    "partition": "compiler.partition",
+    "PackageInfo": "compiler.package.save_load",
+    "load": "compiler.package.save_load",
+    "read_manifest": "compiler.package.check",
+    "refit_package": "compiler.package.save_load",
+    "save": "compiler.package.save_load",
+    "PartitionPlan": "compiler.partitioning.partition",
+    "QuantizationRecord": "compiler.quantization.quantize",
+    "quantize": "compiler.quantization.quantize",
+    "partition": "compiler.partitioning.partition",
     "compile": "compiler.pipeline",
-    "RepairRecord": "compiler.repair",
-    "RepairResult": "compiler.repair",
-    "ensure_accuracy": "compiler.repair",
-    "rebuild": "compiler.repair",
-    "repair": "compiler.repair",
-    "CompileReport": "compiler.report",
-    "CompiledModule": "compiler.runtime",
-    "assemble": "compiler.runtime",
-    "InputSpec": "compiler.specs",
-    "Latency": "compiler.validation_report",
-    "Tolerances": "compiler.validation_report",
-    "ValidationReport": "compiler.validation_report",
-    "measure_latency": "compiler.validate",
-    "validate": "compiler.validate",
-    "ValidationData": "compiler.validation_data",
-    "validation_data": "compiler.validation_data",
+    "RepairRecord": "compiler.accuracy.repair",
+    "RepairResult": "compiler.accuracy.repair",
+    "ensure_accuracy": "compiler.accuracy.repair",
+    "rebuild": "compiler.accuracy.repair",
+    "repair": "compiler.accuracy.repair",
+    "CompileReport": "compiler.runtime.compile_report",
+    "CompiledModule": "compiler.runtime.module",
+    "assemble": "compiler.runtime.module",
+    "InputSpec": "compiler.inputs.specs",
+    "Latency": "compiler.validation.report",
+    "Tolerances": "compiler.validation.report",
+    "ValidationReport": "compiler.validation.report",
+    "measure_latency": "compiler.validation.validate",
+    "validate": "compiler.validation.validate",
+    "ValidationData": "compiler.inputs.data",
+    "validation_data": "compiler.inputs.data",
 }
 
 __all__ = [
@@ -125,49 +124,25 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-class _Package(types.ModuleType):
-    """``compiler.export`` (and ``partition``, ``dedup``, ``validate``, ``repair``, ``validation_data``)
-    stays the function: importing the same-named submodule binds the module on its package, which would
-    otherwise replace the function."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if (
-            isinstance(value, types.ModuleType)
-            and name in _EXPORTS
-            and value.__name__ == f"{__name__}.{name}"
-        ):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-def _reduce_package(module: types.ModuleType) -> tuple[Any, tuple[str]]:
-    # Pickled by name like any module (cloudpickle and Dask ship functions whose globals hold it).
-    return importlib.import_module, (module.__name__,)
-
-
-copyreg.pickle(_Package, _reduce_package)
-sys.modules[__name__].__class__ = _Package
-
-
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from compiler.accuracy.compare import PartitionComparison, compare_partitions
+    from compiler.accuracy.repair import RepairRecord, RepairResult, ensure_accuracy, rebuild, repair
     from compiler.backends import get_backend
-    from compiler.build import EngineArtifact, build_engine
-    from compiler.cache import EngineCache
-    from compiler.compare import PartitionComparison, compare_partitions
-    from compiler.dedup import DedupPlan, dedup
+    from compiler.build.engine import EngineArtifact, build_engine
+    from compiler.cache.local import EngineCache
     from compiler.dynamo import KilnBackend, kiln_backend
-    from compiler.export import export, input_specs, load_program, save_program
-    from compiler.manifest import Manifest, SourceRecord
+    from compiler.inputs.data import ValidationData, validation_data
+    from compiler.inputs.specs import InputSpec
     from compiler.options import CompileOptions
-    from compiler.package import PackageInfo, load, refit_package, save
-    from compiler.package_check import read_manifest
-    from compiler.partition import PartitionPlan, partition
+    from compiler.package.check import read_manifest
+    from compiler.package.manifest import Manifest, SourceRecord
+    from compiler.package.save_load import PackageInfo, load, refit_package, save
+    from compiler.partitioning.dedup import DedupPlan, dedup
+    from compiler.partitioning.partition import PartitionPlan, partition
     from compiler.pipeline import compile
-    from compiler.quantize import QuantizationRecord, quantize
-    from compiler.repair import RepairRecord, RepairResult, ensure_accuracy, rebuild, repair
-    from compiler.report import CompileReport
-    from compiler.runtime import CompiledModule, assemble
-    from compiler.specs import InputSpec
-    from compiler.validate import measure_latency, validate
-    from compiler.validation_data import ValidationData, validation_data
-    from compiler.validation_report import Latency, Tolerances, ValidationReport
+    from compiler.program.export import export, input_specs, load_program, save_program
+    from compiler.quantization.quantize import QuantizationRecord, quantize
+    from compiler.runtime.compile_report import CompileReport
+    from compiler.runtime.module import CompiledModule, assemble
+    from compiler.validation.report import Latency, Tolerances, ValidationReport
+    from compiler.validation.validate import measure_latency, validate

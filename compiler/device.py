@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from compiler.errors import BackendUnavailableError, PartitionError
+from compiler.errors import BackendUnavailableError, OptionsError
 
 DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -26,7 +26,7 @@ def resolve(device: str | torch.device) -> torch.device:
     """The device named, present here; ``cuda`` means the current CUDA device (an explicit index)."""
     name = str(device)
     if not DEVICE_RE.match(name):
-        raise PartitionError(f"device {name!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
+        raise OptionsError(f"device {name!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
     if name == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():

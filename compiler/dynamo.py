@@ -1,7 +1,7 @@
 """The ``torch.compile`` front end: the same partition/dedup/cache/strip pipeline as the AOT path.
 
 Recent PyTorch lifts every parameter to a graph input of the graph a backend receives; that is why
-Torch-TensorRT's weight stripping silently does nothing there (seed 000). Here those inputs are
+Torch-TensorRT's weight stripping silently does nothing there. Here those inputs are
 recognised as weights (dynamo marks their source as a parameter/buffer) and handed to partitioning as
 weights, so engines hold them as canonically named constants: ``strip_weights=True`` really strips,
 and the engines are refitted from the live parameters.
@@ -22,15 +22,14 @@ from typing import Any
 
 import torch
 
-from compiler.build import build_engine
-from compiler.cache import EngineCache
-from compiler.dedup import dedup
-from compiler.errors import BackendError, PartitionError
-from compiler.export import TRACING
+from compiler.build.engine import build_engine
+from compiler.cache.local import EngineCache, resolve_cache
+from compiler.errors import BackendError, OptionsError
 from compiler.options import CompileOptions
-from compiler.partition import partition
-from compiler.pipeline import resolve_cache
-from compiler.runtime import CompiledModule, assemble
+from compiler.partitioning.dedup import dedup
+from compiler.partitioning.partition import partition
+from compiler.program.tracing import TRACING
+from compiler.runtime.module import CompiledModule, assemble
 
 
 class KilnBackend:
@@ -67,7 +66,7 @@ class KilnBackend:
         device = next((t.device for t in example_inputs if t.device.type != "cpu"), torch.device("cpu"))
         options = dataclasses.replace(self.options, device=str(device))
         if options.quantized:
-            raise PartitionError(
+            raise OptionsError(
                 "precision int8 is compiled ahead of time (compiler.compile, kiln compile), where "
                 "calibration data is given; torch.compile(backend='kiln') takes fp32, fp16 or bf16"
             )

@@ -16,7 +16,13 @@ class ExportError(KilnError):
 
 
 class PartitionError(KilnError):
-    """Partitioning settings are invalid (unknown op name, bad min_block_size)."""
+    """A partition plan cannot be made or replayed (a package's plan disagrees with its program)."""
+
+
+class OptionsError(PartitionError, ValueError):
+    """A compile option is invalid (unknown precision or op name, bad min_block_size, a device that is no
+    device): raised where options are checked. A PartitionError, as bad options were before it existed,
+    so ``except PartitionError`` still catches it."""
 
 
 class LoweringError(KilnError):
@@ -114,7 +120,7 @@ class OpModuleNotAllowedError(KilnError):
 
 class PackageSignatureError(PackageCorruptError):
     """A signature verification is configured (``KILN_SIGNING_PUBLIC_KEY``, trusted certificates) and a
-    package is unsigned, signed by another key, or changed after signing (compiler/package_signing.py)."""
+    package is unsigned, signed by another key, or changed after signing (compiler/package/signing.py)."""
 
 
 class SigningConfigError(KilnError, ValueError):

@@ -9,9 +9,31 @@ from typing import Any
 
 # Options are built wherever a zoo file is read (a no-op re-run included): these imports need no torch.
 from compiler.backends.base import PRECISIONS, QUANTIZED_PRECISIONS, BuildSettings
-from compiler.cudagraph_policy import check_mode
-from compiler.errors import PartitionError
-from compiler.profiles import Size, fixed_profiles, normalize, to_json
+from compiler.errors import CudaGraphError, OptionsError
+from compiler.inputs.profiles import Size, fixed_profiles, normalize, to_json
+
+CUDA_GRAPH_MODES = ("auto", "on", "off")
+
+
+def check_mode(mode: str, device: str, backend: str, on_build_failure: str) -> None:
+    """CudaGraphError unless ``mode`` is a mode and, when it is ``"on"``, the compile can be graphed."""
+    if mode not in CUDA_GRAPH_MODES:
+        raise CudaGraphError(f"cuda_graphs {mode!r} is not supported; expected one of {CUDA_GRAPH_MODES}")
+    if mode != "on":
+        return
+    if not str(device).startswith("cuda"):
+        raise CudaGraphError(
+            f"cuda_graphs 'on' needs a CUDA device; this model runs on {device!r} (CUDA graphs replay GPU "
+            "work only): use device 'cuda', or cuda_graphs 'auto' or 'off'"
+        )
+    for role, name in (("backend", backend), ("on_build_failure", on_build_failure)):
+        if name == "onnxruntime":
+            raise CudaGraphError(
+                f"cuda_graphs 'on' with {role} 'onnxruntime': ONNX Runtime runs its engines on its own "
+                "streams, outside a PyTorch capture; use backend 'inductor' or 'tensorrt' (and "
+                "on_build_failure 'torch'), or cuda_graphs 'auto'"
+            )
+
 
 # What a partition whose engine build fails becomes (see CompileOptions.on_build_failure).
 ON_BUILD_FAILURE = ("torch", "onnxruntime", "error")
@@ -27,8 +49,8 @@ CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 # Backends that build each quantized precision; others are refused by name. ONNX Runtime runs int8
 # on the CPU and TensorRT parses explicit Q/DQ (symmetric, as it requires) for int8 and for fp8, whose
 # GEMMs need compute capability 8.9+ (checked at build): both from ONNX Runtime's quantizer's graphs.
-# Inductor runs int8 on x86 CPUs from torchao's PT2E flow (compiler.quantize_pt2e), and int8 and fp8
-# on CUDA with torchao's dynamic rowwise recipes (compiler.quantize_rowwise).
+# Inductor runs int8 on x86 CPUs from torchao's PT2E flow (compiler.quantization.pt2e), and int8 and fp8
+# on CUDA with torchao's dynamic rowwise recipes (compiler.quantization.rowwise).
 QUANTIZING_BACKENDS = {
     "int8": ("onnxruntime", "tensorrt", "tensorrt-rtx", "inductor"),
     "fp8": ("tensorrt", "tensorrt-rtx", "inductor"),
@@ -41,7 +63,7 @@ QUANTIZED_GRAPH = "ort-basic-optimized"
 # weights staying refit inputs.
 PT2E_GRAPH = "pt2e-x86-inductor"
 ROWWISE_GRAPHS = {"fp8": "aten-scaled-mm-rowwise", "int8": "aten-int-mm-rowwise"}
-# Whether a batch between profiles is padded up to the next one (compiler.padding).
+# Whether a batch between profiles is padded up to the next one (compiler.runtime.padding).
 PAD_TO_PROFILE = ("off", "auto")
 
 
@@ -53,7 +75,7 @@ class Calibration:
     per model input with a leading sample axis); ``None`` means random inputs, which give meaningless
     scales and are refused unless ``allow_random``. ``samples``: how many (the first N); fewer is a
     warning naming the count. ``method``: ONNX Runtime's calibrator (``minmax``, ``entropy``,
-    ``percentile``). The samples used are never validated on (``compiler.quantize.held_out``).
+    ``percentile``). The samples used are never validated on (``compiler.quantization.quantize.held_out``).
     ``ignore_fields``: recorded fields to leave out, which no model input takes (``token_type_ids``
     from a tokenizer, for a model without them): any other field is an error naming this list.
     """
@@ -66,15 +88,15 @@ class Calibration:
 
     def __post_init__(self) -> None:
         if self.method not in CALIBRATION_METHODS:
-            raise PartitionError(
+            raise OptionsError(
                 f"calibration.method {self.method!r} is not supported; expected one of {CALIBRATION_METHODS}"
             )
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
-            raise PartitionError(f"calibration.samples must be an integer >= 1, got {self.samples!r}")
+            raise OptionsError(f"calibration.samples must be an integer >= 1, got {self.samples!r}")
         if self.data is not None:
             object.__setattr__(self, "data", str(self.data))
         if isinstance(self.ignore_fields, str) or not all(isinstance(f, str) for f in self.ignore_fields):
-            raise PartitionError(
+            raise OptionsError(
                 f"calibration.ignore_fields must be a list of field names, got {self.ignore_fields!r}"
             )
         object.__setattr__(self, "ignore_fields", tuple(self.ignore_fields))
@@ -115,18 +137,18 @@ class CompileOptions:
     ``cuda_graphs``: ``"auto"`` (CUDA devices replay the whole module as CUDA graphs where the
     compile-time capture check passes; the CPU runs without), ``"on"`` (required: a CudaGraphError for
     a CPU device, an ONNX Runtime backend or fallback, or a module the check refuses) or ``"off"``.
-    See :mod:`compiler.cudagraphs`. A runtime setting: not a build setting, no engine changes.
+    See :mod:`compiler.runtime.cudagraphs`. A runtime setting: not a build setting, no engine changes.
 
     ``profiles``: shape profiles, one ``{dynamic dimension name: size or (min[, opt], max)}`` per
     profile (``({"batch": 1}, {"batch": 8}, {"batch": (9, 32)})``), checked against the input specs at
     partition time; on CUDA the fixed profiles' graphs are captured when the module is assembled, and
-    each profile's latency is in the report. See :mod:`compiler.profiles`. A build setting: with
+    each profile's latency is in the report. See :mod:`compiler.inputs.profiles`. A build setting: with
     Inductor each engine gets one static-shape specialization per fixed profile, run on an exact shape
     match; with TensorRT one optimization profile per profile, beside the declared range's.
 
     ``pad_to_profile``: ``"off"`` (default) or ``"auto"``: pad a batch up to the next profile where the
     compile-time check showed padded rows leave the real rows' outputs unchanged; refused per profile,
-    with the reason, elsewhere (:mod:`compiler.padding`). Not a build setting.
+    with the reason, elsewhere (:mod:`compiler.runtime.padding`). Not a build setting.
 
     ``quantization`` and ``calibration``: how ``int8`` / ``fp8`` partitions are quantized
     (``compiler.quantize``): ``"static"`` (QDQ, activation scales calibrated on ``calibration.data``)
@@ -158,17 +180,17 @@ class CompileOptions:
         if isinstance(self.calibration, Mapping):
             object.__setattr__(self, "calibration", Calibration(**dict(self.calibration)))
         if self.quantization not in QUANTIZATION_MODES:
-            raise PartitionError(
+            raise OptionsError(
                 f"quantization {self.quantization!r} is not supported; expected one of {QUANTIZATION_MODES}"
             )
         if self.on_accuracy_failure not in ON_ACCURACY_FAILURE:
-            raise PartitionError(
+            raise OptionsError(
                 f"on_accuracy_failure {self.on_accuracy_failure!r} is not supported; expected one of "
                 f"{ON_ACCURACY_FAILURE}"
             )
         wrong = {k: v for k, v in dict(self.partition_precision).items() if v not in PARTITION_LEVELS}
         if wrong:
-            raise PartitionError(
+            raise OptionsError(
                 f"partition_precision {wrong} is not supported; each value is one of {PARTITION_LEVELS}"
             )
         object.__setattr__(
@@ -177,24 +199,22 @@ class CompileOptions:
             {str(k): str(v) for k, v in sorted(dict(self.partition_precision).items())},
         )
         if not isinstance(self.device, str) or not DEVICE_RE.match(self.device):
-            raise PartitionError(f"device {self.device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
+            raise OptionsError(f"device {self.device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
         if self.precision not in PRECISIONS:
-            raise PartitionError(
-                f"precision {self.precision!r} is not supported; expected one of {PRECISIONS}"
-            )
+            raise OptionsError(f"precision {self.precision!r} is not supported; expected one of {PRECISIONS}")
         self._check_quantizing_backend()
         if self.on_build_failure not in ON_BUILD_FAILURE:
-            raise PartitionError(
+            raise OptionsError(
                 f"on_build_failure {self.on_build_failure!r} is not supported; expected one of "
                 f"{ON_BUILD_FAILURE}"
             )
         if self.on_build_failure == "onnxruntime" and self.backend == "onnxruntime":
-            raise PartitionError(
+            raise OptionsError(
                 "on_build_failure 'onnxruntime' with backend 'onnxruntime': ONNX Runtime cannot fall back "
                 "to itself; use 'torch' or 'error'"
             )
         if not isinstance(self.min_block_size, int) or self.min_block_size < 1:
-            raise PartitionError(f"min_block_size must be an integer >= 1, got {self.min_block_size!r}")
+            raise OptionsError(f"min_block_size must be an integer >= 1, got {self.min_block_size!r}")
         object.__setattr__(self, "torch_executed_ops", tuple(str(op) for op in self.torch_executed_ops))
         split = self.split_modules
         if split is not None and split != "auto":
@@ -203,11 +223,11 @@ class CompileOptions:
         check_mode(self.cuda_graphs, self.device, self.backend, self.on_build_failure)
         object.__setattr__(self, "profiles", normalize(self.profiles))
         if self.pad_to_profile not in PAD_TO_PROFILE:
-            raise PartitionError(
+            raise OptionsError(
                 f"pad_to_profile {self.pad_to_profile!r} is not supported; expected one of {PAD_TO_PROFILE}"
             )
         if self.pad_to_profile == "auto" and not self.profiles:
-            raise PartitionError("pad_to_profile 'auto' needs profiles to pad to; give profiles or use 'off'")
+            raise OptionsError("pad_to_profile 'auto' needs profiles to pad to; give profiles or use 'off'")
 
     def _check_quantizing_backend(self) -> None:
         levels = sorted({self.precision, *self.partition_precision.values()} & set(QUANTIZED_PRECISIONS))
@@ -219,14 +239,14 @@ class CompileOptions:
                     if level == "fp8" and self.backend == "onnxruntime"
                     else f"backend {self.backend!r} has no {level} build here"
                 )
-                raise PartitionError(
+                raise OptionsError(
                     f"precision {level}: {missing}; {level} engines are built by "
                     f"{', '.join(repr(b) for b in backends)} (name one), or use a float precision"
                 )
         if self.backend == "inductor":
             self._check_inductor_quantizing(levels)
         elif levels and self.quantization == "dynamic" and self.backend != "onnxruntime":
-            raise PartitionError(
+            raise OptionsError(
                 f"quantization 'dynamic' with backend {self.backend!r}: TensorRT takes explicit Q/DQ "
                 "graphs only, with activation scales calibrated ahead; use quantization: static"
             )
@@ -237,24 +257,24 @@ class CompileOptions:
         cuda = self.device.startswith("cuda")
         if "int8" in levels and not cuda:
             if self.quantization == "dynamic":
-                raise PartitionError(
+                raise OptionsError(
                     "quantization 'dynamic' with backend 'inductor' and int8 on the CPU: its oneDNN int8 "
                     "kernels take activation scales calibrated ahead; use quantization: static (dynamic "
                     "int8 is Inductor's recipe on CUDA)"
                 )
             if self.calibration.method != "minmax":
-                raise PartitionError(
+                raise OptionsError(
                     f"calibration.method {self.calibration.method!r} is ONNX Runtime's calibrator; "
                     "backend 'inductor' calibrates with torchao's observers: use 'minmax'"
                 )
         if "fp8" in levels and not cuda:
-            raise PartitionError(
+            raise OptionsError(
                 f"precision fp8 with backend 'inductor' on {self.device}: fp8 GEMMs "
                 "(torch._scaled_mm) run on CUDA GPUs of compute capability 8.9+; use device: cuda"
             )
         if cuda and levels and self.quantization != "dynamic":
             level = " and ".join(levels)
-            raise PartitionError(
+            raise OptionsError(
                 f"precision {level} with backend 'inductor' on CUDA scales activations per row at run "
                 "time (torchao's dynamic rowwise recipes): use quantization: dynamic (no calibration data)"
             )

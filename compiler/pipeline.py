@@ -8,26 +8,15 @@ from typing import Any
 
 from torch.export import ExportedProgram
 
-from compiler.build import build_engine
-from compiler.cache import EngineCache
-from compiler.dedup import dedup
+from compiler.build.engine import build_engine
+from compiler.cache.local import EngineCache, resolve_cache
 from compiler.device import program_on, resolve
+from compiler.inputs.data import ValidationData
 from compiler.options import CompileOptions
-from compiler.partition import partition
-from compiler.quantize import quantize
-from compiler.runtime import CompiledModule, assemble
-from compiler.validation_data import ValidationData
-
-
-def resolve_cache(cache: EngineCache | str | os.PathLike | bool | None) -> EngineCache | None:
-    """``None``/``True``: the default persistent cache; ``False``: none; a path: a cache there."""
-    if cache is False:
-        return None
-    if cache is None or cache is True:
-        return EngineCache()
-    if isinstance(cache, EngineCache):
-        return cache
-    return EngineCache(cache)
+from compiler.partitioning.dedup import dedup
+from compiler.partitioning.partition import partition
+from compiler.quantization.quantize import quantize
+from compiler.runtime.module import CompiledModule, assemble
 
 
 def compile(
@@ -40,7 +29,7 @@ def compile(
 ) -> CompiledModule:
     """Partition, quantize (int8 partitions only), dedup, build (through the engine cache), refit and
     assemble; no inputs needed. ``calibration_data`` overrides ``options.calibration.data`` (e.g. a
-    ``compiler.validation_hf.dataset_data`` result).
+    ``compiler.inputs.hf_data.dataset_data`` result).
 
     ``settings`` override fields of ``options`` (``backend="onnxruntime"``, ``precision="fp16"``,
     ``strip_weights=True``, ``min_block_size=3``, ``torch_executed_ops=("aten.gelu",)``,

@@ -4,7 +4,8 @@ A package's manifest is untrusted data, and Python's conversions coerce instead 
 (``int("3")`` is 3, ``bool("false")`` is True, ``str([...])`` is a list's repr), so a reader that
 converts lets a string through where a number goes, to fail later as a raw ``ValueError`` (recording
 it in MLflow) or to reach an HTML page as markup (``kiln report``). The decoders of
-:mod:`compiler.manifest`, :mod:`compiler.report` and :mod:`compiler.validation_report` describe each
+:mod:`compiler.package.manifest`, :mod:`compiler.runtime.compile_report` and
+:mod:`compiler.validation.report` describe each
 record as a schema and :func:`check` it before they build anything: a value of the wrong type is a
 :class:`~compiler.errors.PackageCorruptError` naming its path (``manifest.report.engines_built``) and
 the type expected.

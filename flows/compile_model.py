@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
 
-from compiler.compare import precision_summary
+from compiler.accuracy.compare import precision_summary
 from flows import progress
 from flows.results import ModelResult, package_path
 from tasks.refs import EngineRef

@@ -26,7 +26,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from compiler.errors import PackageError
-from compiler.specs import InputSpec, specs_from_json
+from compiler.inputs.specs import InputSpec, specs_from_json
 from registry import config
 from registry.config import RetryPolicy, call_with_retry, is_transient
 from registry.errors import ArtifactMissingError, ArtifactVerificationError, NoMatchingVersionError
@@ -48,7 +48,7 @@ from registry.transfer import ProgressCallback, download_model_dir
 from zoo.sources.staging import new_staging_dir
 
 if TYPE_CHECKING:  # the manifest's module imports torch: a look-up that loads nothing never needs it
-    from compiler.manifest import Manifest
+    from compiler.package.manifest import Manifest
 
 log = logging.getLogger("kiln.registry")
 
@@ -240,7 +240,7 @@ def fetch_version(
     The download goes file by file and reports each to ``on_progress`` (see
     :func:`registry.transfer.download_model_dir`); verification follows the last file.
     """
-    import compiler.package_check as package  # torch-free: a release that loads nothing needs no torch
+    import compiler.package.check as package  # torch-free: a release that loads nothing needs no torch
 
     mv = call_with_retry(lambda: mlclient.get_model_version(name, version), f"read {name}/{version}", policy)
     tags = dict(mv.tags)
@@ -336,30 +336,8 @@ def lookup(
         ]
         fitting = pinned
     if not fitting:
-        wanted = ", ".join(
-            f"{k}={v}"
-            for k, v in (
-                ("backend", backend),
-                ("precision", precision),
-                ("shapes", shapes),
-                ("version", version),
-                ("source", query.describe() if query else None),
-            )
-            if v is not None
-        )
-        if not skipped:
-            others = _registered_for(mlclient, model, policy)
-            where = (
-                f"; registered for {model!r}: {', '.join(others)}"
-                if others
-                else f"; nothing is registered for {model!r}"
-            )
-            raise NoMatchingVersionError(f"no version of {name} is registered{where}", candidates=[])
-        raise NoMatchingVersionError(
-            f"no registered version of {name} fits ({wanted or 'no filters'}); "
-            f"candidates:\n{_describe(skipped)}",
-            candidates=[{k: r[k] for k in ("version", "aliases", "reason")} for r in skipped],
-        )
+        filters = {"backend": backend, "precision": precision, "shapes": shapes, "version": version}
+        raise _no_match(mlclient, model, name, skipped, filters, query, policy)
     failed: list[dict] = []
     for chosen in fitting:
         try:
@@ -399,6 +377,36 @@ def lookup(
         raise first
     listing = "\n".join(f"  version {r['version']}: {r['reason']}" for r in failed)
     raise type(first)(f"every version of {name} that fits is broken:\n{listing}") from first
+
+
+def _no_match(
+    mlclient: Any,
+    model: str,
+    name: str,
+    skipped: list[dict],
+    filters: dict[str, Any],
+    query: SourceQuery | None,
+    policy: RetryPolicy | None,
+) -> NoMatchingVersionError:
+    """Why no version fits: nothing registered under ``name`` (and what is registered for ``model``), or
+    each candidate with the reason it was skipped."""
+    wanted = ", ".join(
+        f"{k}={v}"
+        for k, v in (*filters.items(), ("source", query.describe() if query else None))
+        if v is not None
+    )
+    if not skipped:
+        others = _registered_for(mlclient, model, policy)
+        where = (
+            f"; registered for {model!r}: {', '.join(others)}"
+            if others
+            else f"; nothing is registered for {model!r}"
+        )
+        return NoMatchingVersionError(f"no version of {name} is registered{where}", candidates=[])
+    return NoMatchingVersionError(
+        f"no registered version of {name} fits ({wanted or 'no filters'}); candidates:\n{_describe(skipped)}",
+        candidates=[{k: r[k] for k in ("version", "aliases", "reason")} for r in skipped],
+    )
 
 
 def _with_note(match: dict[str, Any] | None, query: SourceQuery | None) -> dict[str, Any] | None:

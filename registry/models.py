@@ -11,7 +11,7 @@ Every version carries these tags (strings; all of them data, none ever imported 
 ``kiln.content_hash``      the package manifest's ``content_hash``: registering equal content returns
                            the existing version, never a second one (versions registered before this
                            name carry ``content_hash``; look-ups read both)
-``kiln.meaning_hash``      the package's meaning (``compiler.package_digest.meaning_hash``: the
+``kiln.meaning_hash``      the package's meaning (``compiler.package.digest.meaning_hash``: the
                            manifest without what the compile measured): makes registration idempotent across
                            workers, whose equal packages differ only in measured latencies
 ``model``                  the model's name (the compile request's)
@@ -19,7 +19,7 @@ Every version carries these tags (strings; all of them data, none ever imported 
 ``engine_target``          ``cpu``, ``cuda:sm_90``, ... (older versions: ``target_device``)
 ``precision``              ``fp32`` / ``fp16`` / ``bf16``; ``strip_weights`` ``true`` / ``false``
 ``input_ranges``           human-readable ranges, e.g. ``x: float32 [1..32, 64] (batch=axis 0)``
-``input_specs``            the InputSpec JSON (``compiler.specs.specs_to_json``) that look-ups match against
+``input_specs``            InputSpec JSON (``compiler.inputs.specs.specs_to_json``) look-ups match against
 ``op_modules``             JSON list of the modules the package needs imported (its manifest's list)
 ``kiln.source.*``          lineage, when the package records a source (``manifest.source``):
                            ``kiln.source.uri`` (as written: ``models:/fraud@production``),
@@ -63,8 +63,8 @@ from mlflow.exceptions import MlflowException
 from registry.config import RetryPolicy, call_with_retry
 
 if TYPE_CHECKING:  # the manifest's module imports torch; a registry listing never needs it
-    from compiler.manifest import Manifest
-    from compiler.specs import InputSpec
+    from compiler.inputs.specs import InputSpec
+    from compiler.package.manifest import Manifest
 
 PREFIX = "kiln"
 CHAMPION = "champion"
@@ -136,8 +136,8 @@ def engine_target_of(tags: Mapping[str, str]) -> str:
 def version_tags(manifest: Manifest, model: str, request: Mapping[str, Any] | None = None) -> dict[str, str]:
     """The tags a version of this package carries (all strings, all data). ``request``: the compile
     request as plain data (``registry.payload.request_data``)."""
-    from compiler.package_digest import meaning_hash
-    from compiler.specs import specs_to_json
+    from compiler.inputs.specs import specs_to_json
+    from compiler.package.digest import meaning_hash
 
     specs = list(manifest.input_specs)
     tags = {
@@ -184,7 +184,7 @@ def lineage_tags(manifest: Manifest) -> dict[str, str]:
     if quantization:
         tags[TAG_CALIBRATION_DATA] = _clip(str(quantization.get("data_source") or quantization.get("mode")))
     if validation is not None and validation.precision_plan:
-        from compiler.compare import precision_summary  # imports torch: only where a plan is tagged
+        from compiler.accuracy.compare import precision_summary  # imports torch: only where a plan is tagged
 
         tags[TAG_PRECISION_PLAN] = _clip(precision_summary(validation.precision_plan))
     return {k: v for k, v in tags.items() if v != ""}
@@ -198,8 +198,8 @@ def source_of(tags: Mapping[str, str]) -> dict[str, str] | None:
     return found if found["uri"] else None
 
 
-# The model-source rule of zoo.sources.mlflow_registry, read here from tags (registry does not import
-# the source kinds): models:/NAME/VERSION or models:/NAME@ALIAS.
+# The model-source rule of zoo.sources.mlflow_registry (models:/NAME/VERSION or models:/NAME@ALIAS),
+# imported only when a look-up matches by source: listings import no source kind.
 def models_uri_parts(uri: str) -> tuple[str, str | None, str | None] | None:
     """(name, version, alias) of ``models:/NAME/VERSION`` or ``models:/NAME@ALIAS``; None otherwise.
 
@@ -220,7 +220,7 @@ def _clip(text: str) -> str:
 
 def dims_text(specs_json: str) -> str:
     """``batch 1..8, seq 4..64``: the named dynamic dims of a version, short enough for an 80-column table."""
-    from compiler.specs import specs_from_json
+    from compiler.inputs.specs import specs_from_json
 
     try:
         specs = specs_from_json(specs_json) if specs_json else ()

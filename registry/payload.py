@@ -1,4 +1,4 @@
-"""What MLflow records about a package, computed from its typed :class:`compiler.manifest.Manifest`.
+"""What MLflow records about a package, computed from its typed :class:`compiler.package.manifest.Manifest`.
 
 Pure: no MLflow server is contacted here (:mod:`registry.tracking` does that). A run holds:
 
@@ -42,9 +42,9 @@ from mlflow.models import ModelSignature
 from mlflow.types.schema import Schema, TensorSpec
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-from compiler.manifest import Manifest
-from compiler.specs import InputSpec
-from compiler.validation_report import ValidationReport
+from compiler.inputs.specs import InputSpec
+from compiler.package.manifest import Manifest
+from compiler.validation.report import ValidationReport
 from registry.errors import RegistryError
 from registry.models import models_uri_parts
 
@@ -258,7 +258,7 @@ def _recorded_source(text: str | None) -> dict[str, str] | None:
         return None
     label, column = match["label"], ""
     folder = _COLUMN.match(label)
-    if folder is not None:  # compiler.validation_hf: "<folder>[<column>] sha256:<hex>"
+    if folder is not None:  # compiler.inputs.hf_data: "<folder>[<column>] sha256:<hex>"
         label, column = folder["path"], folder["column"]
     name = PurePath(label).name or label
     return {

@@ -3,7 +3,7 @@
 ``load_context`` calls ``compiler.load`` on the package artifact, which verifies the format version,
 the content hash and every checksum before anything runs. The modules it may import (to register the
 package's custom ops) are the ones the verified manifest recorded when the model was logged, plus the
-process's policy (``compiler.module_policy``): never a module named in a registry tag. In the strict
+process's policy (``compiler.program.module_policy``): never a module named in a registry tag. In the strict
 mode (``KILN_ALLOWED_OP_MODULES`` set empty) the logged list is ignored too. The logged model carries
 ``compiler``, ``registry`` and those modules' packages as ``code_paths``, so ``mlflow.pyfunc.load_model``
 works in a fresh process without kiln installed (torch, onnxruntime and safetensors must be, as the
@@ -45,7 +45,7 @@ class KilnPackageModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context: mlflow.pyfunc.PythonModelContext) -> None:
         import compiler
-        from compiler.module_policy import is_strict
+        from compiler.program.module_policy import is_strict
 
         self.package_dir = context.artifacts[PACKAGE_ARTIFACT]
         # The logged list was kiln's choice at log time, not this user's: strict mode drops it.

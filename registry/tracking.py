@@ -7,7 +7,7 @@ The package itself is the logged model (``python_function`` flavour, see :mod:`r
 
 Signing: with ``$KILN_SIGNING_PRIVATE_KEY`` set, the package that is uploaded (the copy inside the logged
 model, never the caller's directory) is signed in model-signing's format (``model.sig``,
-:mod:`compiler.package_signing`) after it is verified, so every version recorded this way is one that
+:mod:`compiler.package.signing`) after it is verified, so every version recorded this way is one that
 look-ups with the matching public key accept and trust.
 
 Failure handling: every call retries with back-off (:mod:`registry.config`). If the server stays away,
@@ -38,10 +38,10 @@ from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric, Param,
 from mlflow.models.model import Model
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
 
-from compiler.manifest import SIGNATURE, Manifest
-from compiler.package_signing import Signer, sign_package
-from compiler.report_map import SplitGraph, read_split_graph
-from compiler.report_page import render_report
+from compiler.package.manifest import SIGNATURE, Manifest
+from compiler.package.report_map import SplitGraph, read_split_graph
+from compiler.package.report_page import render_report
+from compiler.package.signing import Signer, sign_package
 from registry import config, payload
 from registry.config import RetryPolicy, call_with_retry
 from registry.errors import RegistryUnavailableError
@@ -142,8 +142,7 @@ def record_package(
     done and total (:class:`registry.transfer.Progress`); without it a terminal shows a progress bar.
     Either way ``kiln.registry`` logs the progress every 10 % or 5 s.
     """
-    import compiler.package as package
-    from compiler.package_digest import meaning_hash
+    import compiler.package.save_load as package
 
     package_dir = Path(package_dir).resolve()
     signer = Signer.from_env()  # a bad signing configuration fails before anything is recorded
@@ -160,6 +159,49 @@ def record_package(
     registered = registered_model_name(model, manifest.engine_target)
 
     previous = _find_runs(mlclient, experiment_id, content_hash, model, policy)
+    done = _recorded_already(
+        mlclient, experiment_id, previous, registered, manifest, model, request_json, policy
+    )
+    if done is not None:
+        return done
+    run_id, resumed = _run_to_fill(
+        mlclient, experiment_id, previous, package_dir, manifest, model, parent_run_id, policy
+    )
+    try:
+        recording = _Recording(
+            mlclient, run_id, experiment_id, package_dir, manifest, model, request_json, report, registered
+        )
+        model_uri, version = _log_and_register(recording, policy, on_progress, signer, split)
+    except BaseException as exc:
+        _mark_failed(mlclient, run_id, exc)
+        if isinstance(exc, RegistryUnavailableError):
+            raise RegistryUnavailableError(
+                f"recording {model} failed, run {run_id} is marked failed (or will be on the next attempt); "
+                f"the package is kept at {package_dir}; re-run to complete it. Cause: {exc}",
+                run_id=run_id,
+                package_dir=str(package_dir),
+            ) from exc
+        raise
+    return RecordResult(
+        run_id, model_uri, registered, version.version, content_hash, version.created, resumed, False
+    )
+
+
+def _recorded_already(
+    mlclient: MlflowClient,
+    experiment_id: str,
+    previous: list[Any],
+    registered: str,
+    manifest: Any,
+    model: str,
+    request_json: Any,
+    policy: RetryPolicy,
+) -> RecordResult | None:
+    """The record of this package where a complete run of it exists (its version registered again if
+    it was deleted since), or where another worker registered an equal package; else None."""
+    from compiler.package.digest import meaning_hash
+
+    content_hash = manifest.content_hash
     for run in previous:
         model_uri = run.data.tags.get("kiln.model_uri", "")
         if run.data.tags.get(TAG_COMPLETE) == "true" and model_uri:
@@ -207,6 +249,21 @@ def record_package(
             resumed=False,
             already_recorded=True,
         )
+    return None
+
+
+def _run_to_fill(
+    mlclient: MlflowClient,
+    experiment_id: str,
+    previous: list[Any],
+    package_dir: Path,
+    manifest: Any,
+    model: str,
+    parent_run_id: str | None,
+    policy: RetryPolicy,
+) -> tuple[str, bool]:
+    """(the run to log into, whether it is resumed): an interrupted run of this package, else a new one."""
+    content_hash = manifest.content_hash
     resumable = [r for r in previous if r.info.status in ("RUNNING", "FAILED", "KILLED")]
     resumed = bool(resumable)
     if resumed:
@@ -229,52 +286,34 @@ def record_package(
             f"create run for {model}",
             policy,
         )
-    try:
-        model_uri, version = _log_and_register(
-            mlclient,
-            run_id,
-            experiment_id,
-            package_dir,
-            manifest,
-            model,
-            request_json,
-            report,
-            registered,
-            policy,
-            on_progress,
-            signer,
-            split,
-        )
-    except BaseException as exc:
-        _mark_failed(mlclient, run_id, exc)
-        if isinstance(exc, RegistryUnavailableError):
-            raise RegistryUnavailableError(
-                f"recording {model} failed, run {run_id} is marked failed (or will be on the next attempt); "
-                f"the package is kept at {package_dir}; re-run to complete it. Cause: {exc}",
-                run_id=run_id,
-                package_dir=str(package_dir),
-            ) from exc
-        raise
-    return RecordResult(
-        run_id, model_uri, registered, version.version, content_hash, version.created, resumed, False
-    )
+    return run_id, resumed
+
+
+@dataclass(frozen=True)
+class _Recording:
+    """One package being recorded into one run: what each step of recording it reads."""
+
+    mlclient: MlflowClient
+    run_id: str
+    experiment_id: str
+    package_dir: Path
+    manifest: Manifest
+    model: str
+    request: dict[str, Any] | None
+    report: Mapping[str, Any] | None
+    registered: str
 
 
 def _log_and_register(
-    mlclient: MlflowClient,
-    run_id: str,
-    experiment_id: str,
-    package_dir: Path,
-    manifest: Manifest,
-    model: str,
-    request: dict[str, Any] | None,
-    report: Mapping[str, Any] | None,
-    registered: str,
+    recording: _Recording,
     policy: RetryPolicy,
     on_progress: ProgressCallback | None = None,
     signer: Signer | None = None,
     split: SplitGraph | None = None,
 ) -> tuple[str, Registered]:
+    mlclient, run_id, experiment_id = recording.mlclient, recording.run_id, recording.experiment_id
+    package_dir, manifest, model = recording.package_dir, recording.manifest, recording.model
+    request, registered = recording.request, recording.registered
     params = payload.params_for(manifest, model)
     metrics = payload.metrics_for(manifest, _package_bytes(package_dir))
     tags = version_tags(manifest, model, request)
@@ -284,6 +323,63 @@ def _log_and_register(
     run_tags = {"kiln.input_ranges": tags["input_ranges"], **lineage_tags(manifest)}
     if description:
         run_tags[MLFLOW_RUN_NOTE] = description
+    _log_run_data(recording, params, metrics, run_tags, policy)
+    _log_run_artifacts(recording, signer, split, policy)
+
+    def create_logged_model() -> Any:
+        return mlclient.create_logged_model(
+            experiment_id,
+            name=MODEL_ARTIFACT,
+            source_run_id=run_id,
+            params=params,
+            tags={TAG_CONTENT_HASH: manifest.content_hash},
+        )
+
+    logged = call_with_retry(create_logged_model, f"create the logged model of {model}", policy)
+    size, seconds = _upload_logged_model(recording, logged, signer, on_progress, policy)
+    log.info("uploaded %s: %.1f MB in %.1fs (%.1f MB/s)", model, size / 1e6, seconds, size / 1e6 / seconds)
+    model_uri = f"models:/{logged.model_id}"
+    registered_version = register_version(
+        mlclient,
+        registered,
+        source=model_uri,
+        run_id=run_id,
+        model_id=logged.model_id,
+        tags=tags,
+        policy=policy,
+        description=description,
+    )
+
+    def finish() -> None:
+        mlclient.log_batch(
+            run_id,
+            tags=[
+                RunTag(TAG_REGISTERED, registered),
+                RunTag(TAG_VERSION, registered_version.version),
+                RunTag("kiln.model_uri", model_uri),
+                RunTag(TAG_COMPLETE, "true"),
+            ],
+        )
+        mlclient.set_terminated(run_id, "FINISHED")
+
+    call_with_retry(finish, f"finish the run of {model}", policy)
+    return model_uri, registered_version
+
+
+def _log_run_data(
+    recording: _Recording,
+    params: dict[str, str],
+    metrics: dict[str, float],
+    run_tags: dict[str, str],
+    policy: RetryPolicy,
+) -> None:
+    """The run's params, metrics and tags, and its validation and calibration data as inputs."""
+    mlclient, run_id, manifest, model = (
+        recording.mlclient,
+        recording.run_id,
+        recording.manifest,
+        recording.model,
+    )
     now = int(time.time() * 1000)
     call_with_retry(
         lambda: mlclient.log_batch(
@@ -305,6 +401,15 @@ def _log_and_register(
             f"log the validation and calibration data of {model}",
             policy,
         )
+
+
+def _log_run_artifacts(
+    recording: _Recording, signer: Signer | None, split: SplitGraph | None, policy: RetryPolicy
+) -> None:
+    """The run's JSON artifacts (request, report, ...), latency chart and report page."""
+    mlclient, run_id, package_dir = recording.mlclient, recording.run_id, recording.package_dir
+    manifest, model, registered = recording.manifest, recording.model, recording.registered
+    request, report = recording.request, recording.report
     with staging_dir("record") as tmp_path:
         tmp = str(tmp_path)
         for name, data in payload.artifacts_for(manifest, request, report).items():
@@ -317,16 +422,18 @@ def _log_and_register(
         (tmp_path / payload.REPORT_ARTIFACT).write_text(page, encoding="utf-8")
         call_with_retry(lambda: mlclient.log_artifacts(run_id, tmp), f"log artifacts of {model}", policy)
 
-    def create_logged_model() -> Any:
-        return mlclient.create_logged_model(
-            experiment_id,
-            name=MODEL_ARTIFACT,
-            source_run_id=run_id,
-            params=params,
-            tags={TAG_CONTENT_HASH: manifest.content_hash},
-        )
 
-    logged = call_with_retry(create_logged_model, f"create the logged model of {model}", policy)
+def _upload_logged_model(
+    recording: _Recording,
+    logged: Any,
+    signer: Signer | None,
+    on_progress: ProgressCallback | None,
+    policy: RetryPolicy,
+) -> tuple[int, float]:
+    """Save the package as a pyfunc model (signed where a signer is set), upload it file by file, link
+    it to the run and mark it READY (FAILED on any error); (bytes uploaded, seconds)."""
+    mlclient, run_id, package_dir = recording.mlclient, recording.run_id, recording.package_dir
+    manifest, model = recording.manifest, recording.model
     # What MLflow's Model.log does, with the upload done file by file so that it reports progress:
     # save the pyfunc model locally, upload it (MLmodel last), link it to the run, mark it READY.
     before = set(sys.path)
@@ -351,7 +458,7 @@ def _log_and_register(
                 metadata={"kiln_content_hash": manifest.content_hash, "kiln_model": model},
             )
             if signer is not None:
-                import compiler.package as package
+                import compiler.package.save_load as package
 
                 copy = package_in(local)
                 sign_package(copy, signer)
@@ -382,33 +489,7 @@ def _log_and_register(
         # directory, gone now) first on sys.path: drop what it left.
         for gone in {p for p in sys.path if p not in before and not os.path.exists(p)}:
             sys.path.remove(gone)
-    log.info("uploaded %s: %.1f MB in %.1fs (%.1f MB/s)", model, size / 1e6, seconds, size / 1e6 / seconds)
-    model_uri = f"models:/{logged.model_id}"
-    registered_version = register_version(
-        mlclient,
-        registered,
-        source=model_uri,
-        run_id=run_id,
-        model_id=logged.model_id,
-        tags=tags,
-        policy=policy,
-        description=description,
-    )
-
-    def finish() -> None:
-        mlclient.log_batch(
-            run_id,
-            tags=[
-                RunTag(TAG_REGISTERED, registered),
-                RunTag(TAG_VERSION, registered_version.version),
-                RunTag("kiln.model_uri", model_uri),
-                RunTag(TAG_COMPLETE, "true"),
-            ],
-        )
-        mlclient.set_terminated(run_id, "FINISHED")
-
-    call_with_retry(finish, f"finish the run of {model}", policy)
-    return model_uri, registered_version
+    return size, seconds
 
 
 def _mark_failed(mlclient: MlflowClient, run_id: str, exc: BaseException) -> None:

@@ -27,10 +27,10 @@ from compiler.errors import (
     PartitionError,
     RefitError,
 )
+from compiler.inputs.specs import InputSpec
 from compiler.options import CompileOptions
-from compiler.report import CompileReport
-from compiler.specs import InputSpec
-from compiler.validation_report import ValidationReport
+from compiler.runtime.compile_report import CompileReport
+from compiler.validation.report import ValidationReport
 
 
 class ValidationFailedError(KilnError):

@@ -18,8 +18,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 import compiler
-from compiler.specs import check_inputs
-from compiler.validate import Tolerances, measure_latency, sample_inputs
+from compiler.inputs.data import sample_inputs
+from compiler.inputs.specs import check_inputs
+from compiler.validation.report import Tolerances
+from compiler.validation.validate import measure_latency
 from registry import config
 from registry.errors import ReleaseError
 from registry.lookup import fetch_version, load_package

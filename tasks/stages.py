@@ -28,14 +28,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 import compiler
-from compiler.backends import get_backend
+from compiler.backends import TORCH, get_backend
 from compiler.backends.base import EngineIO
-from compiler.build import TORCH
-from compiler.cache import CacheWarning
+from compiler.cache.entry import CacheWarning
 from compiler.errors import AccuracyError
-from compiler.manifest import SourceRecord
 from compiler.options import CompileOptions
-from compiler.partition import replay
+from compiler.package.manifest import SourceRecord
+from compiler.partitioning.partition import replay
 from tasks.concurrency import build_slot
 from tasks.refs import (
     EngineRef,
@@ -52,7 +51,7 @@ from zoo.preflight import check_memory, spec_sizes
 from zoo.request import CompileRequest
 from zoo.sources.base import SourceIdentity
 
-# compiler/ serialises its own traces (torch.export, the ONNX exporter: compiler.export.TRACING). This
+# compiler/ serialises its own traces (torch.export, the ONNX exporter: compiler.program.tracing). This
 # coarser lock also covers running and timing torch code, so validation latencies of models compiled
 # side by side in one process are not measured against each other; the Dask runner with processes is
 # the way to build engines truly in parallel.

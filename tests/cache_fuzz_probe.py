@@ -1,20 +1,20 @@
 """Fuzz the engine cache's records and entries as an attacker who can rewrite them (and recompute the
 hashes) would, in this fresh process, under an audit hook; report each round.
 
-Run by tests/test_fuzz_cache.py as ``python tests/cache_fuzz_probe.py CONFIG RESULTS``. CONFIG gives
-a scratch folder, a seed and a time budget. Each round writes one clean entry to a fresh cache, either
-a local one (``<key>.bin``/``.json``) or a ``file://`` store read through an empty local layer
-(``blobs/<sha256>``, ``entries/<key>.json``), applies one to three mutations (every field of the record
-in turn first, then random ones): a field dropped, retyped, huge, negative, a path-like string; the
+Run by tests/compiler/cache/test_fuzz_cache.py as ``python tests/cache_fuzz_probe.py CONFIG RESULTS``.
+CONFIG gives a scratch folder, a seed and a time budget. Each round writes one clean entry to a fresh
+cache, either a local one (``<key>.bin``/``.json``) or a ``file://`` store read through an empty local
+layer (``blobs/<sha256>``, ``entries/<key>.json``), applies one to three mutations (every field of the
+record in turn first, then random ones): a field dropped, retyped, huge, negative, a path-like string; the
 payload truncated, extended, emptied, recompressed or replaced by a compression bomb with ``bytes`` and
-``sha256`` recomputed; a file replaced by a link (to a file outside the cache, to ``/dev/zero``), a
-FIFO, a folder or a hard link; a store folder replaced by a link out of the store. Then it reads the
-entry (``EngineCache.get``), lists, verifies (sometimes evicting) and collects garbage. A round's
-outcome: ``same`` (the original engine bytes), ``refused`` (a miss or a KilnError), or a failure:
-``different`` bytes, ``crashed`` (any other exception), ``hung`` (over its alarm), or violations: a
-file opened, listed, written or deleted outside the cache's folder (``sys.addaudithook``, in the
-spirit of tests/untrusted_probe.py's Watch) other than Python's own reads, or any change to the files
-kept outside the cache (contents, times, names). A positive control proves the hook sees a violation.
+``sha256`` recomputed; a file replaced by a link (to a file outside the cache, to ``/dev/zero``), a FIFO,
+a folder or a hard link; a store folder replaced by a link out of the store. Then it reads the entry
+(``EngineCache.get``), lists, verifies (sometimes evicting) and collects garbage. A round's outcome:
+``same`` (the original engine bytes), ``refused`` (a miss or a KilnError), or a failure: ``different``
+bytes, ``crashed`` (any other exception), ``hung`` (over its alarm), or violations: a file opened, listed,
+written or deleted outside the cache's folder (``sys.addaudithook``, in the spirit of
+tests/untrusted_probe.py's Watch) other than Python's own reads, or any change to the files kept outside
+the cache (contents, times, names). A positive control proves the hook sees a violation.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class Round:
     """One fresh cache holding one clean entry, and the mutations applied to it."""
 
     def __init__(self, base: Path, layer: str, codec: str | None, key: str, engine: bytes, template: Path):
-        from compiler.cache import EngineCache
+        from compiler.cache.local import EngineCache
 
         self.base, self.layer, self.key = base, layer, key
         self.local = base / "local"
@@ -169,7 +169,7 @@ class Round:
         return self.store / "blobs" / (sha if named else "x")
 
     def reader(self):
-        from compiler.cache import EngineCache
+        from compiler.cache.local import EngineCache
 
         if self.store is None:
             return EngineCache(self.local)
@@ -360,7 +360,7 @@ def operate(rnd: Round, engine: bytes, rng: random.Random) -> dict[str, Any]:
 
 def run(config: dict, results_path: Path) -> None:
     import compiler.cache.maintenance  # noqa: F401  (imported before the hook: not the round's doing)
-    from compiler.cache import EngineCache
+    from compiler.cache.local import EngineCache
 
     rng = random.Random(config["seed"])
     scratch = Path(config["scratch"])

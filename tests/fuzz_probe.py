@@ -1,6 +1,6 @@
 """Fuzz a package's formats as an attacker who can rewrite it (and recompute every hash) would.
 
-Run by tests/test_fuzz_formats.py (bounded, in CI) and benchmarks/fuzz_formats.py (longer) as
+Run by tests/compiler/package/test_fuzz_formats.py (bounded, in CI) and benchmarks/fuzz_formats.py (longer) as
 ``python tests/fuzz_probe.py CONFIG RESULTS``. CONFIG names a clean package, its input and output, a
 seed and a time budget. Each round copies the package, applies one to three structured mutations to
 ``runtime_graph.json`` (nodes, call targets, keyword names, constants, the call signature), its two

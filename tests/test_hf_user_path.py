@@ -67,7 +67,7 @@ THIRD_PARTY_WARNING = re.compile(r"warn|deprecat|^[WE]\d{4} \d\d:\d\d|torchao|fa
 def _sentence_pair_bert(folder: Path) -> torch.nn.Module:
     """A tiny BERT classifier whose segments matter (weights drawn wider than BERT's 0.02, so that its
     answers are not all near zero), saved to ``folder``."""
-    from compiler.torchao_guard import keep_torchao_out_of_transformers
+    from compiler.quantization.torchao_guard import keep_torchao_out_of_transformers
 
     keep_torchao_out_of_transformers()  # this process too: seconds saved
     import transformers as t
@@ -158,7 +158,7 @@ def test_a_sentence_pair_model_answers_as_in_pytorch_with_its_segments(zoo_run) 
 
 
 def test_the_package_and_its_registry_signature_name_the_tokenizer_inputs(zoo_run) -> None:
-    from compiler.package_check import read_manifest
+    from compiler.package.check import read_manifest
     from registry.payload import signature_for
 
     manifest = read_manifest(zoo_run["root"] / "out" / "pair.kiln")

@@ -30,7 +30,7 @@ def test_cli_and_compiler_import_no_heavy_library_until_used():
         import compiler, flows.cli, registry.summary
         heavy = ("torch", "prefect", "mlflow", "onnx", "onnxruntime", "transformers", "sympy")
         print(sorted(m for m in heavy if m in sys.modules))
-        import compiler.export, compiler.validate  # binding a submodule keeps the public function
+        import compiler.program.export, compiler.validation.validate  # stage modules keep the functions
         print(callable(compiler.export), isinstance(compiler.validate, types.FunctionType))
         print("torch._dynamo" in sys.modules, sorted(set(compiler.__all__) - set(dir(compiler))))
         """
@@ -66,7 +66,7 @@ def test_an_unchanged_model_is_reused_without_importing_torch(tmp_path):
     out = _fresh(
         f"""
         import sys
-        from compiler.package_check import read_manifest
+        from compiler.package.check import read_manifest
         from tasks.reuse import PublishedRecord, remember, unchanged
         from zoo.config import load_zoo
 
@@ -83,7 +83,7 @@ def test_an_unchanged_model_is_reused_without_importing_torch(tmp_path):
             main()
         except SystemExit as exc:
             print("exit", exc.code)
-        heavy = ("torch", "sympy", "onnx", "onnxruntime", "mlflow", "prefect", "compiler.export")
+        heavy = ("torch", "sympy", "onnx", "onnxruntime", "mlflow", "prefect", "compiler.program.export")
         print("imported", [m for m in heavy if m in sys.modules])
         # The same check refuses a package changed on disk, still without torch.
         with open(package + "/weights.safetensors", "r+b") as f:
@@ -121,7 +121,7 @@ def test_loading_a_transformers_model_leaves_torchao_to_the_recipes_that_need_it
         entry = {"name": "b", "factory": "zoo.models:tiny_bert", "factory_kwargs": kwargs}
         ZooEntry.model_validate(entry).requests()[0].load_case()
         print("transformers.modeling_utils" in sys.modules, "torchao" in sys.modules)
-        from compiler.quantize_pt2e import pt2e_available
+        from compiler.quantization.pt2e import pt2e_available
         print(pt2e_available(), "torchao" in sys.modules)
         """
     )

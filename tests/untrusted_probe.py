@@ -1,21 +1,22 @@
 """Load tampered packages untrusted, in this (fresh) process, under an audit hook; report what happened.
 
-Run by tests/test_untrusted_load.py as ``python tests/untrusted_probe.py CONFIG RESULTS``. CONFIG names
-clean packages (an ONNX Runtime one and an Inductor one), the input and the outputs their compiled
-modules gave, and the attacks to stage. Phase 1 stages every tampered package as an attacker with
-write access and no signing key would: edit a field of the manifest or of an engine header, then
-recompute the engine's checksum and the manifest's content hash (``compiler.package_digest.content_hash``).
-Phase 2 installs ``sys.addaudithook`` and loads each (``trust_engine_code=False``), recording for each:
-refused (the error's type, whether it is a KilnError) or the outputs (same as the original or not),
-and every audited event that breaks the rule "an untrusted load reads nothing outside its package and
-starts no process": a process started (``subprocess.Popen``, ``os.system``, ``os.exec``, ``os.spawn``,
-``os.posix_spawn``, ``os.fork``) other than the host C++ compiler or this interpreter (Inductor's own
-compile, whose command line must carry nothing of the package's: no argument containing the attack
-token), a file opened outside the package, Python's own directories and Inductor's cache, or a
-library loaded from anywhere but those directories (never from the package itself). The one library
-load by bare name allowed is torch's own probe of the system's NVIDIA driver (NVML, the driver API,
-NVRTC), made by torch's code: the CUDA build of torch counts devices through NVML on every call where
-no GPU is up. Last, a positive control does what the rule forbids, to prove the hook sees it.
+Run by tests/compiler/package/test_untrusted_load.py as ``python tests/untrusted_probe.py CONFIG
+RESULTS``. CONFIG names clean packages (an ONNX Runtime one and an Inductor one), the input and the
+outputs their compiled modules gave, and the attacks to stage. Phase 1 stages every tampered package as an
+attacker with write access and no signing key would: edit a field of the manifest or of an engine header,
+then recompute the engine's checksum and the manifest's content hash
+(``compiler.package.digest.content_hash``). Phase 2 installs ``sys.addaudithook`` and loads each
+(``trust_engine_code=False``), recording for each: refused (the error's type, whether it is a KilnError)
+or the outputs (same as the original or not), and every audited event that breaks the rule "an untrusted
+load reads nothing outside its package and starts no process": a process started (``subprocess.Popen``,
+``os.system``, ``os.exec``, ``os.spawn``, ``os.posix_spawn``, ``os.fork``) other than the host C++
+compiler or this interpreter (Inductor's own compile, whose command line must carry nothing of the
+package's: no argument containing the attack token), a file opened outside the package, Python's own
+directories and Inductor's cache, or a library loaded from anywhere but those directories (never from the
+package itself). The one library load by bare name allowed is torch's own probe of the system's NVIDIA
+driver (NVML, the driver API, NVRTC), made by torch's code: the CUDA build of torch counts devices through
+NVML on every call where no GPU is up. Last, a positive control does what the rule forbids, to prove the
+hook sees it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _reseal(path: Path) -> None:
 
 def _reseal_data(path: Path, data: Any, *, checksums: bool = True) -> None:
     """Recompute the files' checksums (unless the edit is to them) and the content hash."""
-    from compiler.package_digest import content_hash
+    from compiler.package.digest import content_hash
 
     files = data.get("files") if isinstance(data, dict) and checksums else None
     for rel, record in (files or {}).items() if isinstance(files, dict) else ():

@@ -34,7 +34,7 @@ from pydantic import (
 from compiler.backends import BACKENDS
 from compiler.errors import KilnError
 from compiler.options import DEVICE_RE, ON_BUILD_FAILURE, Calibration, CompileOptions
-from compiler.validation_report import Tolerances
+from compiler.validation.report import Tolerances
 from zoo.errors import ZooConfigError
 from zoo.request import CompileRequest, ValidationPlan
 from zoo.sources import HF_TASKS, SOURCE_KINDS, source_for, source_kind
@@ -197,7 +197,8 @@ class ZooEntry(_Strict):
         default_factory=lambda: ["cpu"], min_length=1, validation_alias=AliasChoices("devices", "targets")
     )
     tolerances: dict[str, float | None] = Field(
-        default_factory=dict, description="compiler.validate.Tolerances fields; rel_l2 defaults by precision"
+        default_factory=dict,
+        description="compiler.Tolerances fields; rel_l2 defaults by precision",
     )
     partition: PartitionOptions = Field(default_factory=PartitionOptions)
     strip_weights: bool = False

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from compiler.errors import KilnError
-from compiler.specs import InputSpec
+from compiler.inputs.specs import InputSpec
 from zoo.errors import ZooConfigError
 from zoo.inputs import largest_input_bytes
 from zoo.request import CompileRequest
@@ -104,7 +104,7 @@ def check_workspace(workspace: str | os.PathLike) -> None:
 def check_validation_data(where: str, data: str) -> None:
     """Recorded validation data: a regular file whose headers say it fits the data bound."""
     from compiler.errors import SpecialFileError, ValidationDataError
-    from compiler.input_files import check_data_bounds
+    from compiler.inputs.files import check_data_bounds
 
     try:
         check_data_bounds(data)
@@ -129,7 +129,7 @@ def check_calibration(request: CompileRequest) -> None:
         )
     if data is not None:
         from compiler.errors import SpecialFileError, ValidationDataError
-        from compiler.input_files import check_data_bounds
+        from compiler.inputs.files import check_data_bounds
 
         try:
             check_data_bounds(data)  # the same bound as validation data

@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from compiler.options import CompileOptions
-from compiler.torchao_guard import keep_torchao_out_of_transformers
-from compiler.validation_report import Tolerances
+from compiler.quantization.torchao_guard import keep_torchao_out_of_transformers
+from compiler.validation.report import Tolerances
 from zoo.errors import ZooConfigError
 from zoo.inputs import InputOverrideLike, apply_overrides
 from zoo.sources.base import LoadedCase, ModelSource, SourceIdentity
 
 if TYPE_CHECKING:  # requests are data: torch only where recorded inputs are read
-    from compiler.specs import InputSpec
-    from compiler.validation_data import ValidationData
+    from compiler.inputs.data import ValidationData
+    from compiler.inputs.specs import InputSpec
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class ValidationPlan:
         if self.data is None:
             return None
         from compiler.errors import ValidationDataError
-        from compiler.validation_data import validation_data
+        from compiler.inputs.data import validation_data
 
         try:
             return validation_data(

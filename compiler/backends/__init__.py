@@ -8,7 +8,7 @@ runs there is installed, else Inductor; on the CPU: ONNX Runtime).
 
 ``trust_engine_code``: whether engine bytes may be run as code. Only Inductor engines carry code (a
 compiled graph: pickled Inductor cache entries and kernels); an untrusting Inductor backend compiles
-each engine from its program instead, with kiln's own settings (``inductor_options``). TensorRT plans
+each engine from its program instead, with kiln's own settings (``inductor.options``). TensorRT plans
 are deserialized with host code disallowed and ONNX models are data (inline only), so those backends
 run the same either way. docs/security.md says who trusts what.
 """
@@ -56,11 +56,11 @@ def _backend(name: str, device: str, trust_engine_code: bool = True) -> EngineBa
             )
         return backend
     if name in ("tensorrt", "tensorrt-rtx"):
-        from compiler.backends.tensorrt import TensorRTBackend
+        from compiler.backends.tensorrt.builder import TensorRTBackend
 
         return TensorRTBackend(name)
     if name == "inductor":
-        from compiler.backends.inductor import InductorBackend
+        from compiler.backends.inductor.backend import InductorBackend
 
         return InductorBackend(device, trust_engine_code=trust_engine_code)
     if name == "auto":

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from compiler.specs import InputSpec
+from compiler.inputs.specs import InputSpec
 
 if TYPE_CHECKING:  # the settings and records here are read without torch (zoo files, manifests)
     import numpy as np

@@ -22,6 +22,7 @@ from onnx import numpy_helper
 
 from compiler.backends.base import BuildSettings, EngineIO, is_weight_name, to_numpy
 from compiler.backends.onnx_inline import check_self_contained
+from compiler.backends.onnx_support import onnx_exportable
 from compiler.errors import (
     BuildSettingsError,
     EngineBuildError,
@@ -29,7 +30,6 @@ from compiler.errors import (
     RefitError,
     UnsafeEngineError,
 )
-from compiler.onnx_support import onnx_exportable
 
 
 class OnnxRuntimeEngine:
@@ -201,15 +201,6 @@ def _error_node(text: str, model: onnx.ModelProto) -> str | None:
     if not base:
         return op
     return f"{base} ({op})" if op else base
-
-
-def weight_signature(engine: bytes) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Canonical weight name -> (shape, numpy dtype name) of an engine's initializers."""
-    model = onnx.load_from_string(engine)
-    return {
-        init.name: (tuple(init.dims), np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).name)
-        for init in _weights(model)
-    }
 
 
 def _weights(model: onnx.ModelProto) -> list[onnx.TensorProto]:

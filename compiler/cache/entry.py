@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from compiler import input_files
 from compiler.cache.files import EntryFileError
 from compiler.errors import CacheError
+from compiler.inputs import files as input_files
 
-FORMAT_VERSION = 1
+ENTRY_FORMAT_VERSION = 1
 DEFAULT_MAX_BYTES = 10 * 1024**3
 KEY_RE = re.compile(r"[0-9a-f]{64}")
 CODECS: dict[str | None, tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]]] = {
@@ -127,7 +127,7 @@ def make_record(key: str, data: bytes, compression: str | None, meta: dict[str, 
     if compression is not None and len(data) > expansion_limit(len(stored)):
         stored, compression = data, None  # reads refuse such a ratio: store what they take back
     record = {
-        "format_version": FORMAT_VERSION,
+        "format_version": ENTRY_FORMAT_VERSION,
         "key": str(key),
         "fields": getattr(key, "fields", None),
         "bytes": len(stored),
@@ -179,8 +179,8 @@ def check_record(record: Any, key: str | None = None) -> str | None:
     if isinstance(record, Unreadable):
         return f"metadata unreadable: {record.reason}"
     version = record.get("format_version") if isinstance(record, dict) else None
-    if type(version) is not int or version != FORMAT_VERSION:
-        return f"metadata unreadable or not format version {FORMAT_VERSION}"
+    if type(version) is not int or version != ENTRY_FORMAT_VERSION:
+        return f"metadata unreadable or not format version {ENTRY_FORMAT_VERSION}"
     if key is not None and record.get("key") != key:
         return f"entry names key {_shown(record.get('key'))}"
     size, raw = record.get("bytes"), record.get("raw_bytes")

@@ -17,7 +17,7 @@ import os
 import stat
 
 from compiler.errors import CacheError
-from compiler.input_files import file_kind
+from compiler.inputs.files import file_kind
 
 # No link followed (the last component), no wait on a FIFO's writer; fstat then says what was opened.
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

@@ -1,26 +1,24 @@
 """Persistent, content-addressed engine cache shared by models, runs, processes and workers.
 
 Why it exists: an engine build is the slowest step of a compile, and structurally equal subgraphs recur across
-blocks, models and runs (seed 001). Seed 001 keeps its cache for one compile session and names a persistent,
-shared cache as future work; this is that cache. What it promises, most important first:
+blocks, models and runs, so a cache that outlives one compile session saves most builds. What it promises,
+most important first:
 
 - never a wrong answer: every disk read is checked against the sha256 recorded at write time; a truncated,
   tampered or half-written entry is deleted and reported as a miss, never returned;
 - never a failed compile because of the cache: a read-only or full disk degrades to memory, with a warning;
-- one build per key across processes: a per-key file lock (flock, which the kernel drops when a holder dies,
-  so a crashed compile leaves no stale lock behind);
+- one build per key across processes: a per-key file lock (`compiler.cache.locks`; flock, which the kernel
+  drops when a holder dies, so a crashed compile leaves no stale lock behind);
 - inspectable keys: `<key>.json` holds the fields the key was hashed from, so `diff_keys` says why two keys
   differ (Torch-TensorRT's cache hash is opaque);
 - bounded: least-recently-used entries are evicted beyond `max_bytes` (payload bytes as stored).
 
 Layout: `<dir>/<key>.bin` (payload), `<dir>/<key>.json` (written after the payload, so a payload without
-metadata is a detectable half entry), `<dir>/locks/<key>.lock` (empty files, never deleted: unlinking a lock
-file that another process holds would break mutual exclusion).
-
-Only its own files: the cache reads, lists and deletes only names it writes (`<64 hex>.bin/.json` and its
-writers' temp files), reads them only as regular files of the size their record gives (never through a
-link, never a FIFO or device: `compiler.cache.files`), and uses a directory only when this user (or root)
-owns it and nobody else can write it (`compiler.cache.paths.check_private`): its entries are trusted.
+metadata is a detectable half entry), `<dir>/locks/<key>.lock` (never deleted). Only its own files: the
+cache reads, lists and deletes only names it writes (`compiler.cache.paths.own_files`), reads them only as
+regular files of the size their record gives (never through a link, never a FIFO or device:
+`compiler.cache.files`), and uses a directory only when this user (or root) owns it and nobody else can
+write it (`compiler.cache.paths.check_private`): its entries are trusted.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import threading
 import time
 import warnings
@@ -38,12 +35,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock, Timeout
-
 from compiler.atomic import write_bytes_atomic
 from compiler.cache.entry import (
     CODECS,
-    KEY_RE,
     CacheEntryInfo,
     CacheKey,
     CacheStats,
@@ -63,8 +57,17 @@ from compiler.cache.entry import (
     verify,
 )
 from compiler.cache.files import EntryFileError, read_own_file
-from compiler.cache.paths import check_private, fsync_directory, local_dir_for, resolve_directory
-from compiler.cache.remote import RemoteEntries, is_url
+from compiler.cache.locks import KeyLocks
+from compiler.cache.paths import (
+    check_private,
+    fsync_directory,
+    local_dir_for,
+    own_files,
+    resolve_directory,
+    writer_temp_files,
+)
+from compiler.cache.remote import RemoteEntries
+from compiler.cache.store import is_url
 from compiler.errors import CacheError
 
 LOCAL_DIR_ENV = "KILN_CACHE_LOCAL_DIR"  # the worker-side layer of an object-store cache
@@ -72,8 +75,6 @@ LOCAL_DIR_ENV = "KILN_CACHE_LOCAL_DIR"  # the worker-side layer of an object-sto
 # The disk cannot take the entry: degrade to memory. Any other OSError is unexpected and raised as CacheError.
 _DEGRADE_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.ENOSPC, errno.EDQUOT, errno.EPERM, errno.EFBIG})
 _STALE_TMP_SECONDS = 3600  # temp files of writers that crashed mid-put
-# compiler.atomic's temp files for an entry: ".<key>.<random>.tmp.bin" / ".tmp.json".
-_TMP_RE = re.compile(r"\.[0-9a-f]{64}\.[A-Za-z0-9_]+\.tmp\.(?:bin|json)")
 
 
 class EngineCache:
@@ -111,7 +112,7 @@ class EngineCache:
         self._memory_bytes = 0
         self._stats = CacheStats()
         self._mutex = threading.RLock()
-        self._locks: dict[tuple[int, str], FileLock] = {}
+        self.locks = KeyLocks(self.directory)
         try:
             # Private to its user: Inductor entries are code that runs when loaded (docs/security.md).
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -195,7 +196,7 @@ class EngineCache:
         """Store atomically, then evict least-recently-used entries beyond max_bytes (never this one)."""
         key = check_key(key)
         data, meta_dict = as_bytes(data, key), check_meta(meta)
-        with self._locked(key, self.lock_timeout):
+        with self.locks.held(key, self.lock_timeout):
             self._store(key, data, meta_dict)
 
     def get_or_build(
@@ -209,7 +210,7 @@ class EngineCache:
         meta_dict = check_meta(meta)
         data = self._lookup(key)
         if data is None:
-            with self._locked(key, self.lock_timeout):
+            with self.locks.held(key, self.lock_timeout):
                 data = self._lookup(key)  # another process may have built it while we waited
                 if data is None:
                     with self._remote_lease(key) as published:
@@ -267,7 +268,7 @@ class EngineCache:
                 removed += 1
             with contextlib.suppress(OSError):
                 self._meta_path(path.stem).unlink(missing_ok=True)
-        for path in [*self._own_files("*.json"), *self._temp_files()]:
+        for path in [*own_files(self.directory, "*.json"), *writer_temp_files(self.directory)]:
             with contextlib.suppress(OSError):
                 path.unlink()
         return removed
@@ -287,7 +288,7 @@ class EngineCache:
         return self._read_verified(check_key(key))[1]
 
     def lock_path(self, key: str) -> Path:
-        return self.directory / "locks" / f"{check_key(key)}.lock"
+        return self.locks.path(key)
 
     # ---- internals --------------------------------------------------------------------------------------
     def _payload_path(self, key: str) -> Path:
@@ -297,20 +298,7 @@ class EngineCache:
         return self.directory / f"{key}.json"
 
     def _payload_files(self) -> list[Path]:
-        return self._own_files("*.bin")
-
-    def _own_files(self, pattern: str) -> list[Path]:
-        """Entry files by the names this cache writes: ``<64 hex>.bin`` / ``.json``, nothing else."""
-        try:
-            return [p for p in self.directory.glob(pattern) if KEY_RE.fullmatch(p.stem)]
-        except OSError:
-            return []
-
-    def _temp_files(self) -> list[Path]:
-        try:
-            return [p for p in self.directory.glob(".*.tmp.*") if _TMP_RE.fullmatch(p.name)]
-        except OSError:
-            return []
+        return own_files(self.directory, "*.bin")
 
     def _fields_of(self, key: str) -> dict[str, Any]:
         fields = getattr(key, "fields", None) or (self.describe(key) or {}).get("fields")
@@ -342,7 +330,7 @@ class EngineCache:
         if problem is None:
             return data
         # Re-check under the key's lock: a writer mid-put holds it, and its half entry is not corruption.
-        with self._locked(key, timeout=0) as locked:
+        with self.locks.held(key, timeout=0) as locked:
             if locked is False:
                 return None  # busy: someone is writing this entry right now
             data, problem = self._read_verified(key)
@@ -453,7 +441,7 @@ class EngineCache:
 
     def _enforce_bound(self, keep: str) -> None:
         now = time.time()
-        for tmp in self._temp_files():
+        for tmp in writer_temp_files(self.directory):
             with contextlib.suppress(OSError):
                 if now - tmp.lstat().st_mtime > _STALE_TMP_SECONDS:
                     tmp.unlink()
@@ -468,7 +456,7 @@ class EngineCache:
                 break
             if key == keep:
                 continue
-            with self._locked(key, timeout=0) as locked:
+            with self.locks.held(key, timeout=0) as locked:
                 if locked is False:
                     continue  # in use by a writer; try the next one
                 with contextlib.suppress(OSError):
@@ -488,33 +476,6 @@ class EngineCache:
             while self._memory_bytes > self.max_bytes and len(self._memory) > 1:
                 self._memory_bytes -= len(self._memory.popitem(last=False)[1])
 
-    @contextlib.contextmanager
-    def _locked(self, key: str, timeout: float | None) -> Iterator[bool | None]:
-        """Hold the key's file lock: yields True (held), False (busy past timeout), None (no lock file)."""
-        with self._mutex:
-            # Per pid: filelock refuses lock instances inherited across fork.
-            lock = self._locks.get((os.getpid(), key))
-            if lock is None:
-                lock = self._locks[(os.getpid(), key)] = FileLock(str(self.lock_path(key)))
-        acquired: bool | None = False
-        try:
-            lock.acquire(timeout=-1 if timeout is None else timeout)
-            acquired = True
-        except Timeout:
-            if timeout:  # timeout=0 is a probe whose caller handles "busy"; a real wait that ran out is news
-                warnings.warn(
-                    f"engine cache {self.directory}: waited {timeout}s for lock {key}; going on unlocked",
-                    CacheWarning,
-                    stacklevel=4,
-                )
-        except OSError:
-            acquired = None  # no lock file possible (read-only directory): correct, just not deduplicated
-        try:
-            yield acquired
-        finally:
-            if acquired:
-                lock.release()
-
     def _degrade(self, exc: OSError, consequence: str) -> None:
         if exc.errno not in _DEGRADE_ERRNOS:
             raise CacheError(f"engine cache {self.directory}: unexpected I/O error: {exc}") from exc
@@ -526,3 +487,14 @@ class EngineCache:
             CacheWarning,
             stacklevel=4,
         )
+
+
+def resolve_cache(cache: EngineCache | str | os.PathLike | bool | None) -> EngineCache | None:
+    """``None``/``True``: the default persistent cache; ``False``: none; a path or URL: a cache there."""
+    if cache is False:
+        return None
+    if cache is None or cache is True:
+        return EngineCache()
+    if isinstance(cache, EngineCache):
+        return cache
+    return EngineCache(cache)

@@ -1,15 +1,21 @@
 """Where a cache lives on this machine: the directory of a local cache, the local layer of an
-object-store cache, whether it is private enough to trust, and making renames in it durable."""
+object-store cache, whether it is private enough to trust, making renames in it durable, and listing
+only the files it writes there."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import os
+import re
 import stat
 from pathlib import Path
 
+from compiler.cache.entry import KEY_RE
 from compiler.errors import CacheError
+
+# compiler.atomic's temp files for an entry: ".<key>.<random>.tmp.bin" / ".tmp.json".
+_TMP_RE = re.compile(r"\.[0-9a-f]{64}\.[A-Za-z0-9_]+\.tmp\.(?:bin|json)")
 
 
 def user_cache_dir() -> Path:
@@ -73,3 +79,19 @@ def fsync_directory(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def own_files(directory: Path, pattern: str) -> list[Path]:
+    """Entry files by the names a cache writes: ``<64 hex>.bin`` / ``.json``, nothing else."""
+    try:
+        return [p for p in directory.glob(pattern) if KEY_RE.fullmatch(p.stem)]
+    except OSError:
+        return []
+
+
+def writer_temp_files(directory: Path) -> list[Path]:
+    """The temp files of writers of entries (:func:`compiler.atomic.write_bytes_atomic`), nothing else."""
+    try:
+        return [p for p in directory.glob(".*.tmp.*") if _TMP_RE.fullmatch(p.name)]
+    except OSError:
+        return []

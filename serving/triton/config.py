@@ -26,7 +26,7 @@ from typing import Any
 
 from serving.triton.errors import TritonConfigError
 
-# kiln dtype name (compiler.specs) -> Triton's model-config type. fp8 has no Triton type.
+# kiln dtype name (compiler.inputs.specs) -> Triton's model-config type. fp8 has no Triton type.
 TRITON_TYPES = {
     "float32": "TYPE_FP32",
     "float16": "TYPE_FP16",

@@ -140,7 +140,7 @@ class ServedRuntime:
     def _inputs(self, request: Any) -> list:
         import torch
 
-        from compiler.specs import dtype_name
+        from compiler.inputs.specs import dtype_name
 
         tensors = []
         for spec in self.specs:
@@ -295,7 +295,7 @@ def probe_outputs(module: Any, specs: Sequence[Any], registered: str) -> list[tu
     output. Integer inputs are drawn inside their recorded value range."""
     import torch
 
-    from compiler.specs import dtype_name
+    from compiler.inputs.specs import dtype_name
 
     runs = []
     with torch.inference_mode():

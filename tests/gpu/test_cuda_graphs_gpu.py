@@ -208,7 +208,7 @@ def test_loaded_package_gets_the_same_runtime(mlp, tmp_path):
     off = compiler.load(tmp_path / "m.kiln", trust_engine_code=True, cuda_graphs="off")
     assert not off.cuda_graphs.enabled
     # kiln lookup and the MLflow pyfunc load through compiler.load with the manifest's mode
-    # (tests/test_cuda_graphs.py checks that where MLflow is installed).
+    # (tests/compiler/runtime/test_cuda_graphs.py checks that where MLflow is installed).
 
 
 @pytest.mark.parametrize("aot", [True, False])

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from compiler.errors import SpecialFileError
-from compiler.input_files import regular_file
+from compiler.inputs.files import regular_file
 from zoo.errors import ZooConfigError
 
 _HASH_CHUNK = 1 << 20

@@ -40,8 +40,8 @@ import torch
 from torch.export import Dim
 
 from compiler.errors import SpecialFileError
-from compiler.input_files import regular_file
-from compiler.torchao_guard import keep_torchao_out_of_transformers
+from compiler.inputs.files import regular_file
+from compiler.quantization.torchao_guard import keep_torchao_out_of_transformers
 from zoo.errors import UntrustedCodeError, ZooConfigError
 from zoo.sources.base import LoadedCase, SourceIdentity, digest_of, torch_version
 from zoo.sources.common import example_size, fit_example_shape, override_dims, resolve_path, sha256_file
@@ -293,7 +293,8 @@ class HfSource:
         folder, _ = self.snapshot()
         config = self.read_config(folder)
         self.model_files(folder, config)  # safetensors present
-        keep_torchao_out_of_transformers()  # its modeling code would import torchao (compiler.torchao_guard)
+        # its modeling code would import torchao (compiler.quantization.torchao_guard)
+        keep_torchao_out_of_transformers()
         import transformers
 
         auto = getattr(transformers, HF_TASKS[self.task][0])

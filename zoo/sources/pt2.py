@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from compiler.errors import KilnError, OpModuleNotAllowedError, SpecialFileError, UnsafeProgramError
-from compiler.input_files import regular_file
-from compiler.specs import InputSpec
+from compiler.inputs.files import regular_file
+from compiler.inputs.specs import InputSpec
 from zoo.errors import UntrustedCodeError, ZooConfigError
 from zoo.sources.base import LoadedCase, SourceIdentity, digest_of, torch_version
 from zoo.sources.common import example_size, fit_example_shape, override_dims, resolve_path, sha256_file

@@ -11,8 +11,8 @@ Words: the *engine target* is what an engine is built for, the GPU compute capab
 (``cuda:sm_90``; :class:`EngineTarget`); ``target_device()`` is the backend protocol's name for it.
 The *device* is where a model runs (``cuda:1``), which is not decided here.
 
-One module per job; the first three call into TensorRT, the other four run (and are tested) on
-any CPU without it:
+One module per job, each name imported from its module (this file only describes them); the first
+three call into TensorRT, the other four run (and are tested) on any CPU without it:
 
 - ``builder``: :class:`TensorRTBackend`: parse, build (profile, flags, timing cache), load, refit.
 - ``runtime``: deserializing and refitting plans, and the callable :class:`TensorRTEngine`.
@@ -22,55 +22,3 @@ any CPU without it:
 - ``onnx_rewrites``: canonical weights and the rewrites that keep them refittable.
 - ``build_settings``: optimization profile, refit mode and builder flags from kiln's settings.
 """
-
-from compiler.backends.tensorrt.build_settings import (
-    BACKEND_OPTIONS,
-    REFIT_MODES,
-    builder_flag_names,
-    profile_shapes,
-    refit_mode,
-)
-from compiler.backends.tensorrt.builder import TensorRTBackend
-from compiler.backends.tensorrt.engine_format import (
-    EngineTarget,
-    check_engine_compatible,
-    check_header,
-    check_refit_weights,
-    decode_engine,
-    encode_engine,
-)
-from compiler.backends.tensorrt.library import LIBRARIES, RTX_DEFAULT_COMPUTE_CAPABILITIES
-from compiler.backends.tensorrt.onnx_rewrites import canonical_weights, unfold_batch_norm
-from compiler.backends.tensorrt.runtime import TensorRTEngine
-from compiler.backends.tensorrt.support import (
-    EXPORTER_FOLDED_SEQUENCE_OPS,
-    PARSER_REJECTED_ONNX_OPS,
-    onnx_ops_for,
-    tensorrt_supports,
-    unsupported_reason,
-)
-
-__all__ = [
-    "BACKEND_OPTIONS",
-    "EXPORTER_FOLDED_SEQUENCE_OPS",
-    "LIBRARIES",
-    "PARSER_REJECTED_ONNX_OPS",
-    "REFIT_MODES",
-    "RTX_DEFAULT_COMPUTE_CAPABILITIES",
-    "EngineTarget",
-    "TensorRTBackend",
-    "TensorRTEngine",
-    "builder_flag_names",
-    "canonical_weights",
-    "check_engine_compatible",
-    "check_header",
-    "check_refit_weights",
-    "decode_engine",
-    "encode_engine",
-    "onnx_ops_for",
-    "profile_shapes",
-    "refit_mode",
-    "tensorrt_supports",
-    "unfold_batch_norm",
-    "unsupported_reason",
-]

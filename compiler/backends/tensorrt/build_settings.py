@@ -23,7 +23,7 @@ MAX_SHAPE_PROFILES = 16
 Bounds = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
-def profile_shapes(io: EngineIO) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+def optimization_profile(io: EngineIO) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
     """The one optimization profile (min, opt, max per input) an engine is built with."""
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
     for spec in io.inputs:
@@ -47,7 +47,7 @@ def optimization_profiles(io: EngineIO, settings: BuildSettings) -> list[dict[st
     model takes runs), then one per shape profile that names a dimension of this engine's inputs (a
     size: min = opt = max; a range: its bounds; dimensions it leaves out at their opt size), in order,
     without repeats. A profile over a derived dimension (``batch*seq``) does not apply to the engine."""
-    declared = profile_shapes(io)
+    declared = optimization_profile(io)
     result = [declared]
     for profile in settings.profiles:
         bounds = _engine_bounds(io, profile, declared)

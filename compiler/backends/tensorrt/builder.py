@@ -31,8 +31,8 @@ from compiler.backends.base import BuildSettings, EngineIO
 from compiler.backends.onnx_inline import check_self_contained
 from compiler.backends.tensorrt.build_settings import (
     builder_flag_names,
+    optimization_profile,
     optimization_profiles,
-    profile_shapes,
     refit_mode,
 )
 from compiler.backends.tensorrt.engine_format import (
@@ -52,7 +52,7 @@ from compiler.backends.tensorrt.library import (
     import_library,
     log_collector,
 )
-from compiler.backends.tensorrt.onnx_rewrites import canonical_weights, unfold_batch_norm
+from compiler.backends.tensorrt.onnx_rewrites import canonical_initializers, unfold_batch_norm
 from compiler.backends.tensorrt.runtime import TensorRTEngine, deserialize, refit_in_place
 from compiler.backends.tensorrt.support import tensorrt_supports
 from compiler.errors import (
@@ -203,7 +203,7 @@ class TensorRTBackend:
         node_names = [n.name for n in model.graph.node]
         flag_names = builder_flag_names(settings)
         profiles = optimization_profiles(io, settings)
-        weights = canonical_weights(model)
+        weights = canonical_initializers(model)
         trt = self.trt
         # TensorRT-RTX compiles ahead of time without a GPU, except refittable engines (its Myelin
         # JIT then queries the device, seen on TensorRT-RTX 1.7.1); TensorRT always needs one.
@@ -291,7 +291,7 @@ class TensorRTBackend:
 
     def _parsed(self, onnx_model: bytes, io: EngineIO, partition: str | None) -> tuple[Any, Any, Any, Any]:
         trt = self.trt
-        shapes = profile_shapes(io)
+        shapes = optimization_profile(io)
         logger = self._logger()
         builder = trt.Builder(logger.logger)
         flags = 0

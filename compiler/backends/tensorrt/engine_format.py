@@ -30,7 +30,7 @@ import torch
 
 from compiler.backends.tensorrt.build_settings import REFIT_MODES
 from compiler.errors import EngineCompatibilityError, RefitError, UnsafeEngineError
-from compiler.specs import DTYPES, dtype_name
+from compiler.inputs.specs import DTYPES, dtype_name
 
 _MAGIC = b"KILNTRT1"
 HEADER_FORMAT = 1

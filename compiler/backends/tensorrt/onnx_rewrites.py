@@ -2,7 +2,7 @@
 the rewrites keep.
 
 Guarantees: a rewrite changes no output beyond floating-point rounding (each is checked against
-ONNX Runtime on CPU in ``tests/test_tensorrt_backend.py``); canonical weights (initializers
+ONNX Runtime on CPU in ``tests/backends/tensorrt/test_tensorrt_backend.py``); canonical weights (initializers
 ``w0..wN``, the ones kiln refits) keep their names, shapes and dtypes and stay consumed by name, so
 TensorRT can mark them refittable. Needs ``onnx``; no TensorRT, no GPU.
 """
@@ -19,7 +19,7 @@ from compiler.errors import EngineBuildError
 _CANONICAL_WEIGHT = re.compile(r"^w(\d+)$")
 
 
-def canonical_weights(model: Any) -> dict[str, dict[str, Any]]:
+def canonical_initializers(model: Any) -> dict[str, dict[str, Any]]:
     """Canonical weights of a lowered ONNX model (initializers ``w0..wN``): name -> shape and dtype,
     in index order. Other initializers are constants of the structure and stay in the engine."""
     import onnx
@@ -64,7 +64,7 @@ def unfold_batch_norm(model: Any) -> int:
     import onnx
     from onnx import helper, numpy_helper
 
-    canonical = set(canonical_weights(model))
+    canonical = set(canonical_initializers(model))
     if not any(n.op_type == "BatchNormalization" and set(n.input[1:]) & canonical for n in model.graph.node):
         return 0
     inferred = onnx.shape_inference.infer_shapes(model)

@@ -20,7 +20,7 @@ from compiler.backends.tensorrt.build_settings import choose_profile
 from compiler.backends.tensorrt.engine_format import check_refit_weights
 from compiler.backends.tensorrt.library import LogWindow, log_collector
 from compiler.errors import BackendError, EngineCompatibilityError, InputSpecError, RefitError
-from compiler.specs import dtype_name
+from compiler.inputs.specs import dtype_name
 
 _TRT_DTYPE = {
     "float32": lambda trt: trt.DataType.FLOAT,

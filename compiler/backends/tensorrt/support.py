@@ -4,8 +4,8 @@ Supported ops: the ATen overloads that the torch.onnx exporter translates (the s
 uses) minus those whose translation uses an ONNX op that TensorRT's ONNX parser rejects. The
 rejected ONNX ops are :data:`PARSER_REJECTED_ONNX_OPS`, recorded from
 ``OnnxParser.supports_operator`` over every default-domain ONNX op (TensorRT-RTX 1.7.1;
-``tests/test_tensorrt_backend.py`` re-checks it against any installed library), and which ONNX ops
-an ATen overload's translation uses is read from the exporter's own torchlib functions
+``tests/backends/tensorrt/test_tensorrt_backend.py`` re-checks it against any installed library), and
+which ONNX ops an ATen overload's translation uses is read from the exporter's own torchlib functions
 (over-approximated across dtype branches, so doubt means fallback). Exceptions, each checked on the
 zoo: sequence ops the exporter's optimizer folds into Split/Concat; bitwise ops, which are
 And/Or/Not on bool masks; ops the exporter decomposes first, judged by their op family. The H100
@@ -61,7 +61,7 @@ _NAME_CALL = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\(")
 
 
 def _onnx_registry() -> Any:
-    from compiler import onnx_support
+    from compiler.backends import onnx_support
 
     return onnx_support._registry()  # the one registry ONNX Runtime's op table comes from
 
@@ -123,8 +123,8 @@ def onnx_ops_for(aten_op: Any) -> frozenset[str] | None:
     """ONNX ops the torch.onnx exporter may translate an ATen op (an fx node's ``target``) into:
     from its torchlib function when it has one, empty when the exporter decomposes the op first
     (into ATen ops that then have translations); None if it has no translation at all (the same
-    test as ONNX Runtime's table, ``compiler.onnx_support``)."""
-    from compiler.onnx_support import SYMBOLIC_OPS, onnx_exportable
+    test as ONNX Runtime's table, ``compiler.backends.onnx_support``)."""
+    from compiler.backends.onnx_support import SYMBOLIC_OPS, onnx_exportable
 
     if aten_op in SYMBOLIC_OPS:
         return frozenset({"Shape", "Gather", "Add", "Sub", "Mul", "Div", "Neg", "Mod"})

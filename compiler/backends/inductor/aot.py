@@ -1,0 +1,284 @@
+"""AOTInductor: an Inductor engine's program compiled once more, ahead of time, into a native package,
+for loads that must answer within seconds (issue 20, cold start).
+
+A standalone compiled graph loads through Inductor's caches: its load imports Inductor's compile stack
+and Triton and then loads each kernel (about 3.6 s of BERT-base's 6.2 s cold start on the H100). An
+AOTInductor package is a shared library with its kernels' binaries: ``torch._C._aoti`` loads it with
+neither imported (BERT-base fp16: 0.002 s to load, 0.2 s first call). It takes the same inputs as the
+standalone graph (activations, then weights: dedup, refit and stripping work as before; lifted
+constants are compiled in), so an engine carries it beside its standalone graph (``backend_options:
+{aot: true}``, off by default: the C++ compile of its wrapper costs a minute or more per engine, 80 s
+for BERT-base on the H100 host).
+
+Two C++ runtimes in one process crash it: a package whose wrapper was compiled with headers newer than
+the libstdc++ the loading process has (the H100 image's ``/opt/gcc`` compiler beside the system's
+libstdc++) segfaults at load. Hence the compiler (:func:`aot_compiler`): ``$KILN_AOT_CXX`` where set,
+else the system's own ``g++``, whose headers match the system libstdc++ that Python and torch load
+(or predate a newer one a conda environment brings: libstdc++ loads older code, not newer). Each
+build is then loaded in a fresh process and must answer like the program run eagerly; one that crashes
+or differs is left out, with a warning naming the compiler and the exit status, and the engine gets
+its standalone graph instead.
+
+On a CUDA device a package is the default form of an engine (``backend_options: {aot: false}`` asks
+for the standalone graph alone), and an engine that has one holds no standalone graph: the package
+serves every shape. A package is native code: it runs only where engine code is trusted
+(docs/security.md); an untrusted load compiles the engine from its program, serves that, and builds
+this machine's own package in the background (:class:`LocalAot`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+# The check a build runs in a fresh process: load the package with torch._C._aoti alone, run it on the
+# build's inputs and compare with the standalone graph's answer (saved beside it).
+_CHECK = r"""
+import sys
+import torch
+from safetensors.torch import load_file
+package, tensors, device, tolerance = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+data = load_file(tensors, device=device)
+inputs = [data[f"in{i}"] for i in range(sum(k.startswith("in") for k in data))]
+runner = torch._C._aoti.AOTIModelPackageLoader(package, "model", True, 1, int(sys.argv[5]))
+with torch.no_grad():
+    outputs = runner.run(inputs)
+worst = 0.0
+for i, out in enumerate(outputs):
+    want = data[f"out{i}"]
+    if out.shape != want.shape or out.dtype != want.dtype:
+        sys.exit(f"output {i}: {tuple(out.shape)} {out.dtype}, expected {tuple(want.shape)} {want.dtype}")
+    if want.is_floating_point():
+        scale = float(want.float().abs().max()) or 1.0
+        worst = max(worst, float((out.float() - want.float()).abs().max()) / scale)
+    elif not torch.equal(out, want):
+        worst = float("inf")
+if not worst <= tolerance:
+    sys.exit(f"answers differ from the standalone graph's by {worst:.3g} (relative; allowed {tolerance})")
+"""
+
+
+def aot_compiler() -> str | None:
+    """The C++ compiler for AOTInductor's wrapper: ``$KILN_AOT_CXX``, else the system's g++, else the
+    one Inductor would use (``$CXX``, ``g++``); None when there is none."""
+    named = os.environ.get("KILN_AOT_CXX")
+    candidates = [named] if named else ["/usr/bin/g++", "/usr/bin/c++", os.environ.get("CXX"), "g++"]
+    for candidate in candidates:
+        found = shutil.which(candidate) if candidate else None
+        if found:
+            return found
+    return None
+
+
+def build_aot(
+    exported: torch.export.ExportedProgram,
+    inputs: Sequence[torch.Tensor],
+    expected: Sequence[torch.Tensor],
+    inductor_config: Mapping[str, Any],
+    device: torch.device,
+    precision: str,
+) -> tuple[bytes | None, str]:
+    """(the AOTInductor package's bytes, the compiler) or (None, why it was left out). ``inputs``: the
+    program's user inputs (activations, then weights); ``expected``: the standalone graph's answer."""
+    compiler = aot_compiler()
+    if compiler is None:
+        return None, "no C++ compiler (install g++ or set KILN_AOT_CXX)"
+    with tempfile.TemporaryDirectory(prefix="kiln-aot-") as scratch:
+        package = os.path.join(scratch, "engine.pt2")
+        exported.example_inputs = (tuple(inputs), {})
+        configs = {**inductor_config, "cpp.cxx": (None, compiler)}
+        if device.type == "cuda":
+            # The wrapper of a CUDA package is host glue (its kernels are Triton's): no CPU vector ISA is
+            # needed, and Inductor's ISA probes (a compile and a fresh Python process each) cost 35-40 s
+            # of a 77 s GPT-2 package build on the H200 host (benchmarks/probes/probe_aot_cost.h200.json).
+            configs["cpp.vec_isa_ok"] = False
+        try:
+            from compiler.program.tracing import TRACING
+
+            with TRACING:
+                torch._inductor.aoti_compile_and_package(
+                    exported, package_path=package, inductor_configs=configs
+                )
+        except Exception as exc:  # Inductor raises many types; the warning needs the cause
+            return None, f"AOTInductor could not compile it ({compiler}): {type(exc).__name__}: {exc}"[:600]
+        problem = _check_in_fresh_process(package, inputs, expected, device, precision, scratch)
+        if problem is not None:
+            return None, f"its AOTInductor package (C++ compiler {compiler}) {problem}"
+        with open(package, "rb") as file:
+            return file.read(), compiler
+
+
+def _check_in_fresh_process(
+    package: str,
+    inputs: Sequence[torch.Tensor],
+    expected: Sequence[torch.Tensor],
+    device: torch.device,
+    precision: str,
+    scratch: str,
+) -> str | None:
+    """None when the package loads in a fresh process and answers like the standalone graph; else why."""
+    from safetensors.torch import save_file
+
+    tensors = os.path.join(scratch, "check.safetensors")
+    named = {f"in{i}": t for i, t in enumerate(inputs)} | {f"out{i}": t for i, t in enumerate(expected)}
+    save_file({k: v.detach().cpu().contiguous() for k, v in named.items()}, tensors)
+    tolerance = "1e-4" if precision == "fp32" else "2e-2"
+    index = str(device.index or 0) if device.type == "cuda" else "-1"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _CHECK, package, tensors, str(device), tolerance, index],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    except subprocess.TimeoutExpired:
+        return "did not answer within 600 s in a fresh process"
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        name = signal.Signals(-done.returncode).name
+        return (
+            f"crashed a fresh process that loaded it ({name}): most likely two C++ runtimes in one "
+            "process (its wrapper's headers newer than the libstdc++ Python loads); set KILN_AOT_CXX to "
+            "the compiler of that libstdc++"
+        )
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    return f"failed in a fresh process: {lines[-1][:400] if lines else f'exit {done.returncode}'}"
+
+
+class AotGraph:
+    """A loaded AOTInductor package, called like the standalone graph (lifted constants at their
+    positions are dropped: the package holds them)."""
+
+    def __init__(self, data: bytes, device: torch.device, constant_positions: Sequence[int]):
+        index = (device.index or 0) if device.type == "cuda" else -1
+        # The loader reads a file (it unpacks the library to its own directory), so the bytes, already
+        # verified, go to a private file first and are removed once loaded.
+        handle, path = tempfile.mkstemp(prefix="kiln-aot-", suffix=".pt2")
+        try:
+            with os.fdopen(handle, "wb") as file:
+                file.write(data)
+            # Single-threaded: no model pool, no events synchronised between calls, so a call can be
+            # captured in a CUDA graph.
+            self._runner = torch._C._aoti.AOTIModelPackageLoader(path, "model", True, 1, index)
+        finally:
+            os.unlink(path)
+        self._constants = frozenset(constant_positions)
+
+    def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
+        if self._constants:
+            args = tuple(a for i, a in enumerate(args) if i not in self._constants)
+        return self._runner.run(list(args))
+
+
+class LocalAot:
+    """This machine's own AOTInductor package of an engine whose package carried one that may not run
+    here (not trusted to run code, or it does not load on this machine).
+
+    The package's AOTInductor bytes are native code and never run untrusted. Instead the first such
+    load serves the engine's graph compiled here and starts building this machine's own package in the
+    background (``compiler.backends.inductor.native``), from the engine's program with this machine's
+    compiler and kiln's own settings, checked in a fresh process like a compile's, kept in the local
+    engine cache (trusted input, docs/security.md) keyed by what was compiled. Loads after it run
+    natively, as a trusted load does: no Inductor imported, no recompile.
+    """
+
+    def __init__(
+        self,
+        wanted: bool,
+        program: bytes,
+        options: Mapping[str, Any],
+        device: torch.device,
+        target: str,
+        header: Mapping[str, Any],
+    ):
+        from compiler.backends.inductor.graph import LocalCompiled
+
+        self.wanted, self.device, self.options, self.header = wanted, device, options, header
+        self.program, self.target = program, target
+        self.entry = LocalCompiled(program, options, target, aot=True) if wanted else None
+
+    def loaded(self) -> AotGraph | None:
+        """The package built here before, loaded; None where there is none (or not wanted)."""
+        data = self.entry.read() if self.entry is not None else None
+        if data is None:
+            return None
+        try:
+            return AotGraph(data, self.device, self.header["constants"])
+        except Exception:  # built by another torch or toolchain since: build it again
+            return None
+
+    def start(self, io: Any, weights: Sequence[torch.Tensor]) -> Any:
+        """Start building it (``compiler.backends.inductor.native``: a detached process by default,
+        ``$KILN_NATIVE_BUILD=inline`` waits for it, ``off`` builds none), warned; the build handle, or
+        None where there is no local cache or builds are off."""
+        import warnings
+
+        from compiler.backends.inductor import native
+
+        cache = self.entry._cache() if self.entry is not None else None
+        if cache is None:
+            return None
+        job = {
+            "io": io.to_dict(),
+            "options": dict(self.options),
+            "device": str(self.device),
+            "precision": str(self.header.get("precision", "fp32")),
+            "frozen": bool(self.header.get("frozen")),
+            "target": self.target,
+            "torch": torch.__version__,
+        }
+        build = native.start(cache.directory, self.entry.key, self.program, weights, job)
+        if build is not None:
+            how = (
+                "was built"
+                if build.process is None
+                else f"is being built in the background (pid {build.process.pid})"
+            )
+            warnings.warn(
+                "Inductor engine: serving its graph compiled here from its program; this machine's own "
+                f"AOTInductor package {how} into the local engine cache {cache.directory}, and loads after "
+                f"it run natively (its log: {cache.directory / native.LOG_NAME})",
+                stacklevel=4,
+            )
+        return build
+
+
+def aot_from_program(
+    program: bytes,
+    io: Any,
+    weights: Sequence[torch.Tensor],
+    options: Mapping[str, Any],
+    device: torch.device,
+    precision: str,
+    *,
+    frozen: bool = False,
+    graph: Any = None,
+) -> tuple[bytes | None, str]:
+    """An engine's program built by :func:`build_aot`, checked on example inputs against the program
+    run eagerly: what a build and a machine's own package (``native``) both do. ``graph``: the
+    program already loaded as a :class:`~compiler.backends.inductor.graph.ProgramGraph`, which the
+    compile consumes (else it is loaded from ``program``)."""
+    from compiler.backends.inductor.graph import ProgramGraph, example_inputs, graph_args
+    from compiler.backends.inductor.options import inductor_config
+
+    graph = graph if graph is not None else ProgramGraph.load(program, device, frozen=frozen)
+    activations = example_inputs(io, device)
+    with torch.no_grad():
+        expected = list(graph.module(*graph_args(activations, tuple(weights), graph.constants)))
+    return build_aot(
+        graph.exported,
+        [*activations, *weights],
+        expected,
+        inductor_config(options, frozen=frozen),
+        device,
+        precision,
+    )

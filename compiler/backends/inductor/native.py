@@ -1,0 +1,229 @@
+"""This machine's own AOTInductor package of an engine, built in a background process (issue 34).
+
+An engine whose AOTInductor package may not run here (its package is not trusted to run code, or the
+package does not load on this machine) is served at once by its graph compiled here from its program,
+while a detached process builds this machine's own native package from the same program, with this
+machine's compiler and kiln's own settings, checks it in a fresh process and puts it into the local
+engine cache (trusted input, docs/security.md). Loads after that run natively, as a trusted load does:
+no Inductor compiler, no Triton compiler imported. The first caller never waits for the C++ build
+(minutes on a GPU host).
+
+A build is a job directory under the local cache, ``<cache>/native-builds/<key>/``: the program, the
+weights the check runs with (the loading process's own), and ``job.json`` (what was compiled and how:
+engine IO, kiln's options, device, precision). The worker takes the entry's build lock without waiting: a
+second process that finds it held leaves the build to the first (one build per entry across
+processes), and one that finds the entry built does nothing. What happened is appended to the cache's
+log, ``<cache>/native-builds.log`` (one JSON object per line: started, built, failed or skipped, with
+the key, seconds and the reason), which ``kiln cache ls`` shows; a failed build leaves the served graph
+serving and is tried again by the next load that finds no package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LOG_NAME = "native-builds.log"
+JOBS_DIR = "native-builds"
+INLINE_ENV = "KILN_NATIVE_BUILD"  # "background" (default), "inline" (wait for it), "off"
+_MODES = ("background", "inline", "off")
+
+
+@dataclass
+class NativeBuild:
+    """A started build: its entry key, job directory and process (None once it ran inline)."""
+
+    key: str
+    job: Path
+    process: subprocess.Popen | None
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The worker's exit status (None where it ran inline); TimeoutExpired past ``timeout``."""
+        return None if self.process is None else self.process.wait(timeout)
+
+
+def build_mode() -> str:
+    mode = os.environ.get(INLINE_ENV, "background").strip().lower() or "background"
+    if mode not in _MODES:
+        from compiler.errors import BuildSettingsError
+
+        raise BuildSettingsError(f"${INLINE_ENV}={mode!r}: expected one of {list(_MODES)}")
+    return mode
+
+
+def start(
+    cache_dir: Path,
+    key: str,
+    program: bytes,
+    weights: Sequence[Any],
+    job: Mapping[str, Any],
+) -> NativeBuild | None:
+    """Write the job and start its worker (detached: it outlives a caller that exits); None where
+    builds are off. ``job``: io, options, device, precision, frozen, constants (positions), target."""
+    mode = build_mode()
+    if mode == "off":
+        return None
+    from safetensors.torch import save_file
+
+    jobs = cache_dir / JOBS_DIR
+    jobs.mkdir(mode=0o700, exist_ok=True)
+    _sweep(jobs)
+    # One directory per attempt: a second process's job never overwrites a running worker's files.
+    directory = jobs / f"{key}.{uuid.uuid4().hex[:8]}"
+    directory.mkdir(mode=0o700)
+    (directory / "program.pt2").write_bytes(program)
+    save_file(
+        {f"w{i}": w.detach().cpu().contiguous() for i, w in enumerate(weights)},
+        directory / "weights.safetensors",
+    )
+    (directory / "job.json").write_text(json.dumps({**job, "key": key}, sort_keys=True))
+    command = [sys.executable, "-m", "compiler.backends.inductor.native", str(directory)]
+    if mode == "inline":
+        subprocess.run(command, check=False, env=_worker_env(), timeout=3600)
+        return NativeBuild(key, directory, None)
+    with open(directory / "worker.log", "wb") as log:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_worker_env(),
+            start_new_session=True,  # not killed with a serving process that exits or is interrupted
+        )
+    return NativeBuild(key, directory, process)
+
+
+def _sweep(jobs: Path, max_age_s: float = 24 * 3600) -> None:
+    """Remove job directories a killed worker left (a worker removes its own when it ends)."""
+    cutoff = time.time() - max_age_s
+    for job in jobs.iterdir():
+        try:
+            if job.is_dir() and not job.is_symlink() and job.stat().st_mtime < cutoff:
+                shutil.rmtree(job, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _worker_env() -> dict[str, str]:
+    # The worker imports kiln as this process did.
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{path}" if path else root}
+
+
+def log_events(cache_dir: Path) -> list[dict[str, Any]]:
+    """The cache's native-build log, oldest first (lines that are not a JSON object are skipped)."""
+    try:
+        lines = (cache_dir / LOG_NAME).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    events = []
+    for line in lines[-10000:]:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and isinstance(event.get("key"), str):
+            events.append(event)
+    return events
+
+
+def latest(cache_dir: Path) -> dict[str, dict[str, Any]]:
+    """key -> the last event logged for it."""
+    return {event["key"]: event for event in log_events(cache_dir)}
+
+
+def _log(cache_dir: Path, event: Mapping[str, Any]) -> None:
+    line = json.dumps({"time": round(time.time(), 3), "pid": os.getpid(), **event}, sort_keys=True)
+    # One write of one line in append mode: lines of concurrent workers do not interleave.
+    with open(cache_dir / LOG_NAME, "a", encoding="utf-8") as file:
+        file.write(line + "\n")
+
+
+def _run(directory: Path) -> int:
+    job = json.loads((directory / "job.json").read_text())
+    key = job["key"]
+    from filelock import FileLock, Timeout
+
+    from compiler.cache.local import EngineCache
+
+    cache = EngineCache(directory.parent.parent)
+    # Its own lock, not the entry's: putting the entry takes that one.
+    lock = FileLock(str(directory.parent / f"{key}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:  # another process builds this entry: one build
+        _log(cache.directory, {"key": key, "state": "skipped", "reason": "another process is building it"})
+        return 0
+    try:
+        if cache.get(key) is not None:
+            _log(cache.directory, {"key": key, "state": "skipped", "reason": "already built"})
+            return 0
+        _log(cache.directory, {"key": key, "state": "started"})
+        start_time = time.perf_counter()
+        try:
+            built, note = _build(directory, job)
+        except Exception as exc:  # the build's own failure is the log's news, never the caller's
+            from compiler.backends.inductor.graph import short_error
+
+            built, note = None, short_error(exc)
+        seconds = round(time.perf_counter() - start_time, 2)
+        if built is not None:
+            try:
+                meta = {"kind": "inductor-local-aot", "torch": job["torch"], "target": job["target"]}
+                cache.put(key, built, meta)
+            except Exception as exc:  # a cache that cannot take it: the build did not help
+                built, note = None, f"built, but the engine cache did not take it: {exc}"
+        if built is None:
+            _log(cache.directory, {"key": key, "state": "failed", "seconds": seconds, "reason": note[:2000]})
+            return 1
+        _log(cache.directory, {"key": key, "state": "built", "seconds": seconds, "compiler": note})
+        return 0
+    finally:
+        lock.release()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _build(directory: Path, job: Mapping[str, Any]) -> tuple[bytes | None, str]:
+    import torch
+    from safetensors.torch import load_file
+
+    from compiler.backends.base import EngineIO
+    from compiler.backends.inductor.aot import aot_from_program
+
+    device = torch.device(job["device"])
+    tensors = load_file(str(directory / "weights.safetensors"), device=str(device))
+    weights = tuple(tensors[f"w{i}"] for i in range(len(tensors)))
+    program = (directory / "program.pt2").read_bytes()
+    io = EngineIO.from_dict(job["io"])
+    return aot_from_program(
+        program, io, weights, job["options"], device, job["precision"], frozen=bool(job["frozen"])
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m compiler.backends.inductor.native JOB_DIR", file=sys.stderr)
+        return 2
+    directory = Path(args[0])
+    try:
+        return _run(directory)
+    except Exception as exc:  # the worker itself broke: said in the cache's log, then raised (worker.log)
+        key = directory.name.split(".")[0]
+        reason = f"{type(exc).__name__}: {exc}"
+        _log(directory.parent.parent, {"key": key, "state": "failed", "reason": reason})
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""Reading and checking a package on disk: its manifest and the files it lists, without torch.
+
+:func:`read_manifest` is what a caller that only needs to know what a package holds and that it is
+intact uses (the no-op check of an unchanged zoo, ``kiln report``, registration): the format version,
+the content hash, the signature (where a verification key is configured:
+:mod:`compiler.package.signing`), the layout, no symlinks and every listed file's checksum, exactly as
+:func:`compiler.load` checks them before it uses a byte.
+:mod:`compiler.package.save_load` loads and saves with these same functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+
+from compiler.errors import PackageCorruptError, PackageVersionError
+from compiler.package.digest import content_hash
+from compiler.package.manifest import FORMAT_VERSION, PROGRAM, Manifest, check_layout
+from compiler.package.signing import Trust, verify_package
+from compiler.version import kiln_version
+
+MANIFEST = "manifest.json"
+
+
+def read_manifest(path: str | os.PathLike, *, verify: bool = True, signature: bool = True) -> Manifest:
+    """The package's manifest, after checking its format version and (by default) its content hash,
+    signature (where ``$KILN_SIGNING_PUBLIC_KEY`` or trusted certificates are set), layout and every
+    file's checksum. ``signature=False`` leaves the signature out, for a caller about to sign the
+    package itself (registration with a signing key)."""
+    path = Path(path)
+    manifest = checked_manifest(path, verify=verify, signature=signature)
+    if verify:
+        for rel in manifest.files:
+            read_verified(path, rel, manifest)
+    return manifest
+
+
+def checked_manifest(
+    path: Path, *, verify: bool, signature: bool = True, trust: Trust | None = None
+) -> Manifest:
+    """The typed manifest: version checked; with ``verify``, hash, signature (unless ``signature`` is
+    False; against ``trust``, by default the environment's, where there is one), layout and no symlinks.
+
+    File checksums are checked where each file is read (:func:`read_verified`).
+    """
+    manifest_path = path / MANIFEST
+    if manifest_path.is_symlink():
+        raise PackageCorruptError(f"{manifest_path} is a symlink; a package holds plain files only")
+    if not manifest_path.is_file():
+        raise PackageCorruptError(f"{path} is not a kiln package: {MANIFEST} is missing")
+    try:
+        raw = manifest_path.read_bytes()  # read once: these bytes are hashed, verified and parsed
+        data = json.loads(raw)
+    except (OSError, ValueError) as exc:
+        raise PackageCorruptError(f"{manifest_path} is not valid JSON: {exc}") from exc
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise PackageCorruptError(f"{manifest_path} has no integer format_version")
+    if version > FORMAT_VERSION:
+        raise PackageVersionError(
+            f"{path} was written by package format {version} (kiln {data.get('kiln_version')}); this kiln "
+            f"({kiln_version()}) reads formats <= {FORMAT_VERSION}: upgrade kiln to load it"
+        )
+    if verify:
+        try:
+            expected = content_hash(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PackageCorruptError(f"{manifest_path} lacks a field every package has: {exc}") from exc
+        if data.get("content_hash") != expected:
+            raise PackageCorruptError(
+                f"{manifest_path} does not match its content_hash: the manifest was edited after saving"
+            )
+        trust = trust or (Trust.from_env() if signature else None)
+        if signature and trust is not None:  # none configured: the package is untrusted data
+            verify_package(path, trust, manifest_bytes=raw)
+    manifest = Manifest.from_json(data)
+    if version < 2 and (path / PROGRAM).is_file() and not (path / PROGRAM).is_symlink():
+        # Format 1 recorded the op modules inside the program archive (data, never imported here).
+        from compiler.program.export import recorded_modules  # torch: format-1 packages only
+
+        manifest = dataclasses.replace(
+            manifest, op_modules=tuple(recorded_modules((path / PROGRAM).read_bytes()))
+        )
+    if verify:
+        check_layout(manifest, str(path))
+        check_no_symlinks(path)
+    return manifest
+
+
+def read_verified(path: Path, rel: str, manifest: Manifest) -> bytes:
+    """The bytes of a listed file, read once and checked against the manifest's checksum."""
+    record = manifest.files.get(rel)
+    if record is None:
+        raise PackageCorruptError(f"{path}: {rel} is not listed in the manifest; refused")
+    file = path / rel
+    try:
+        info = file.lstat()
+    except FileNotFoundError:
+        raise PackageCorruptError(f"{path}: file {rel} listed in the manifest is missing") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise PackageCorruptError(f"{path}: {rel} is not a plain file (a symlink?); refused")
+    data = file.read_bytes()
+    if len(data) != record.bytes or hashlib.sha256(data).hexdigest() != record.sha256:
+        raise PackageCorruptError(
+            f"{path}: file {rel} does not match its checksum (expected sha256 {record.sha256[:16]}..., "
+            f"{record.bytes} bytes); the package is corrupt or was modified"
+        )
+    return data
+
+
+def check_no_symlinks(path: Path) -> None:
+    for root, dirs, names in os.walk(path, followlinks=False):
+        for name in dirs + names:
+            if os.path.islink(os.path.join(root, name)):
+                rel = os.path.relpath(os.path.join(root, name), path)
+                raise PackageCorruptError(f"{path}: {rel} is a symlink; a package holds plain files only")

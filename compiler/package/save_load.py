@@ -1,0 +1,484 @@
+"""Package: one self-describing directory per compiled model.
+
+    manifest.json            the typed Manifest (package/manifest.py): format version, specs, versions,
+                             plan, report, validation, op modules, lineage, file checksums, content hash
+    program.pt2              the exported program (torch.export format), weights left hollow
+    weights.safetensors      every weight, once
+    runtime_graph.json       the split graph as data, what a load runs (partitioning/runtime_graph.py); the
+                             program is read only when asked for (absent where the graph holds
+                             anything that form cannot: such packages load from the program)
+    engines/<fp>.engine      one engine per unique fingerprint (weight-stripped or full); none for a
+                             fingerprint whose build fell back to PyTorch (the program runs it)
+    model.sig                optional: the model-signing signature of every other file (never listed
+                             in the manifest, which it signs; compiler/package/signing.py)
+
+What loading guarantees (docs/security.md says why):
+
+* ``content_hash`` is the sha256 of the whole manifest but the hash (and signature) itself, and the
+  manifest lists the sha256 of every file a load reads, the program included: a changed byte anywhere
+  is refused. Each file is read once, checked, and those same bytes are used.
+* Every path is relative, inside the package and listed; an engine's file is ``engines/<fp>.engine``;
+  symlinks are refused.
+* Nothing is unpickled or evaluated: the runtime graph is JSON whose calls name operators; the
+  program archive is refused if torch would unpickle any part of it
+  (``compiler.program.export.check_archive``); safetensors and engines are plain bytes. The one engine that
+  is code, an Inductor compiled graph, runs as stored only from a trusted package
+  (``trust_engine_code``, or a signature verified with ``$KILN_SIGNING_PUBLIC_KEY`` or trusted
+  certificates); otherwise it is compiled again here from the program it carries, read by the same rule.
+* Modules the package needs imported (custom ops, pytree types) are imported only when the loading
+  process allows them (``allowed_modules``, ``$KILN_ALLOWED_OP_MODULES``, or already imported).
+* With ``$KILN_SIGNING_PRIVATE_KEY`` set, saves sign the package (model-signing's format, ``model.sig``);
+  with a verification key set, loads refuse a package whose signature is missing or wrong.
+
+The reading and checking (manifest, file checksums, symlinks) is :mod:`compiler.package.check`, which
+needs no torch: :func:`read_manifest` is its function, re-exported here.
+
+Saving writes into a temporary directory beside the target and renames it into place, so a failed
+save leaves the previous package (or nothing) at the path, never half of one. Equal compiles give
+equal bytes and an equal content hash (no timestamps; the program archive is reproducible).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from compiler.atomic import write_bytes_atomic
+from compiler.backends import get_backend
+from compiler.backends.inductor.backend import warm_inductor_imports
+from compiler.build.engine import EngineArtifact
+from compiler.device import program_on, resolve, same
+from compiler.errors import EngineCompatibilityError, KilnError, PackageCorruptError
+from compiler.package.check import MANIFEST, checked_manifest, read_manifest, read_verified
+from compiler.package.digest import content_hash
+from compiler.package.manifest import (
+    FORMAT_VERSION,
+    PROGRAM,
+    RUNTIME_GRAPH,
+    WEIGHTS,
+    EngineRecord,
+    FileRecord,
+    Manifest,
+    SourceRecord,
+    engine_file,
+)
+from compiler.package.signing import Signer, Trust, sign_package
+from compiler.package.writing import as_validation_report, hollow_program, int8_only_weights, swap_into_place
+from compiler.partitioning import runtime_graph
+from compiler.partitioning.dedup import DedupPlan
+from compiler.partitioning.partition import (
+    QUANTIZED_PREFIX,
+    from_runtime_graph,
+    program_weights,
+    replay,
+    with_weights,
+)
+from compiler.program.export import (
+    check_archive,
+    import_allowed_modules,
+    import_modules,
+    load_program_bytes,
+    program_bytes,
+)
+from compiler.runtime.module import CompiledModule, assemble
+from compiler.validation.report import ValidationReport
+from compiler.version import kiln_version
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "PROGRAM",
+    "WEIGHTS",
+    "PackageInfo",
+    "content_hash",
+    "load",
+    "read_manifest",
+    "refit_package",
+    "save",
+]
+
+
+@dataclass(frozen=True)
+class PackageInfo:
+    path: Path
+    manifest: Manifest
+    bytes: int
+
+    @property
+    def content_hash(self) -> str:
+        return self.manifest.content_hash
+
+
+def save(
+    compiled: CompiledModule,
+    path: str | os.PathLike,
+    *,
+    validation: ValidationReport | Mapping[str, Any] | None = None,
+    source: SourceRecord | None = None,
+    int8_weights_only: bool = False,
+) -> PackageInfo:
+    """Write ``compiled`` as a package directory at ``path`` (replacing an old one atomically).
+
+    ``validation``: the report of :func:`compiler.validate` (or its ``to_dict``); ``source``: where the
+    model came from (lineage, recorded and hashed with the rest). ``int8_weights_only``: float weights
+    that only int8 engines read are left out (the engines' int8 tensors stand for them; the program
+    keeps their shapes): the package shrinks to its int8 size, but none of its int8 partitions can be
+    raised to a float precision or compared with its float submodule again (recompile for that).
+    """
+    path = Path(path)
+    signer = Signer.from_env()  # a bad signing configuration fails before anything is written
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The package is built as staging/<name>, so that its signature names it as the package it becomes.
+    staging = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = staging / path.name
+    tmp.mkdir(parents=True)
+    try:
+        plan = compiled.plan
+        files: dict[str, bytes] = {PROGRAM: program_bytes(hollow_program(plan.program), record_modules=False)}
+        graph = runtime_graph.write(plan.graph_module, plan.signature, plan.symbols)
+        if graph is not None:  # what loads run from (None: a graph it cannot hold loads the program)
+            files[RUNTIME_GRAPH] = graph
+        elided = set(plan.elided_weights) | (int8_only_weights(compiled) if int8_weights_only else set())
+        weights = {
+            k: v.detach().cpu().contiguous().clone()
+            for k, v in sorted(compiled.weights.items())
+            if k not in elided
+        }
+        files[WEIGHTS] = safetensors.torch.save(weights)
+        engines = {}
+        for fp, artifact in sorted(compiled.engines.items()):
+            rel = engine_file(fp) if artifact.is_engine else None
+            if rel is not None:
+                files[rel] = artifact.engine
+            engines[fp] = EngineRecord(
+                file=rel,
+                io=artifact.io,
+                cache_key=artifact.cache_key,
+                bytes=artifact.bytes,
+                stripped=artifact.stripped,
+                backend=artifact.backend,
+                build_failure=artifact.build_failure,
+            )
+        (tmp / "engines").mkdir()
+        for rel, data in files.items():
+            write_bytes_atomic(tmp / rel, data)
+        report = compiled.report
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            kiln_version=kiln_version(),
+            torch_version=torch.__version__,
+            input_specs=tuple(compiled.input_specs),
+            backend=report.backend,
+            backend_version=report.backend_version,
+            engine_target=report.engine_target,
+            precision=report.precision,
+            strip_weights=report.strip_weights,
+            input_weights=tuple(sorted(plan.input_weights)),
+            plan={**plan.to_dict(), **({"elided_weights": sorted(elided)} if elided else {})},
+            dedup=compiled.dedup.to_dict(),
+            engines=engines,
+            report=report,
+            validation=as_validation_report(validation),
+            files={
+                rel: FileRecord(hashlib.sha256(data).hexdigest(), len(data))
+                for rel, data in sorted(files.items())
+            },
+            op_modules=tuple(import_modules(plan.program)),
+            source=source,
+        )
+        # Through JSON first, so the hash is of exactly what a reader will parse (int keys, tuples).
+        data = json.loads(json.dumps(manifest.to_json(), sort_keys=True))
+        digest = content_hash(data)
+        manifest = dataclasses.replace(manifest, content_hash=digest)
+        text = json.dumps(manifest.to_json(), indent=2, sort_keys=True)
+        write_bytes_atomic(tmp / MANIFEST, text.encode())
+        if signer is not None:  # signed before it is in place: a signed package appears whole
+            sign_package(tmp, signer)
+        swap_into_place(tmp, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    total = sum(f.bytes for f in manifest.files.values()) + (path / MANIFEST).stat().st_size
+    return PackageInfo(path, manifest, total)
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    allowed_modules: Sequence[str] | None = None,
+    device: str | None = None,
+    trust_engine_code: bool | None = None,
+    cuda_graphs: str | None = None,
+) -> CompiledModule:
+    """Load a package: verify, re-create the split graph from the saved plan, refit engines, ready to call.
+
+    ``device``: where the model runs; by default the device it was compiled for (``cpu`` for packages
+    that predate devices). A device that is not here is a BackendUnavailableError naming it, and an
+    engine built for another device an EngineCompatibilityError.
+
+    ``allowed_modules``: module prefixes this call may import for the package's custom ops and
+    input/output types (added to ``$KILN_ALLOWED_OP_MODULES``; modules already imported need neither).
+
+    ``trust_engine_code``: whether engines that are code (Inductor's compiled graphs) may run as
+    stored. By default only when a verification key is configured (``$KILN_SIGNING_PUBLIC_KEY`` or
+    ``$KILN_SIGNING_TRUSTED_CERTIFICATES``), i.e. the package's signature was just verified
+    (format-2 packages: their hash covers every file); otherwise such engines are compiled again here
+    from their programs with kiln's own settings (slower, runs nothing the package brought).
+
+    ``cuda_graphs``: ``"auto"``, ``"on"`` or ``"off"`` for this load; by default what the package was
+    compiled with (``CompileOptions.cuda_graphs``; packages that predate it: ``"auto"``). The capture
+    check recorded at compile is trusted: a module it refused runs uncaptured (``"on"``: CudaGraphError).
+    """
+    path = Path(path)
+    start = time.perf_counter()
+    trust = Trust.from_env()  # read once: what checked_manifest verifies against is what is trusted
+    manifest = checked_manifest(path, verify=True, trust=trust)
+    manifest_s = time.perf_counter() - start
+    if trust_engine_code is None:
+        # The one implicit trust: a signature checked_manifest just verified against a configured key
+        # (it refuses any other), over a format-2 manifest (whose hash covers every byte a load reads;
+        # format 1's left the program out).
+        trust_engine_code = trust is not None and manifest.format_version >= 2
+    # Cold start: every file is read and checked on worker threads (sha256 and file reads release the
+    # GIL) while this thread imports what the engines' runtime needs and reads the program. Imports stay
+    # on this thread: concurrent imports can hand a thread a partly initialised module.
+    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kiln-load")
+    try:
+        compiled = _load(path, manifest, pool, allowed_modules, device, trust_engine_code, cuda_graphs)
+        compiled.load_seconds = {"manifest": round(manifest_s, 4), **compiled.load_seconds}
+        compiled.load_seconds["total"] = round(time.perf_counter() - start, 4)
+        return compiled
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _load(
+    path: Path,
+    manifest: Manifest,
+    pool: ThreadPoolExecutor,
+    allowed_modules: Sequence[str] | None,
+    device: str | None,
+    trust_engine_code: bool,
+    cuda_graphs: str | None,
+) -> CompiledModule:
+    try:
+        options = manifest.plan["options"]
+        recorded_device = options.get("device", "cpu")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise PackageCorruptError(f"{path}: the manifest's plan has no options ({exc!r})") from exc
+    target = resolve(device if device is not None else recorded_device)
+    if target.type == "cuda":  # the GPU's context is created (~0.3 s) while the files are hashed
+        pool.submit(torch.empty, 1, device=target)
+    # Weights a package left out (save(int8_weights_only=True)): the hollow program's shapes stand in.
+    elided = set(manifest.plan.get("elided_weights", ()))
+    light = RUNTIME_GRAPH in manifest.files and not elided
+    reads = {
+        rel: pool.submit(read_verified, path, rel, manifest)
+        for rel in (
+            PROGRAM,
+            WEIGHTS,
+            *([RUNTIME_GRAPH] if light else []),
+            *(r.file for r in manifest.engines.values() if r.file is not None),
+        )
+    }
+    # Each engine runs on the backend that built it; only a backend some engine needs must be present.
+    backends = manifest.engine_backends()
+    if manifest.backend in backends.values():
+        backend = get_backend(manifest.backend)
+        if manifest.backend.startswith("tensorrt") and backend.library_version() != manifest.backend_version:
+            raise EngineCompatibilityError(
+                f"{path} holds {manifest.backend} {manifest.backend_version} engines; this machine "
+                f"has {backend.library_version()}: recompile for it"
+            )
+    stages, mark = {}, time.perf_counter()
+
+    def lap(stage: str) -> None:  # where a load's seconds go (CompiledModule.load_seconds)
+        nonlocal mark
+        now = time.perf_counter()
+        stages[stage], mark = round(now - mark, 4), now
+
+    # Engines with AOTInductor packages (backend_options aot, on by default on CUDA) load natively: the
+    # package's own where trusted, else the one this machine built after the first untrusted load.
+    # Nothing of Inductor's to import then (a first untrusted load imports it when it compiles): its
+    # compile stack is 2.5-6.7 s of a GPT-2 load on the H200 (benchmarks/results/cold_start_default_*).
+    backend_options = options.get("backend_options")
+    compiled_for_cuda = str(recorded_device).startswith("cuda")
+    aot = backend_options.get("aot", compiled_for_cuda) if isinstance(backend_options, dict) else None
+    native = aot is True
+    # The weights are decoded and put on the device by a worker, while this thread reads the graph.
+    placed = pool.submit(_weights_on, reads[WEIGHTS], target)
+    if light:
+        checked_program = pool.submit(lambda: check_archive(reads[PROGRAM].result(), str(path / PROGRAM)))
+    if "inductor" in backends.values() and not native:
+        warm_inductor_imports()  # while the workers hash
+    lap("imports")
+
+    def read_program() -> torch.export.ExportedProgram:
+        program = load_program_bytes(
+            reads[PROGRAM].result(),
+            str(path / PROGRAM),
+            # Format 1 recorded the modules inside the archive (checked bytes, read as data).
+            modules=manifest.op_modules if manifest.format_version >= 2 else None,
+            allowed_modules=allowed_modules,
+        )
+        return program_on(program, target)
+
+    if light:  # the split graph as data; the program is read only if something asks for it
+        # ... but checked now as a read would check it (what torch would unpickle, the modules its
+        # text names): a package whose program would be refused is refused at load, as ever.
+        recorded = list(manifest.op_modules)
+        modules = sorted(set(recorded) | set(checked_program.result()))
+        import_allowed_modules(modules, str(path / PROGRAM), allowed=allowed_modules, recorded=recorded)
+        moved = None if same(target, resolve(recorded_device)) else target
+        graph = runtime_graph.read(
+            reads[RUNTIME_GRAPH].result(),
+            str(path / RUNTIME_GRAPH),
+            moved,
+            allowed_modules=allowed_modules,
+            recorded_modules=recorded,
+        )
+        own = set(graph.signature.weight_keys())
+    else:
+        program = read_program()
+        own = set(program_weights(program))
+    lap("program")
+    weights = placed.result()
+    missing = sorted((own | set(manifest.input_weights)) - set(weights) - elided)
+    if missing:
+        raise PackageCorruptError(f"{path}: {WEIGHTS} lacks weights {missing[:10]}")
+    runtime = {"device": str(target), **({"cuda_graphs": cuda_graphs} if cuda_graphs is not None else {})}
+    try:  # the plan and dedup records are decoded here: malformed ones are the package's fault
+        plan_data = {**manifest.plan, "options": {**options, **runtime}}
+        if light:
+            plan = from_runtime_graph(
+                graph,
+                tuple(manifest.input_specs),
+                plan_data,
+                weights,
+                manifest.input_weights,
+                read_program,
+                origin=str(path),
+            )
+        else:
+            plan = replay(with_weights(program, {k: v for k, v in weights.items() if k in own}), plan_data)
+        dedup = DedupPlan.from_dict(manifest.dedup)
+    except KilnError:  # a typed answer already (a partition that does not replay, a CUDA graph mode)
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise PackageCorruptError(
+            f"{path}: the manifest's plan or dedup is malformed ({exc!r:.200})"
+        ) from exc
+    lap("weights_and_replay")
+    plan.input_weights = {k: weights[k] for k in manifest.input_weights}
+    plan.quantized = {k: v for k, v in weights.items() if k.startswith(QUANTIZED_PREFIX)}
+    plan.elided_weights = frozenset(elided)
+    _check_dedup(dedup, plan, manifest, path)
+    engines = {
+        fp: EngineArtifact(
+            fp,
+            record.cache_key,
+            b"" if record.file is None else reads[record.file].result(),
+            record.io,
+            record.stripped,
+            True,
+            0.0,
+            backend=record.backend,
+            build_failure=record.build_failure,
+        )
+        for fp, record in manifest.engines.items()
+    }
+    report = copy.deepcopy(manifest.report)
+    compiled = assemble(plan, dedup, engines, report=report, trust_engine_code=trust_engine_code)
+    # The report describes the compile: this load's assemble time is not part of it (and would make a
+    # re-saved package differ from its source).
+    compiled.report.stage_seconds.clear()
+    compiled.report.stage_seconds.update(manifest.report.stage_seconds)
+    compiled.validation = manifest.validation
+    lap("engines_and_warmup")
+    compiled.load_seconds = stages
+    return compiled
+
+
+def _weights_on(read: Future[bytes], target: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(target) for k, v in safetensors.torch.load(read.result()).items()}
+
+
+def refit_package(
+    path: str | os.PathLike,
+    state: Mapping[str, torch.Tensor],
+    *,
+    allowed_modules: Sequence[str] | None = None,
+) -> PackageInfo:
+    """Put new weights of the same structure (a fine-tuned checkpoint) into a saved package: no rebuild.
+
+    The old validation no longer describes these weights, so it is dropped; validate again.
+    """
+    source = checked_manifest(Path(path), verify=True).source  # lineage stays: same model, new weights
+    compiled = load(path, allowed_modules=allowed_modules)
+    return save(compiled.refit(state), path, validation=None, source=source)
+
+
+# ---------------------------------------------------------------- checking a loaded plan
+
+
+def _check_dedup(dedup: DedupPlan, plan: Any, manifest: Manifest, path: Path) -> None:
+    """Every partition has exactly one instance, of a fingerprint the manifest has an engine record for,
+    whose representative is a partition of the plan, and whose inputs and outputs fit the partition."""
+    partitions = {part.name for part in plan.partitions}
+    named = [i.partition for i in dedup.instances]
+    problems = []
+    texts = [*named, *dedup.unique, *dedup.unique.values(), *(i.fingerprint for i in dedup.instances)]
+    if not all(isinstance(t, str) for t in texts):
+        raise PackageCorruptError(f"{path}: the manifest's dedup names partitions or engines by non-strings")
+    weights = set(plan.weights()) | set(plan.elided_weights)
+    for instance in dedup.instances:
+        refs = instance.weights if isinstance(instance.weights, Mapping) else {}
+        if any(
+            not isinstance(k, str)
+            or not re.fullmatch(r"w\d{1,6}", k)
+            or not isinstance(v, str)
+            or v not in weights
+            for k, v in refs.items()
+        ):
+            problems.append(f"instance {instance.partition!r} feeds its engine a weight the package lacks")
+    if sorted(named) != sorted(partitions):
+        problems.append(
+            f"instances name partitions {sorted(named)[:5]}, the plan has {sorted(partitions)[:5]}"
+        )
+    for instance in dedup.instances:
+        if instance.fingerprint not in manifest.engines or instance.fingerprint not in dedup.unique:
+            problems.append(
+                f"instance {instance.partition!r} uses an unknown engine {instance.fingerprint!r:.40}"
+            )
+        if not isinstance(instance.weights, Mapping):
+            problems.append(f"instance {instance.partition!r} has no weight map")
+    if not set(dedup.unique.values()) <= partitions:
+        problems.append("a unique engine's representative is not a partition of the plan")
+    for part in plan.partitions if not problems else ():
+        fp = next(i.fingerprint for i in dedup.instances if i.partition == part.name)
+        io = manifest.engines[fp].io
+        activations = sum(1 for i in part.inputs if i.kind == "activation")
+        outputs = {len(io.output_names), len(io.output_dtypes)}
+        if len(io.inputs) != activations or outputs != {part.num_outputs}:
+            problems.append(
+                f"engine {fp[:16]} takes {len(io.inputs)} inputs and gives {sorted(outputs)} outputs; "
+                f"partition {part.name} passes {activations} and expects {part.num_outputs}"
+            )
+    if problems:
+        raise PackageCorruptError(
+            f"{path}: the manifest's dedup does not fit its plan: {'; '.join(problems[:3])}"
+        )

@@ -1,0 +1,112 @@
+"""Pytree specs (how a call's arguments flatten and its outputs come back), decoded by kiln.
+
+torch's ``treespec_loads`` imports whatever module a spec's enum or defaultdict factory names and
+calls what it finds there. A package's runtime graph carries two specs, so they are read here instead,
+by the rules a program's text is held to (``compiler.program.text``, ``compiler.program.module_policy``):
+
+* a node type resolves only through torch's registry of serializable pytree types (registered by a
+  module already imported, e.g. under the op-module rule): nothing is imported for it;
+* a defaultdict's factory is one of ``module_policy.DEFAULT_FACTORIES`` (builtin containers and
+  numbers), never looked up in a module;
+* an enum in a context is a member of an ``enum.Enum`` class whose module the op-module rule allows
+  (``compiler.program.export.import_allowed_modules``), reached by plain attribute names.
+
+Anything else is a ``ValueError`` naming it (the caller makes that its typed error).
+"""
+
+from __future__ import annotations
+
+import builtins
+import enum
+import json
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from torch.utils import _pytree as pytree
+
+from compiler.program.module_policy import MODULE_NAME, default_factory_refusal
+
+_QUALNAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_MAX_DEPTH = 64  # specs nest as deep as the model's inputs and outputs do; far less in practice
+
+
+def loads(
+    text: str, where: str, *, allowed: Sequence[str] | None = None, recorded: Sequence[str] | None = None
+) -> pytree.TreeSpec:
+    """The spec ``pytree.treespec_dumps`` wrote as ``text`` (protocol 1), read by the rules above.
+    ``allowed``/``recorded``: the caller's op-module allow list and the package's recorded modules."""
+    protocol, schema = json.loads(text)
+    if protocol != 1:
+        raise ValueError(f"pytree spec protocol {protocol!r:.20}")
+    return _spec(schema, where, allowed, recorded, 0)
+
+
+def _spec(
+    schema: Any, where: str, allowed: Sequence[str] | None, recorded: Sequence[str] | None, depth: int
+) -> pytree.TreeSpec:
+    if depth > _MAX_DEPTH:
+        raise ValueError("a pytree spec nests too deep")
+    if not isinstance(schema, dict) or set(schema) != {"type", "context", "children_spec"}:
+        raise ValueError("a pytree spec node is not {type, context, children_spec}")
+    kind, context, children = schema["type"], schema["context"], schema["children_spec"]
+    if not isinstance(children, list):
+        raise ValueError("a pytree spec's children are not a list")
+    if kind is None:
+        if context is not None or children:
+            raise ValueError("a pytree leaf with a context or children")
+        return pytree.treespec_leaf()
+    if not isinstance(kind, str) or kind not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
+        raise ValueError(f"pytree type {kind!r:.80} is not registered in this process")
+    typ = pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE[kind]
+    node_def = pytree.SUPPORTED_SERIALIZED_TYPES[typ]
+    if typ is defaultdict:
+        decoded = _defaultdict_context(context)
+    elif node_def.from_dumpable_context is not None:
+        # A registered type's own decoder: torch's for namedtuples (a registry look-up) or that of the
+        # module that registered the type, which the op-module rule let this process import.
+        decoded = node_def.from_dumpable_context(context)
+    else:
+        if not isinstance(context, str):
+            raise ValueError(f"pytree {kind} context is not JSON text")
+        decoded = json.loads(context, object_hook=lambda obj: _enum_member(obj, where, allowed, recorded))
+    return pytree.TreeSpec(typ, decoded, [_spec(c, where, allowed, recorded, depth + 1) for c in children])
+
+
+def _defaultdict_context(context: Any) -> list[Any]:
+    if not isinstance(context, dict) or set(context) != {
+        "default_factory_module",
+        "default_factory_name",
+        "dict_context",
+    }:
+        raise ValueError("a defaultdict pytree context is not {factory module, factory name, keys}")
+    module, name = context["default_factory_module"], context["default_factory_name"]
+    refusal = default_factory_refusal(module, name)
+    if refusal is not None:
+        raise ValueError(f"the pytree names {refusal}")
+    return [getattr(builtins, name), context["dict_context"]]
+
+
+def _enum_member(
+    obj: dict[str, Any], where: str, allowed: Sequence[str] | None, recorded: Sequence[str] | None
+) -> Any:
+    if "__enum__" not in obj:
+        return obj
+    fqn, name = obj.get("fqn"), obj.get("name")
+    if not isinstance(fqn, str) or not isinstance(name, str):
+        raise ValueError("a pytree enum without a class name and member name")
+    module, _, qualname = fqn.partition(":")
+    if not MODULE_NAME.match(module) or not _QUALNAME.match(qualname):
+        raise ValueError(f"pytree enum class {fqn!r:.80}")
+    from compiler.program.export import import_allowed_modules  # the op-module rule (imports torch.export)
+
+    import_allowed_modules([module], where, allowed=allowed, recorded=recorded)
+    import sys
+
+    cls: Any = sys.modules[module]
+    for part in qualname.split("."):
+        cls = getattr(cls, part, None)
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum)) or name not in cls.__members__:
+        raise ValueError(f"pytree enum {fqn}.{name:.40} is not a member of an enum class")
+    return cls[name]

@@ -1,0 +1,44 @@
+"""The ``kiln`` command line (the ``kiln`` console script is ``flows.cli:app``).
+
+Every command group, one module each, listed once in :data:`GROUPS`; every option they take is an
+``Annotated`` alias in :mod:`flows.cli.options`:
+
+- :mod:`flows.cli.compile`: ``zoo``, ``compile``;
+- :mod:`flows.cli.registry`: ``lookup``, ``release``, ``rollback``, ``versions``;
+- :mod:`flows.cli.ops`: ``deploy``, ``report``, ``debug``, ``webhook``;
+- :mod:`flows.cli.cache`: ``cache ls|verify|gc``;
+- :mod:`flows.cli.serve`: ``serve triton export|run``.
+
+Only typer and rich are imported here: ``kiln --help`` answers without torch, Prefect or MLflow
+(issue 21); each command imports what it uses. Exit codes: 0 all models ok, 1 a model failed,
+2 unusable input.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from flows.cli import cache, compile, ops, registry, serve
+
+app = typer.Typer(
+    name="kiln",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+    help=(
+        "Compile PyTorch models into validated inference-engine packages (ONNX Runtime by default; "
+        "TensorRT, TensorRT-RTX and Inductor optionally).\n\n"
+        "Start here:  [bold]kiln zoo deploy/zoo.yaml --out out/[/bold]  compiles the example zoo and "
+        "prints where the packages are.\n\n"
+        "Exit codes: 0 all models ok, 1 a model failed, 2 unusable input."
+    ),
+)
+
+# Every command group of kiln, in the order `kiln --help` lists their commands.
+GROUPS = (compile, registry, ops, cache, serve)
+for _group in GROUPS:
+    _group.register_commands(app)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,129 @@
+"""``kiln serve triton export|run``: a Triton model repository from the registry, and a server on it.
+
+Exit codes as everywhere: 0 ok, 2 unusable input (no champion, a dtype Triton cannot take, a
+repository that cannot be used, no server binary, a server that would not start).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+
+import typer
+from rich.markup import escape
+
+from flows.cli.options import (
+    Address,
+    ExportAllowOpModule,
+    ExportTarget,
+    ExportTrackingUri,
+    GrpcPort,
+    HttpPort,
+    Instances,
+    JsonOut,
+    MetricsPort,
+    Models,
+    QueueDelayUs,
+    Repository,
+    Threads,
+    bad_input,
+)
+from flows.render import console
+
+serve_app = typer.Typer(help="Serve registered versions (Triton Inference Server).", no_args_is_help=True)
+triton_app = typer.Typer(
+    help="Triton model repositories from the registry, and a server on one.", no_args_is_help=True
+)
+serve_app.add_typer(triton_app, name="triton")
+
+
+@triton_app.command("export")
+def export_cmd(
+    models: Models,
+    repository: Repository,
+    target: ExportTarget = "cpu",
+    queue_delay_us: QueueDelayUs = 1000,
+    instances: Instances = 1,
+    threads: Threads = 0,
+    allow_op_module: ExportAllowOpModule = None,
+    tracking_uri: ExportTrackingUri = None,
+    as_json: JsonOut = False,
+) -> None:
+    """Write each model's champion (and previous, for rollbacks) into REPOSITORY as Triton versions,
+    with config.pbtxt from the package's input specs and kiln's Python backend."""
+    from compiler.errors import KilnError
+    from serving.triton.repository import export
+
+    try:
+        results = export(
+            models,
+            repository,
+            target=target,
+            tracking_uri=tracking_uri,
+            queue_delay_us=queue_delay_us,
+            instances=instances,
+            threads=threads,
+            allowed_modules=allow_op_module or None,
+        )
+    except KilnError as exc:
+        raise bad_input(f"{type(exc).__name__}: {exc}") from None
+    if as_json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+        return
+    for r in results:
+        previous = f", previous {r.previous}" if r.previous else ""
+        console.print(
+            f"[green]{escape(r.model)}[/green]: champion {r.champion}{previous} of "
+            f"{escape(r.registered_model)} in {escape(str(r.model_dir))}"
+            + (f" (downloaded {', '.join(r.staged)})" if r.staged else ""),
+            soft_wrap=True,
+        )
+    console.print(f"serve it: kiln serve triton run --repository {escape(str(repository))}", soft_wrap=True)
+
+
+@triton_app.command("run")
+def run_cmd(
+    repository: Repository,
+    http_port: HttpPort = 8000,
+    grpc_port: GrpcPort = 8001,
+    address: Address = "127.0.0.1",
+    metrics_port: MetricsPort = None,
+) -> None:
+    """Run tritonserver in the foreground on REPOSITORY: explicit model control, every model loaded,
+    bound to 127.0.0.1 unless --address says otherwise. Ctrl-C stops it."""
+    from compiler.errors import KilnError
+    from serving.triton.server import TritonServer
+
+    try:
+        server = TritonServer(
+            repository,
+            http_port=http_port,
+            grpc_port=grpc_port,
+            address=address,
+            metrics_port=metrics_port,
+            inherit_output=True,
+        )
+    except KilnError as exc:
+        raise bad_input(f"{type(exc).__name__}: {exc}") from None
+    # The server's own log goes to the terminal; SIGTERM/SIGINT stop it and its stubs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        server.start()
+        console.print(
+            f"[green]serving {escape(str(server.repository))}[/green]: HTTP {server.http_url}, gRPC "
+            f"{server.grpc_url}",
+            soft_wrap=True,
+        )
+        code = server.wait()
+    except KilnError as exc:
+        raise bad_input(f"{type(exc).__name__}: {exc}") from None
+    except KeyboardInterrupt:
+        code = 0
+    finally:
+        server.stop()
+    raise typer.Exit(code)
+
+
+def register_commands(app: typer.Typer) -> None:
+    app.add_typer(serve_app, name="serve")

@@ -1,0 +1,197 @@
+"""Inductor engines with AOTInductor packages (``backend_options: {aot: true}``): built beside the
+standalone graph and checked in a fresh process at build, loaded natively where trusted (no Inductor,
+no Triton imported), never run where not trusted, left out with a warning where they cannot be built."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from torch.export import Dim
+
+import compiler
+from compiler.backends.inductor import native
+from compiler.backends.inductor.aot import _check_in_fresh_process
+from compiler.backends.inductor.format import AOT, COMPILED, HEADER
+from compiler.errors import BuildSettingsError
+from tests.fixtures.signing_keys import ec_key_pair
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(12, 24), torch.nn.Linear(24, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc2(torch.relu(self.fc1(x))))
+
+
+def _program(device: str = "cpu") -> tuple[torch.nn.Module, torch.export.ExportedProgram]:
+    torch.manual_seed(0)
+    model = _Mlp().eval().to(device)
+    x = torch.randn(4, 12, device=device)
+    return model, compiler.export(model, (x,), dynamic_shapes=({0: Dim("batch", min=1, max=16)},))
+
+
+@pytest.fixture(scope="module")
+def program():
+    return _program()
+
+
+def _engine_files(module: compiler.CompiledModule) -> dict[str, bytes]:
+    (artifact,) = [a for a in module.engines.values() if a.engine]
+    with zipfile.ZipFile(io.BytesIO(artifact.engine)) as archive:
+        return {name: archive.read(name) for name in archive.namelist()}
+
+
+def _fresh_load(package: Path, env: dict, device: str = "cpu") -> dict:
+    code = textwrap.dedent(
+        f"""
+        import json, sys, warnings, torch, compiler
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m = compiler.load({str(package)!r})
+            for _ in range(2):  # the second round replays what the first captured (CUDA)
+                torch.manual_seed(1)
+                outs = {{b: m(torch.randn(b, 12).to({device!r})).tolist() for b in (1, 3, 16)}}
+        print(json.dumps({{
+            "dispatch": m.last_dispatch(), "outs": outs, "graphs": m.cuda_graphs.to_dict(),
+            # torch.export's deserializer imports part of torch._inductor; its compiler is what a
+            # standalone graph's load needs, and a native one must not.
+            "inductor": "torch._inductor.compile_fx" in sys.modules,
+            "warnings": [str(w.message) for w in caught if "Inductor" in str(w.message)],
+            # this machine's own native package, built in the background for the loads after this one
+            "native_builds": [b.wait(600) for b in m.native_builds()],
+        }}))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)"),
+        ),
+    ],
+)
+def test_aot_engine_loads_natively_where_trusted_and_never_where_not(device, tmp_path, monkeypatch):
+    model, exported = _program(device)
+    module = compiler.compile(
+        exported, backend="inductor", device=device, backend_options={"aot": True}, cache=False
+    )
+    files = _engine_files(module)
+    header = json.loads(files[HEADER])
+    assert AOT in files and os.path.basename(header["aot"]).startswith(("g++", "c++")), header
+    assert COMPILED not in files and not header["specializations"]  # the package serves every shape
+    torch.manual_seed(1)
+    with torch.no_grad():
+        expected = {b: model(torch.randn(b, 12).to(device)).cpu() for b in (1, 3, 16)}
+
+    env = dict(os.environ)
+    key = ec_key_pair(tmp_path, "release")
+    monkeypatch.setenv("KILN_SIGNING_PRIVATE_KEY", str(key.private))
+    compiler.save(module, tmp_path / "signed.kiln")
+    monkeypatch.delenv("KILN_SIGNING_PRIVATE_KEY")
+    compiler.save(module, tmp_path / "unsigned.kiln")
+
+    signed = _fresh_load(
+        tmp_path / "signed.kiln", {**env, "KILN_SIGNING_PUBLIC_KEY": str(key.public)}, device
+    )
+    # Every batch in range answered by the native package, with Inductor's compiler not imported.
+    assert set(signed["dispatch"].values()) == {"aot"} and not signed["inductor"], signed
+    assert not signed["warnings"], signed["warnings"]
+    if device == "cuda":  # captured once per shape, then replayed
+        assert signed["graphs"]["enabled"] and signed["graphs"]["captures"] == 3, signed["graphs"]
+    # Not trusted: the package's native code never runs. The engine is compiled here from its program and
+    # serves at once, while this machine's own AOTInductor package is built in the background into the
+    # local engine cache. A build that fails (here: its compiler) leaves the served graph serving, and
+    # says why in the cache's log, which `kiln cache ls` shows ...
+    cache = tmp_path / "cache"
+    env = {**env, "KILN_CACHE_DIR": str(cache)}
+    failed = _fresh_load(
+        tmp_path / "unsigned.kiln", {**env, "KILN_AOT_CXX": str(_failing_compiler(tmp_path))}, device
+    )
+    assert any("not trusted to run code" in w for w in failed["warnings"]), failed["warnings"]
+    assert any("being built in the background" in w for w in failed["warnings"]), failed["warnings"]
+    assert failed["native_builds"] == [1] and "aot" not in failed["dispatch"].values(), failed
+    events = native.log_events(cache)
+    assert [e["state"] for e in events] == ["started", "failed"] and "failing-g++" in events[-1]["reason"]
+    listed = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "cache", "ls", str(cache), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    (build,) = json.loads(listed.stdout)["native_builds"]
+    assert build["state"] == "failed" and "failing-g++" in build["reason"], build
+    # ... and the next loads build it again: two processes at once build it once.
+    with ThreadPoolExecutor(2) as pool:
+        unsigned, twin = pool.map(lambda _: _fresh_load(tmp_path / "unsigned.kiln", env, device), range(2))
+    kinds = [e.meta.get("kind") for e in compiler.EngineCache(cache).entries()]
+    assert kinds.count("inductor-local-aot") == 1, kinds
+    states = [e["state"] for e in native.log_events(cache)][2:]
+    assert states.count("built") == 1 and states.count("started") == 1, states
+    # ... so the next untrusted load runs natively, as a trusted one does: nothing compiled.
+    again = _fresh_load(tmp_path / "unsigned.kiln", env, device)
+    assert set(again["dispatch"].values()) == {"aot"} and not again["inductor"], again
+    assert not again["warnings"], again["warnings"]
+    for batch, want in expected.items():
+        for got in (signed, failed, unsigned, twin, again):
+            torch.testing.assert_close(torch.tensor(got["outs"][str(batch)]), want, rtol=1e-5, atol=1e-5)
+
+
+def _failing_compiler(directory: Path) -> Path:
+    """A C++ compiler that names itself as g++ does and fails every compile."""
+    failing = directory / "failing-g++"
+    failing.write_text(
+        '#!/bin/sh\nfor a in "$@"; do [ "$a" = "--version" ] && exec g++ --version; done\nexit 1\n'
+    )
+    failing.chmod(0o755)
+    return failing
+
+
+def test_aot_that_cannot_be_built_or_loaded_is_left_out_with_the_reason(program, tmp_path, monkeypatch):
+    model, exported = program
+    monkeypatch.setenv("KILN_AOT_CXX", str(_failing_compiler(tmp_path)))
+    with pytest.warns(UserWarning, match="no AOTInductor package for partition .*failing-g\\+\\+"):
+        module = compiler.compile(exported, backend="inductor", backend_options={"aot": True}, cache=False)
+    files = _engine_files(module)
+    assert AOT not in files and "failing-g++" in json.loads(files[HEADER])["aot_skipped"]
+    x = torch.randn(5, 12)
+    torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-5)  # the standalone graph serves
+
+    # A package that does not load in a fresh process is named, never kept.
+    garbage = tmp_path / "engine.pt2"
+    garbage.write_bytes(b"PK\x03\x04 not a package")
+    problem = _check_in_fresh_process(
+        str(garbage), [x], [model(x)], torch.device("cpu"), "fp32", str(tmp_path)
+    )
+    assert problem is not None and problem.startswith("failed in a fresh process"), problem
+
+
+def test_aot_option_must_be_a_flag(program):
+    _, exported = program
+    with pytest.raises(BuildSettingsError, match="aot must be true or false"):
+        compiler.compile(exported, backend="inductor", backend_options={"aot": "yes"}, cache=False)

@@ -1,0 +1,112 @@
+"""The op-module import policy (compiler.program.module_policy, issue 21): HF packages load with no argument,
+anything else is still refused, and a strict policy holds on every load path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import compiler
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _fresh(code: str, **env: str) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k != "KILN_ALLOWED_OP_MODULES"}
+    full.update(PYTHONPATH=str(ROOT), **env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full, timeout=600
+    )
+
+
+@pytest.fixture(scope="module")
+def packages(compiled_zoo, tmp_path_factory) -> dict[str, Path]:
+    """A package whose outputs are transformers' ModelOutput, and one with a custom op (zoo.models)."""
+    out = tmp_path_factory.mktemp("policy")
+    return {
+        name: compiler.save(compiled_zoo[name][1], out / f"{name}.kiln").path
+        for name in ("tiny_bert", "mlp_with_fallback")
+    }
+
+
+def test_hf_package_loads_in_a_fresh_process_with_no_argument_and_others_are_still_refused(packages):
+    manifest = compiler.read_manifest(packages["tiny_bert"])
+    assert list(manifest.op_modules) == ["transformers.modeling_outputs"]
+    done = _fresh(
+        f"""
+        import sys, torch, compiler
+        from compiler.errors import OpModuleNotAllowedError
+        assert "transformers.modeling_outputs" not in sys.modules
+        bert = compiler.load({str(packages["tiny_bert"])!r})
+        ids = torch.randint(0, 100, (2, 16))
+        print(type(bert(input_ids=ids, attention_mask=torch.ones_like(ids))).__name__)
+        try:
+            compiler.load({str(packages["mlp_with_fallback"])!r})
+        except OpModuleNotAllowedError as exc:
+            print("REFUSED", exc.needed, "zoo.models" in sys.modules)
+        """
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == [
+        "BaseModelOutputWithPoolingAndCrossAttentions",
+        "REFUSED ['zoo.models'] False",
+    ]
+
+
+def test_strict_policy_refuses_the_defaults_in_a_fresh_process(packages):
+    done = _fresh(
+        f"""
+        import sys, compiler
+        from compiler.errors import OpModuleNotAllowedError
+        try:
+            compiler.load({str(packages["tiny_bert"])!r})
+        except OpModuleNotAllowedError as exc:
+            print(exc)
+        print("imported" if "transformers.modeling_outputs" in sys.modules else "not imported")
+        compiler.load({str(packages["tiny_bert"])!r}, allowed_modules=["transformers.modeling_outputs"])
+        print("loaded when the caller allows it")
+        """,
+        KILN_ALLOWED_OP_MODULES="",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "KILN_ALLOWED_OP_MODULES=transformers.modeling_outputs" in done.stdout  # today's message
+    assert done.stdout.splitlines()[-2:] == ["not imported", "loaded when the caller allows it"]
+
+
+def test_strict_policy_holds_for_lookups_and_the_pyfunc_loader(packages):
+    """Both load through compiler.load; the pyfunc model also drops the module list it was logged with."""
+    done = _fresh(
+        f"""
+        import os, sys
+        from mlflow.pyfunc import PythonModelContext
+        from compiler.errors import OpModuleNotAllowedError
+        from registry.lookup import load_package
+        from registry.pyfunc import PACKAGE_ARTIFACT, KilnPackageModel
+
+        path = {str(packages["mlp_with_fallback"])!r}
+        model = KilnPackageModel(allowed_modules=["zoo.models"])  # as registry.tracking logs it
+        context = PythonModelContext(artifacts={{PACKAGE_ARTIFACT: path}}, model_config=None)
+        for load in (lambda: model.load_context(context), lambda: load_package(path)):
+            try:
+                load()
+                print("loaded")
+            except OpModuleNotAllowedError as exc:
+                print("refused", exc.needed)
+        assert "zoo.models" not in sys.modules
+        del os.environ["KILN_ALLOWED_OP_MODULES"]  # the default policy: the logged list counts again
+        model.load_context(context)
+        print("pyfunc loaded", "zoo.models" in sys.modules)
+        """,
+        KILN_ALLOWED_OP_MODULES="",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        "refused ['zoo.models']",
+        "refused ['zoo.models']",
+        "pyfunc loaded True",
+    ]

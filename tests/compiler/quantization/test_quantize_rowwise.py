@@ -1,0 +1,137 @@
+"""Inductor on CUDA (issue 19): torchao's dynamic rowwise recipes (int8 with ``torch._int_mm``, fp8
+with ``torch._scaled_mm``) written into the partition's graph as ATen ops. The graph and its values are
+checked here on the CPU (torch's CPU kernels of both GEMMs run the program); builds and speed on CUDA
+are tests/gpu/test_quantize_rowwise_gpu.py and benchmarks/quantization_cuda.py.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import compiler
+from benchmarks.quantization import sensitive_case
+from compiler.errors import PartitionError
+from compiler.partitioning.dedup import canonical_weights
+from compiler.partitioning.partition import QUANTIZED_PREFIX
+from compiler.quantization.recipe import RecipeCall
+from compiler.quantization.rowwise import int8_linear, int8_weight, quantize_fingerprint
+
+BLOCKS = [f"engine_{i}" for i in range(4)]
+GEMMS = {
+    "fp8": ("aten._scaled_mm.default", torch.float8_e4m3fn),
+    "int8": ("aten._int_mm.default", torch.int8),
+}
+
+
+def _plan(precision: str, width: int = 32):
+    _, program, _ = sensitive_case(width=width, blocks=4, hot=2, batch=4, samples=8)
+    options = compiler.CompileOptions(
+        backend="inductor",
+        device="cuda",  # partitioning and the rewrite need no GPU: the graphs stay on the CPU here
+        precision=precision,
+        quantization="dynamic",
+        split_modules=("OutlierBlock",),
+    )
+    return compiler.partition(program, options)
+
+
+def _instance(tensors: dict[str, torch.Tensor], name: str) -> list[torch.Tensor]:
+    prefix = f"{QUANTIZED_PREFIX}{name}/w"
+    own = {int(k[len(prefix) :]): v for k, v in tensors.items() if k.startswith(prefix)}
+    return [own[j] for j in range(len(own))]
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_one_program_serves_every_instance_each_with_its_own_quantized_weights_and_scales(precision):
+    plan = _plan(precision)
+    program, tensors = quantize_fingerprint(RecipeCall(plan, BLOCKS))
+    exported = torch.export.load(io.BytesIO(program))
+    ops = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    gemm, dtype = GEMMS[precision]
+    # ATen only (a package's program rules), the linears now low-precision GEMMs
+    assert gemm in ops and "aten.linear.default" not in ops
+    assert all(op.startswith("aten.") for op in ops)
+    computed = {
+        n.meta["val"].dtype for n in exported.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+    }
+    assert torch.bfloat16 in computed  # the other ops in bf16, as torchao's recipes run
+    first, second = (_instance(tensors, b) for b in BLOCKS[:2])
+    assert [t.dtype for t in first].count(dtype) == 2  # both linears of the block
+    assert [(t.dtype, t.shape) for t in first] == [(t.dtype, t.shape) for t in second]
+    assert any(not torch.equal(a.float(), b.float()) for a, b in zip(first, second, strict=True))
+    every = plan.weights()
+    module = exported.module()
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    for name in BLOCKS:
+        partition = next(p for p in plan.partitions if p.name == name)
+        weights = iter(
+            every[key] for _, key in sorted(canonical_weights(partition).items(), key=lambda i: int(i[0][1:]))
+        )
+        args = [x if source.kind == "activation" else next(weights) for source in partition.inputs]
+        expected = plan.submodule(name)(*args)[0]
+        actual = module(x, *_instance(tensors, name))[0]
+        error = float((actual - expected).detach().norm() / expected.detach().norm())
+        assert 0 < error < 0.1, (name, error)  # close, not equal
+
+
+def test_int8_pads_rows_cublas_refuses_only_where_the_specs_allow_that_few():
+    # batch 4: four rows, which cuBLAS's int8 GEMM refuses (it needs 17): the graph pads them
+    program, _ = quantize_fingerprint(RecipeCall(_plan("int8"), BLOCKS))
+    ops = [str(n.target) for n in torch.export.load(io.BytesIO(program)).graph.nodes]
+    assert "aten.pad.default" in ops and "aten.slice.Tensor" in ops
+    # and the padded GEMM gives the unpadded one's rows
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 5, 32, generator=generator), torch.randn(24, 32, generator=generator)
+    weight, scale = int8_weight(w)
+    torch.testing.assert_close(int8_linear(x, weight, scale, None, True), int8_linear(x, weight, scale))
+    error = float((int8_linear(x, weight, scale) - x @ w.t()).norm() / (x @ w.t()).norm())
+    assert 0 < error < 0.05, error
+
+
+def test_a_block_without_an_aligned_linear_is_refused_by_name():
+    plan = _plan("fp8", width=24)  # 24: a multiple of 8 (int8) but not of 16 (fp8)
+    with pytest.raises(compiler.errors.QuantizationError, match=r"no linear .* multiples of 16 \(fp8"):
+        quantize_fingerprint(RecipeCall(plan, ["engine_0"]))
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        (
+            {"precision": "fp8", "quantization": "dynamic"},
+            r"precision fp8 with backend 'inductor' on cpu: .*8\.9\+; use device: cuda",
+        ),
+        (
+            {"precision": "fp8", "device": "cuda"},
+            r"fp8 with backend 'inductor' on CUDA scales activations per row.*quantization: dynamic",
+        ),
+        (
+            {"precision": "int8", "device": "cuda", "partition_precision": {"engine_0": "fp8"}},
+            r"fp8 and int8 with backend 'inductor' on CUDA .*quantization: dynamic",
+        ),
+    ],
+)
+def test_what_inductor_cannot_do_on_cuda_is_refused_by_name(settings, match):
+    with pytest.raises(PartitionError, match=match):
+        compiler.CompileOptions(backend="inductor", **settings)
+    # and float precisions on CUDA need none of it
+    assert (
+        compiler.CompileOptions(backend="inductor", device="cuda", precision="bf16").quantization == "static"
+    )
+
+
+def test_inductor_cuda_settings_keep_dedup_need_no_calibration_and_name_their_gemm():
+    options = compiler.CompileOptions(
+        backend="inductor",
+        precision="int8",
+        device="cuda",
+        quantization="dynamic",
+        partition_precision={"engine_0": "fp8"},  # both recipes in one compile
+    )
+    int8, fp8 = options.quantization_settings("int8"), options.quantization_settings("fp8")
+    assert int8["scales"] == fp8["scales"] == "refit" and int8["mode"] == fp8["mode"] == "dynamic"
+    assert int8["graph"] != fp8["graph"]  # different graphs, so different fingerprints
+    assert options.compute_precision("engine_0") == options.compute_precision("engine_1") == "bf16"
