@@ -129,15 +129,10 @@ class CompiledModule(torch.nn.Module):
         return self.cuda_graphs(flat)
 
     def native_builds(self) -> list[Any]:
-        """This machine's own native packages a load started building for the loads after it (Inductor
-        engines whose AOTInductor package may not run here: ``compiler.backends.inductor.native``), one
-        handle per engine, each with ``wait(timeout)``; empty where none was started."""
-        builds = {}
-        for call in self.graph.children():
-            build = getattr(call.engine, "native_build", None) if isinstance(call, EngineCall) else None
-            if build is not None:
-                builds[build.key] = build
-        return list(builds.values())
+        """Handles (``wait(timeout)``) of this machine's own native packages a load started building for
+        the loads after it (``compiler.backends.inductor.native``); empty where none was started."""
+        calls = [c for c in self.graph.children() if isinstance(c, EngineCall)]
+        return list({b.key: b for c in calls if (b := getattr(c.engine, "native_build", None))}.values())
 
     def last_dispatch(self) -> dict[str, str]:
         """Partition -> what served its last call in an Inductor engine with static specializations

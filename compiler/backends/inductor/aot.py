@@ -23,7 +23,7 @@ On a CUDA device a package is the default form of an engine (``backend_options: 
 for the standalone graph alone), and an engine that has one holds no standalone graph: the package
 serves every shape. A package is native code: it runs only where engine code is trusted
 (docs/security.md); an untrusted load compiles the engine from its program, serves that, and builds
-this machine's own package in the background (:class:`LocalAot`).
+this machine's own package in the background (``compiler.backends.inductor.native.LocalAot``).
 """
 
 from __future__ import annotations
@@ -177,79 +177,6 @@ class AotGraph:
         if self._constants:
             args = tuple(a for i, a in enumerate(args) if i not in self._constants)
         return self._runner.run(list(args))
-
-
-class LocalAot:
-    """This machine's own AOTInductor package of an engine whose package carried one that may not run
-    here (not trusted to run code, or it does not load on this machine).
-
-    The package's AOTInductor bytes are native code and never run untrusted. Instead the first such
-    load serves the engine's graph compiled here and starts building this machine's own package in the
-    background (``compiler.backends.inductor.native``), from the engine's program with this machine's
-    compiler and kiln's own settings, checked in a fresh process like a compile's, kept in the local
-    engine cache (trusted input, docs/security.md) keyed by what was compiled. Loads after it run
-    natively, as a trusted load does: no Inductor imported, no recompile.
-    """
-
-    def __init__(
-        self,
-        wanted: bool,
-        program: bytes,
-        options: Mapping[str, Any],
-        device: torch.device,
-        target: str,
-        header: Mapping[str, Any],
-    ):
-        from compiler.backends.inductor.graph import LocalCompiled
-
-        self.wanted, self.device, self.options, self.header = wanted, device, options, header
-        self.program, self.target = program, target
-        self.entry = LocalCompiled(program, options, target, aot=True) if wanted else None
-
-    def loaded(self) -> AotGraph | None:
-        """The package built here before, loaded; None where there is none (or not wanted)."""
-        data = self.entry.read() if self.entry is not None else None
-        if data is None:
-            return None
-        try:
-            return AotGraph(data, self.device, self.header["constants"])
-        except Exception:  # built by another torch or toolchain since: build it again
-            return None
-
-    def start(self, io: Any, weights: Sequence[torch.Tensor]) -> Any:
-        """Start building it (``compiler.backends.inductor.native``: a detached process by default,
-        ``$KILN_NATIVE_BUILD=inline`` waits for it, ``off`` builds none), warned; the build handle, or
-        None where there is no local cache or builds are off."""
-        import warnings
-
-        from compiler.backends.inductor import native
-
-        cache = self.entry._cache() if self.entry is not None else None
-        if cache is None:
-            return None
-        job = {
-            "io": io.to_dict(),
-            "options": dict(self.options),
-            "device": str(self.device),
-            "precision": str(self.header.get("precision", "fp32")),
-            "frozen": bool(self.header.get("frozen")),
-            "target": self.target,
-            "torch": torch.__version__,
-        }
-        build = native.start(cache.directory, self.entry.key, self.program, weights, job)
-        if build is not None:
-            how = (
-                "was built"
-                if build.process is None
-                else f"is being built in the background (pid {build.process.pid})"
-            )
-            warnings.warn(
-                "Inductor engine: serving its graph compiled here from its program; this machine's own "
-                f"AOTInductor package {how} into the local engine cache {cache.directory}, and loads after "
-                f"it run natively (its log: {cache.directory / native.LOG_NAME})",
-                stacklevel=4,
-            )
-        return build
 
 
 def aot_from_program(

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from compiler.backends.base import BuildSettings, EngineIO, unpack_torch_graph
-from compiler.backends.inductor.aot import AotGraph, LocalAot, aot_from_program
+from compiler.backends.inductor.aot import AotGraph, aot_from_program
 from compiler.backends.inductor.engine import InductorEngine, ordered_weights
 from compiler.backends.inductor.format import (
     AOT,
@@ -92,6 +92,7 @@ from compiler.backends.inductor.graph import (
     short_error,
 )
 from compiler.backends.inductor.memo import COMPILE_LOCK, library_key, recall, remember
+from compiler.backends.inductor.native import LocalAot
 from compiler.backends.inductor.options import (
     build_options,
     host_compiler,
@@ -316,8 +317,10 @@ class InductorBackend:
         ordered = ordered_weights(header, weights, self.device)
         constants = {int(i): t for i, t in load_tensors(files.get(CONSTANTS), self.device).items()}
         aot = self._load_aot(files, header)
-        # A package that may not run here (untrusted, or it does not load): this machine's own, if built
-        local = self._local_aot(files, header, options, wanted=AOT in files and aot is None)
+        # A package that may not run here (untrusted: its bytes never run; or it does not load): this
+        # machine's own, if built
+        wanted = AOT in files and aot is None
+        local = LocalAot(wanted, files[PROGRAM], options, self.device, self.target_device(), header)
         aot = aot or local.loaded()
         if aot is not None:  # serves every shape: no Inductor, no Triton imported
             return self._aot_engine(aot, ordered, io, constants, header)
@@ -358,18 +361,6 @@ class InductorBackend:
         engine = InductorEngine(aot, weights, io, constants, expected_weights=header["weights"])
         engine.last_dispatch = "aot"
         return engine
-
-    def _local_aot(
-        self,
-        files: Mapping[str, bytes],
-        header: Mapping[str, Any],
-        options: Mapping[str, Any],
-        *,
-        wanted: bool,
-    ) -> LocalAot:
-        """This machine's own AOTInductor package of an engine whose package carried one that does not
-        run here (untrusted: its bytes are never run; or it does not load on this machine)."""
-        return LocalAot(wanted, files[PROGRAM], options, self.device, self.target_device(), header)
 
     def _load_aot(self, files: Mapping[str, bytes], header: Mapping[str, Any]) -> AotGraph | None:
         """The engine's AOTInductor package, loaded, where it has one and engine code is trusted (it is
