@@ -130,7 +130,7 @@ class EngineBackend(Protocol):
 
     def build(
         self,
-        onnx_model: bytes,
+        lowered: bytes,
         io: EngineIO,
         settings: BuildSettings,
         *,
@@ -138,8 +138,8 @@ class EngineBackend(Protocol):
         cache_dir: str | os.PathLike | None = None,
     ) -> bytes:
         """Engine bytes for a lowered partition; stripped of weights when settings.strip_weights.
-        ``onnx_model`` is the lowered ONNX model, or a torch graph archive (:func:`pack_torch_graph`)
-        for a backend whose ``graph_format`` is ``"torch.export"``. An EngineBuildError names
+        ``lowered`` is the partition in the backend's ``graph_format``: an ONNX model (``"onnx"``), or
+        a torch graph archive (:func:`pack_torch_graph`, ``"torch.export"``). An EngineBuildError names
         ``partition`` (the ONNX graph cannot: one lowered graph serves every partition of its
         fingerprint) and the failing node where the library says it.
         ``cache_dir`` is the engine cache's directory, beside which a backend may keep build-time

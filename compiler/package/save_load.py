@@ -50,7 +50,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,11 +59,10 @@ import safetensors.torch
 import torch
 
 from compiler.atomic import write_bytes_atomic
-from compiler.backends import get_backend
 from compiler.backends.inductor.backend import warm_inductor_imports
-from compiler.build.engine import EngineArtifact
 from compiler.device import program_on, resolve, same
-from compiler.errors import EngineCompatibilityError, KilnError, PackageCorruptError
+from compiler.errors import KilnError, PackageCorruptError
+from compiler.package import reading
 from compiler.package.check import MANIFEST, checked_manifest, read_manifest, read_verified
 from compiler.package.digest import content_hash
 from compiler.package.manifest import (
@@ -90,7 +89,6 @@ from compiler.partitioning.partition import (
 )
 from compiler.program.export import (
     check_archive,
-    import_allowed_modules,
     import_modules,
     load_program_bytes,
     program_bytes,
@@ -295,15 +293,8 @@ def _load(
             *(r.file for r in manifest.engines.values() if r.file is not None),
         )
     }
-    # Each engine runs on the backend that built it; only a backend some engine needs must be present.
     backends = manifest.engine_backends()
-    if manifest.backend in backends.values():
-        backend = get_backend(manifest.backend)
-        if manifest.backend.startswith("tensorrt") and backend.library_version() != manifest.backend_version:
-            raise EngineCompatibilityError(
-                f"{path} holds {manifest.backend} {manifest.backend_version} engines; this machine "
-                f"has {backend.library_version()}: recompile for it"
-            )
+    reading.check_library(path, manifest, backends)
     stages, mark = {}, time.perf_counter()
 
     def lap(stage: str) -> None:  # where a load's seconds go (CompiledModule.load_seconds)
@@ -311,19 +302,11 @@ def _load(
         now = time.perf_counter()
         stages[stage], mark = round(now - mark, 4), now
 
-    # Engines with AOTInductor packages (backend_options aot, on by default on CUDA) load natively: the
-    # package's own where trusted, else the one this machine built after the first untrusted load.
-    # Nothing of Inductor's to import then (a first untrusted load imports it when it compiles): its
-    # compile stack is 2.5-6.7 s of a GPT-2 load on the H200 (benchmarks/results/cold_start_default_*).
-    backend_options = options.get("backend_options")
-    compiled_for_cuda = str(recorded_device).startswith("cuda")
-    aot = backend_options.get("aot", compiled_for_cuda) if isinstance(backend_options, dict) else None
-    native = aot is True
     # The weights are decoded and put on the device by a worker, while this thread reads the graph.
-    placed = pool.submit(_weights_on, reads[WEIGHTS], target)
+    placed = pool.submit(reading.weights_on, reads[WEIGHTS], target)
     if light:
         checked_program = pool.submit(lambda: check_archive(reads[PROGRAM].result(), str(path / PROGRAM)))
-    if "inductor" in backends.values() and not native:
+    if "inductor" in backends.values() and not reading.native_engines(options, recorded_device):
         warm_inductor_imports()  # while the workers hash
     lap("imports")
 
@@ -338,19 +321,9 @@ def _load(
         return program_on(program, target)
 
     if light:  # the split graph as data; the program is read only if something asks for it
-        # ... but checked now as a read would check it (what torch would unpickle, the modules its
-        # text names): a package whose program would be refused is refused at load, as ever.
-        recorded = list(manifest.op_modules)
-        modules = sorted(set(recorded) | set(checked_program.result()))
-        import_allowed_modules(modules, str(path / PROGRAM), allowed=allowed_modules, recorded=recorded)
         moved = None if same(target, resolve(recorded_device)) else target
-        graph = runtime_graph.read(
-            reads[RUNTIME_GRAPH].result(),
-            str(path / RUNTIME_GRAPH),
-            moved,
-            allowed_modules=allowed_modules,
-            recorded_modules=recorded,
-        )
+        modules = checked_program.result()
+        graph = reading.read_runtime_graph(path, manifest, reads, modules, moved, allowed_modules)
         own = set(graph.signature.weight_keys())
     else:
         program = read_program()
@@ -361,8 +334,8 @@ def _load(
     if missing:
         raise PackageCorruptError(f"{path}: {WEIGHTS} lacks weights {missing[:10]}")
     runtime = {"device": str(target), **({"cuda_graphs": cuda_graphs} if cuda_graphs is not None else {})}
+    plan_data = {**manifest.plan, "options": {**options, **runtime}}
     try:  # the plan and dedup records are decoded here: malformed ones are the package's fault
-        plan_data = {**manifest.plan, "options": {**options, **runtime}}
         if light:
             plan = from_runtime_graph(
                 graph,
@@ -387,20 +360,7 @@ def _load(
     plan.quantized = {k: v for k, v in weights.items() if k.startswith(QUANTIZED_PREFIX)}
     plan.elided_weights = frozenset(elided)
     _check_dedup(dedup, plan, manifest, path)
-    engines = {
-        fp: EngineArtifact(
-            fp,
-            record.cache_key,
-            b"" if record.file is None else reads[record.file].result(),
-            record.io,
-            record.stripped,
-            True,
-            0.0,
-            backend=record.backend,
-            build_failure=record.build_failure,
-        )
-        for fp, record in manifest.engines.items()
-    }
+    engines = reading.engine_artifacts(manifest, reads)
     report = copy.deepcopy(manifest.report)
     compiled = assemble(plan, dedup, engines, report=report, trust_engine_code=trust_engine_code)
     # The report describes the compile: this load's assemble time is not part of it (and would make a
@@ -411,10 +371,6 @@ def _load(
     lap("engines_and_warmup")
     compiled.load_seconds = stages
     return compiled
-
-
-def _weights_on(read: Future[bytes], target: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(target) for k, v in safetensors.torch.load(read.result()).items()}
 
 
 def refit_package(

@@ -71,11 +71,11 @@ from compiler.backends.inductor.format import (
     AOT,
     COMPILED,
     CONSTANTS,
+    ENGINE_PROGRAM,
+    ENGINE_WEIGHTS,
     FORMAT,
     HEADER,
     MAGIC,
-    PROGRAM,
-    WEIGHTS,
     load_tensors,
     pack,
     read_engine,
@@ -161,7 +161,7 @@ class InductorBackend:
     # -- build -----------------------------------------------------------------------------------
     def build(
         self,
-        onnx_model: bytes,
+        lowered: bytes,  # a torch graph archive (graph_format "torch.export")
         io: EngineIO,
         settings: BuildSettings,
         *,
@@ -176,7 +176,7 @@ class InductorBackend:
                 f"(torch._scaled_mm); this backend targets {self.target_device()}",
                 partition=partition,
             )
-        program, weight_bytes = unpack_torch_graph(onnx_model)
+        program, weight_bytes = unpack_torch_graph(lowered)
         weights = load_tensors(weight_bytes, self.device)
         # int8 (compiler.quantization.pt2e): weights and scales are the program's constants, frozen in.
         frozen = (settings.quantization or {}).get("weights") == "frozen"
@@ -213,7 +213,7 @@ class InductorBackend:
         header["specializations"] = [[list(s) for s in shapes] for shapes in static]
         if aot_note is not None:  # its compiler, or why there is none
             header["aot" if aot_bytes is not None else "aot_skipped"] = aot_note
-        files = {HEADER: json.dumps(header, sort_keys=True).encode(), PROGRAM: program}
+        files = {HEADER: json.dumps(header, sort_keys=True).encode(), ENGINE_PROGRAM: program}
         if aot_bytes is not None:
             files[AOT] = aot_bytes
         for index, data in enumerate(static.values()):
@@ -221,7 +221,7 @@ class InductorBackend:
         if graph.constants:
             files[CONSTANTS] = save_tensors({str(i): t for i, t in graph.constants.items()})
         if not settings.strip_weights:
-            files[WEIGHTS] = weight_bytes
+            files[ENGINE_WEIGHTS] = weight_bytes
         if artifact is not None:
             files[COMPILED] = artifact
         return pack(files)
@@ -311,21 +311,21 @@ class InductorBackend:
         self.check_compatible(header)
         options = self._compile_options(header)
         if weights is None:
-            if WEIGHTS not in files:
+            if ENGINE_WEIGHTS not in files:
                 raise RefitError("this Inductor engine is weight-stripped: load it with its weights")
-            weights = load_tensors(files[WEIGHTS], self.device)
+            weights = load_tensors(files[ENGINE_WEIGHTS], self.device)
         ordered = ordered_weights(header, weights, self.device)
         constants = {int(i): t for i, t in load_tensors(files.get(CONSTANTS), self.device).items()}
         aot = self._load_aot(files, header)
         # A package that may not run here (untrusted: its bytes never run; or it does not load): this
         # machine's own, if built
         wanted = AOT in files and aot is None
-        local = LocalAot(wanted, files[PROGRAM], options, self.device, self.target_device(), header)
+        local = LocalAot(wanted, files[ENGINE_PROGRAM], options, self.device, self.target_device(), header)
         aot = aot or local.loaded()
         if aot is not None:  # serves every shape: no Inductor, no Triton imported
             return self._aot_engine(aot, ordered, io, constants, header)
         host_compiler(options)
-        key = library_key(files[PROGRAM], {**header, "options": options})
+        key = library_key(files[ENGINE_PROGRAM], {**header, "options": options})
         with COMPILE_LOCK:
             compiled = recall(key)[0]
             if compiled is None:
@@ -430,7 +430,7 @@ class InductorBackend:
             except Exception as exc:  # a cache miss or a torch build mismatch: both mean compile again
                 reason = f"its compiled graph does not load here ({short_error(exc)})"
         # Keyed by the options it is compiled with here (an untrusted header's are filtered already).
-        local = LocalCompiled(files[PROGRAM], options, self.target_device(), shapes)
+        local = LocalCompiled(files[ENGINE_PROGRAM], options, self.target_device(), shapes)
         compiled = local.load(examples, weights, constants)
         if compiled is not None:  # compiled here from this very program before: as trusted as a build
             return compiled
@@ -452,7 +452,7 @@ class InductorBackend:
     ) -> Callable[..., Any]:
         """The engine's program compiled here (read as a package's program: an unsafe one is its own
         typed error), dynamic or at ``shapes``."""
-        graph = ProgramGraph.load(files[PROGRAM], self.device, frozen=frozen)
+        graph = ProgramGraph.load(files[ENGINE_PROGRAM], self.device, frozen=frozen)
         try:
             if shapes is None:
                 return graph.compile(engine_io, options, weights)
@@ -463,7 +463,7 @@ class InductorBackend:
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
         header, files = read_engine(engine)
         ordered = ordered_weights(header, weights, torch.device("cpu"))
-        files[WEIGHTS] = save_tensors(dict(zip(header["weights"], ordered, strict=True)))
+        files[ENGINE_WEIGHTS] = save_tensors(dict(zip(header["weights"], ordered, strict=True)))
         return pack(files)
 
     def check_compatible(self, header: Mapping[str, Any]) -> None:

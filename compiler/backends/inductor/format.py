@@ -15,7 +15,9 @@ import torch
 from compiler.backends.inductor.options import check_header
 from compiler.errors import EngineCompatibilityError, UnsafeEngineError
 
-HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED, AOT = (
+# ENGINE_PROGRAM and ENGINE_WEIGHTS: the engine's own entries, not the package's files of the same names
+# (compiler.package.manifest PROGRAM, WEIGHTS).
+HEADER, ENGINE_PROGRAM, CONSTANTS, ENGINE_WEIGHTS, COMPILED, AOT = (
     "kiln_inductor_engine.json",
     "program.pt2",
     "constants.safetensors",
@@ -23,7 +25,7 @@ HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED, AOT = (
     "inductor_compiled.bin",
     "aot_inductor.pt2",  # backend_options aot: the AOTInductor package (compiler.backends.inductor.aot)
 )
-_ENTRIES = (HEADER, PROGRAM, CONSTANTS, WEIGHTS, COMPILED, AOT)
+_ENTRIES = (HEADER, ENGINE_PROGRAM, CONSTANTS, ENGINE_WEIGHTS, COMPILED, AOT)
 # 1: torch.compile at load from cache artifacts (no longer read: rebuild). 2: standalone compiled graph.
 FORMAT = 2
 MAGIC = "kiln-inductor-engine"
@@ -63,9 +65,10 @@ def read_engine(engine: bytes) -> tuple[dict, dict[str, bytes]]:
     listed = header.get("specializations") or []
     static = {static_entry(i) for i in range(len(listed))} if isinstance(listed, list) else set()
     strange = sorted(set(files) - set(_ENTRIES) - static)
-    if strange or PROGRAM not in files or len(files) != len(entries) or not static <= set(files):
+    if strange or ENGINE_PROGRAM not in files or len(files) != len(entries) or not static <= set(files):
         raise UnsafeEngineError(
-            f"not a kiln Inductor engine: entries {sorted(files)[:8]}; expected {PROGRAM}, some of {_ENTRIES}"
+            f"not a kiln Inductor engine: entries {sorted(files)[:8]}; expected {ENGINE_PROGRAM}, "
+            f"some of {_ENTRIES}"
         )
     check_header(header)
     return header, files

@@ -21,7 +21,7 @@ import torch
 import compiler
 from compiler.backends import get_backend
 from compiler.backends.inductor.backend import InductorBackend
-from compiler.backends.inductor.format import COMPILED, HEADER, WEIGHTS, read_engine
+from compiler.backends.inductor.format import COMPILED, ENGINE_WEIGHTS, HEADER, read_engine
 from compiler.errors import (
     BackendUnavailableError,
     BuildSettingsError,
@@ -75,7 +75,7 @@ def test_inductor_engines_match_eager_with_one_build_per_structure(blocks, compi
     assert report.fallback_ops == {"kiln_zoo.soft_sign_clip.default": 3}
     header, files = read_engine(next(iter(module.engines.values())).engine)
     assert header["torch"] == torch.__version__ and header["device"] == "cpu" and header["compiler"]
-    assert set(files) == {HEADER, "program.pt2", WEIGHTS, COMPILED}
+    assert set(files) == {HEADER, "program.pt2", ENGINE_WEIGHTS, COMPILED}
     assert files[COMPILED], "the compiled graph travels with the engine"
 
 
@@ -97,7 +97,7 @@ def test_cache_hit_and_stripped_engines(blocks, compiled, tmp_path):
     assert again.report.cache_hits == 3 and again.report.engines_built == 0
     stripped = compiler.compile(program, backend="inductor", cache=cache, strip_weights=True)
     for artifact in stripped.engines.values():
-        assert WEIGHTS not in read_engine(artifact.engine)[1]
+        assert ENGINE_WEIGHTS not in read_engine(artifact.engine)[1]
     assert stripped.report.engine_bytes < module.report.engine_bytes
     x = case.args[0]
     torch.testing.assert_close(stripped(x), case.model(x), rtol=1e-5, atol=1e-5)

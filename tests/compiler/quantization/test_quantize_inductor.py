@@ -11,7 +11,7 @@ import torch
 
 import compiler
 from benchmarks.quantization import sensitive_case
-from compiler.backends.inductor.format import AOT, COMPILED, PROGRAM, read_engine
+from compiler.backends.inductor.format import AOT, COMPILED, ENGINE_PROGRAM, read_engine
 from compiler.errors import PartitionError
 
 pytest.importorskip("torchao", reason="Inductor int8 needs torchao (pip install 'kiln[int8-inductor]')")
@@ -53,7 +53,7 @@ def test_each_instance_is_quantized_on_its_own_inputs_into_its_own_frozen_engine
     for block in blocks:
         header, files = read_engine(compiled.engines[compiled.dedup.instance(block).fingerprint].engine)
         assert header["frozen"] is True and header["weights"] == {} and COMPILED not in files
-        program = torch.export.load(io.BytesIO(files[PROGRAM]))
+        program = torch.export.load(io.BytesIO(files[ENGINE_PROGRAM]))
         quantize = [n for n in program.graph.nodes if n.target == QUANTIZE]
         frozen = [*program.state_dict.values(), *program.constants.values()]
         assert quantize and any(t.dtype == torch.int8 for t in frozen)
@@ -114,7 +114,7 @@ def test_an_embedding_table_is_stored_int8_with_row_scales(tmp_path):
     compiled = compiler.compile(compiler.export(model, (ids[0],)), options, cache=False)
     assert compiled.report.quantization["fallbacks"] == {}
     (artifact,) = compiled.engines.values()
-    program = torch.export.load(io.BytesIO(read_engine(artifact.engine)[1][PROGRAM]))
+    program = torch.export.load(io.BytesIO(read_engine(artifact.engine)[1][ENGINE_PROGRAM]))
     tensors = [*program.state_dict.values(), *program.constants.values()]
     assert [t.dtype for t in tensors if tuple(t.shape) == (1000, 32)] == [torch.int8]  # no float copy
     expected = model(ids[20])

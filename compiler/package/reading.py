@@ -1,0 +1,92 @@
+"""Reading a package: what :func:`compiler.package.save_load.load` does beside assembling the module.
+
+The library check (TensorRT engines run only on the version that built them), whether Inductor's
+engines load natively (nothing of Inductor's imported then), the runtime graph read with the
+program's modules checked, the engine records with their verified bytes, and the weights on the
+device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from compiler.backends import get_backend
+from compiler.build.engine import EngineArtifact
+from compiler.errors import EngineCompatibilityError
+from compiler.package.manifest import PROGRAM, RUNTIME_GRAPH, Manifest
+from compiler.partitioning import runtime_graph
+from compiler.program.export import import_allowed_modules
+
+
+def read_runtime_graph(
+    path: Path,
+    manifest: Manifest,
+    reads: Mapping[str, Future[bytes]],
+    program_modules: Sequence[str],
+    moved: torch.device | None,
+    allowed_modules: Sequence[str] | None,
+) -> Any:
+    """The package's runtime graph, read; the program is checked now as a read of it would be (what
+    torch would unpickle, the modules its text names, ``program_modules``): a package whose program
+    would be refused is refused at load, as ever."""
+    recorded = list(manifest.op_modules)
+    modules = sorted(set(recorded) | set(program_modules))
+    import_allowed_modules(modules, str(path / PROGRAM), allowed=allowed_modules, recorded=recorded)
+    return runtime_graph.read(
+        reads[RUNTIME_GRAPH].result(),
+        str(path / RUNTIME_GRAPH),
+        moved,
+        allowed_modules=allowed_modules,
+        recorded_modules=recorded,
+    )
+
+
+def check_library(path: Path, manifest: Manifest, backends: Mapping[str, str]) -> None:
+    """Each engine runs on the backend that built it; only a backend some engine needs must be present,
+    and TensorRT's engines only on the TensorRT version that built them."""
+    if manifest.backend in backends.values():
+        backend = get_backend(manifest.backend)
+        if manifest.backend.startswith("tensorrt") and backend.library_version() != manifest.backend_version:
+            raise EngineCompatibilityError(
+                f"{path} holds {manifest.backend} {manifest.backend_version} engines; this machine "
+                f"has {backend.library_version()}: recompile for it"
+            )
+
+
+def native_engines(options: Mapping[str, Any], recorded_device: object) -> bool:
+    """Whether the package's Inductor engines are AOTInductor packages (``backend_options`` aot, on by
+    default on CUDA): they load natively (the package's own where trusted, else the one this machine
+    built after the first untrusted load), so nothing of Inductor's is imported at load; its compile
+    stack is 2.5-6.7 s of a GPT-2 load on the H200 (benchmarks/results/cold_start_default_h200.json)."""
+    backend_options = options.get("backend_options")
+    if not isinstance(backend_options, dict):
+        return False
+    return backend_options.get("aot", str(recorded_device).startswith("cuda")) is True
+
+
+def engine_artifacts(manifest: Manifest, reads: Mapping[str, Future[bytes]]) -> dict[str, EngineArtifact]:
+    """The manifest's engine records with their verified bytes (none for a partition left to PyTorch)."""
+    return {
+        fp: EngineArtifact(
+            fp,
+            record.cache_key,
+            b"" if record.file is None else reads[record.file].result(),
+            record.io,
+            record.stripped,
+            True,
+            0.0,
+            backend=record.backend,
+            build_failure=record.build_failure,
+        )
+        for fp, record in manifest.engines.items()
+    }
+
+
+def weights_on(read: Future[bytes], target: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(target) for k, v in safetensors.torch.load(read.result()).items()}
