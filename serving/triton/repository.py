@@ -209,7 +209,7 @@ def signature_key(manifest: Any) -> str:
     """A digest of what a version's served signature depends on besides its weights: the program and
     split graph files (their checksums), every engine's inputs and outputs, the input specs, the
     engine target, backend and precision. Torch-free: read from the verified manifest."""
-    from compiler.manifest import PROGRAM, RUNTIME_GRAPH
+    from compiler.package.manifest import PROGRAM, RUNTIME_GRAPH
 
     files = manifest.files
     data = {
