@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # torch where a build runs or a package loads, not on import 
 
 LOG_NAME = "native-builds.log"
 JOBS_DIR = "native-builds"
-INLINE_ENV = "KILN_NATIVE_BUILD"  # "background" (default), "inline" (wait for it), "off"
+MODE_ENV = "KILN_NATIVE_BUILD"  # "background" (default), "inline" (wait for it), "off"
 _MODES = ("background", "inline", "off")
 
 
@@ -57,11 +57,11 @@ class NativeBuild:
 
 
 def build_mode() -> str:
-    mode = os.environ.get(INLINE_ENV, "background").strip().lower() or "background"
+    mode = os.environ.get(MODE_ENV, "background").strip().lower() or "background"
     if mode not in _MODES:
         from compiler.errors import BuildSettingsError
 
-        raise BuildSettingsError(f"${INLINE_ENV}={mode!r}: expected one of {list(_MODES)}")
+        raise BuildSettingsError(f"${MODE_ENV}={mode!r}: expected one of {list(_MODES)}")
     return mode
 
 
@@ -73,7 +73,7 @@ def start(
     job: Mapping[str, Any],
 ) -> NativeBuild | None:
     """Write the job and start its worker (detached: it outlives a caller that exits); None where
-    builds are off. ``job``: io, options, device, precision, frozen, constants (positions), target."""
+    builds are off. ``job``: io, options, device, precision, frozen, target, torch."""
     mode = build_mode()
     if mode == "off":
         return None
@@ -194,8 +194,8 @@ def _sweep(jobs: Path, max_age_s: float = 24 * 3600) -> None:
 
 
 def _worker_env() -> dict[str, str]:
-    # The worker imports kiln as this process did.
-    root = str(Path(__file__).resolve().parents[2])
+    # The worker imports kiln as this process did: the folder that holds compiler/ on its path.
+    root = str(Path(__file__).resolve().parents[3])
     path = os.environ.get("PYTHONPATH", "")
     return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{path}" if path else root}
 
