@@ -56,6 +56,9 @@ class NativeBuild:
         return None if self.process is None else self.process.wait(timeout)
 
 
+_STARTED: dict[str, NativeBuild] = {}  # this process's builds by entry key
+
+
 def build_mode() -> str:
     mode = os.environ.get(MODE_ENV, "background").strip().lower() or "background"
     if mode not in _MODES:
@@ -77,6 +80,9 @@ def start(
     mode = build_mode()
     if mode == "off":
         return None
+    running = _STARTED.get(key)
+    if running is not None and running.process is not None and running.process.poll() is None:
+        return running  # the instances of one engine (dedup) share its build
     from safetensors.torch import save_file
 
     jobs = cache_dir / JOBS_DIR
@@ -104,7 +110,8 @@ def start(
             env=_worker_env(),
             start_new_session=True,  # not killed with a serving process that exits or is interrupted
         )
-    return NativeBuild(key, directory, process)
+    _STARTED[key] = NativeBuild(key, directory, process)
+    return _STARTED[key]
 
 
 class LocalAot:

@@ -195,3 +195,17 @@ def test_aot_option_must_be_a_flag(program):
     _, exported = program
     with pytest.raises(BuildSettingsError, match="aot must be true or false"):
         compiler.compile(exported, backend="inductor", backend_options={"aot": "yes"}, cache=False)
+
+
+def test_the_instances_of_one_engine_share_one_native_build(tmp_path):
+    """A package whose blocks share one engine (dedup) loads that engine once per instance: each asks for
+    this machine's own package, and one build runs (a job that cannot build is logged as failed)."""
+    job = {"io": {}, "options": {}, "device": "cpu", "precision": "fp32", "frozen": False}
+    job |= {"target": "cpu", "torch": torch.__version__}
+    weights = [torch.zeros(2)]
+    first = native.start(tmp_path, "ab" * 32, b"not a program", weights, job)
+    second = native.start(tmp_path, "ab" * 32, b"not a program", weights, job)
+    assert second is first and first.wait(120) == 1
+    assert len([p for p in (tmp_path / native.JOBS_DIR).iterdir() if p.is_dir()]) <= 1  # removed once done
+    (event,) = [e for e in native.log_events(tmp_path) if e["state"] == "failed"]
+    assert event["key"] == "ab" * 32 and event["reason"], event
