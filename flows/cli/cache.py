@@ -95,7 +95,7 @@ def cache_ls(location: Location = None, as_json: JsonOut = False) -> None:
         for key, event in sorted(builds.items(), key=lambda item: item[1].get("time", 0)):
             when = event.get("time")
             table.add_row(
-                key[:16],
+                escape(key[:16]),
                 escape(str(event.get("state"))),
                 _when(when) if isinstance(when, int | float) else "-",
                 escape(str(event.get("seconds", ""))),
