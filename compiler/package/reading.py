@@ -65,8 +65,7 @@ def native_engines(options: Mapping[str, Any], recorded_device: object) -> bool:
     built after the first untrusted load), so nothing of Inductor's is imported at load; its compile
     stack is 2.5-6.7 s of a GPT-2 load on the H200 (benchmarks/results/cold_start_default_h200.json)."""
     backend_options = options.get("backend_options")
-    if not isinstance(backend_options, dict):
-        return False
+    backend_options = backend_options if isinstance(backend_options, dict) else {}
     return backend_options.get("aot", str(recorded_device).startswith("cuda")) is True
 
 
@@ -89,4 +88,5 @@ def engine_artifacts(manifest: Manifest, reads: Mapping[str, Future[bytes]]) -> 
 
 
 def weights_on(read: Future[bytes], target: torch.device) -> dict[str, torch.Tensor]:
+    """The weights file's tensors (its bytes verified by ``read``) on the load's device."""
     return {k: v.to(target) for k, v in safetensors.torch.load(read.result()).items()}
