@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script
 
 import compiler  # noqa: E402
+from benchmarks.machine import cpu_model  # noqa: E402
 
 COMPILES = {
     "onnxruntime": {"backend": "onnxruntime"},
@@ -68,6 +70,12 @@ def run(cache_dir: Path) -> dict[str, dict]:
     return results
 
 
+def machine() -> dict:
+    """The machine the runs were recorded on (keys and build counts do not depend on it; the record says
+    where they were seen)."""
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "gpu": None, "torch": torch.__version__}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -86,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         path = ROOT / "benchmarks" / "results" / "warm_cache.json"
         recorded = json.loads(path.read_text()) if path.exists() else {}
         recorded[args.label] = results
+        recorded["machine"] = machine()
         path.write_text(json.dumps(recorded, indent=1) + "\n")
     return 0
 
