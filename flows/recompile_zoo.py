@@ -26,9 +26,10 @@ from flows.runners import (
     shared_dask_cluster,
     task_runner_for,
 )
-from zoo.config import ZooSettings, load_zoo
+from zoo.config import ZooSettings
 from zoo.preflight import check_workspace
 from zoo.request import CompileRequest
+from zoo.zoo_file import load_zoo
 
 SUMMARY_ARTIFACT = "zoo-summary"
 
@@ -119,7 +120,7 @@ def _open_zoo_run(settings: ZooSettings, zoo_path: str) -> str | None:
         return None
     from prefect.runtime import flow_run
 
-    from registry.tracking import start_zoo_run
+    from registry.zoo_runs import start_zoo_run
 
     return start_zoo_run(f"zoo-{str(flow_run.id)[:8]}", {"zoo": str(zoo_path)})
 
@@ -200,7 +201,7 @@ def recompile_zoo(
             zoo_run_status = "FINISHED"
     finally:
         if zoo_run is not None:
-            from registry.tracking import end_run
+            from registry.zoo_runs import end_run
 
             end_run(zoo_run, zoo_run_status)
 

@@ -27,9 +27,9 @@ from registry.errors import ReleaseError
 from registry.lookup import fetch_version, load_package
 from registry.models import CHAMPION, TAG_REJECTED, all_versions, get_aliases
 from registry.release import GateReport, ReleaseOutcome, apply_decision
-from registry.tracking import current_zoo_run, end_run, zoo_run_for
 from registry.tracking import record_package as _record_package
 from registry.transfer import ProgressCallback
+from registry.zoo_runs import current_zoo_run, end_run, zoo_run_for
 from zoo.request import CompileRequest
 
 
@@ -53,7 +53,7 @@ def record_package(
 ) -> dict:
     """Log ``package_dir`` to MLflow and register it (idempotent; a re-run completes an interrupted one).
 
-    The run nests under ``parent_run_id``, else the :func:`registry.tracking.zoo_run` of this context,
+    The run nests under ``parent_run_id``, else the :func:`registry.zoo_runs.zoo_run` of this context,
     else the zoo run of the enclosing Prefect flow run (found or created by its id). Raises
     ``RegistryUnavailableError`` when the server stays away: the package stays on disk and the run is
     marked failed; calling again later completes it. ``on_progress`` sees the upload file by file

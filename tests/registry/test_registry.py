@@ -92,7 +92,8 @@ def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def recorded(mlflow_server, packages) -> dict:
     """A recorded under a zoo run (nested), its result and the warnings recording raised."""
-    from registry.tracking import record_package, zoo_run
+    from registry.tracking import record_package
+    from registry.zoo_runs import zoo_run
 
     path = list(sys.path)
     with warnings.catch_warnings(record=True) as caught:
@@ -175,7 +176,8 @@ def test_two_zoo_runs_at_once_register_one_version(mlflow_server, packages, tmp_
     script = textwrap.dedent(
         """
         import json, sys
-        from registry.tracking import record_package, zoo_run
+        from registry.tracking import record_package
+        from registry.zoo_runs import zoo_run
         from zoo.config import ZooEntry
         with zoo_run(sys.argv[2]):
             request = ZooEntry(name="mlp", factory="zoo.models:mlp_with_fallback").requests()[0]

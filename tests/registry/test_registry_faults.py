@@ -161,7 +161,7 @@ def test_server_restart_mid_run_is_ridden_out_by_back_off(
 
 OPEN_A_ZOO_RUN = """
 import sys, time
-from registry.tracking import start_zoo_run
+from registry.zoo_runs import start_zoo_run
 print(start_zoo_run("zoo-killed", {"zoo": "z.yaml"}), flush=True)
 time.sleep(600)
 """
@@ -175,7 +175,7 @@ def test_a_zoo_run_whose_process_died_is_ended_by_the_next_zoo_run(mlflow_server
 
     import mlflow
 
-    from registry.tracking import start_zoo_run
+    from registry.zoo_runs import start_zoo_run
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "MLFLOW_TRACKING_URI": mlflow_server.uri}
