@@ -26,8 +26,9 @@ from tasks.registry import (
     rebuild_original,
     resolve_candidate,
 )
-from zoo.config import ZooConfigError, load_zoo
+from zoo.errors import ZooConfigError
 from zoo.request import CompileRequest
+from zoo.zoo_file import load_zoo
 
 DEFAULT_MAX_LATENCY_RATIO = 1.10
 

@@ -113,8 +113,8 @@ def verify(secret: str, headers: Any, body: bytes, now: float | None = None) -> 
 
 def entries_for(zoo_path: str, model_name: str) -> list[str]:
     """Names of the zoo entries whose source is a version or alias of registered model ``model_name``."""
-    from zoo.config import load_zoo
     from zoo.sources.mlflow_registry import parse_models_uri
+    from zoo.zoo_file import load_zoo
 
     names = []
     for entry in load_zoo(zoo_path).entries:

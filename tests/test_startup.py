@@ -68,7 +68,7 @@ def test_an_unchanged_model_is_reused_without_importing_torch(tmp_path):
         import sys
         from compiler.package.check import read_manifest
         from tasks.reuse import PublishedRecord, remember, unchanged
-        from zoo.config import load_zoo
+        from zoo.zoo_file import load_zoo
 
         # What the compile that published this package recorded.
         zoo = load_zoo({str(zoo_file)!r})

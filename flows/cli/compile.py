@@ -204,8 +204,9 @@ def zoo_cmd(
     device = devices_with_deprecated_target("zoo", device, target)
     from pydantic import ValidationError
 
-    from zoo.config import ZooConfigError, load_zoo
-    from zoo.config import format_errors as _format_errors
+    from zoo.errors import ZooConfigError
+    from zoo.zoo_file import format_errors as _format_errors
+    from zoo.zoo_file import load_zoo
 
     try:
         _check_environment()
@@ -325,7 +326,9 @@ def _entry_for_source(text: str) -> dict[str, Any]:
 def _entry_from_flags(zoo_file: Path, model: str, flags: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
     """(entry data, settings, zoo dir): the zoo file's entry named ``model`` (or a new one for a factory)
     with the flags written over it, so flags and zoo fields go through one schema."""
-    from zoo.config import ZooConfigError, ZooSettings, load_zoo
+    from zoo.config import ZooSettings
+    from zoo.errors import ZooConfigError
+    from zoo.zoo_file import load_zoo
 
     settings, entry_data, zoo_dir = ZooSettings(), None, None
     if zoo_file.exists() or ":" not in model:
@@ -399,7 +402,7 @@ def compile_cmd(
     from pydantic import ValidationError
 
     from zoo.config import ZooConfigError, ZooEntry
-    from zoo.config import format_errors as _format_errors
+    from zoo.zoo_file import format_errors as _format_errors
 
     flags = {
         "backend": backend,

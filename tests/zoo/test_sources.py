@@ -19,12 +19,13 @@ import torch
 
 import compiler
 from tests.fixtures.downloads import downloading, killed_download
-from zoo.config import ZooEntry, parse_zoo
+from zoo.config import ZooEntry
 from zoo.errors import UntrustedCodeError, ZooConfigError
 from zoo.preflight import preflight
 from zoo.sources import default_name, source_for
 from zoo.sources.hf import HfSource
 from zoo.sources.staging import TEMP_PREFIX, staging_dir
+from zoo.zoo_file import parse_zoo
 
 
 def _tiny_hf(task: str, folder: Path, seed: int = 0) -> Path:

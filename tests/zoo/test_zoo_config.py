@@ -10,10 +10,11 @@ import torch
 from compiler.options import CompileOptions
 from compiler.validation.report import Tolerances
 from tasks.workspace import Workspace, compile_key, content_hash
-from zoo.config import ZooConfigError, ZooEntry, ZooSettings, load_zoo, parse_zoo
-from zoo.errors import UntrustedCodeError
+from zoo.config import ZooEntry, ZooSettings
+from zoo.errors import UntrustedCodeError, ZooConfigError
 from zoo.preflight import check_device, check_memory, preflight
 from zoo.sources.factory import FactoryPolicy, resolve_factory
+from zoo.zoo_file import load_zoo, parse_zoo
 
 TRUSTED = FactoryPolicy()
 

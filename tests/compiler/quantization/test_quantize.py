@@ -281,8 +281,9 @@ def test_int8_and_fp8_on_a_backend_without_them_are_refused_by_name():
 
 
 def test_the_zoo_entry_carries_int8_to_the_request_and_preflight_wants_calibration_data(tmp_path):
-    from zoo.config import ZooConfigError, parse_zoo
+    from zoo.errors import ZooConfigError
     from zoo.preflight import preflight
+    from zoo.zoo_file import parse_zoo
 
     np.savez(tmp_path / "calib.npz", x=np.zeros((2, 4, 8), np.float32))
     entry = {
