@@ -16,6 +16,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from compiler.errors import PackageCorruptError, PackageVersionError
 from compiler.package.digest import content_hash
@@ -94,22 +95,44 @@ def checked_manifest(
 def read_verified(path: Path, rel: str, manifest: Manifest) -> bytes:
     """The bytes of a listed file, read once and checked against the manifest's checksum."""
     record = manifest.files.get(rel)
-    if record is None:
+    with open_listed(path, rel, manifest) as file:
+        data = file.read(record.bytes + 1)  # one byte more than listed: a longer file is refused
+    if len(data) != record.bytes or hashlib.sha256(data).hexdigest() != record.sha256:
+        raise checksum_error(path, rel, manifest)
+    return data
+
+
+def open_listed(path: Path, rel: str, manifest: Manifest) -> BinaryIO:
+    """A listed file of the package, opened for reading: a plain file (no symlink, not even as its last
+    component) of the listed length, else PackageCorruptError. Its bytes are the caller's to check
+    (:func:`checksum_error`)."""
+    if manifest.files.get(rel) is None:
         raise PackageCorruptError(f"{path}: {rel} is not listed in the manifest; refused")
-    file = path / rel
     try:
-        info = file.lstat()
+        # O_NONBLOCK: a FIFO in its place must not hang the open (regular files ignore the flag)
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(path / rel, flags)
     except FileNotFoundError:
         raise PackageCorruptError(f"{path}: file {rel} listed in the manifest is missing") from None
+    except OSError as exc:  # ELOOP: the name is a symlink
+        raise PackageCorruptError(f"{path}: {rel} is not a plain file (a symlink?); refused") from exc
+    file = os.fdopen(fd, "rb")
+    info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
+        file.close()
         raise PackageCorruptError(f"{path}: {rel} is not a plain file (a symlink?); refused")
-    data = file.read_bytes()
-    if len(data) != record.bytes or hashlib.sha256(data).hexdigest() != record.sha256:
-        raise PackageCorruptError(
-            f"{path}: file {rel} does not match its checksum (expected sha256 {record.sha256[:16]}..., "
-            f"{record.bytes} bytes); the package is corrupt or was modified"
-        )
-    return data
+    if info.st_size != manifest.files[rel].bytes:  # nothing is read, or allocated, for bytes not there
+        file.close()
+        raise checksum_error(path, rel, manifest)
+    return file
+
+
+def checksum_error(path: Path, rel: str, manifest: Manifest) -> PackageCorruptError:
+    record = manifest.files[rel]
+    return PackageCorruptError(
+        f"{path}: file {rel} does not match its checksum (expected sha256 {record.sha256[:16]}..., "
+        f"{record.bytes} bytes); the package is corrupt or was modified"
+    )
 
 
 def check_no_symlinks(path: Path) -> None:

@@ -2,8 +2,8 @@
 
 The library check (TensorRT engines run only on the version that built them), whether Inductor's
 engines load natively (nothing of Inductor's imported then), the runtime graph read with the
-program's modules checked, the engine records with their verified bytes, and the weights on the
-device.
+program's modules checked, and the engine records with their verified bytes (the weights:
+:mod:`compiler.package.weights_file`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 
 from compiler.backends import get_backend
@@ -85,8 +84,3 @@ def engine_artifacts(manifest: Manifest, reads: Mapping[str, Future[bytes]]) -> 
         )
         for fp, record in manifest.engines.items()
     }
-
-
-def weights_on(read: Future[bytes], target: torch.device) -> dict[str, torch.Tensor]:
-    """The weights file's tensors (its bytes verified by ``read``) on the load's device."""
-    return {k: v.to(target) for k, v in safetensors.torch.load(read.result()).items()}

@@ -77,6 +77,7 @@ from compiler.package.manifest import (
     engine_file,
 )
 from compiler.package.signing import Signer, Trust, sign_package
+from compiler.package.weights_file import read_weights
 from compiler.package.writing import as_validation_report, hollow_program, int8_only_weights, swap_into_place
 from compiler.partitioning import runtime_graph
 from compiler.partitioning.dedup import DedupPlan
@@ -288,7 +289,6 @@ def _load(
         rel: pool.submit(read_verified, path, rel, manifest)
         for rel in (
             PROGRAM,
-            WEIGHTS,
             *([RUNTIME_GRAPH] if light else []),
             *(r.file for r in manifest.engines.values() if r.file is not None),
         )
@@ -302,8 +302,8 @@ def _load(
         now = time.perf_counter()
         stages[stage], mark = round(now - mark, 4), now
 
-    # The weights are decoded and put on the device by a worker, while this thread reads the graph.
-    placed = pool.submit(reading.weights_on, reads[WEIGHTS], target)
+    # The weights are read, checked and put on the device by a worker, while this thread reads the graph.
+    placed = pool.submit(read_weights, path, WEIGHTS, manifest, target)
     if light:
         checked_program = pool.submit(lambda: check_archive(reads[PROGRAM].result(), str(path / PROGRAM)))
     if "inductor" in backends.values() and not reading.native_engines(options, recorded_device):

@@ -1,0 +1,220 @@
+"""The package's weights file, read once: hashed, checked and put on the load's device in one pass.
+
+``safetensors.torch.load`` wants the whole file as bytes (read, then hashed, then decoded into host
+tensors, then each copied to the device): four passes over every byte, one after the other, about 1.2 s
+of a 1.9 s GPT-2 load on the H200 (652 MB, benchmarks/results/cold_start_default_h200.json). Here the
+file is read in chunks into pinned staging buffers; each chunk is hashed and its copy to the device is
+queued on a side stream while the next one is read, so the copies hide behind the hash. The tensors are
+views of the one device buffer (copied once more only where their offset is not 16-byte aligned).
+
+Checked as ``read_verified`` checks a file (listed, plain, its length and sha256 the manifest's), and
+nothing is used before the whole file's digest matched: a package that passed its checks is exactly
+the bytes that were checked. The safetensors header is then held to what the format's own reader
+requires (known dtypes, sizes that match shapes, offsets that tile the data exactly, no duplicate
+names), so a header that lies is a :class:`PackageCorruptError`, as safetensors' own error was.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from compiler.errors import PackageCorruptError
+from compiler.package.check import checksum_error, open_listed
+from compiler.package.manifest import Manifest
+
+CHUNK_BYTES = 16 << 20
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+ALIGNMENT = 16  # bytes: what vectorized kernels assume of a tensor's start
+
+_DTYPES = {
+    name: dtype
+    for name, dtype in {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+        "F8_E5M2": getattr(torch, "float8_e5m2", None),
+        "U16": getattr(torch, "uint16", None),
+        "U32": getattr(torch, "uint32", None),
+        "U64": getattr(torch, "uint64", None),
+        "C64": torch.complex64,
+    }.items()
+    if dtype is not None
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: where its bytes are, counted from the start of the file."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_weights(
+    path: Path, rel: str, manifest: Manifest, target: torch.device, *, chunk_bytes: int = CHUNK_BYTES
+) -> dict[str, torch.Tensor]:
+    """The tensors of the package's safetensors file ``rel`` on ``target``, its bytes checked first
+    (read ``chunk_bytes`` at a time)."""
+    size = manifest.files[rel].bytes if rel in manifest.files else 0
+    with open_listed(path, rel, manifest) as file:
+        if target.type == "cuda":
+            buffer, head, digest = _read_to_device(file, size, target, chunk_bytes)
+        else:
+            buffer, digest = _read_to_host(file, size, chunk_bytes)
+            head = None
+        if file.read(1):  # longer than listed
+            raise checksum_error(path, rel, manifest)
+    if digest != manifest.files[rel].sha256:
+        raise checksum_error(path, rel, manifest)
+    if head is None:  # the header is read where it lies
+        head = _writable(buffer, size) if size else b""
+    try:
+        entries = parse_header(head, size)
+    except ValueError as exc:
+        raise PackageCorruptError(f"{path}: {rel} is not a safetensors file kiln reads: {exc}") from exc
+    return {entry.name: _view(buffer, entry) for entry in entries}
+
+
+def parse_header(head: bytes | memoryview, size: int) -> list[TensorEntry]:
+    """The tensors a safetensors file of ``size`` bytes names in its header (``head``: at least the
+    file's first 8 + header-length bytes); ValueError naming what is wrong."""
+    if size < 8 or len(head) < 8:
+        raise ValueError(f"{size} bytes, shorter than its 8-byte header length")
+    length = int.from_bytes(head[:8], "little")
+    if length > MAX_HEADER_BYTES or 8 + length > size or len(head) < 8 + length:
+        raise ValueError(f"a header of {length} bytes does not fit the file's {size}")
+
+    def unique(pairs: list[tuple[str, object]]) -> dict:
+        names = [name for name, _ in pairs]
+        if len(names) != len(set(names)):
+            raise ValueError(f"its header names a tensor twice ({sorted(names)[:3]}...)")
+        return dict(pairs)
+
+    try:
+        header = json.loads(bytes(head[8 : 8 + length]).decode("utf-8"), object_pairs_hook=unique)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"its header is not UTF-8 ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("its __metadata__ is not an object of strings")
+    data_start, entries = 8 + length, []
+    for name, info in header.items():
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise ValueError(f"tensor {name!r:.80}: expected dtype, shape and data_offsets")
+        dtype, shape, offsets = _DTYPES.get(info["dtype"]), info["shape"], info["data_offsets"]
+        if dtype is None:
+            raise ValueError(f"tensor {name!r:.80}: unknown dtype {info['dtype']!r:.20}")
+        if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
+            raise ValueError(f"tensor {name!r:.80}: shape and data_offsets must be non-negative integers")
+        begin, end = offsets
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {name!r:.80}: {end - begin} bytes for shape {shape} of {info['dtype']}")
+        entries.append(TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end))
+    entries.sort(key=lambda e: (e.start, e.end))
+    position = data_start
+    for entry in entries:  # the data is tiled exactly: no overlap, no gap, nothing after
+        if entry.start != position:
+            raise ValueError(f"tensor {entry.name!r:.80} does not start where the one before it ends")
+        position = entry.end
+    if position != size:
+        raise ValueError(f"its tensors end at byte {position}, the file at {size}")
+    return entries
+
+
+def _ints(values: object) -> bool:
+    return isinstance(values, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
+    )
+
+
+def _writable(tensor: torch.Tensor, count: int) -> memoryview:
+    """The first ``count`` bytes of a host uint8 tensor, as a buffer files read into and hashes read."""
+    return memoryview((ctypes.c_char * count).from_address(tensor.data_ptr())).cast("B")
+
+
+def _read_into(file: BinaryIO, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        got = file.readinto(view[done:])
+        if not got:
+            raise EOFError
+        done += got
+
+
+def _read_to_host(file: BinaryIO, size: int, chunk_bytes: int) -> tuple[torch.Tensor, str]:
+    buffer = torch.empty(size, dtype=torch.uint8)
+    digest = hashlib.sha256()
+    view = _writable(buffer, size) if size else memoryview(b"")
+    for offset in range(0, size, chunk_bytes):
+        chunk = view[offset : offset + chunk_bytes]
+        try:
+            _read_into(file, chunk)
+        except EOFError:
+            return buffer, "short"
+        digest.update(chunk)  # hashlib releases the GIL on large buffers
+    return buffer, digest.hexdigest()
+
+
+def _read_to_device(
+    file: BinaryIO, size: int, target: torch.device, chunk_bytes: int
+) -> tuple[torch.Tensor, bytes, str]:
+    """(the file on ``target``, its first bytes up to the end of the header, its sha256). Two pinned
+    staging buffers: one is read and hashed while the other's copy runs."""
+    buffer = torch.empty(size, dtype=torch.uint8, device=target)
+    stream = torch.cuda.Stream(target)
+    # The buffer's memory may have been freed by work still queued on this thread's stream: after it.
+    stream.wait_stream(torch.cuda.current_stream(target))
+    staging = [torch.empty(min(chunk_bytes, max(size, 1)), dtype=torch.uint8, pin_memory=True) for _ in "ab"]
+    copied: list[torch.cuda.Event | None] = [None, None]
+    digest, head, wanted = hashlib.sha256(), bytearray(), 8
+    for index, offset in enumerate(range(0, size, chunk_bytes)):
+        slot, count = index % 2, min(chunk_bytes, size - offset)
+        if copied[slot] is not None:
+            copied[slot].synchronize()  # its previous chunk is on the device: the buffer is free
+        chunk = _writable(staging[slot], count)
+        try:
+            _read_into(file, chunk)
+        except EOFError:
+            stream.synchronize()
+            return buffer, bytes(head), "short"
+        digest.update(chunk)
+        if len(head) < wanted:  # the header's bytes, kept apart before the buffer is read into again
+            head += chunk[: wanted - len(head)]
+            if len(head) == 8:
+                wanted = min(8 + int.from_bytes(head, "little"), 8 + MAX_HEADER_BYTES, size)
+                head += chunk[8 : wanted - offset]
+        with torch.cuda.stream(stream):
+            buffer[offset : offset + count].copy_(staging[slot][:count], non_blocking=True)
+            copied[slot] = stream.record_event()
+    stream.synchronize()
+    return buffer, bytes(head), digest.hexdigest()
+
+
+def _view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    data = buffer[entry.start : entry.end]
+    if entry.start % ALIGNMENT:  # a view would start unaligned (after an odd-sized tensor): its own copy
+        data = data.clone()
+    return data.view(entry.dtype).view(entry.shape)
