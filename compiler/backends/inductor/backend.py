@@ -463,8 +463,8 @@ class InductorBackend:
     def refit(self, engine: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:
         header, files = read_engine(engine)
         ordered = ordered_weights(header, weights, torch.device("cpu"))
-        files[ENGINE_WEIGHTS] = save_tensors(dict(zip(header["weights"], ordered, strict=True)))
-        return pack(files)
+        new = save_tensors(dict(zip(header["weights"], ordered, strict=True)))
+        return pack({**files, ENGINE_WEIGHTS: new})
 
     def check_compatible(self, header: Mapping[str, Any]) -> None:
         """EngineCompatibilityError unless an engine with this header runs here, on this backend's device."""

@@ -260,7 +260,8 @@ def test_a_compiled_graph_that_does_not_load_is_compiled_again_from_the_program(
     compiled graph: the engine compiles its program again (a warning says so) and answers the same."""
     module, _ = compiled
     artifact = next(iter(module.engines.values()))
-    header, files = read_engine(artifact.engine)
+    header, entries = read_engine(artifact.engine)
+    files = dict(entries)
     files[COMPILED] = files[COMPILED][: len(files[COMPILED]) // 2]  # not an artifact any more
     # Other (valid) options: not the graph this process compiled for the engine already.
     other = {**header["options"], "compile_options": {"size_asserts": True}}
