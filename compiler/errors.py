@@ -146,3 +146,10 @@ class QuantizationError(KilnError):
 
 class CalibrationWarning(UserWarning):
     """Calibration went ahead on less than asked for (fewer samples than ``calibration.samples``)."""
+
+
+class ForeignEngineCodeWarning(UserWarning):
+    """An engine's stored native code was refused on this machine, and the engine serves anyway: built for
+    another GPU, or compiled against a newer C++ runtime than this process loaded (which crashes a
+    process rather than failing). The engine is compiled here from its program, and this machine's own
+    native package is built for the loads after it; the message names both sides."""

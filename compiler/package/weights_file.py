@@ -1,11 +1,13 @@
 """The package's weights file, read once: hashed, checked and put on the load's device in one pass.
 
-``safetensors.torch.load`` wants the whole file as bytes (read, then hashed, then decoded into host
-tensors, then each copied to the device): four passes over every byte, one after the other, about 1.2 s
-of a 1.9 s GPT-2 load on the H200 (652 MB, benchmarks/results/cold_start_default_h200.json). Here the
-file is read in chunks into pinned staging buffers; each chunk is hashed and its copy to the device is
-queued on a side stream while the next one is read, so the copies hide behind the hash. The tensors are
-views of the one device buffer (copied once more only where their offset is not 16-byte aligned).
+``safetensors.torch.load`` wants the whole file as bytes: read, then hashed, then decoded into host
+tensors, then each copied to the device, four passes one after the other (1.15 s for GPT-2's 652 MB on
+the 2-core CPU here; the weights stage was 1.2 s of a 1.9 s GPT-2 load on the H200,
+benchmarks/results/cold_start_default_h200.json). Here the file is read in chunks into (pinned)
+buffers; each chunk is hashed on a thread of its own, and its copy to the device is queued on a side
+stream, while the next one is read: reads and copies hide behind the hash (0.46 s here,
+``benchmarks/probes/probe_weights_read.py``). The tensors are views of the one buffer (copied once more
+only where their offset is not 16-byte aligned).
 
 Checked as ``read_verified`` checks a file (listed, plain, its length and sha256 the manifest's), and
 nothing is used before the whole file's digest matched: a package that passed its checks is exactly
@@ -20,6 +22,7 @@ import ctypes
 import hashlib
 import json
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -164,53 +167,84 @@ def _read_into(file: BinaryIO, view: memoryview) -> None:
         done += got
 
 
+class _Hasher:
+    """sha256 over chunks in order, on its own thread: the next chunk is read while this one is hashed
+    (file reads and hashlib both release the GIL)."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kiln-sha256")
+        self._pending: dict[int, Future] = {}
+
+    def add(self, key: int, chunk: memoryview) -> None:
+        self._pending[key] = self._thread.submit(self._digest.update, chunk)
+
+    def done_with(self, key: int) -> None:
+        """Wait until the chunk added under ``key`` is hashed (its buffer may then be read into again)."""
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            pending.result()
+
+    def hexdigest(self) -> str:
+        for key in list(self._pending):
+            self.done_with(key)
+        self._thread.shutdown()
+        return self._digest.hexdigest()
+
+
 def _read_to_host(file: BinaryIO, size: int, chunk_bytes: int) -> tuple[torch.Tensor, str]:
     buffer = torch.empty(size, dtype=torch.uint8)
-    digest = hashlib.sha256()
+    hasher = _Hasher()
     view = _writable(buffer, size) if size else memoryview(b"")
-    for offset in range(0, size, chunk_bytes):
+    for index, offset in enumerate(range(0, size, chunk_bytes)):
         chunk = view[offset : offset + chunk_bytes]
         try:
             _read_into(file, chunk)
         except EOFError:
+            hasher.hexdigest()
             return buffer, "short"
-        digest.update(chunk)  # hashlib releases the GIL on large buffers
-    return buffer, digest.hexdigest()
+        hasher.add(index, chunk)
+    return buffer, hasher.hexdigest()
 
 
 def _read_to_device(
     file: BinaryIO, size: int, target: torch.device, chunk_bytes: int
 ) -> tuple[torch.Tensor, bytes, str]:
-    """(the file on ``target``, its first bytes up to the end of the header, its sha256). Two pinned
-    staging buffers: one is read and hashed while the other's copy runs."""
+    """(the file on ``target``, its first bytes up to the end of the header, its sha256). Pinned staging
+    buffers in turn: one is read while the one before is hashed and the one before that copied."""
     buffer = torch.empty(size, dtype=torch.uint8, device=target)
     stream = torch.cuda.Stream(target)
     # The buffer's memory may have been freed by work still queued on this thread's stream: after it.
     stream.wait_stream(torch.cuda.current_stream(target))
-    staging = [torch.empty(min(chunk_bytes, max(size, 1)), dtype=torch.uint8, pin_memory=True) for _ in "ab"]
-    copied: list[torch.cuda.Event | None] = [None, None]
-    digest, head, wanted = hashlib.sha256(), bytearray(), 8
+    slots = 3
+    staging = [
+        torch.empty(min(chunk_bytes, max(size, 1)), dtype=torch.uint8, pin_memory=True) for _ in range(slots)
+    ]
+    copied: list[torch.cuda.Event | None] = [None] * slots
+    hasher, head, wanted, sized = _Hasher(), bytearray(), 8, False
     for index, offset in enumerate(range(0, size, chunk_bytes)):
-        slot, count = index % 2, min(chunk_bytes, size - offset)
+        slot, count = index % slots, min(chunk_bytes, size - offset)
+        hasher.done_with(index - slots)  # the slot's previous chunk is hashed ...
         if copied[slot] is not None:
-            copied[slot].synchronize()  # its previous chunk is on the device: the buffer is free
+            copied[slot].synchronize()  # ... and on the device: the slot is free
         chunk = _writable(staging[slot], count)
         try:
             _read_into(file, chunk)
         except EOFError:
             stream.synchronize()
+            hasher.hexdigest()
             return buffer, bytes(head), "short"
-        digest.update(chunk)
-        if len(head) < wanted:  # the header's bytes, kept apart before the buffer is read into again
-            head += chunk[: wanted - len(head)]
-            if len(head) == 8:
-                wanted = min(8 + int.from_bytes(head, "little"), 8 + MAX_HEADER_BYTES, size)
-                head += chunk[8 : wanted - offset]
+        hasher.add(index, chunk)
+        # The header's bytes (its length first), kept apart before the slot is read into again.
+        while len(head) < min(wanted, offset + count):
+            head += chunk[len(head) - offset : wanted - offset]
+            if not sized and len(head) == 8:
+                sized, wanted = True, min(8 + int.from_bytes(head, "little"), 8 + MAX_HEADER_BYTES, size)
         with torch.cuda.stream(stream):
             buffer[offset : offset + count].copy_(staging[slot][:count], non_blocking=True)
             copied[slot] = stream.record_event()
     stream.synchronize()
-    return buffer, bytes(head), digest.hexdigest()
+    return buffer, bytes(head), hasher.hexdigest()
 
 
 def _view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:

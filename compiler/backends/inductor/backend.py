@@ -30,13 +30,14 @@ every other call runs the dynamic graph (``InductorEngine.last_dispatch`` says w
 that does not fix every dynamic dimension of an engine's inputs by name (a derived size such as
 ``batch*seq``) gets no specialization in that engine, nor does one whose compile fails (warned).
 
-Loading checks the header (:class:`EngineCompatibilityError` for another torch version, a device that
-is not here, or another CUDA index, which Inductor writes into its code) and loads the artifact; where
-it does not load (another build of the same torch version, another Inductor configuration) the
-program is compiled again, with a warning. Weights are inputs of the compiled graph, so the instances
-of one fingerprint share one compiled graph (dedup) and each passes its own weights (refit is new
-weights, stripping is leaving them out). A compiled graph is kept per process, so a build followed by
-a load (or many instances) compiles once.
+Loading checks the header (:class:`EngineCompatibilityError` for another torch version, a kind of
+device that is not here, or another CUDA index, which Inductor writes into its code;
+:mod:`compiler.backends.inductor.compat`) and loads the artifact; where it does not load (another build
+of the same torch version, another Inductor configuration), or is another GPU's (a
+:class:`~compiler.errors.ForeignEngineCodeWarning`), the program is compiled again, with a warning.
+Weights are inputs of the compiled graph, so the instances of one fingerprint share one compiled graph
+(dedup) and each passes its own weights (refit is new weights, stripping is leaving them out). A
+compiled graph is kept per process, so a build followed by a load (or many instances) compiles once.
 
 The op table is everything ATen and prims; custom ops (other namespaces) and higher-order ops stay in
 PyTorch, and ``torch_executed_ops`` decides the rest. The artifact holds Inductor's own (pickled) cache
@@ -66,6 +67,7 @@ import torch
 
 from compiler.backends.base import BuildSettings, EngineIO, unpack_torch_graph
 from compiler.backends.inductor.aot import AotGraph, aot_from_program
+from compiler.backends.inductor.compat import check_compatible, cxx_runtime, device_index, foreign_code
 from compiler.backends.inductor.engine import InductorEngine, ordered_weights
 from compiler.backends.inductor.format import (
     AOT,
@@ -95,14 +97,14 @@ from compiler.backends.inductor.memo import COMPILE_LOCK, library_key, recall, r
 from compiler.backends.inductor.native import LocalAot
 from compiler.backends.inductor.options import (
     build_options,
+    engine_options,
     host_compiler,
-    untrusted_options,
 )
 from compiler.backends.inductor.static import build_specializations, specializations, static_key
 from compiler.errors import (
     BackendError,
     EngineBuildError,
-    EngineCompatibilityError,
+    ForeignEngineCodeWarning,
     RefitError,
 )
 from compiler.inputs.specs import dtype_name
@@ -187,7 +189,7 @@ class InductorBackend:
             "torch": torch.__version__,
             "library": self.library_version(),
             "device": self.target_device(),
-            "device_index": _device_index(self.device),
+            "device_index": device_index(self.device),
             "compiler": compiler,
             "precision": settings.precision,
             "stripped": settings.strip_weights,
@@ -213,6 +215,8 @@ class InductorBackend:
         header["specializations"] = [[list(s) for s in shapes] for shapes in static]
         if aot_note is not None:  # its compiler, or why there is none
             header["aot" if aot_bytes is not None else "aot_skipped"] = aot_note
+        if aot_bytes is not None and (runtime := cxx_runtime(aot_note)) is not None:
+            header["aot_libstdcxx"] = runtime  # what a loading process's libstdc++ must be at least
         files = {HEADER: json.dumps(header, sort_keys=True).encode(), ENGINE_PROGRAM: program}
         if aot_bytes is not None:
             files[AOT] = aot_bytes
@@ -309,16 +313,26 @@ class InductorBackend:
     ) -> InductorEngine:
         header, files = read_engine(engine)
         self.check_compatible(header)
-        options = self._compile_options(header)
+        options = engine_options(header, self.trust_engine_code)
+        foreign = self.foreign_code(header, files)
+        if foreign is not None:
+            rebuilt = ", and this machine's own AOTInductor package is built for the loads after it"
+            warnings.warn(
+                ForeignEngineCodeWarning(
+                    f"Inductor engine: {foreign}: not run; the engine is compiled here from its program"
+                    f"{rebuilt if AOT in files else ''}"
+                ),
+                stacklevel=2,
+            )
         if weights is None:
             if ENGINE_WEIGHTS not in files:
                 raise RefitError("this Inductor engine is weight-stripped: load it with its weights")
             weights = load_tensors(files[ENGINE_WEIGHTS], self.device)
         ordered = ordered_weights(header, weights, self.device)
         constants = {int(i): t for i, t in load_tensors(files.get(CONSTANTS), self.device).items()}
-        aot = self._load_aot(files, header)
-        # A package that may not run here (untrusted: its bytes never run; or it does not load): this
-        # machine's own, if built
+        aot = None if foreign is not None else self._load_aot(files, header)
+        # A package that may not run here (untrusted: its bytes never run; built for another GPU or C++
+        # runtime; or it does not load): this machine's own, if built
         wanted = AOT in files and aot is None
         local = LocalAot(wanted, files[ENGINE_PROGRAM], options, self.device, self.target_device(), header)
         aot = aot or local.loaded()
@@ -330,7 +344,9 @@ class InductorBackend:
             compiled = recall(key)[0]
             if compiled is None:
                 frozen = bool(header.get("frozen"))
-                compiled = self._load_compiled(options, files, io, ordered, constants, frozen=frozen)
+                compiled = self._load_compiled(
+                    options, files, io, ordered, constants, frozen=frozen, foreign=foreign
+                )
                 remember(key, compiled, None)
             static = {}
             for index, shapes in enumerate(specializations(header, io)):
@@ -338,13 +354,25 @@ class InductorBackend:
                 loaded = recall(shape_key)[0]
                 if loaded is None:
                     loaded = self._load_compiled(
-                        options, files, io, ordered, constants, shapes=shapes, name=static_entry(index)
+                        options,
+                        files,
+                        io,
+                        ordered,
+                        constants,
+                        shapes=shapes,
+                        name=static_entry(index),
+                        foreign=foreign,
                     )
                     remember(shape_key, loaded, None)
                 static[shapes] = loaded
         engine = InductorEngine(compiled, ordered, io, constants, static, expected_weights=header["weights"])
         if local.wanted:  # this graph serves; this machine's own package is built for the loads after this
-            engine.native_build = local.start(io, ordered)
+            why = foreign or (
+                "its package is not trusted to run code"
+                if not self.trust_engine_code
+                else "it does not load here"
+            )
+            engine.native_build = local.start(io, ordered, why)
             aot = local.loaded()  # there already where it was built inline ($KILN_NATIVE_BUILD=inline)
             if aot is not None:
                 return self._aot_engine(aot, ordered, io, constants, header)
@@ -378,23 +406,6 @@ class InductorBackend:
             )
             return None
 
-    def _compile_options(self, header: Mapping[str, Any]) -> dict[str, Any]:
-        """The options this engine is compiled with here: its header's where its package is trusted,
-        else only kiln's own list of tuning switches (inductor_options.untrusted_options): a header
-        must not choose the C++ compiler, its flags, paths or environment."""
-        if self.trust_engine_code:
-            return dict(header["options"])
-        options, dropped = untrusted_options(header["options"])
-        if dropped:
-            warnings.warn(
-                f"Inductor engine from an untrusted package: its header's settings {dropped} are not used "
-                "(an untrusted engine is compiled with this process's own toolchain settings and only "
-                "kiln's list of tuning switches); sign packages and verify them (KILN_SIGNING_PUBLIC_KEY) "
-                "to keep them",
-                stacklevel=3,
-            )
-        return options
-
     def _load_compiled(
         self,
         options: Mapping[str, Any],
@@ -406,11 +417,12 @@ class InductorBackend:
         shapes: tuple[tuple[int, ...], ...] | None = None,
         name: str = COMPILED,
         frozen: bool = False,
+        foreign: str | None = None,
     ) -> Callable[..., Any]:
         """The engine's compiled graph (``name``; a static specialization at ``shapes`` where given),
         run once at its shapes (the opt shapes for the dynamic graph); compiled again from its program
-        where it is not trusted, or its artifact does not load here (another build of this torch
-        version, another Inductor configuration)."""
+        where it is not trusted, its code is ``foreign`` (another GPU's), or its artifact does not load
+        here (another build of this torch version, another Inductor configuration)."""
         if frozen:  # int8, weights frozen in: no artifact to load or keep; compiled here, by design
             return self._compile_stored(files, engine_io, options, weights, shapes, frozen=True)
         examples = example_inputs(engine_io, self.device, shapes)
@@ -419,6 +431,8 @@ class InductorBackend:
                 "its compiled graph is code and its package is not trusted to run code (sign packages and "
                 "verify them with KILN_SIGNING_PUBLIC_KEY, or load with trust_engine_code=True)"
             )
+        elif foreign is not None:
+            reason = foreign
         elif name not in files:  # an engine whose AOTInductor package serves: it holds no standalone graph
             reason = "its AOTInductor package does not run here and it holds no standalone graph"
         else:
@@ -435,7 +449,8 @@ class InductorBackend:
         if compiled is not None:  # compiled here from this very program before: as trusted as a build
             return compiled
         what = "it" if shapes is None else f"its static specialization at {[list(s) for s in shapes]}"
-        warnings.warn(f"Inductor engine: {reason}; compiling {what} from its program", stacklevel=3)
+        if foreign is None:  # a foreign engine's warning (ForeignEngineCodeWarning, in load) said it
+            warnings.warn(f"Inductor engine: {reason}; compiling {what} from its program", stacklevel=3)
         compiled = self._compile_stored(files, engine_io, options, weights, shapes)
         local.store(compiled)
         return compiled
@@ -468,25 +483,8 @@ class InductorBackend:
 
     def check_compatible(self, header: Mapping[str, Any]) -> None:
         """EngineCompatibilityError unless an engine with this header runs here, on this backend's device."""
-        if header.get("torch") != torch.__version__:
-            raise EngineCompatibilityError(
-                f"Inductor engine built with torch {header.get('torch')}; this is torch {torch.__version__}: "
-                "recompile with this torch (Inductor's kernels and caches are version-specific)"
-            )
-        built_for, here = header.get("device"), self.target_device()
-        if built_for != here:
-            raise EngineCompatibilityError(
-                f"Inductor engine built for {built_for}; this backend runs on {self.device} ({here}): "
-                f"recompile for {here}, or load it on a machine with {built_for}"
-            )
-        index = header.get("device_index")
-        if index != _device_index(self.device):
-            # Inductor writes the device index into its generated code, and so into the engine's program.
-            raise EngineCompatibilityError(
-                f"Inductor engine built for cuda:{index}; this backend runs on {self.device}: recompile for "
-                f"{self.device}, or load it on cuda:{index}"
-            )
+        check_compatible(header, self.device, self.target_device())
 
-
-def _device_index(device: torch.device) -> int | None:
-    return (device.index or 0) if device.type == "cuda" else None
+    def foreign_code(self, header: Mapping[str, Any], files: Mapping[str, bytes]) -> str | None:
+        """Why the engine's stored native code must not run here though the engine may (compat.py)."""
+        return foreign_code(header, AOT in files, self.device, self.target_device())

@@ -153,10 +153,11 @@ class LocalAot:
         except Exception:  # built by another torch or toolchain since: build it again
             return None
 
-    def start(self, io: Any, weights: Sequence[torch.Tensor]) -> Any:
+    def start(self, io: Any, weights: Sequence[torch.Tensor], why: str = "") -> Any:
         """Start building it (``compiler.backends.inductor.native``: a detached process by default,
         ``$KILN_NATIVE_BUILD=inline`` waits for it, ``off`` builds none), warned; the build handle, or
-        None where there is no local cache or builds are off."""
+        None where there is no local cache or builds are off. ``why``: why the package's own does not
+        serve here, for the cache's log."""
         import warnings
 
         import torch
@@ -172,6 +173,7 @@ class LocalAot:
             "frozen": bool(self.header.get("frozen")),
             "target": self.target,
             "torch": torch.__version__,
+            "why": why,  # why the package's own does not serve here: the log's "started" line says so
         }
         build = start(cache.directory, self.entry.key, self.program, weights, job)
         if build is not None:
@@ -255,7 +257,7 @@ def _run(directory: Path) -> int:
         if cache.get(key) is not None:
             _log(cache.directory, {"key": key, "state": "skipped", "reason": "already built"})
             return 0
-        _log(cache.directory, {"key": key, "state": "started"})
+        _log(cache.directory, {"key": key, "state": "started", "why": str(job.get("why", ""))[:500]})
         start_time = time.perf_counter()
         try:
             built, note = _build(directory, job)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,6 +117,24 @@ def build_options(settings: BuildSettings, *, aot_default: bool = False) -> dict
     return {**built, "aot": True} if aot else built  # absent when off: engine cache keys stay
 
 
+def engine_options(header: Mapping[str, Any], trusted: bool) -> dict[str, Any]:
+    """The options an engine is compiled with here: its header's where its package is trusted, else
+    only kiln's own list of tuning switches (:func:`untrusted_options`, the dropped ones warned): a
+    header must not choose the C++ compiler, its flags, paths or environment."""
+    if trusted:
+        return dict(header["options"])
+    options, dropped = untrusted_options(header["options"])
+    if dropped:
+        warnings.warn(
+            f"Inductor engine from an untrusted package: its header's settings {dropped} are not used "
+            "(an untrusted engine is compiled with this process's own toolchain settings and only "
+            "kiln's list of tuning switches); sign packages and verify them (KILN_SIGNING_PUBLIC_KEY) "
+            "to keep them",
+            stacklevel=3,
+        )
+    return options
+
+
 def untrusted_options(options: Any) -> tuple[dict[str, Any], list[str]]:
     """(the options an untrusted engine is compiled with, the settings of its header left out).
 
@@ -174,6 +193,9 @@ _WEIGHT = re.compile(r"^w\d{1,9}$")
 _DIM_LIMIT = 1 << 40
 
 
+_VERSION = re.compile(r"\d{1,4}(\.\d{1,4}){2}")
+
+
 def check_header(header: Mapping[str, Any]) -> None:
     """UnsafeEngineError unless every header field a load acts on has its type (read before use, so a
     tampered header is a typed refusal, never a crash inside the backend)."""
@@ -217,6 +239,9 @@ def check_header(header: Mapping[str, Any]) -> None:
     for field in ("aot", "aot_skipped"):  # the AOTInductor package's compiler, or why there is none
         if field in header and not isinstance(header[field], str):
             raise bad(field, "a string")
+    runtime = header.get("aot_libstdcxx")  # the C++ runtime the package's wrapper was compiled against
+    if runtime is not None and not (isinstance(runtime, str) and _VERSION.fullmatch(runtime)):
+        raise bad("aot_libstdcxx", "a libstdc++ version such as 6.0.30")
 
 
 def _shown(value: Any) -> str:

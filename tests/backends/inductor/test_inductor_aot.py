@@ -4,12 +4,15 @@ no Triton imported), never run where not trusted, left out with a warning where 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,10 +22,12 @@ import torch
 from torch.export import Dim
 
 import compiler
+from compiler.backends import get_backend
 from compiler.backends.inductor import native
 from compiler.backends.inductor.aot import _check_in_fresh_process
-from compiler.backends.inductor.format import AOT, COMPILED, HEADER
-from compiler.errors import BuildSettingsError
+from compiler.backends.inductor.compat import cxx_runtime, process_cxx_runtime
+from compiler.backends.inductor.format import AOT, COMPILED, HEADER, pack
+from compiler.errors import BuildSettingsError, ForeignEngineCodeWarning
 from tests.fixtures.signing_keys import ec_key_pair
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -209,3 +214,38 @@ def test_the_instances_of_one_engine_share_one_native_build(tmp_path):
     assert len([p for p in (tmp_path / native.JOBS_DIR).iterdir() if p.is_dir()]) <= 1  # removed once done
     (event,) = [e for e in native.log_events(tmp_path) if e["state"] == "failed"]
     assert event["key"] == "ab" * 32 and event["reason"], event
+
+
+def test_a_native_package_for_a_newer_cxx_runtime_is_refused_by_name_and_the_engine_serves(
+    program, tmp_path, monkeypatch
+):
+    """A package whose AOTInductor wrapper was compiled against a newer libstdc++ than the loading process
+    has would crash that process when loaded (two C++ runtimes in one): the build records its runtime, a
+    load refuses such a package by name and the engine, compiled here from its program, serves."""
+    model, exported = program
+    module = compiler.compile(exported, backend="inductor", backend_options={"aot": True}, cache=False)
+    (fp,) = [fp for fp, a in module.engines.items() if a.engine]
+    files = _engine_files(module)
+    header = json.loads(files[HEADER])
+    here = process_cxx_runtime()
+    assert here is not None and header["aot_libstdcxx"] == cxx_runtime(header["aot"]), header
+    major, minor, patch = map(int, header["aot_libstdcxx"].split("."))
+    newer = f"{major}.{minor}.{max(patch, int(here.split('.')[2])) + 1}"  # a newer g++ built it
+    forged = pack({**files, HEADER: json.dumps({**header, "aot_libstdcxx": newer}).encode()})
+    original = module.engines[fp]
+    module.engines[fp] = dataclasses.replace(original, engine=forged)
+    path = compiler.save(module, tmp_path / "newer-runtime.kiln").path
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KILN_NATIVE_BUILD", "off")  # the build itself: the tests above
+    refused = rf"libstdc\+\+ {re.escape(newer)} .*newer than the libstdc\+\+ {re.escape(here)} this process"
+    with pytest.warns(ForeignEngineCodeWarning, match=refused):
+        loaded = compiler.load(path, trust_engine_code=True)
+    assert "aot" not in loaded.last_dispatch().values(), loaded.last_dispatch()
+    x = torch.randn(5, 12)
+    torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-5)
+    # The recorded runtime is what is checked: the package as built, which needs no newer one, runs natively.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForeignEngineCodeWarning)
+        native_engine = get_backend("inductor").load(original.engine, original.io, None)
+    assert native_engine.last_dispatch == "aot"
+    torch.testing.assert_close(native_engine(x)[0], model(x), rtol=1e-5, atol=1e-5)
