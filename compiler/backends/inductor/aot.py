@@ -14,10 +14,11 @@ Two C++ runtimes in one process crash it: a package whose wrapper was compiled w
 the libstdc++ the loading process has (the H100 image's ``/opt/gcc`` compiler beside the system's
 libstdc++) segfaults at load. Hence the compiler (:func:`aot_compiler`): ``$KILN_AOT_CXX`` where set,
 else the system's own ``g++``, whose headers match the system libstdc++ that Python and torch load
-(or predate a newer one a conda environment brings: libstdc++ loads older code, not newer). Each
-build is then loaded in a fresh process and must answer like the program run eagerly; one that crashes
-or differs is left out, with a warning naming the compiler and the exit status, and the engine gets
-its standalone graph instead.
+(or predate a newer one a conda environment brings: libstdc++ loads older code, not newer; the
+header records it, ``compat.py``). Each build is then loaded in a fresh process (started while the
+package compiles: its torch import runs beside the compile) and must answer like the program run
+eagerly; one that crashes or differs is left out, with a warning naming the compiler and the exit
+status, and the engine gets its standalone graph instead.
 
 On a CUDA device a package is the default form of an engine (``backend_options: {aot: false}`` asks
 for the standalone graph alone), and an engine that has one holds no standalone graph: the package
@@ -28,6 +29,7 @@ this machine's own package in the background (``compiler.backends.inductor.nativ
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -40,15 +42,20 @@ from typing import Any
 import torch
 
 # The check a build runs in a fresh process: load the package with torch._C._aoti alone, run it on the
-# build's inputs and compare with the standalone graph's answer (saved beside it).
+# build's inputs and compare with the standalone graph's answer (saved beside it). The process starts
+# (and imports torch, seconds) while the package compiles; it reads what to check from its stdin.
 _CHECK = r"""
+import json
 import sys
 import torch
 from safetensors.torch import load_file
-package, tensors, device, tolerance = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+line = sys.stdin.readline()
+if not line:
+    sys.exit("no package to check")
+package, tensors, device, tolerance, index = json.loads(line)
 data = load_file(tensors, device=device)
 inputs = [data[f"in{i}"] for i in range(sum(k.startswith("in") for k in data))]
-runner = torch._C._aoti.AOTIModelPackageLoader(package, "model", True, 1, int(sys.argv[5]))
+runner = torch._C._aoti.AOTIModelPackageLoader(package, "model", True, 1, index)
 with torch.no_grad():
     outputs = runner.run(inputs)
 worst = 0.0
@@ -91,7 +98,7 @@ def build_aot(
     compiler = aot_compiler()
     if compiler is None:
         return None, "no C++ compiler (install g++ or set KILN_AOT_CXX)"
-    with tempfile.TemporaryDirectory(prefix="kiln-aot-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="kiln-aot-") as scratch, FreshChecker() as checker:
         package = os.path.join(scratch, "engine.pt2")
         exported.example_inputs = (tuple(inputs), {})
         configs = {**inductor_config, "cpp.cxx": (None, compiler)}
@@ -109,11 +116,38 @@ def build_aot(
                 )
         except Exception as exc:  # Inductor raises many types; the warning needs the cause
             return None, f"AOTInductor could not compile it ({compiler}): {type(exc).__name__}: {exc}"[:600]
-        problem = _check_in_fresh_process(package, inputs, expected, device, precision, scratch)
+        problem = _check_in_fresh_process(package, inputs, expected, device, precision, scratch, checker)
         if problem is not None:
             return None, f"its AOTInductor package (C++ compiler {compiler}) {problem}"
         with open(package, "rb") as file:
             return file.read(), compiler
+
+
+class FreshChecker:
+    """The fresh process a build's package is checked in, started before the package compiles: its
+    Python and torch import (2-5 s) run beside the compile instead of after it."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _CHECK],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def run(self, args: list, timeout: float) -> tuple[int, str]:
+        """(exit status, stderr) of the check of ``args`` (package, tensors, device, tolerance, index)."""
+        _, stderr = self.process.communicate(json.dumps(args) + "\n", timeout=timeout)
+        return self.process.returncode, stderr
+
+    def __enter__(self) -> FreshChecker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.poll() is None:  # a compile that failed leaves it waiting: it checks nothing
+            self.process.kill()
+            self.process.communicate()
 
 
 def _check_in_fresh_process(
@@ -123,35 +157,33 @@ def _check_in_fresh_process(
     device: torch.device,
     precision: str,
     scratch: str,
+    checker: FreshChecker | None = None,
 ) -> str | None:
-    """None when the package loads in a fresh process and answers like the standalone graph; else why."""
+    """None when the package loads in a fresh process (``checker``'s, else one started now) and answers
+    like the standalone graph; else why."""
     from safetensors.torch import save_file
 
     tensors = os.path.join(scratch, "check.safetensors")
     named = {f"in{i}": t for i, t in enumerate(inputs)} | {f"out{i}": t for i, t in enumerate(expected)}
     save_file({k: v.detach().cpu().contiguous() for k, v in named.items()}, tensors)
-    tolerance = "1e-4" if precision == "fp32" else "2e-2"
-    index = str(device.index or 0) if device.type == "cuda" else "-1"
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", _CHECK, package, tensors, str(device), tolerance, index],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-    except subprocess.TimeoutExpired:
-        return "did not answer within 600 s in a fresh process"
-    if done.returncode == 0:
+    tolerance = 1e-4 if precision == "fp32" else 2e-2
+    index = (device.index or 0) if device.type == "cuda" else -1
+    with checker or FreshChecker() as fresh:
+        try:
+            status, stderr = fresh.run([package, tensors, str(device), tolerance, index], timeout=600)
+        except subprocess.TimeoutExpired:
+            return "did not answer within 600 s in a fresh process"
+    if status == 0:
         return None
-    if done.returncode < 0:
-        name = signal.Signals(-done.returncode).name
+    if status < 0:
+        name = signal.Signals(-status).name
         return (
             f"crashed a fresh process that loaded it ({name}): most likely two C++ runtimes in one "
             "process (its wrapper's headers newer than the libstdc++ Python loads); set KILN_AOT_CXX to "
             "the compiler of that libstdc++"
         )
-    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-    return f"failed in a fresh process: {lines[-1][:400] if lines else f'exit {done.returncode}'}"
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    return f"failed in a fresh process: {lines[-1][:400] if lines else f'exit {status}'}"
 
 
 class AotGraph:
