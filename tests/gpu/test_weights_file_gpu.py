@@ -35,7 +35,8 @@ def _manifest(data: bytes):
 
 @pytest.mark.parametrize("chunk_bytes", [3, 8, 64, 1000, 16 << 20])
 def test_the_tensors_on_the_gpu_equal_safetensors_own_reading(tmp_path, chunk_bytes):
-    tensors = {**TENSORS, "z.big": torch.randn(1000, 257)}
+    big = {"z.big": torch.randn(1000, 257)} if chunk_bytes >= 64 else {}  # 1 MB in 3-byte chunks: 23 s
+    tensors = {**TENSORS, **big}
     data = safetensors.torch.save(tensors)
     (tmp_path / WEIGHTS).write_bytes(data)
     got = read_weights(tmp_path, WEIGHTS, _manifest(data), torch.device("cuda"), chunk_bytes=chunk_bytes)
