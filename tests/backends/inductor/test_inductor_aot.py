@@ -234,10 +234,26 @@ def test_a_native_package_for_a_newer_cxx_runtime_is_refused_by_name_and_the_eng
     forged = pack({**files, HEADER: json.dumps({**header, "aot_libstdcxx": newer}).encode()})
     original = module.engines[fp]
     module.engines[fp] = dataclasses.replace(original, engine=forged)
+    key = ec_key_pair(tmp_path, "release")  # signed where compiled: loads trust its native code
+    monkeypatch.setenv("KILN_SIGNING_PRIVATE_KEY", str(key.private))
     path = compiler.save(module, tmp_path / "newer-runtime.kiln").path
+    monkeypatch.delenv("KILN_SIGNING_PRIVATE_KEY")
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("KILN_NATIVE_BUILD", "off")  # the build itself: the tests above
     refused = rf"libstdc\+\+ {re.escape(newer)} .*newer than the libstdc\+\+ {re.escape(here)} this process"
+    # As a user meets it: a command that loads the package, in a fresh process that verifies its signature.
+    compared = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "debug", "compare", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "KILN_SIGNING_PUBLIC_KEY": str(key.public)},
+        timeout=300,
+    )
+    assert compared.returncode == 0, compared.stderr[-3000:]
+    assert re.search(rf"ForeignEngineCodeWarning: .*{refused}", compared.stderr), compared.stderr[-3000:]
+    (row,) = json.loads(compared.stdout)["rows"]
+    assert row["rel_l2"] < 1e-5, row  # the engine compiled here answers as its PyTorch submodule does
     with pytest.warns(ForeignEngineCodeWarning, match=refused):
         loaded = compiler.load(path, trust_engine_code=True)
     assert "aot" not in loaded.last_dispatch().values(), loaded.last_dispatch()
