@@ -186,25 +186,33 @@ class _Hasher:
             pending.result()
 
     def hexdigest(self) -> str:
-        for key in list(self._pending):
-            self.done_with(key)
-        self._thread.shutdown()
+        self.close()
         return self._digest.hexdigest()
+
+    def close(self) -> None:
+        """Wait for every chunk added: none may be read after its buffer is freed (a read that failed)."""
+        self._thread.shutdown(wait=True)
+        self._pending.clear()
+
+    def __enter__(self) -> _Hasher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _read_to_host(file: BinaryIO, size: int, chunk_bytes: int) -> tuple[torch.Tensor, str]:
     buffer = torch.empty(size, dtype=torch.uint8)
-    hasher = _Hasher()
     view = _writable(buffer, size) if size else memoryview(b"")
-    for index, offset in enumerate(range(0, size, chunk_bytes)):
-        chunk = view[offset : offset + chunk_bytes]
-        try:
-            _read_into(file, chunk)
-        except EOFError:
-            hasher.hexdigest()
-            return buffer, "short"
-        hasher.add(index, chunk)
-    return buffer, hasher.hexdigest()
+    with _Hasher() as hasher:
+        for index, offset in enumerate(range(0, size, chunk_bytes)):
+            chunk = view[offset : offset + chunk_bytes]
+            try:
+                _read_into(file, chunk)
+            except EOFError:
+                return buffer, "short"
+            hasher.add(index, chunk)
+        return buffer, hasher.hexdigest()
 
 
 def _read_to_device(
@@ -221,30 +229,34 @@ def _read_to_device(
         torch.empty(min(chunk_bytes, max(size, 1)), dtype=torch.uint8, pin_memory=True) for _ in range(slots)
     ]
     copied: list[torch.cuda.Event | None] = [None] * slots
-    hasher, head, wanted, sized = _Hasher(), bytearray(), 8, False
-    for index, offset in enumerate(range(0, size, chunk_bytes)):
-        slot, count = index % slots, min(chunk_bytes, size - offset)
-        hasher.done_with(index - slots)  # the slot's previous chunk is hashed ...
-        if copied[slot] is not None:
-            copied[slot].synchronize()  # ... and on the device: the slot is free
-        chunk = _writable(staging[slot], count)
+    head, wanted, sized = bytearray(), 8, False
+    with _Hasher() as hasher:
         try:
-            _read_into(file, chunk)
-        except EOFError:
+            for index, offset in enumerate(range(0, size, chunk_bytes)):
+                slot, count = index % slots, min(chunk_bytes, size - offset)
+                hasher.done_with(index - slots)  # the slot's previous chunk is hashed ...
+                if copied[slot] is not None:
+                    copied[slot].synchronize()  # ... and on the device: the slot is free
+                chunk = _writable(staging[slot], count)
+                try:
+                    _read_into(file, chunk)
+                except EOFError:
+                    return buffer, bytes(head), "short"
+                hasher.add(index, chunk)
+                # The header's bytes (its length first), kept apart before the slot is read into again.
+                while len(head) < min(wanted, offset + count):
+                    head += chunk[len(head) - offset : wanted - offset]
+                    if not sized and len(head) == 8:
+                        sized, wanted = (
+                            True,
+                            min(8 + int.from_bytes(head, "little"), 8 + MAX_HEADER_BYTES, size),
+                        )
+                with torch.cuda.stream(stream):
+                    buffer[offset : offset + count].copy_(staging[slot][:count], non_blocking=True)
+                    copied[slot] = stream.record_event()
+        finally:
             stream.synchronize()
-            hasher.hexdigest()
-            return buffer, bytes(head), "short"
-        hasher.add(index, chunk)
-        # The header's bytes (its length first), kept apart before the slot is read into again.
-        while len(head) < min(wanted, offset + count):
-            head += chunk[len(head) - offset : wanted - offset]
-            if not sized and len(head) == 8:
-                sized, wanted = True, min(8 + int.from_bytes(head, "little"), 8 + MAX_HEADER_BYTES, size)
-        with torch.cuda.stream(stream):
-            buffer[offset : offset + count].copy_(staging[slot][:count], non_blocking=True)
-            copied[slot] = stream.record_event()
-    stream.synchronize()
-    return buffer, bytes(head), hasher.hexdigest()
+        return buffer, bytes(head), hasher.hexdigest()
 
 
 def _view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:

@@ -90,7 +90,7 @@ def cache_ls(location: Location = None, as_json: JsonOut = False) -> None:
     builds = _native_builds(cache)
     if builds:
         table = Table(title=f"native packages built on this machine ({cache.directory})")
-        for column in ("key", "state", "when (UTC)", "seconds", "reason"):
+        for column in ("key", "state", "when (UTC)", "seconds", "reason", "why built here"):
             table.add_column(column)
         for key, event in sorted(builds.items(), key=lambda item: item[1].get("time", 0)):
             when = event.get("time")
@@ -100,6 +100,7 @@ def cache_ls(location: Location = None, as_json: JsonOut = False) -> None:
                 _when(when) if isinstance(when, int | float) else "-",
                 escape(str(event.get("seconds", ""))),
                 escape(str(event.get("reason", event.get("compiler", "")))[:300]),
+                escape(str(event.get("why", ""))[:200]),
             )
         console.print(table)
 

@@ -241,6 +241,7 @@ def _log(cache_dir: Path, event: Mapping[str, Any]) -> None:
 def _run(directory: Path) -> int:
     job = json.loads((directory / "job.json").read_text())
     key = job["key"]
+    why = str(job.get("why", ""))[:500]  # why the engine's own package does not serve here
     from filelock import FileLock, Timeout
 
     from compiler.cache.local import EngineCache
@@ -257,7 +258,7 @@ def _run(directory: Path) -> int:
         if cache.get(key) is not None:
             _log(cache.directory, {"key": key, "state": "skipped", "reason": "already built"})
             return 0
-        _log(cache.directory, {"key": key, "state": "started", "why": str(job.get("why", ""))[:500]})
+        _log(cache.directory, {"key": key, "state": "started", "why": why})
         start_time = time.perf_counter()
         try:
             built, note = _build(directory, job)
@@ -273,9 +274,12 @@ def _run(directory: Path) -> int:
             except Exception as exc:  # a cache that cannot take it: the build did not help
                 built, note = None, f"built, but the engine cache did not take it: {exc}"
         if built is None:
-            _log(cache.directory, {"key": key, "state": "failed", "seconds": seconds, "reason": note[:2000]})
+            failed = {"key": key, "state": "failed", "seconds": seconds, "reason": note[:2000], "why": why}
+            _log(cache.directory, failed)
             return 1
-        _log(cache.directory, {"key": key, "state": "built", "seconds": seconds, "compiler": note})
+        _log(
+            cache.directory, {"key": key, "state": "built", "seconds": seconds, "compiler": note, "why": why}
+        )
         return 0
     finally:
         lock.release()

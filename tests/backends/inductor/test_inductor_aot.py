@@ -151,6 +151,7 @@ def test_aot_engine_loads_natively_where_trusted_and_never_where_not(device, tmp
     assert listed.returncode == 0, listed.stderr[-2000:]
     (build,) = json.loads(listed.stdout)["native_builds"]
     assert build["state"] == "failed" and "failing-g++" in build["reason"], build
+    assert build["why"] == "its package is not trusted to run code", build  # why this machine builds its own
     # ... and the next loads build it again: two processes at once build it once.
     with ThreadPoolExecutor(2) as pool:
         unsigned, twin = pool.map(lambda _: _fresh_load(tmp_path / "unsigned.kiln", env, device), range(2))
