@@ -50,7 +50,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,13 @@ from compiler.backends.inductor.backend import warm_inductor_imports
 from compiler.device import program_on, resolve, same
 from compiler.errors import KilnError, PackageCorruptError
 from compiler.package import reading
-from compiler.package.check import MANIFEST, checked_manifest, read_manifest, read_verified
+from compiler.package.check import (
+    MANIFEST,
+    checked_manifest,
+    manifest_and_signature,
+    read_manifest,
+    read_verified,
+)
 from compiler.package.digest import content_hash
 from compiler.package.manifest import (
     FORMAT_VERSION,
@@ -244,31 +250,39 @@ def load(
     """
     path = Path(path)
     start = time.perf_counter()
-    trust = Trust.from_env()  # read once: what checked_manifest verifies against is what is trusted
-    manifest = checked_manifest(path, verify=True, trust=trust)
+    trust = Trust.from_env()  # read once: what the signature is verified against is what is trusted
+    manifest, signature_check = manifest_and_signature(path, verify=True, trust=trust)
     manifest_s = time.perf_counter() - start
     if trust_engine_code is None:
-        # The one implicit trust: a signature checked_manifest just verified against a configured key
-        # (it refuses any other), over a format-2 manifest (whose hash covers every byte a load reads;
-        # format 1's left the program out).
+        # The one implicit trust: a signature verified against a configured key (any other is refused;
+        # _load waits for the verdict before it acts on anything), over a format-2 manifest (whose hash
+        # covers every byte a load reads; format 1's left the program out).
         trust_engine_code = trust is not None and manifest.format_version >= 2
     # Cold start: every file is read and checked on worker threads (sha256 and file reads release the
     # GIL) while this thread imports what the engines' runtime needs and reads the program. Imports stay
     # on this thread: concurrent imports can hand a thread a partly initialised module.
     pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kiln-load")
+    # The signature (model-signing hashes every file) is verified beside the load's own reads, on a
+    # thread of its own; _load waits for it before it acts on anything the package holds.
+    verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-signature")
+    signed = verifier.submit(signature_check) if signature_check is not None else None
     try:
-        compiled = _load(path, manifest, pool, allowed_modules, device, trust_engine_code, cuda_graphs)
+        compiled = _load(
+            path, manifest, pool, signed, allowed_modules, device, trust_engine_code, cuda_graphs
+        )
         compiled.load_seconds = {"manifest": round(manifest_s, 4), **compiled.load_seconds}
         compiled.load_seconds["total"] = round(time.perf_counter() - start, 4)
         return compiled
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        verifier.shutdown(wait=True)
 
 
 def _load(
     path: Path,
     manifest: Manifest,
     pool: ThreadPoolExecutor,
+    signed: Future | None,
     allowed_modules: Sequence[str] | None,
     device: str | None,
     trust_engine_code: bool,
@@ -293,8 +307,8 @@ def _load(
             *(r.file for r in manifest.engines.values() if r.file is not None),
         )
     }
-    backends = manifest.engine_backends()
-    reading.check_library(path, manifest, backends)
+    # The weights are read, checked and put on the device by a worker, while this thread reads the graph.
+    placed = pool.submit(read_weights, path, WEIGHTS, manifest, target)
     stages, mark = {}, time.perf_counter()
 
     def lap(stage: str) -> None:  # where a load's seconds go (CompiledModule.load_seconds)
@@ -302,8 +316,11 @@ def _load(
         now = time.perf_counter()
         stages[stage], mark = round(now - mark, 4), now
 
-    # The weights are read, checked and put on the device by a worker, while this thread reads the graph.
-    placed = pool.submit(read_weights, path, WEIGHTS, manifest, target)
+    if signed is not None:  # nothing the package holds is acted on (imported, run) before it verified
+        signed.result()
+        lap("signature")
+    backends = manifest.engine_backends()
+    reading.check_library(path, manifest, backends)
     if light:
         checked_program = pool.submit(lambda: check_archive(reads[PROGRAM].result(), str(path / PROGRAM)))
     if "inductor" in backends.values() and not reading.native_engines(options, recorded_device):

@@ -139,6 +139,28 @@ def test_unsigned_tampered_and_foreign_signatures_are_refused_where_a_key_is_set
         compiler.load(moved)
 
 
+def test_nothing_a_package_names_is_acted_on_before_its_signature_verified(
+    signed, keys, tmp_path, monkeypatch
+):
+    """The signature is verified beside the load's file reads (both hash every file), and the load waits
+    for the verdict before it acts on anything the package holds: a resealed manifest that names a module
+    to import (one the caller allows) is refused by its signature, and the module is never imported."""
+    marker = tmp_path / "imported"
+    (tmp_path / "kiln_sig_probe_mod.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    named = _copy(signed, tmp_path / "names-a-module.kiln")
+    data = json.loads((named / "manifest.json").read_text())
+    data["op_modules"] = ["kiln_sig_probe_mod"]
+    data["content_hash"] = content_hash(data)
+    (named / "manifest.json").write_text(json.dumps(data))
+    monkeypatch.setenv(PUBLIC, str(keys["release"].public))
+    with pytest.raises(PackageSignatureError, match=r"Hash mismatch for .{0,8}manifest\.json"):
+        compiler.load(named, allowed_modules=["kiln_sig_probe_mod"])
+    assert not marker.exists() and "kiln_sig_probe_mod" not in sys.modules
+    loaded = compiler.load(signed)  # the signed original: its signature's wait is a stage of the load
+    assert loaded.trust_engine_code is True and loaded.load_seconds["signature"] >= 0
+
+
 def test_the_manifest_used_is_the_one_signed(signed, keys, tmp_path):
     """kiln checks the manifest bytes it parses against the signed digest, not only the file on disk
     that model-signing hashed (a manifest swapped between the two is refused)."""
