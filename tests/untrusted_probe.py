@@ -208,6 +208,9 @@ def stage(config: dict, scratch: Path) -> list[dict]:
     source = Path(config["inductor"])
     files = _engine_files(_inductor_engine(source).read_bytes())
     clean = json.loads(files["kiln_inductor_engine.json"])
+    # Fields the source engine (a CPU standalone graph) does not carry, added so their mutations are
+    # tried too: the libstdc++ an AOTInductor package was compiled against (compat.foreign_code).
+    clean.setdefault("aot_libstdcxx", "6.0.30")
     for path in _paths(clean):
         for how in MUTATIONS:
             header = copy.deepcopy(clean)
