@@ -20,9 +20,9 @@ from flows.results import ModelResult, package_path
 from tasks.refs import EngineRef
 from tasks.reuse import PublishedRecord, remember
 from tasks.stages import configured
-from zoo.config import ZooSettings
 from zoo.preflight import preflight as check_request
 from zoo.request import CompileRequest
+from zoo.settings import ZooSettings
 
 if TYPE_CHECKING:  # mlflow is imported only where tracking is on
     from registry.transfer import Progress

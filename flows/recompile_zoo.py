@@ -26,9 +26,9 @@ from flows.runners import (
     shared_dask_cluster,
     task_runner_for,
 )
-from zoo.config import ZooSettings
 from zoo.preflight import check_workspace
 from zoo.request import CompileRequest
+from zoo.settings import ZooSettings
 from zoo.zoo_file import load_zoo
 
 SUMMARY_ARTIFACT = "zoo-summary"

@@ -17,8 +17,8 @@ from flows import progress
 
 if TYPE_CHECKING:
     from tasks.reuse import PublishedRecord
-    from zoo.config import ZooSettings
     from zoo.request import CompileRequest
+    from zoo.settings import ZooSettings
 
 SUMMARY_FILE = "summary.json"
 

@@ -17,7 +17,8 @@ from prefect.exceptions import TerminationSignal
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks.concurrency import ensure_limits
-from zoo.config import ZooConfigError, ZooSettings
+from zoo.config import ZooConfigError
+from zoo.settings import ZooSettings
 
 
 class PromptThreadPoolTaskRunner(ThreadPoolTaskRunner):

@@ -4,7 +4,7 @@ A zoo file has run-wide ``settings`` and a list of ``models``. The file as a who
 YAML without aliases, a mapping, known top-level keys, unique model names, valid settings): otherwise
 the whole run stops with a :class:`ZooConfigError`. Each model entry is then validated on its own, so
 one bad entry (a typo in a field, min > max, an unknown backend) fails that model with a message naming
-the field and the fix, while the others still compile.
+the field and the fix, while the others still compile. The run-wide settings are :mod:`zoo.settings`.
 
 An entry becomes one typed :class:`zoo.request.CompileRequest` per device (:meth:`ZooEntry.requests`);
 nothing above this layer reads an entry's fields. ``kiln compile`` flags build an entry through this
@@ -15,15 +15,12 @@ whole-file checks, collecting invalid entries) is :mod:`zoo.zoo_file`.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
     AliasChoices,
-    BaseModel,
-    ConfigDict,
     Field,
     field_validator,
     model_validator,
@@ -35,24 +32,18 @@ from compiler.options import DEVICE_RE, ON_BUILD_FAILURE, Calibration, CompileOp
 from compiler.validation.report import Tolerances
 from zoo.errors import ZooConfigError
 from zoo.request import CompileRequest, ValidationPlan
+from zoo.settings import ZooSettings, _Strict
 from zoo.sources import HF_TASKS, SOURCE_KINDS, source_for, source_kind
-from zoo.sources.factory import DEFAULT_FACTORY_PACKAGES, FACTORY_RE, FactoryPolicy
+from zoo.sources.factory import FACTORY_RE, FactoryPolicy
 from zoo.sources.hf_tasks import attention_problem
 
-__all__ = ["ZooConfigError", "ZooEntry", "ZooSettings"]
+__all__ = ["ZooConfigError", "ZooEntry"]
 
-CACHE_ENV = "KILN_CACHE_DIR"
-DEFAULT_ENGINE_CACHE = ".kiln/engine-cache"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 # A name becomes a directory (<name>-<device>.kiln, run copies add a suffix) and a registered model name
 # (kiln.<name>.<target>): well under the 255 bytes a file name may have on common filesystems.
 MAX_NAME_LENGTH = 100
 # YAML nesting deeper than any zoo needs; the composer recurses per level (20,000 '[' overflow the stack).
-
-
-class _Strict(BaseModel):
-    # A typo in a field name must fail loudly, not be ignored.
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class DimRange(_Strict):
@@ -417,108 +408,8 @@ class ZooEntry(_Strict):
         ]
 
 
-class DaskSettings(_Strict):
-    address: str | None = Field(default=None, description="scheduler address; unset = a LocalCluster")
-    n_workers: int = Field(default=2, ge=1)
-    threads_per_worker: int = Field(default=1, ge=1)
-    processes: bool = False
-
-
-class ValidationSettings(_Strict):
-    samples: int = Field(default=3, ge=1)
-    warmup: int = Field(default=3, ge=0)
-    runs: int = Field(default=20, ge=1)
-    seed: int = 0
-
-
-class ZooSettings(_Strict):
-    """Run-wide settings. CLI flags override them."""
-
-    out_dir: str = "out"
-    workspace: str = ".kiln/workspace"
-    engine_cache: str | bool | None = Field(
-        default=None,
-        description=(
-            "a directory or an object-store URL shared by workers (s3://bucket/prefix, gs://..., file://...; "
-            "credentials from the environment, never here); false: none; unset: $KILN_CACHE_DIR, "
-            "else .kiln/engine-cache"
-        ),
-    )
-    task_runner: Literal["thread", "dask"] = "thread"
-    max_workers: int = Field(default=2, ge=1, description="threads for engine builds per model")
-    parallel_models: int = Field(default=2, ge=1)
-    dask: DaskSettings = Field(default_factory=DaskSettings)
-    build_concurrency: dict[str, int] = Field(
-        default_factory=lambda: {"cpu": 2, "cuda": 1},
-        description="concurrent engine builds per target ('cuda' covers every cuda:N)",
-    )
-    build_retries: int = Field(default=2, ge=0)
-    build_retry_backoff: float = Field(default=2.0, ge=0, description="seconds; doubles per retry")
-    tracking: bool | None = Field(default=None, description="record packages in MLflow; unset = if installed")
-    validation: ValidationSettings = Field(default_factory=ValidationSettings)
-    factory_packages: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_FACTORY_PACKAGES),
-        description="packages whose functions may build models (besides the zoo file's own directory)",
-    )
-
-    @field_validator("build_concurrency")
-    @classmethod
-    def _limits(cls, v: dict[str, int]) -> dict[str, int]:
-        for target, n in v.items():
-            if not DEVICE_RE.match(target) or n < 1:
-                raise ValueError(f"build_concurrency {target!r}: {n} needs a device key and a limit >= 1")
-        return v
-
-    def build_limit(self, target: str) -> int:
-        family = target.split(":")[0]
-        return self.build_concurrency.get(target, self.build_concurrency.get(family, 1))
-
-    def with_overrides(self, overrides: dict[str, Any] | None) -> ZooSettings:
-        """These settings with CLI flags or deployment parameters written over them (validated again)."""
-        if not overrides:
-            return self
-        return ZooSettings.model_validate({**self.model_dump(exclude_unset=True), **overrides})
-
-    def engine_cache_dir(self) -> str | None:
-        """The engine cache of this run: the zoo file's (or CLI's), else $KILN_CACHE_DIR, else the default."""
-        return self.engine_cache_choice()[0]
-
-    def engine_cache_choice(self) -> tuple[str | None, str]:
-        """(directory or None, where the choice came from) for the summary."""
-        if self.engine_cache is False:
-            return None, "disabled by settings.engine_cache: false"
-        if isinstance(self.engine_cache, str):
-            return _cache_location(self.engine_cache), "settings.engine_cache"
-        if os.environ.get(CACHE_ENV):
-            return _cache_location(os.environ[CACHE_ENV]), f"${CACHE_ENV}"
-        return str(Path(DEFAULT_ENGINE_CACHE).resolve()), "default"
-
-    def tracking_enabled(self) -> bool:
-        if self.tracking is not None:
-            return self.tracking
-        return registry_available()
-
-
-def _cache_location(text: str) -> str:
-    """An object-store URL (s3://, gs://, file://) as written; a directory made absolute."""
-    return text if "://" in text else str(Path(text).resolve())
-
-
 def _split_modules(value: str | list[str] | None) -> str | tuple[str, ...] | None:
     """The zoo field as CompileOptions takes it: "auto" stays a word, class names become a tuple."""
     if value == "auto" or value == ["auto"]:
         return "auto"
     return tuple(value) if value else None
-
-
-def registry_available() -> bool:
-    """Whether the MLflow registry seam can be used (the other half of the pipeline is installed)."""
-    import importlib.util
-
-    try:
-        return (
-            importlib.util.find_spec("registry") is not None
-            and importlib.util.find_spec("tasks.registry") is not None
-        )
-    except (ImportError, ValueError):
-        return False

@@ -13,9 +13,10 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError
 
-from zoo.config import ZooEntry, ZooSettings, _Strict
+from zoo.config import ZooEntry
 from zoo.errors import ZooConfigError
 from zoo.request import CompileRequest
+from zoo.settings import ZooSettings, _Strict
 
 MAX_YAML_DEPTH = 64
 

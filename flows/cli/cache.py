@@ -28,7 +28,7 @@ cache_app = typer.Typer(help="List, verify and trim the engine cache (local and 
 def _open(location: str | None):
     from compiler.cache.local import EngineCache
     from compiler.errors import CacheError
-    from zoo.config import ZooSettings
+    from zoo.settings import ZooSettings
 
     chosen = location or ZooSettings().engine_cache_dir()
     try:

@@ -69,7 +69,7 @@ from flows.render import (
 )
 
 if TYPE_CHECKING:
-    from zoo.config import ZooSettings
+    from zoo.settings import ZooSettings
 
 # Only typer and rich at the top: `kiln --help` answers without torch, Prefect or MLflow (issue 21);
 # each command imports what it uses.
@@ -326,8 +326,8 @@ def _entry_for_source(text: str) -> dict[str, Any]:
 def _entry_from_flags(zoo_file: Path, model: str, flags: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
     """(entry data, settings, zoo dir): the zoo file's entry named ``model`` (or a new one for a factory)
     with the flags written over it, so flags and zoo fields go through one schema."""
-    from zoo.config import ZooSettings
     from zoo.errors import ZooConfigError
+    from zoo.settings import ZooSettings
     from zoo.zoo_file import load_zoo
 
     settings, entry_data, zoo_dir = ZooSettings(), None, None

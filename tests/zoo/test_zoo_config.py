@@ -10,9 +10,10 @@ import torch
 from compiler.options import CompileOptions
 from compiler.validation.report import Tolerances
 from tasks.workspace import Workspace, compile_key, content_hash
-from zoo.config import ZooEntry, ZooSettings
+from zoo.config import ZooEntry
 from zoo.errors import UntrustedCodeError, ZooConfigError
 from zoo.preflight import check_device, check_memory, preflight
+from zoo.settings import ZooSettings
 from zoo.sources.factory import FactoryPolicy, resolve_factory
 from zoo.zoo_file import load_zoo, parse_zoo
 

@@ -254,7 +254,7 @@ def test_scheme_without_driver_names_the_package_and_url_setting_stays_a_url(
     with pytest.raises(CacheStoreError, match="not a protocol fsspec knows"):
         EngineCache("nosuchscheme://bucket/engines", local_dir=tmp_path)
 
-    from zoo.config import ZooSettings
+    from zoo.settings import ZooSettings
 
     monkeypatch.chdir(tmp_path)  # restored after: later tests resolve paths against the checkout
     assert ZooSettings(engine_cache="s3://kiln/engines").engine_cache_choice() == (

@@ -1,0 +1,124 @@
+"""A zoo file's run-wide ``settings`` (pydantic v2): where packages, workspace and engine cache go, how
+models and engine builds run in parallel, validation runs, tracking, and which packages may build
+models. CLI flags and deployment parameters override them (:meth:`ZooSettings.with_overrides`). The
+models' entries are :mod:`zoo.config`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from compiler.options import DEVICE_RE
+from zoo.sources.factory import DEFAULT_FACTORY_PACKAGES
+
+CACHE_ENV = "KILN_CACHE_DIR"
+DEFAULT_ENGINE_CACHE = ".kiln/engine-cache"
+
+
+class _Strict(BaseModel):
+    # A typo in a field name must fail loudly, not be ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DaskSettings(_Strict):
+    address: str | None = Field(default=None, description="scheduler address; unset = a LocalCluster")
+    n_workers: int = Field(default=2, ge=1)
+    threads_per_worker: int = Field(default=1, ge=1)
+    processes: bool = False
+
+
+class ValidationSettings(_Strict):
+    samples: int = Field(default=3, ge=1)
+    warmup: int = Field(default=3, ge=0)
+    runs: int = Field(default=20, ge=1)
+    seed: int = 0
+
+
+class ZooSettings(_Strict):
+    """Run-wide settings. CLI flags override them."""
+
+    out_dir: str = "out"
+    workspace: str = ".kiln/workspace"
+    engine_cache: str | bool | None = Field(
+        default=None,
+        description=(
+            "a directory or an object-store URL shared by workers (s3://bucket/prefix, gs://..., file://...; "
+            "credentials from the environment, never here); false: none; unset: $KILN_CACHE_DIR, "
+            "else .kiln/engine-cache"
+        ),
+    )
+    task_runner: Literal["thread", "dask"] = "thread"
+    max_workers: int = Field(default=2, ge=1, description="threads for engine builds per model")
+    parallel_models: int = Field(default=2, ge=1)
+    dask: DaskSettings = Field(default_factory=DaskSettings)
+    build_concurrency: dict[str, int] = Field(
+        default_factory=lambda: {"cpu": 2, "cuda": 1},
+        description="concurrent engine builds per target ('cuda' covers every cuda:N)",
+    )
+    build_retries: int = Field(default=2, ge=0)
+    build_retry_backoff: float = Field(default=2.0, ge=0, description="seconds; doubles per retry")
+    tracking: bool | None = Field(default=None, description="record packages in MLflow; unset = if installed")
+    validation: ValidationSettings = Field(default_factory=ValidationSettings)
+    factory_packages: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_FACTORY_PACKAGES),
+        description="packages whose functions may build models (besides the zoo file's own directory)",
+    )
+
+    @field_validator("build_concurrency")
+    @classmethod
+    def _limits(cls, v: dict[str, int]) -> dict[str, int]:
+        for target, n in v.items():
+            if not DEVICE_RE.match(target) or n < 1:
+                raise ValueError(f"build_concurrency {target!r}: {n} needs a device key and a limit >= 1")
+        return v
+
+    def build_limit(self, target: str) -> int:
+        family = target.split(":")[0]
+        return self.build_concurrency.get(target, self.build_concurrency.get(family, 1))
+
+    def with_overrides(self, overrides: dict[str, Any] | None) -> ZooSettings:
+        """These settings with CLI flags or deployment parameters written over them (validated again)."""
+        if not overrides:
+            return self
+        return ZooSettings.model_validate({**self.model_dump(exclude_unset=True), **overrides})
+
+    def engine_cache_dir(self) -> str | None:
+        """The engine cache of this run: the zoo file's (or CLI's), else $KILN_CACHE_DIR, else the default."""
+        return self.engine_cache_choice()[0]
+
+    def engine_cache_choice(self) -> tuple[str | None, str]:
+        """(directory or None, where the choice came from) for the summary."""
+        if self.engine_cache is False:
+            return None, "disabled by settings.engine_cache: false"
+        if isinstance(self.engine_cache, str):
+            return _cache_location(self.engine_cache), "settings.engine_cache"
+        if os.environ.get(CACHE_ENV):
+            return _cache_location(os.environ[CACHE_ENV]), f"${CACHE_ENV}"
+        return str(Path(DEFAULT_ENGINE_CACHE).resolve()), "default"
+
+    def tracking_enabled(self) -> bool:
+        if self.tracking is not None:
+            return self.tracking
+        return registry_available()
+
+
+def _cache_location(text: str) -> str:
+    """An object-store URL (s3://, gs://, file://) as written; a directory made absolute."""
+    return text if "://" in text else str(Path(text).resolve())
+
+
+def registry_available() -> bool:
+    """Whether the MLflow registry seam can be used (the other half of the pipeline is installed)."""
+    import importlib.util
+
+    try:
+        return (
+            importlib.util.find_spec("registry") is not None
+            and importlib.util.find_spec("tasks.registry") is not None
+        )
+    except (ImportError, ValueError):
+        return False
