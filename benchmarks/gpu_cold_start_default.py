@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_cold_start import _child  # noqa: E402
-from benchmarks.machine import cpu_model  # noqa: E402
+from benchmarks.machine import gpu_machine  # noqa: E402
 
 MODEL = "transformers GPT-2 12x768 (vocab 50257, random weights), fp16, batch 1..8, sequence 128"
 
@@ -96,18 +95,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-standalone", action="store_true", help="leave out the aot: false compile")
     args = parser.parse_args()
-    import torch
 
     scratch = Path(tempfile.mkdtemp(prefix="kiln-cold-default-"))
     results: dict = {
-        "machine": {
-            "gpu": torch.cuda.get_device_name(0),
-            "host_cpu": cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "platform": platform.platform(),
-        },
+        "machine": gpu_machine(),
         "model": MODEL,
         "method": __doc__.split("\n\n")[1].replace("\n", " "),
     }

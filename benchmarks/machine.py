@@ -15,3 +15,19 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def gpu_machine(device: int = 0) -> dict:
+    """The GPU machine a result came from: GPU, host CPU, core count, torch and CUDA, platform."""
+    import os
+
+    import torch
+
+    return {
+        "gpu": torch.cuda.get_device_name(device),
+        "host_cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "platform": platform.platform(),
+    }

@@ -47,23 +47,12 @@ print(json.dumps({"load_s": load_s, "stages": module.load_seconds, "trusted": mo
 def build(directory: Path) -> tuple[Path, Path, Path]:
     """(signed package, unsigned package, public key)."""
     import torch
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
 
     import compiler
+    from tests.fixtures.signing_keys import ec_key_pair  # the suite's own P-256 key pair writer
 
-    key = ec.generate_private_key(ec.SECP256R1())
-    private, public = directory / "key.pem", directory / "key.pub"
-    private.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    public.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
+    key = ec_key_pair(directory, "key")
+    private, public = key.private, key.public
     torch.manual_seed(0)
     layers = [m for _ in range(24) for m in (torch.nn.Linear(2048, 2048), torch.nn.ReLU())]
     model = torch.nn.Sequential(*layers).eval()

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_cold_start_default import MODEL, compile_fresh  # noqa: E402
-from benchmarks.machine import cpu_model  # noqa: E402
+from benchmarks.machine import gpu_machine  # noqa: E402
 
 CALLS = r"""
 import json, statistics, sys, time
@@ -55,15 +55,9 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--levels", default="O1,O0")
     args = parser.parse_args()
-    import torch
-
     scratch = Path(tempfile.mkdtemp(prefix="kiln-wrapper-opt-"))
     result: dict = {
-        "machine": {
-            "gpu": torch.cuda.get_device_name(0),
-            "host_cpu": cpu_model(),
-            "torch": torch.__version__,
-        },
+        "machine": gpu_machine(),
         "model": MODEL,
         "method": __doc__.split("\n\n")[2].replace("\n", " "),
         "levels": {},
