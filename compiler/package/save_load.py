@@ -100,6 +100,7 @@ from compiler.program.export import (
     load_program_bytes,
     program_bytes,
 )
+from compiler.program.outputs import output_specs
 from compiler.runtime.module import CompiledModule, assemble
 from compiler.validation.report import ValidationReport
 from compiler.version import kiln_version
@@ -205,6 +206,7 @@ def save(
             },
             op_modules=tuple(import_modules(plan.program)),
             source=source,
+            output_specs=output_specs(plan.program, plan.specs),
         )
         # Through JSON first, so the hash is of exactly what a reader will parse (int keys, tuples).
         data = json.loads(json.dumps(manifest.to_json(), sort_keys=True))

@@ -31,6 +31,7 @@ from compiler.errors import ExportError, InputSpecError, OpModuleNotAllowedError
 from compiler.inputs.specs import InputSpec, dtype_name, specs_from_json, specs_to_json
 from compiler.program.module_policy import ALLOWED_MODULES_ENV, allowed_module_prefixes, is_allowed_module
 from compiler.program.module_policy import MODULE_NAME as _MODULE_NAME
+from compiler.program.outputs import index_bounds
 from compiler.program.text import check_program_text
 from compiler.program.tracing import TRACING
 
@@ -403,6 +404,7 @@ def _specs_from_program(
 ) -> tuple[InputSpec, ...]:
     ranges = program.range_constraints
     examples = _example_values(program)
+    bounds = index_bounds(program)
     symbol_names: dict[sympy.Symbol, str] = {}
     specs = []
     for index, node in enumerate(_user_input_nodes(program)):
@@ -435,7 +437,16 @@ def _specs_from_program(
         if isinstance(example, torch.Tensor) and not example.is_floating_point() and example.numel():
             values = (float(example.min()), float(example.max()))
         specs.append(
-            InputSpec(node.name, dtype_name(val.dtype), tuple(lo), tuple(opt), tuple(hi), dyn, values)
+            InputSpec(
+                node.name,
+                dtype_name(val.dtype),
+                tuple(lo),
+                tuple(opt),
+                tuple(hi),
+                dyn,
+                values,
+                index_bound=bounds.get(node.name),
+            )
         )
     return tuple(specs)
 

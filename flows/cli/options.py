@@ -395,7 +395,19 @@ Threads = Annotated[
 ]
 ExportAllowOpModule = Annotated[
     list[str] | None,
-    typer.Option("--allow-op-module", help="module (prefix) a package may import for its custom ops"),
+    typer.Option(
+        "--allow-op-module",
+        help="module (prefix) a package may import for its custom ops; needed only to export a package "
+        "written before kiln recorded output specs (it is run once to learn them)",
+    ),
+]
+ServeAllowOpModule = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--allow-op-module",
+        help="module (prefix) the served packages may import for their custom ops (added to "
+        "$KILN_ALLOWED_OP_MODULES in the server's environment)",
+    ),
 ]
 ExportTrackingUri = Annotated[str | None, typer.Option("--tracking-uri", help="MLflow tracking URI")]
 HttpPort = Annotated[int, typer.Option("--http-port")]
