@@ -62,6 +62,7 @@ NAME_RULE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _DIGITS = re.compile(r"[0-9]{1,9}")
 _HASH = re.compile(r"[0-9a-f]{64}")
 _ENGINE_TARGET = re.compile(r"[a-z][a-z0-9_]{0,15}(:[a-z0-9_]{1,16})?")  # cpu, cuda:sm_90
+_TARGET = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,63}")
 
 
 def checked_name(value: Any, what: str) -> str:
@@ -79,6 +80,11 @@ def checked_int(value: Any, what: str, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise TritonConfigError(f"{what} is {value!r:.40}; expected an integer >= {minimum}")
     return value
+
+
+def checked_target(value: Any, what: str) -> str:
+    """A registry target as the CLI takes it (``cpu``, ``cuda``, ``cuda:sm_90``, ``cuda_sm_90``)."""
+    return _matching(value, _TARGET, what, "a target like 'cpu', 'cuda' or 'cuda:sm_90'")
 
 
 def _matching(value: Any, rule: re.Pattern, what: str, expected: str) -> str:

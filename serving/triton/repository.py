@@ -55,6 +55,7 @@ from serving.triton.config import (
     ServedModel,
     checked_int,
     checked_name,
+    checked_target,
     render_config,
     served_model,
 )
@@ -152,7 +153,7 @@ class ServingSettings:
     def __post_init__(self) -> None:
         checked_name(self.registered_model, f"{SETTINGS_FILE}: registered_model")
         checked_name(self.model, f"{SETTINGS_FILE}: model")
-        checked_name(self.target, f"{SETTINGS_FILE}: target")
+        checked_target(self.target, f"{SETTINGS_FILE}: target")
         checked_int(self.queue_delay_us, f"{SETTINGS_FILE}: queue_delay_us", minimum=0)
         checked_int(self.instances, f"{SETTINGS_FILE}: instances", minimum=1)
         checked_int(self.threads, f"{SETTINGS_FILE}: threads", minimum=0)
