@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from compiler import json_reader
 from serving.triton.errors import TritonConfigError
 
 # kiln dtype name (compiler.inputs.specs) -> Triton's model-config type. fp8 has no Triton type.
@@ -111,7 +112,7 @@ class ServedModel:
     @classmethod
     def from_json(cls, text: str, where: str) -> ServedModel:
         try:
-            data: dict[str, Any] = json.loads(text)
+            data: dict[str, Any] = json_reader.loads(text, where)
             return cls(
                 name=str(data["name"]),
                 registered_model=str(data["registered_model"]),

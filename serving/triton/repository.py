@@ -40,6 +40,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from compiler import json_reader
 from compiler.atomic import write_bytes_atomic
 from serving.triton.config import (
     BACKEND_FILE,
@@ -145,7 +146,7 @@ class ServingSettings:
     def read(cls, model_dir: Path) -> ServingSettings:
         path = model_dir / SETTINGS_FILE
         try:
-            data = json.loads(path.read_text())
+            data = json_reader.read_file(path)
             fields = ("registered_model", "model", "target", "queue_delay_us", "instances")
             return cls(**{k: data[k] for k in fields}, threads=int(data.get("threads", DEFAULT_THREADS)))
         except FileNotFoundError:
