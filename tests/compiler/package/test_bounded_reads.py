@@ -180,9 +180,14 @@ def test_unbounded_integer_arithmetic_in_a_runtime_graph_is_refused_before_it_ru
     call = {"op": "call_function", "kwargs": {}}
     _with_nodes_before_output(
         bomb,
-        [{**call, "name": "p0", "target": "operator.pow", "args": [7, 10**8]}]
+        [{**call, "name": "p0", "target": "operator.pow", "args": {"tuple": [7, 10**8]}}]
         + [
-            {**call, "name": f"p{i}", "target": "operator.mul", "args": [{"node": first + i - 1}] * 2}
+            {
+                **call,
+                "name": f"p{i}",
+                "target": "operator.mul",
+                "args": {"tuple": [{"node": first + i - 1}] * 2},
+            }
             for i in range(1, 6)
         ],
     )
@@ -195,8 +200,8 @@ def test_unbounded_integer_arithmetic_in_a_runtime_graph_is_refused_before_it_ru
     _with_nodes_before_output(
         fine,
         [
-            {**call, "name": "p0", "target": "operator.pow", "args": [2, 62]},
-            {**call, "name": "p1", "target": "operator.floordiv", "args": [{"node": first}, 3]},
+            {**call, "name": "p0", "target": "operator.pow", "args": {"tuple": [2, 62]}},
+            {**call, "name": "p1", "target": "operator.floordiv", "args": {"tuple": [{"node": first}, 3]}},
         ],
     )
     torch.testing.assert_close(compiler.load(fine)(x), compiler.load(unsigned)(x))
