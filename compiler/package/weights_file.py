@@ -124,7 +124,8 @@ def parse_header(head: bytes | memoryview, size: int) -> list[TensorEntry]:
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise ValueError(f"tensor {name!r:.80}: expected dtype, shape and data_offsets")
-        dtype, shape, offsets = _DTYPES.get(info["dtype"]), info["shape"], info["data_offsets"]
+        name_of_dtype = info["dtype"] if isinstance(info["dtype"], str) else None  # a list: unhashable
+        dtype, shape, offsets = _DTYPES.get(name_of_dtype), info["shape"], info["data_offsets"]
         if dtype is None:
             raise ValueError(f"tensor {name!r:.80}: unknown dtype {info['dtype']!r:.20}")
         if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:

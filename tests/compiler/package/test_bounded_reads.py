@@ -217,3 +217,14 @@ def test_the_bounded_operators_compute_as_operator_does_within_the_bound():
             refused()
     t = torch.tensor([3.0])
     assert mul(t, 2).item() == 6.0  # tensors pass through to torch
+
+
+@pytest.mark.parametrize("dtype", [["F32"], {"F32": 1}], ids=["list", "object"])
+def test_a_weights_dtype_that_is_no_string_is_a_typed_refusal(dtype):
+    """Found by the format fuzzer's weights-header mutations: an unhashable dtype was a TypeError."""
+    from compiler.package.weights_file import parse_header
+
+    text = json.dumps({"w": {"dtype": dtype, "shape": [1], "data_offsets": [0, 4]}}).encode()
+    raw = len(text).to_bytes(8, "little") + text + b"\0" * 4
+    with pytest.raises(ValueError, match="unknown dtype"):
+        parse_header(raw, len(raw))
