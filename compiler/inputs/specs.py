@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from compiler import json_reader
 from compiler.errors import InputSpecError
 
 if TYPE_CHECKING:
@@ -214,8 +215,8 @@ def specs_to_json(specs: Iterable[InputSpec]) -> str:
 
 def specs_from_json(text: str) -> tuple[InputSpec, ...]:
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
+        data = json_reader.loads(text, "input specs")
+    except ValueError as exc:
         raise InputSpecError(f"input specs are not valid JSON: {exc}") from exc
     version = data.get("format_version")
     if not isinstance(version, int) or version > SPEC_FORMAT_VERSION:

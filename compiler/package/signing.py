@@ -29,7 +29,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import os
 import stat
 import tempfile
@@ -39,7 +38,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from compiler.errors import PackageCorruptError, PackageSignatureError, SigningConfigError
+from compiler import json_reader
+from compiler.errors import (
+    PackageCorruptError,
+    PackageSignatureError,
+    SigningConfigError,
+    UntrustedJsonError,
+)
 from compiler.package.manifest import SIGNATURE  # model-signing's own default name for the signature file
 
 MANIFEST = "manifest.json"
@@ -228,7 +233,7 @@ def verify_package(
     Refusals are :class:`PackageSignatureError` (unsigned, another signer, a file changed, added or
     removed after signing); a configuration that cannot verify is a :class:`SigningConfigError`.
     Needs no torch. The manifest's own checks (content hash, file checksums) are the caller's
-    (``compiler.read_manifest`` makes them all)."""
+    (``compiler.read_manifest`` makes them all). :func:`verify_signer` is its first half alone."""
     path = Path(path)
     trust = trust or Trust.from_env()
     if trust is None:
@@ -241,26 +246,84 @@ def verify_package(
         manifest_bytes = _read_plain(path / MANIFEST, path)
     # model-signing reads the signature from a path: hand it a private copy of the bytes parsed below,
     # so the signature it verifies is the one whose statement kiln then reads.
-    with tempfile.TemporaryDirectory(prefix="kiln-signature-") as tmp:
-        copy = Path(tmp) / SIGNATURE
-        copy.write_bytes(raw)
+    with _private_copy(raw, path) as copy:
         try:
             config.verify(path, copy)
         except Exception as exc:  # any failure to verify is a refusal: the library raises several types
-            raise PackageSignatureError(
-                f"{path}: its signature ({SIGNATURE}) does not verify against {trust.describe()} "
-                f"({type(exc).__name__}: {exc}): it was signed by another key, or a file of the package "
-                "was changed, added or removed after signing; refused"
-            ) from exc
+            raise _refusal(path, trust, exc) from exc
     files = _signed_files(raw, path)
+    _check_manifest_signed(files, manifest_bytes, path)
+    return VerifiedSignature(path, trust, files)
+
+
+def verify_signer(path: str | os.PathLike, trust: Trust, *, manifest_bytes: bytes) -> dict[str, str]:
+    """The half of :func:`verify_package` that reads ``model.sig`` and nothing else of the package: the
+    signature verifies against ``trust`` and its statement covers ``manifest_bytes`` (file -> sha256 of
+    the statement). A load makes this check before it reads any other file, so an unsigned package,
+    or one signed by another key, is refused having read only its manifest and ``model.sig``; the
+    manifest then binds every file the load reads by size and sha256, and :func:`verify_package` (the
+    directory against the statement: no file more or fewer) runs beside those reads."""
+    path = Path(path)
+    config = trust.config()
+    raw = _read_signature(path, trust)
+    with _private_copy(raw, path) as copy:
+        try:
+            # model-signing's own first step of Config.verify (the envelope's signature by the key or
+            # certificate, then its payload), without the hashing of the directory that follows it.
+            from model_signing._signing import sign_sigstore_pb
+
+            verifier = config._verifier
+        except (ImportError, AttributeError) as exc:  # model-signing's layout moved: fail closed, loudly
+            raise SigningConfigError(
+                f"this model-signing has no signature verifier kiln can call on its own ({exc}); "
+                "install the version constraints.txt names"
+            ) from exc
+        try:
+            verifier.verify(sign_sigstore_pb.Signature.read(copy))
+        except Exception as exc:
+            raise _refusal(path, trust, exc) from exc
+    files = _signed_files(raw, path)
+    _check_manifest_signed(files, manifest_bytes, path)
+    return files
+
+
+class _private_copy:
+    """The signature's bytes in a private temporary file, for model-signing (which reads a path)."""
+
+    def __init__(self, raw: bytes, path: Path) -> None:
+        self._raw, self._tmp = raw, tempfile.TemporaryDirectory(prefix="kiln-signature-")
+        # Bounded before model-signing's own json.loads parses it (depth, integers).
+        try:
+            json_reader.loads(raw, f"{path / SIGNATURE}", max_bytes=MAX_SIGNATURE_BYTES)
+        except UntrustedJsonError as exc:
+            self._tmp.cleanup()
+            raise PackageSignatureError(f"{path}: {SIGNATURE} is not a signature kiln reads: {exc}") from exc
+
+    def __enter__(self) -> Path:
+        copy = Path(self._tmp.name) / SIGNATURE
+        copy.write_bytes(self._raw)
+        return copy
+
+    def __exit__(self, *exc: object) -> None:
+        self._tmp.cleanup()
+
+
+def _refusal(path: Path, trust: Trust, exc: Exception) -> PackageSignatureError:
+    return PackageSignatureError(
+        f"{path}: its signature ({SIGNATURE}) does not verify against {trust.describe()} "
+        f"({type(exc).__name__}: {exc}): it was signed by another key, or a file of the package "
+        "was changed, added or removed after signing; refused"
+    )
+
+
+def _check_manifest_signed(files: dict[str, str], manifest_bytes: bytes, path: Path) -> None:
     # The manifest kiln uses must be the signed one: its checksums then bind every other file kiln
     # reads, even should the directory change after model-signing hashed it.
     if files.get(MANIFEST) != hashlib.sha256(manifest_bytes).hexdigest():
         raise PackageSignatureError(
-            f"{path}: the {MANIFEST} read is not the one its signature covers (changed during the load, "
-            "or left out of the signature); refused"
+            f"{path}: the {MANIFEST} read is not the one its signature covers (edited after signing, "
+            "changed during the load, or left out of the signature); refused"
         )
-    return VerifiedSignature(path, trust, files)
 
 
 def _read_signature(path: Path, trust: Trust) -> bytes:
@@ -291,8 +354,9 @@ def _read_plain(file: Path, path: Path) -> bytes:
 def _signed_files(raw: bytes, path: Path) -> dict[str, str]:
     """File -> sha256 from the statement of a signature model-signing has just verified."""
     try:
-        bundle = json.loads(raw)
-        statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"], validate=True))
+        bundle = json_reader.loads(raw, str(path / SIGNATURE), max_bytes=MAX_SIGNATURE_BYTES)
+        payload = base64.b64decode(bundle["dsseEnvelope"]["payload"], validate=True)
+        statement = json_reader.loads(payload, f"{path / SIGNATURE}: its statement", max_bytes=len(payload))
         if statement["predicateType"] != _PREDICATE_TYPE:
             raise ValueError(f"predicate type {statement['predicateType']!r}")
         files = {}

@@ -19,6 +19,9 @@ from __future__ import annotations
 import typer
 
 from flows.cli import cache, compile, ops, registry, serve
+from registry.terminal import sanitize_logs
+
+sanitize_logs()  # every log line and warning the commands print shows control characters as escapes
 
 app = typer.Typer(
     name="kiln",

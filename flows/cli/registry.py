@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 
 from flows.cli.options import (
     AllowOpModule,
@@ -37,8 +36,9 @@ from flows.cli.options import (
     TritonUrl,
     Version,
 )
+from registry.terminal import SafeConsole
 
-console = Console()
+console = SafeConsole()  # shows tags and package fields with control characters escaped
 
 
 def _live(

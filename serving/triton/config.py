@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from compiler import json_reader
 from serving.triton.errors import TritonConfigError
 
 # kiln dtype name (compiler.inputs.specs) -> Triton's model-config type. fp8 has no Triton type.
@@ -175,7 +176,7 @@ class ServedModel:
         """Read ``kiln.json`` back; every field keeps its type (no coercion: a version written as a
         number or a size as a string is refused by name, as is anything :meth:`__post_init__` refuses)."""
         try:
-            data: dict[str, Any] = json.loads(text)
+            data: dict[str, Any] = json_reader.loads(text, where)
             if not isinstance(data, dict):
                 raise TypeError(f"expected an object, got {type(data).__name__}")
 

@@ -45,6 +45,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from compiler import json_reader
 from compiler.atomic import write_bytes_atomic
 from serving.triton.config import (
     BACKEND_FILE,
@@ -163,7 +164,7 @@ class ServingSettings:
         """Read ``kiln-serving.json`` back, every field typed as written (no coercion)."""
         path = model_dir / SETTINGS_FILE
         try:
-            data = json.loads(path.read_text())
+            data = json_reader.read_file(path)
             if not isinstance(data, dict):
                 raise TypeError(f"expected an object, got {type(data).__name__}")
             fields = ("registered_model", "model", "target", "queue_delay_us", "instances")
