@@ -39,6 +39,7 @@ class GenerationModule(torch.nn.Module):
         super().__init__()
         self.prefill, self.decode, self.spec = prefill, decode, spec
         self.last_times = StepTimes()
+        self.last_logits: list[torch.Tensor] = []
 
     # What the rest of kiln reads off a loaded package describes the prefill program (the package's
     # manifest is its manifest); the decode program's are ``module.decode.<name>``.
@@ -85,12 +86,14 @@ class GenerationModule(torch.nn.Module):
         seed: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
+        output_logits: bool = False,
     ) -> torch.Tensor:
         """Token ids ``[batch, prompt + new]``: the (left-padded) prompts, then up to ``max_new_tokens``
         tokens each, greedy unless ``do_sample`` (``temperature``, then ``top_k``, then ``top_p``, drawn
         with a generator seeded by ``seed``). ``eos_token_id`` (default: the model's) ends a row; rows
         that ended early and prompts shorter than the compiled minimum are filled with ``pad_token_id``
-        (default: the model's)."""
+        (default: the model's). ``output_logits``: each step's last-position logits are kept in
+        ``module.last_logits`` (validation compares them with eager ones)."""
         spec = self.spec
         ids, mask = self._prompt(input_ids, attention_mask)
         batch, length = ids.shape
@@ -118,6 +121,7 @@ class GenerationModule(torch.nn.Module):
         logits, keys, values = self.prefill(input_ids=ids, attention_mask=mask)
         token = _pick(logits[:, -1], do_sample, temperature, top_k, top_p, generator)
         times.prefill = time.perf_counter() - start
+        self.last_logits = [logits[:, -1]] if output_logits else []
         cache_mask = torch.zeros(batch, spec.max_cache_len, dtype=mask.dtype, device=ids.device)
         cache_mask[:, :length] = mask
         done = torch.zeros(batch, dtype=torch.bool, device=ids.device)
@@ -145,6 +149,8 @@ class GenerationModule(torch.nn.Module):
             )
             token = _pick(logits[:, -1], do_sample, temperature, top_k, top_p, generator)
             times.decode.append(time.perf_counter() - start)
+            if output_logits:
+                self.last_logits.append(logits[:, -1])
         self.last_times = times
         return torch.cat(out, dim=1)
 
