@@ -104,8 +104,14 @@ class GenerationModule(torch.nn.Module):
         padded = bool((mask == 0).any())
         floor = self.prompt_floor
         if length < floor or padded or (eos and batch > 1):
-            _need_pad(pad, "a padded batch" if padded else "prompts shorter than the compiled minimum"
-                      if length < floor else "rows that end early (eos_token_id) in a batch")
+            _need_pad(
+                pad,
+                "a padded batch"
+                if padded
+                else "prompts shorter than the compiled minimum"
+                if length < floor
+                else "rows that end early (eos_token_id) in a batch",
+            )
         if length < floor:  # left-pad up to what the prefill program takes: masked, never attended
             fill = floor - length
             ids = torch.cat([ids.new_full((batch, fill), pad), ids], dim=1)
@@ -154,7 +160,9 @@ class GenerationModule(torch.nn.Module):
         self.last_times = times
         return torch.cat(out, dim=1)
 
-    def _prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prompt(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             raise GenerationError(
                 "input_ids must be an integer tensor [batch, prompt length] (token ids); got "

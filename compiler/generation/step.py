@@ -48,7 +48,9 @@ class _Layer:
     is_compileable = True
     is_initialized = True
 
-    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None, position: torch.Tensor, size: int):
+    def __init__(
+        self, keys: torch.Tensor | None, values: torch.Tensor | None, position: torch.Tensor, size: int
+    ):
         self.keys, self.values, self.position, self.size = keys, values, position, size
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -120,7 +122,9 @@ class Prefill(_Step):
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         batch, length = input_ids.shape
         position = torch.arange(length, device=input_ids.device)
-        mask = torch.cat([attention_mask, attention_mask.new_zeros(batch, self.max_cache_len - length)], dim=1)
+        mask = torch.cat(
+            [attention_mask, attention_mask.new_zeros(batch, self.max_cache_len - length)], dim=1
+        )
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         layers = [_Layer(None, None, position, self.max_cache_len) for _ in range(self.layers)]
         return self._run(input_ids, mask, position_ids, position, layers)
@@ -228,7 +232,9 @@ def program_case(
         "keys": [torch.randn(shape, generator=generator).to(dtype) for _ in range(spec.layers)],
         "values": [torch.randn(shape, generator=generator).to(dtype) for _ in range(spec.layers)],
     }
-    kwargs = {k: [t.to(device) for t in v] if isinstance(v, list) else v.to(device) for k, v in kwargs.items()}
+    kwargs = {
+        k: [t.to(device) for t in v] if isinstance(v, list) else v.to(device) for k, v in kwargs.items()
+    }
     shapes = {
         "input_ids": {0: batch_dim},
         "attention_mask": {0: batch_dim},

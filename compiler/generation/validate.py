@@ -68,14 +68,21 @@ def recorded_prompts(path: str, spec: GenerationSpec, samples: int) -> list[Prom
             "record the prompts' token ids as input_ids [samples, length]"
         )
     ids = torch.as_tensor(arrays["input_ids"]).long()
-    mask = torch.as_tensor(arrays["attention_mask"]).long() if "attention_mask" in arrays else torch.ones_like(ids)
+    mask = (
+        torch.as_tensor(arrays["attention_mask"]).long()
+        if "attention_mask" in arrays
+        else torch.ones_like(ids)
+    )
     if ids.dim() != 2 or mask.shape != ids.shape:
         raise ValidationDataError(
             f"generation.validation.prompts: {path}: input_ids must be [samples, length] and "
             f"attention_mask the same shape; got {tuple(ids.shape)} and {tuple(mask.shape)}"
         )
     ids, mask = ids[:samples], mask[:samples]
-    return [(ids[i : i + spec.max_batch], mask[i : i + spec.max_batch]) for i in range(0, len(ids), spec.max_batch)]
+    return [
+        (ids[i : i + spec.max_batch], mask[i : i + spec.max_batch])
+        for i in range(0, len(ids), spec.max_batch)
+    ]
 
 
 def _first_divergence(got: torch.Tensor, want: torch.Tensor, prompt: int) -> int | None:
@@ -128,7 +135,9 @@ def check_agreement(
                 output_logits=True,
                 return_dict_in_generate=True,
             )
-            eager_logits = lm(input_ids=ids, attention_mask=mask).logits
+            # positions count real tokens, as generate (and the compiled prefill) count them
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            eager_logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         where = _first_divergence(got, want.sequences, ids.shape[1])
         total += 1
         agree += int(where is None)
@@ -164,7 +173,9 @@ def check_agreement(
         "token_agreement": agree / total if total else 1.0,
         "first_divergence": min(divergences) if divergences else None,
         "max_step_logits_error": max((max(e) for e in step_errors if e), default=0.0),
-        "step_logits_error": [round(max(col), 8) for col in zip(*step_errors, strict=False)] if step_errors else [],
+        "step_logits_error": [round(max(col), 8) for col in zip(*step_errors, strict=False)]
+        if step_errors
+        else [],
         "perplexity": compiled_ppl,
         "eager_perplexity": eager_ppl,
         "perplexity_rel_error": rel,
@@ -179,13 +190,17 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def measure_speed(module: GenerationModule, lm: torch.nn.Module | None = None, *, runs: int = 3, new_tokens: int = 16) -> dict[str, Any]:
+def measure_speed(
+    module: GenerationModule, lm: torch.nn.Module | None = None, *, runs: int = 3, new_tokens: int = 16
+) -> dict[str, Any]:
     """Time to first token at two prompt lengths (batch 1) and decode tokens/s at batch 1 and 8 (or
     ``max_batch``), for ``module`` and, with ``lm``, its eager programs through the same loop."""
     spec = module.spec
     modules = {"compiled": module}
     if lm is not None:
-        modules["eager"] = GenerationModule(Prefill(lm, spec.max_cache_len), Decode(lm, spec.max_cache_len), spec)
+        modules["eager"] = GenerationModule(
+            Prefill(lm, spec.max_cache_len), Decode(lm, spec.max_cache_len), spec
+        )
     short = max(module.prompt_floor, min(8, spec.prompt_max))
     lengths = sorted({short, spec.prompt_max})
     batches = sorted({1, min(8, spec.max_batch)})
