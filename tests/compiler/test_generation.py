@@ -108,7 +108,7 @@ def test_changed_decode_program_is_refused(package: Path, tmp_path: Path) -> Non
     data = bytearray(program.read_bytes())
     data[-100] ^= 1
     program.write_bytes(bytes(data))
-    with pytest.raises(PackageCorruptError, match="decode: file program.pt2 does not match its checksum"):
+    with pytest.raises(PackageCorruptError, match=r"decode: file program\.pt2 does not match its checksum"):
         compiler.load(copy)
 
 
@@ -177,6 +177,6 @@ def test_padding_without_a_pad_token_names_the_field(llama: torch.nn.Module) -> 
     assert spec.pad_token_id is None
     eager = GenerationModule(*(program_case(lm, spec, p)[0] for p in ("prefill", "decode")), spec)
     ids, mask = torch.ones(2, 4, dtype=torch.long), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
-    with pytest.raises(GenerationError, match="generation.pad_token_id"):
+    with pytest.raises(GenerationError, match=r"generation\.pad_token_id"):
         eager.generate(ids, mask, max_new_tokens=2, eos_token_id=[])
     assert eager.generate(ids, mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0).shape == (2, 6)
