@@ -122,11 +122,11 @@ class GenerationModule(torch.nn.Module):
         if do_sample:
             generator = torch.Generator(device=ids.device)
             generator.manual_seed(0 if seed is None else int(seed))
-        times = StepTimes()
-        start = time.perf_counter()
+        times, clock = StepTimes(), _clock(ids.device)
+        start = clock()
         logits, keys, values = self.prefill(input_ids=ids, attention_mask=mask)
         token = _pick(logits[:, -1], do_sample, temperature, top_k, top_p, generator)
-        times.prefill = time.perf_counter() - start
+        times.prefill = clock() - start
         self.last_logits = [logits[:, -1]] if output_logits else []
         cache_mask = torch.zeros(batch, spec.max_cache_len, dtype=mask.dtype, device=ids.device)
         cache_mask[:, :length] = mask
@@ -145,7 +145,7 @@ class GenerationModule(torch.nn.Module):
                 break
             position = length + step
             cache_mask[:, position] = 1
-            start = time.perf_counter()
+            start = clock()
             logits, keys, values = self.decode(
                 input_ids=token[:, None],
                 attention_mask=cache_mask,
@@ -154,7 +154,7 @@ class GenerationModule(torch.nn.Module):
                 values=list(values),
             )
             token = _pick(logits[:, -1], do_sample, temperature, top_k, top_p, generator)
-            times.decode.append(time.perf_counter() - start)
+            times.decode.append(clock() - start)
             if output_logits:
                 self.last_logits.append(logits[:, -1])
         self.last_times = times
@@ -189,6 +189,18 @@ class GenerationModule(torch.nn.Module):
         if bool((mask.sum(-1) == 0).any()):
             raise GenerationError("attention_mask has a row with no tokens; every prompt needs at least one")
         return ids, mask
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    """perf_counter, after the device's queued work (a CUDA step's time is its kernels' time)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
 
 
 def _ids(value: int | Sequence[int]) -> tuple[int, ...]:
