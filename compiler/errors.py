@@ -115,6 +115,13 @@ class AccuracyError(KilnError):
         self.failures = list(failures)
 
 
+class GenerationError(KilnError, ValueError):
+    """A generation request (or a model compiled for generation) is outside what the package was compiled
+    for: a prompt longer than its range, more tokens than its cache holds, a batch over its maximum, a
+    model without a causal LM head, a padded batch without a pad token. The message names the limit and
+    the zoo field (``generation.*``) that sets it."""
+
+
 class UnsafeProgramError(ExportError, PackageCorruptError):
     """A program archive holds something loading it would unpickle or execute (a pickled weight or
     constant, a custom object, sample inputs that are not plain tensors, an unknown entry): refused

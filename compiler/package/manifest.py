@@ -42,6 +42,7 @@ FORMAT_VERSION = 3
 PROGRAM = "program.pt2"
 WEIGHTS = "weights.safetensors"
 RUNTIME_GRAPH = "runtime_graph.json"  # optional: the split graph as data (partitioning/runtime_graph.py)
+GENERATION = "generation.json"  # optional: a prefill program whose decode program is under decode/
 SIGNATURE = "model.sig"  # optional, never listed in files: compiler/package/signing.py
 ENGINE_DIR = "engines"
 
@@ -417,6 +418,8 @@ def check_layout(manifest: Manifest, where: str) -> None:
         if required not in manifest.files:
             raise PackageCorruptError(f"{where}: the manifest does not list {required}")
     expected = {PROGRAM, WEIGHTS, *({RUNTIME_GRAPH} & set(manifest.files))}
+    if GENERATION in manifest.files:  # decode/ is a package of its own, checked where it loads
+        expected |= {GENERATION, *(rel for rel in manifest.files if rel.startswith("decode/"))}
     for fp, record in manifest.engines.items():
         if not _FINGERPRINT.match(fp):
             raise PackageCorruptError(f"{where}: engine fingerprint {fp!r} is not a fingerprint")
