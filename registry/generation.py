@@ -9,9 +9,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from compiler import json_reader
+from compiler.errors import PackageJsonError
 from compiler.generation.spec import GENERATION_FILE, GenerationSpec
 from compiler.package.check import read_verified
 from compiler.package.manifest import Manifest
@@ -23,7 +24,9 @@ def generation_metrics(package_dir: Path, manifest: Manifest) -> dict[str, float
     """The run's generation metrics; none for a package that is not a generation package."""
     if GENERATION_FILE not in manifest.files:
         return {}
-    spec = GenerationSpec.from_json(json.loads(read_verified(package_dir, GENERATION_FILE, manifest)))
+    where = f"{package_dir}/{GENERATION_FILE}"
+    raw = read_verified(package_dir, GENERATION_FILE, manifest)
+    spec = GenerationSpec.from_json(json_reader.loads(raw, where, error=PackageJsonError))
     report = spec.validation
     metrics = {
         f"generation.{k}": float(report[k])

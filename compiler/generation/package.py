@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from compiler.errors import PackageCorruptError
+from compiler import json_reader
+from compiler.errors import PackageCorruptError, PackageJsonError
 from compiler.generation.module import GenerationModule
 from compiler.generation.spec import DECODE_DIR, GENERATION_FILE, GenerationSpec
 from compiler.package.check import MANIFEST, manifest_and_signature, read_verified
@@ -89,10 +90,13 @@ def save_generation(
 def read_spec(path: str | os.PathLike, manifest: Manifest) -> GenerationSpec:
     """``generation.json`` of a verified package, checked against the manifest's checksum."""
     data = read_verified(Path(path), GENERATION_FILE, manifest)
+    where = f"{path}/{GENERATION_FILE}"
     try:
-        return GenerationSpec.from_json(json.loads(data))
-    except ValueError as exc:
-        raise PackageCorruptError(f"{path}: {GENERATION_FILE} is not valid JSON: {exc}") from exc
+        return GenerationSpec.from_json(json_reader.loads(data, where, error=PackageJsonError))
+    except PackageCorruptError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PackageCorruptError(f"{where} is not a generation spec: {exc}") from exc
 
 
 def with_decode(
