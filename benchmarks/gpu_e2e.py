@@ -159,10 +159,14 @@ def machine(device: str) -> dict:
 def step_models(run: Run) -> dict:
     """The zoo file (deploy/zoo-cuda.yaml, or its CPU form) and its hf: folders."""
     zoo = yaml.safe_load((ROOT / "deploy" / "zoo-cuda.yaml").read_text())
-    if run.args.device == "cpu":  # the same entries on ONNX Runtime, fp32 (int8: ORT's dynamic int8)
+    if run.args.device == "cpu":  # the same entries in fp32 on ONNX Runtime (or --backend inductor with
+        # AOTInductor packages, as on CUDA); int8: ONNX Runtime's dynamic int8
         for entry in zoo["models"]:
-            entry.update(devices=["cpu"], backend="onnxruntime")
-            entry["precision"] = "int8" if entry["name"] == "bert-int8" else "fp32"
+            int8 = entry["name"] == "bert-int8"
+            entry.update(devices=["cpu"], backend="onnxruntime" if int8 else run.args.backend)
+            entry["precision"] = "int8" if int8 else "fp32"
+            if entry["backend"] == "inductor":
+                entry["backend_options"] = {"aot": True}
         zoo["settings"]["build_concurrency"] = {"cpu": 2}
     if run.args.quick:
         zoo["settings"]["validation"] = {"samples": 2, "warmup": 1, "runs": 3}
@@ -235,7 +239,12 @@ def step_zoo(run: Run, *only: str) -> dict:
     summary = json.loads((run.work / "out" / "summary.json").read_text())
     rows = {
         m["name"]: {
-            k: m.get(k) for k in ("status", "precision", "rel_l2", "latency_ratio", "seconds", "error")
+            **{
+                k: m.get(k)
+                for k in ("status", "precision", "max_rel_l2", "latency_ratio", "seconds", "error")
+            },
+            "registered": (m.get("tracking") or {}).get("registered_model"),
+            "version": (m.get("tracking") or {}).get("version"),
         }
         for m in summary["models"]
     }
@@ -599,6 +608,8 @@ def main() -> int:
     )
     parser.add_argument("--fresh", action="store_true", help="empty the work folder first")
     parser.add_argument("--models", default=",".join(MODELS), help="a subset of the zoo's models")
+    parser.add_argument("--backend", choices=("onnxruntime", "inductor"), default="onnxruntime",
+                        help="--device cpu: the fp32 entries' backend (inductor: AOT packages)")  # fmt: skip
     parser.add_argument("--live", default=LIVE[0], help="the model released and rolled back under load")
     args = parser.parse_args()
     chosen = [m.strip() for m in args.models.split(",") if m.strip()]
