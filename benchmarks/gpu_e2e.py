@@ -106,7 +106,10 @@ class Run:
             env["KILN_SIGNING_PUBLIC_KEY"] = self.keys["public_key"]
         return env
 
-    def kiln(self, *args: str, sign: bool = False, timeout: float = 540, ok: tuple[int, ...] = (0,)) -> str:
+    def kiln(
+        self, *args: str, sign: bool = False, verify: bool | None = None, timeout: float = 540,
+        ok: tuple[int, ...] = (0,),
+    ) -> str:  # fmt: skip
         """One ``kiln`` command in the work folder; its output logged; StepFailed with the tail unless its
         exit code is in ``ok``."""
         log = self.work / "logs" / f"{len(list((self.work / 'logs').iterdir())):02d}-{args[0]}.log"
@@ -114,7 +117,7 @@ class Run:
         done = subprocess.run(
             [sys.executable, "-m", "flows.cli", *args],
             cwd=self.work,
-            env=self.env(sign=sign, verify=not sign),
+            env=self.env(sign=sign, verify=not sign if verify is None else verify),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -227,7 +230,9 @@ def step_signing(run: Run) -> dict:
         return run.keys
     made = json.loads(run.kiln("signing", "init", "--dir", str(keys), "--json"))
     run.results["signing"] = made
-    run.kiln("signing", "check", sign=True)
+    checked = json.loads(run.kiln("signing", "check", "--json", sign=True, verify=True))
+    if not checked["pair_verified"]:
+        raise StepFailed(f"kiln signing check: the key pair was not verified: {checked}")
     return made
 
 
