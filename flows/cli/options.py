@@ -436,3 +436,10 @@ MaxBytes = Annotated[
 OlderThan = Annotated[
     str | None, typer.Option("--older-than", help="remove entries unused for longer (30m, 12h, 7d, 2w)")
 ]
+SigningDir = Annotated[
+    str,
+    typer.Option(
+        "--dir", help="where the key pair is written (a folder only the pipeline's account can read)"
+    ),
+]
+SigningName = Annotated[str, typer.Option("--name", help="file names: NAME.pem (private), NAME.pub (public)")]

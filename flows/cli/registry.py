@@ -151,7 +151,7 @@ def lookup_cmd(
         )
     if result.source_match:
         console.print(f"  source: {_source_text(result.source_match)}", soft_wrap=True)
-    for key in ("backend", "precision", "engine_target", "input_ranges", "package_dir"):
+    for key in ("backend", "precision", "engine_target", "input_ranges", "package_dir", "engine_code"):
         console.print(f"  {key}: {summary[key]}", soft_wrap=True)
     for row in result.skipped:
         console.print(f"  skipped v{row['version']}: {row['reason']}", soft_wrap=True)
