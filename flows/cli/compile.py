@@ -473,6 +473,7 @@ def compile_cmd(
             exc = state.result(raise_on_failure=False)
             message = f"{type(exc).__name__}: {exc}" if isinstance(exc, BaseException) else str(state.message)
             result = ModelResult(request.name, request.device, "failed", error=message)
+            result.precision = request.options.precision  # what was asked (the prec column)
             events.emit("failed", request.name, request.device, message)
         return write_summary([result], out_dir, settings, 0.0, zoo=str(zoo_file)), None
 
