@@ -377,7 +377,7 @@ def export(
 
     Every model is checked for a champion before anything is written."""
     from registry import config
-    from registry.models import registered_model_name
+    from registry.targets import resolved_model_name
 
     if instances < 1 or queue_delay_us < 0 or threads < 0:
         raise TritonConfigError(
@@ -388,7 +388,7 @@ def export(
     mlclient = config.client(tracking_uri)
     plans = []
     for model in models:
-        registered = registered_model_name(model, target)
+        registered = resolved_model_name(mlclient, model, target)  # --target cuda: registry.targets
         plans.append((model, registered, *champion_of(mlclient, registered)))
     results = []
     for model, registered, champion, previous in plans:
