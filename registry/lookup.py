@@ -45,6 +45,7 @@ from registry.models import (
     source_of,
 )
 from registry.pyfunc import PACKAGE_ARTIFACT
+from registry.targets import resolved_model_name
 from registry.transfer import ProgressCallback, download_model_dir
 from zoo.sources.staging import new_staging_dir
 
@@ -323,7 +324,7 @@ def lookup(
     ``on_progress``: see :func:`fetch_version`.
     """
     mlclient = config.client(tracking_uri)
-    name = registered_model_name(model, target)
+    name = resolved_model_name(mlclient, model, target, policy)  # --target cuda: this host's GPU's
     query = resolve_source(mlclient, source, policy) if source else None
     if query is not None and query.note:
         log.warning("%s", query.note)
