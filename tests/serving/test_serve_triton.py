@@ -624,4 +624,5 @@ def test_a_model_with_no_champion_is_a_typed_error_naming_it_and_its_aliases(sto
             store["uri"],
         ],
     )
-    assert result.exit_code == 2 and "kiln.nothing.cpu has no 'champion' alias" in result.output
+    # registry.targets: nothing registered for the model at all, under any engine target
+    assert result.exit_code == 2 and "nothing is registered for 'nothing'" in result.output
