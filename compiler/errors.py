@@ -72,6 +72,24 @@ class PackageCorruptError(PackageError):
     """A package file is missing, truncated or does not match its checksum."""
 
 
+class UntrustedJsonError(KilnError, ValueError):
+    """JSON kiln did not write itself (a package file, a cache record, a Triton model folder's files,
+    webhook state) is larger, nests deeper or holds a larger integer than ``compiler.json_reader``
+    allows, is not UTF-8 JSON, or does not fit its schema. The message names the file and the field
+    or bound. A ValueError, as a malformed file's error was."""
+
+
+class PackageJsonError(PackageCorruptError, UntrustedJsonError):
+    """A package file's JSON (manifest, runtime graph, weights header) broke a bound of
+    ``compiler.json_reader``: a PackageCorruptError, as every refusal of a package file is."""
+
+
+class RuntimeGraphBoundError(PackageCorruptError, ArithmeticError):
+    """A package's runtime graph computes a Python number beyond the bound a shape or index needs
+    (integers within +-2**63, finite floats): refused before the operation runs where its size can be
+    told in advance (``operator.pow``), otherwise with its result."""
+
+
 class PackageVersionError(PackageError):
     """A package was written by a newer (or unknown) format version."""
 
@@ -95,6 +113,13 @@ class AccuracyError(KilnError):
     def __init__(self, message: str, *, failures: list[str]):
         super().__init__(message)
         self.failures = list(failures)
+
+
+class GenerationError(KilnError, ValueError):
+    """A generation request (or a model compiled for generation) is outside what the package was compiled
+    for: a prompt longer than its range, more tokens than its cache holds, a batch over its maximum, a
+    model without a causal LM head, a padded batch without a pad token. The message names the limit and
+    the zoo field (``generation.*``) that sets it."""
 
 
 class UnsafeProgramError(ExportError, PackageCorruptError):

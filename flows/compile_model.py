@@ -66,25 +66,33 @@ def compile_model(
     progress.emit("model", name, device, "preflight")
     preflight(request)
 
-    progress.emit("model", name, device, "export")
-    key = stages.resolve_source(request)
-    program = stages.export_program(request, key, workspace)
-    progress.emit("model", name, device, "partition")
-    plan = stages.partition_program(program, request.options, workspace)
+    if request.generation is not None:  # two programs, checked against eager generate together
+        from flows.generation import compile_generation
 
-    progress.emit("model", name, device, f"build {len(plan.fingerprints)} engines")
-    builds = stages.build_engine.map(
-        unmapped(plan), plan.fingerprints, unmapped(workspace), unmapped(engine_cache)
-    )
-    engines: list[EngineRef] = [b.result() for b in builds]
+        done = compile_generation(request, stages, workspace, engine_cache, out_dir)
+        plan, engines, validation, package = done.plan, done.engines, done.validated.report, done.package
+    else:
+        progress.emit("model", name, device, "export")
+        key = stages.resolve_source(request)
+        program = stages.export_program(request, key, workspace)
+        progress.emit("model", name, device, "partition")
+        plan = stages.partition_program(program, request.options, workspace)
 
-    progress.emit("model", name, device, "assemble")
-    staged = stages.assemble_engines(plan, engines, workspace)
-    progress.emit("model", name, device, "validate")
-    validated = stages.validate_package(request, staged, workspace, engine_cache)
-    validation = validated.report
-    progress.emit("model", name, device, "package")
-    package = stages.package_model(validated, package_path(out_dir, request), workspace, request.identity())
+        progress.emit("model", name, device, f"build {len(plan.fingerprints)} engines")
+        builds = stages.build_engine.map(
+            unmapped(plan), plan.fingerprints, unmapped(workspace), unmapped(engine_cache)
+        )
+        engines: list[EngineRef] = [b.result() for b in builds]
+
+        progress.emit("model", name, device, "assemble")
+        staged = stages.assemble_engines(plan, engines, workspace)
+        progress.emit("model", name, device, "validate")
+        validated = stages.validate_package(request, staged, workspace, engine_cache)
+        validation = validated.report
+        progress.emit("model", name, device, "package")
+        package = stages.package_model(
+            validated, package_path(out_dir, request), workspace, request.identity()
+        )
 
     tracking = None
     if settings.tracking_enabled():

@@ -7,7 +7,6 @@ before any build -> set the build concurrency limits -> compile_model per reques
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from prefect import allow_failure, flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from compiler import json_reader
 from compiler.errors import KilnError
 from flows import progress
 from flows.compile_model import compile_model, preflight
@@ -255,5 +255,5 @@ def run_zoo(
         error = state.result(raise_on_failure=False)
         if not isinstance(error, BaseException):
             error = ZooRunError(state.message or "the zoo run failed")
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
+    summary = json_reader.read_file(summary_file) if summary_file.exists() else None
     return summary, error

@@ -11,17 +11,18 @@ from pathlib import Path
 from typing import Any
 
 from rich import box
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from registry.summary import name_width
+from registry.terminal import SafeConsole, shown  # noqa: F401 (shown: the CLI's one cell sanitizer)
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
-console = Console(stderr=True)
-out_console = Console()
+
+console = SafeConsole(stderr=True)
+out_console = SafeConsole()
 
 
 class ProgressView:

@@ -53,6 +53,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from compiler import json_reader
 from compiler.atomic import write_bytes_atomic
 from compiler.errors import KilnError
 
@@ -103,7 +104,7 @@ def verify(secret: str, headers: Any, body: bytes, now: float | None = None) -> 
     if age > MAX_AGE_S:
         raise WebhookSignatureError(f"the delivery is {age:.0f} s old (at most {MAX_AGE_S} s)")
     try:
-        event = json.loads(text)
+        event = json_reader.loads(text, "the delivery's body")
     except ValueError:
         raise WebhookSignatureError("the body is not JSON") from None
     if not isinstance(event, dict) or not isinstance(event.get("data"), dict):
@@ -130,7 +131,7 @@ def entries_for(zoo_path: str, model_name: str) -> list[str]:
 def _parse_state(raw: bytes) -> dict[str, float] | None:
     """The ids and acceptance times of a state file, or None when it is not what ``_write`` writes."""
     try:
-        data = json.loads(raw)
+        data = json_reader.loads(raw, "the webhook state")
     except ValueError:
         return None
     if not isinstance(data, dict):

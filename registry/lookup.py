@@ -27,6 +27,7 @@ from mlflow.exceptions import MlflowException
 
 from compiler.errors import PackageError
 from compiler.inputs.specs import InputSpec, specs_from_json
+from compiler.package.signing import trust_note
 from registry import config
 from registry.config import RetryPolicy, call_with_retry, is_transient
 from registry.errors import ArtifactMissingError, ArtifactVerificationError, NoMatchingVersionError
@@ -446,4 +447,10 @@ def describe_result(result: LookupResult) -> dict:
         "source": source_of(result.tags),
         "source_match": result.source_match,
         "skipped": [{k: r[k] for k in ("version", "reason")} for r in result.skipped],
+        # Whether the load ran the engines as built (a signature verified) or compiled them, and why.
+        "engine_code": (
+            trust_note(result.package_dir, getattr(result.module, "trust_engine_code", None))
+            if result.module is not None
+            else None
+        ),
     }

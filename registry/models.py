@@ -61,6 +61,7 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
+from compiler import json_reader
 from registry.config import RetryPolicy, call_with_retry
 
 if TYPE_CHECKING:  # the manifest's module imports torch; a registry listing never needs it
@@ -367,7 +368,7 @@ def finish_alias_intent(mlclient: MlflowClient, name: str, intent: str) -> None:
 
     log = logging.getLogger("kiln.registry")
     try:
-        data = json.loads(intent)
+        data = json_reader.loads(intent, f"{name}'s kiln.alias_intent tag")
         moves = data["aliases"]
         valid = isinstance(moves, dict) and all(
             alias in ALIASES and (v is None or (isinstance(v, str) and _VERSION_RE.fullmatch(v)))

@@ -62,8 +62,9 @@ def print_registry_summary(tracking_uri: str | None = None, console: Console | N
     """Print the ``mlflow ui`` command and a table of every registered kiln version; return the rows."""
     from registry import config
     from registry.models import registered_versions
+    from registry.terminal import SafeConsole
 
-    console = console or Console()
+    console = console or SafeConsole()
     uri = config.configure(tracking_uri)
     rows = registered_versions(config.client(uri))
     console.print(versions_table(rows))

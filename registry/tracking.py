@@ -43,6 +43,7 @@ from compiler.package.signing import Signer, sign_package
 from registry import config, payload
 from registry.config import RetryPolicy, call_with_retry
 from registry.errors import RegistryUnavailableError
+from registry.generation import generation_metrics
 from registry.lookup import package_in
 from registry.models import (
     TAG_CONTENT_HASH,
@@ -306,6 +307,7 @@ def _log_and_register(
     request, registered = recording.request, recording.registered
     params = payload.params_for(manifest, model)
     metrics = payload.metrics_for(manifest, _package_bytes(package_dir))
+    metrics.update(generation_metrics(package_dir, manifest))  # TTFT, tokens/s, token agreement
     tags = version_tags(manifest, model, request)
     description = payload.description_for(manifest, payload.report_link(experiment_id, run_id))
     # The run carries the version's lineage too (source, validation data, repair), and the same

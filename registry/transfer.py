@@ -94,7 +94,9 @@ def reporting(
     """The callback a transfer reports to: log lines, plus ``on_progress`` when given, else a rich
     bar when stderr (or ``console``) is a terminal."""
     lines = LogLines()
-    console = console or Console(stderr=True)
+    from registry.terminal import SafeConsole
+
+    console = console or SafeConsole(stderr=True)
     if on_progress is None and console.is_terminal:
         columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
         with RichProgress(*columns, console=console, transient=True) as bar:

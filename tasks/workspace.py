@@ -33,6 +33,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from compiler import json_reader
 from compiler.atomic import sha256_file, write_bytes_atomic
 from compiler.version import kiln_version
 
@@ -108,7 +109,7 @@ class Workspace:
         """A stage's stored result (plain JSON), or None; unreadable results are evicted."""
         path = self.result_path(stage, key)
         try:
-            return json.loads(path.read_text())
+            return json_reader.read_file(path)
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
@@ -167,7 +168,7 @@ class Workspace:
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    return json.loads(Path(path).read_text())
+    return json_reader.read_file(path)
 
 
 def compile_key(request: CompileRequest) -> str:

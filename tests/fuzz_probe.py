@@ -4,7 +4,8 @@ Run by tests/compiler/package/test_fuzz_formats.py (bounded, in CI) and benchmar
 ``python tests/fuzz_probe.py CONFIG RESULTS``. CONFIG names a clean package, its input and output, a
 seed and a time budget. Each round copies the package, applies one to three structured mutations to
 ``runtime_graph.json`` (nodes, call targets, keyword names, constants, the call signature), its two
-pytree specs (types, enum and defaultdict contexts) or ``manifest.json`` (any field), recomputes the
+pytree specs (types, enum and defaultdict contexts), ``manifest.json`` (any field) or the weights file's
+safetensors header (any field, hostile shapes and offsets, nesting past the bound), recomputes the
 checksums and the content hash (tests/untrusted_probe.py's reseal), loads it untrusted and calls it,
 under the audit hook of tests/untrusted_probe.py (no process, no open or library load outside the
 package and Python's own directories) plus: no import of a module this process had not imported, no
@@ -187,6 +188,36 @@ def _mutate_structure(graph: dict, rng: random.Random) -> str:
     return "json " + _mutate_json(graph, rng)
 
 
+# What a weights-header mutation may put in place of a value (besides PALETTE): the sizes and shapes
+# the header's bounds stand against.
+HEADER_PALETTE: list[Any] = [[0, 2**63], [2**62, 4], [2**64], [-1], [0, 0], "F64", "X9", [10**9, 10**9 + 4]]
+
+
+def _mutate_weights(raw: bytes, rng: random.Random) -> tuple[bytes, str]:
+    """One mutation of a safetensors file's header (the data left as is): a field replaced, dropped or
+    renamed, a hostile shape or offsets, or the header nested past the reader's depth bound."""
+    length = int.from_bytes(raw[:8], "little")
+    try:
+        header = json.loads(raw[8 : 8 + length])
+    except (ValueError, RecursionError):  # an earlier mutation of this round nested it past reading
+        return raw, "unreadable"
+    how = rng.choice(["json", "json", "bound", "deep"])
+    if how == "deep":
+        text = ("[" * 5000 + "]" * 5000).encode()
+    else:
+        if how == "bound":
+            items = header.items() if isinstance(header, dict) else ()
+            entries = [v for k, v in items if k != "__metadata__" and isinstance(v, dict)]
+            field = rng.choice(["shape", "data_offsets", "dtype"])
+            if entries:
+                rng.choice(entries)[field] = copy.deepcopy(rng.choice(HEADER_PALETTE))
+            how = f"bound {field}"
+        else:
+            how = "json " + _mutate_json(header, rng)
+        text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + raw[8 + length :], how
+
+
 def _spec_nodes(schema: Any) -> list[dict]:
     if not isinstance(schema, dict):
         return []
@@ -258,10 +289,15 @@ def run(config: dict, results_path: Path) -> None:
         graph, manifest = copy.deepcopy(base_graph), copy.deepcopy(base_manifest)
         did = []
         for _ in range(rng.randint(1, 3)):
-            if rng.random() < 0.75:
+            draw = rng.random()
+            if draw < 0.6:
                 did.append("graph: " + _mutate_graph(graph, rng))
-            else:
+            elif draw < 0.8:
                 did.append("manifest: " + _mutate_json(manifest, rng))
+            else:
+                weights, how = _mutate_weights((case / "weights.safetensors").read_bytes(), rng)
+                (case / "weights.safetensors").write_bytes(weights)
+                did.append("weights header: " + how)
         (case / "runtime_graph.json").write_text(json.dumps(graph))
         _reseal_data(case, manifest)
         result: dict[str, Any] = {"mutations": did}

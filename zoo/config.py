@@ -31,6 +31,8 @@ from compiler.errors import KilnError
 from compiler.options import DEVICE_RE, ON_BUILD_FAILURE, Calibration, CompileOptions
 from compiler.validation.report import Tolerances
 from zoo.errors import ZooConfigError
+from zoo.generation import TASK as GENERATION_TASK
+from zoo.generation import GenerationOptions
 from zoo.request import CompileRequest, ValidationPlan
 from zoo.settings import ZooSettings, _Strict
 from zoo.sources import HF_TASKS, SOURCE_KINDS, source_for, source_kind
@@ -214,6 +216,10 @@ class ZooEntry(_Strict):
         description="auto: pad a batch up to the next profile where the compile-time check showed padded "
         "rows leave the real rows' outputs unchanged (refused per profile, with the reason, elsewhere)",
     )
+    generation: GenerationOptions | None = Field(
+        default=None,
+        description="task: text-generation: batch, cache and prompt limits (zoo/generation.py)",
+    )
     on_build_failure: Literal[ON_BUILD_FAILURE] = Field(  # type: ignore[valid-type]
         default="torch",
         description="a partition whose engine build fails: runs in PyTorch, on ONNX Runtime, or fails",
@@ -277,6 +283,8 @@ class ZooEntry(_Strict):
             raise ValueError(f"task: required for hf: sources; use one of {', '.join(HF_TASKS)}")
         hf_fields = ("task", "revision", "trust_remote_code", "attn_implementation")
         hf_only = [f for f in hf_fields if f in self.model_fields_set]
+        if self.task == GENERATION_TASK:  # any source of a causal LM compiles for generation
+            hf_only = [f for f in hf_only if f != "task"]
         if kind != "hf" and hf_only:
             raise ValueError(f"{hf_only[0]}: applies to hf: sources only; remove it for {SOURCE_KINDS[kind]}")
         factory_only = [f for f in ("factory_kwargs", "seed") if f in self.model_fields_set]
@@ -284,6 +292,26 @@ class ZooEntry(_Strict):
             raise ValueError(
                 f"{factory_only[0]}: applies to factory: sources only; remove it for {SOURCE_KINDS[kind]}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _generation_fits(self) -> ZooEntry:
+        if (self.task == GENERATION_TASK) != (self.generation is not None):
+            raise ValueError(
+                "generation: give it with task: text-generation (max_batch, max_cache_len, prompt_length)"
+                if self.generation is None
+                else "task: generation applies to task: text-generation; set task: text-generation"
+            )
+        if self.generation is not None:
+            if self.inputs:
+                raise ValueError(
+                    "inputs: a text-generation entry's input ranges come from generation.max_batch and "
+                    "generation.prompt_length; remove inputs"
+                )
+            if self.precision in ("int8", "fp8"):
+                raise ValueError(
+                    f"precision: {self.precision} is not supported for text-generation; use fp32"
+                )
         return self
 
     @property
@@ -343,7 +371,8 @@ class ZooEntry(_Strict):
         return CompileOptions(
             backend=self.backend,
             precision=self.precision,
-            strip_weights=self.strip_weights,
+            # generation: engines hold no weights, so prefill and decode share the package's one copy
+            strip_weights=self.strip_weights or self.generation is not None,
             min_block_size=self.partition.min_block_size,
             torch_executed_ops=tuple(self.partition.torch_executed_ops),
             split_modules=_split_modules(self.partition.split_modules),
@@ -370,9 +399,10 @@ class ZooEntry(_Strict):
     ) -> list[CompileRequest]:
         """One typed compile request per device of this entry."""
         settings = settings or ZooSettings()
+        hf = source_kind(self.source_uri)[0] == "hf"
         source = source_for(
             self.source_uri,
-            task=self.task,
+            task=self.task if hf or self.generation is None else None,
             revision=self.revision,
             trust_remote_code=self.trust_remote_code,
             attn_implementation=self.attn_implementation,
@@ -388,6 +418,12 @@ class ZooEntry(_Strict):
         validation = ValidationPlan(
             **settings.validation.model_dump(), data=data, ignore_fields=tuple(self.validation.ignore_fields)
         )
+        generation = None
+        if self.generation is not None:
+            prompts = self.generation.validation.prompts
+            if prompts is not None and zoo_dir is not None and not Path(prompts).is_absolute():
+                prompts = str(Path(zoo_dir) / prompts)
+            generation = self.generation.plan(prompts)
         calibration = self.calibration.data
         if calibration is not None and zoo_dir is not None and not Path(calibration).is_absolute():
             calibration = str(Path(zoo_dir) / calibration)
@@ -403,6 +439,7 @@ class ZooEntry(_Strict):
                 inputs=dict(self.inputs),
                 validation=validation,
                 package_name=self.package_name(device),
+                generation=generation,
             )
             for device in self.devices
         ]

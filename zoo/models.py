@@ -130,6 +130,57 @@ def tiny_gpt2(seed: int = 0, hidden: int = 64, num_layers: int = 2, seq_len: int
     return ModelCase(model, (ids,), {}, ({0: Dim("batch", min=1, max=8), 1: Dim("seq", min=4, max=max_seq)},))
 
 
+def _lm_case(model: nn.Module, vocab: int) -> ModelCase:
+    """A causal LM with its head and cache (``task: text-generation`` wraps it in its two programs)."""
+    ids = torch.randint(0, vocab, (1, 8))
+    return ModelCase(model.eval(), (ids,), {}, None)
+
+
+def tiny_gpt2_lm(seed: int = 0, hidden: int = 64, num_layers: int = 2, positions: int = 128) -> ModelCase:
+    """GPT-2 with its LM head and KV cache, for generation (initializer_range 0.2: random weights that
+    do not greedily repeat one token, so token agreement means something)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _seeded(seed)
+    config = GPT2Config(
+        vocab_size=512,
+        n_positions=positions,
+        n_embd=hidden,
+        n_layer=num_layers,
+        n_head=4,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.2,
+        attn_implementation="eager",
+    )
+    return _lm_case(GPT2LMHeadModel(config), config.vocab_size)
+
+
+def tiny_llama_lm(
+    seed: int = 0, hidden: int = 64, num_layers: int = 2, positions: int = 128, pad: bool = True
+) -> ModelCase:
+    """A Llama-style decoder (RMSNorm, rotary positions, SwiGLU, grouped-query attention: 4 query heads
+    over 2 key/value heads) with its LM head; ``pad=False``: a config without a pad token."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _seeded(seed)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0 if pad else None,
+        attn_implementation="sdpa",
+    )
+    return _lm_case(LlamaForCausalLM(config), config.vocab_size)
+
+
 @torch.library.custom_op("kiln_zoo::soft_sign_clip", mutates_args=())
 def soft_sign_clip(x: torch.Tensor) -> torch.Tensor:
     """An op no engine backend knows: it has no ONNX translation, so it must fall back to PyTorch."""

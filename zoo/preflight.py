@@ -99,6 +99,16 @@ def check_workspace(workspace: str | os.PathLike) -> None:
             f"({exc.strerror or exc}); choose a writable directory (settings.workspace in the zoo file, "
             "or --workspace)"
         ) from None
+    from compiler.cache.paths import check_private
+
+    # Staged engines in it run as the engine cache's do: one others can write is refused, found or made.
+    check_private(
+        path,
+        what="settings.workspace",
+        why="its staged engines and stage results are trusted (an Inductor engine runs as code)",
+        other="choose a directory of your own (settings.workspace in the zoo file, or --workspace)",
+        error=ZooConfigError,
+    )
 
 
 def check_validation_data(where: str, data: str) -> None:

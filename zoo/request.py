@@ -9,6 +9,7 @@ validation settings.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from compiler.options import CompileOptions
 from compiler.quantization.torchao_guard import keep_torchao_out_of_transformers
 from compiler.validation.report import Tolerances
 from zoo.errors import ZooConfigError
+from zoo.generation import GenerationPlan
 from zoo.inputs import InputOverrideLike, apply_overrides
 from zoo.sources.base import LoadedCase, ModelSource, SourceIdentity
 
@@ -67,6 +69,7 @@ class CompileRequest:
     inputs: Mapping[str, InputOverrideLike] = field(default_factory=dict)
     validation: ValidationPlan = field(default_factory=ValidationPlan)
     package_name: str = ""  # "<name>" or, for an entry with several devices, "<name>-<device>"
+    generation: GenerationPlan | None = None  # task: text-generation (zoo.generation)
 
     @property
     def device(self) -> str:
@@ -82,15 +85,32 @@ class CompileRequest:
         """Which model this is, without loading it."""
         return self.source.identity()
 
-    def load_case(self) -> LoadedCase:
-        """The source's model with this request's input ranges, on this request's device."""
+    def for_program(self, program: str) -> CompileRequest:
+        """The request for one program of a generation entry (``prefill`` or ``decode``)."""
+        return dataclasses.replace(self, generation=dataclasses.replace(self.generation, program=program))
+
+    def load_model(self) -> Any:
+        """The source's model itself (eval mode, on the CPU): for generation, the causal LM."""
         where = f"models[{self.name}]"
         keep_torchao_out_of_transformers()  # a source may load transformers (hf:, factories)
         try:
-            loaded = self.source.load()
+            return self.source.load()
         except ZooConfigError as exc:  # sources name the field ("source: ..."); add the entry
             raise type(exc)(f"{where}.{exc}") from exc
-        case = apply_overrides(loaded, self.inputs, where)
+
+    def load_case(self) -> LoadedCase:
+        """The source's model with this request's input ranges, on this request's device (for a
+        generation request, its program's wrapper with the ranges of the ``generation`` block)."""
+        loaded = self.load_model()
+        if self.generation is not None:
+            from compiler.generation.step import program_case
+
+            lm = loaded.model.to(self.device)
+            module, kwargs, shapes = program_case(
+                lm, self.generation.spec(lm), self.generation.program or "prefill"
+            )
+            return LoadedCase(module, (), kwargs, shapes)
+        case = apply_overrides(loaded, self.inputs, f"models[{self.name}]")
         if self.device == "cpu":
             return case
         import torch
@@ -119,6 +139,8 @@ class CompileRequest:
             },
             "validation": _validation_dict(self.validation),
             "package_name": self.package_name,
+            # unset: the same dict (and so the same cache keys) as before generation existed
+            **({"generation": self.generation.to_dict()} if self.generation is not None else {}),
         }
 
     def cache_identity(self) -> dict[str, Any]:
@@ -128,6 +150,8 @@ class CompileRequest:
 
         identity = {**self.to_dict(), "identity": self.identity().to_dict()}
         recorded = {"validation": self.validation.data, "calibration": self.options.calibration.data}
+        if self.generation is not None:
+            recorded["generation_prompts"] = self.generation.prompts
         for use, data in recorded.items():
             if data is not None:
                 path = Path(data)

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from compiler import json_reader
 from compiler.cache.files import EntryFileError
 from compiler.errors import CacheError
 from compiler.inputs import files as input_files
@@ -268,9 +269,9 @@ def parse_record(text: bytes | str | None) -> Any:
     if text is None:
         return None
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        return Unreadable(f"not JSON ({type(exc).__name__})")
+        return json_reader.loads(text, "the cache record", max_bytes=RECORD_MAX_BYTES)
+    except ValueError as exc:
+        return Unreadable(str(exc).removeprefix("the cache record "))
 
 
 def resolve_max_bytes(max_bytes: int | None) -> int:

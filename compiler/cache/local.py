@@ -59,7 +59,7 @@ from compiler.cache.entry import (
 from compiler.cache.files import EntryFileError, read_own_file
 from compiler.cache.locks import KeyLocks
 from compiler.cache.paths import (
-    check_private,
+    check_private_tree,
     fsync_directory,
     local_dir_for,
     own_files,
@@ -116,10 +116,10 @@ class EngineCache:
         try:
             # Private to its user: Inductor entries are code that runs when loaded (docs/security.md).
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            check_private(self.directory)
-            (self.directory / "locks").mkdir(exist_ok=True)
+            check_private_tree(self.directory)
+            (self.directory / "locks").mkdir(exist_ok=True, mode=0o700)
         except OSError as exc:
-            check_private(self.directory)  # an existing directory is read: it must be private too
+            check_private_tree(self.directory)  # an existing directory is read: it must be private too
             self._degrade(exc, "no entry can be written")
         if (self.directory / "locks").is_symlink():  # lock files are created: only in the cache
             raise CacheError(f"engine cache {self.directory}: locks is a symbolic link; remove it")

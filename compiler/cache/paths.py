@@ -48,11 +48,27 @@ def resolve_directory(directory: str | os.PathLike[str] | None) -> Path:
     return path
 
 
-def check_private(directory: Path) -> None:
-    """Refuse (CacheError, naming the fix) a cache directory owned by another user than this one or
-    root, or writable by its group or others: its entries are trusted, and an Inductor entry runs as
-    code when loaded, so whoever can write the directory could run code as this user. A directory that
-    does not exist (not creatable here) holds nothing to trust."""
+# Folders kiln keeps inside a cache directory (file locks, native-build jobs, TensorRT's timing cache):
+# a pre-existing one others can write is refused as the directory itself is.
+PRIVATE_FOLDERS = ("locks", "native-builds", "timing")
+
+_CACHE_FIX = (
+    "set KILN_CACHE_DIR (or KILN_CACHE_LOCAL_DIR for an object-store cache) to a directory of your own"
+)
+
+
+def check_private(
+    directory: Path,
+    *,
+    what: str = "engine cache directory",
+    why: str = "its entries are trusted (an Inductor engine runs as code when loaded)",
+    other: str = _CACHE_FIX,
+    error: type[Exception] = CacheError,
+) -> None:
+    """Refuse (``error``, naming the fix) a directory owned by another user than this one or root, or
+    writable by its group or others, whether kiln made it or found it: what is in it is trusted (``why``),
+    so whoever can write the directory could run code as this user. A directory that does not exist
+    (not creatable here) holds nothing to trust. ``other``: the alternative to fixing its mode."""
     try:
         info = directory.stat()
     except OSError:
@@ -63,12 +79,17 @@ def check_private(directory: Path) -> None:
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         problems.append(f"writable by others (mode {stat.S_IMODE(info.st_mode):o})")
     if problems:
-        raise CacheError(
-            f"engine cache directory {directory} is {' and '.join(problems)}: its entries are trusted "
-            f"(an Inductor engine runs as code when loaded), so kiln uses it only when private to this "
-            f"user. Run `chmod go-w {directory}` (and chown it to this user), or set KILN_CACHE_DIR "
-            "(or KILN_CACHE_LOCAL_DIR for an object-store cache) to a directory of your own"
+        raise error(
+            f"{what} {directory} is {' and '.join(problems)}: {why}, so kiln uses it only when private to "
+            f"this user. Run `chmod go-w {directory}` (and chown it to this user), or {other}"
         )
+
+
+def check_private_tree(directory: Path) -> None:
+    """:func:`check_private` for a cache directory and the folders kiln keeps in it."""
+    check_private(directory)
+    for name in PRIVATE_FOLDERS:
+        check_private(directory / name, what=f"engine cache folder ({name})")
 
 
 def fsync_directory(directory: Path) -> None:

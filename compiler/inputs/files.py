@@ -14,7 +14,6 @@ Two checks, one place, for every reader of a user-named path:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
@@ -22,6 +21,7 @@ import struct
 import zipfile
 from pathlib import Path
 
+from compiler import json_reader
 from compiler.errors import SpecialFileError, ValidationDataError
 
 DATA_MAX_BYTES_ENV = "KILN_DATA_MAX_BYTES"
@@ -155,7 +155,9 @@ def _safetensors_bytes(resolved: Path, path: Path) -> int:
                 f"{path}: cannot read a safetensors header: its length {length} exceeds the file"
             )
         try:
-            header = json.loads(handle.read(length))
+            header = json_reader.loads(
+                handle.read(length), f"{path}: its safetensors header", max_bytes=_SAFETENSORS_MAX_HEADER
+            )
         except ValueError as exc:
             raise ValidationDataError(f"{path}: cannot read a safetensors header: not JSON: {exc}") from None
     total = 0

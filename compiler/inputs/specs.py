@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from compiler import json_reader
 from compiler.errors import InputSpecError
 
 if TYPE_CHECKING:
@@ -75,6 +76,10 @@ class InputSpec:
     # For integer inputs (token ids, masks): the value range seen at export, so validation can draw
     # fresh inputs that index embeddings correctly.
     value_range: tuple[float, float] | None = None
+    # For an integer input that indexes a table (an embedding's rows, found in the program at export):
+    # the table's size. Values outside [0, index_bound) are refused by name where requests arrive (a
+    # server), instead of failing inside an engine's Gather.
+    index_bound: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -85,6 +90,11 @@ class InputSpec:
         object.__setattr__(self, "dynamic_dims", {int(k): str(v) for k, v in self.dynamic_dims.items()})
         if self.value_range is not None:
             object.__setattr__(self, "value_range", tuple(self.value_range))
+        bound = self.index_bound
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+            raise InputSpecError(
+                f"input {self.name!r}: index_bound must be a positive integer, got {bound!r:.40}"
+            )
         _checked_dtype(self.dtype)
         ranks = {len(self.min_shape), len(self.opt_shape), len(self.max_shape)}
         if len(ranks) != 1:
@@ -142,6 +152,19 @@ class InputSpec:
                 f"(min {self.min_shape}, max {self.max_shape}{self._dims_text()})"
             )
 
+    def check_values(self, value: torch.Tensor) -> None:
+        """Raise InputSpecError when an index input holds a value outside ``[0, index_bound)``, naming
+        the input, the range and the first offending value (a whole-tensor min/max: for servers)."""
+        if self.index_bound is None or value.numel() == 0:
+            return
+        lo, hi = int(value.min()), int(value.max())
+        if lo < 0 or hi >= self.index_bound:
+            bad = lo if lo < 0 else hi
+            raise InputSpecError(
+                f"input {self.name!r}: value {bad} is outside the range it indexes, "
+                f"0..{self.index_bound - 1} (a table of {self.index_bound} rows)"
+            )
+
     def _dims_text(self) -> str:
         if not self.dynamic_dims:
             return ""
@@ -157,6 +180,7 @@ class InputSpec:
             "max_shape": list(self.max_shape),
             "dynamic_dims": {str(k): v for k, v in sorted(self.dynamic_dims.items())},
             **({"value_range": list(self.value_range)} if self.value_range is not None else {}),
+            **({"index_bound": self.index_bound} if self.index_bound is not None else {}),
         }
 
     @classmethod
@@ -170,11 +194,12 @@ class InputSpec:
                 max_shape=tuple(data["max_shape"]),
                 dynamic_dims={int(k): v for k, v in data.get("dynamic_dims", {}).items()},
                 value_range=data.get("value_range"),
+                index_bound=data.get("index_bound"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, InputSpecError):
                 raise
-            raise InputSpecError(f"malformed input spec {data!r}: {exc}") from exc
+            raise InputSpecError(f"malformed input spec {data!r:.200}: {exc}") from exc
 
     @classmethod
     def static(cls, name: str, value: torch.Tensor) -> InputSpec:
@@ -190,8 +215,8 @@ def specs_to_json(specs: Iterable[InputSpec]) -> str:
 
 def specs_from_json(text: str) -> tuple[InputSpec, ...]:
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
+        data = json_reader.loads(text, "input specs")
+    except ValueError as exc:
         raise InputSpecError(f"input specs are not valid JSON: {exc}") from exc
     version = data.get("format_version")
     if not isinstance(version, int) or version > SPEC_FORMAT_VERSION:
@@ -217,3 +242,64 @@ def check_inputs(specs: Sequence[InputSpec], values: Sequence[torch.Tensor]) -> 
                     f"input {spec.name!r}; inputs sharing a dimension name must agree"
                 )
             seen[dim] = (spec.name, size)
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One output of a compiled model, as recorded at compile time (from the exported program, nothing
+    run): its name (a key of the model's output mapping, else ``output_<i>`` over the flat outputs),
+    dtype, and shape range. ``dynamic_dims`` maps an axis to its dimension name when it follows an
+    input's named dimension (``batch``), or to its expression over them (``2*seq``); ``max_shape`` is
+    -1 on an axis with no bound (a data-dependent size). Servers read a version's signature from these.
+    """
+
+    name: str
+    dtype: str
+    min_shape: tuple[int, ...]
+    max_shape: tuple[int, ...]
+    dynamic_dims: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InputSpecError(f"an output spec's name must be a non-empty string, got {self.name!r:.80}")
+        if not isinstance(self.dtype, str):
+            raise InputSpecError(f"output {self.name!r}: dtype must be a string, got {self.dtype!r:.40}")
+        object.__setattr__(self, "min_shape", tuple(int(d) for d in self.min_shape))
+        object.__setattr__(self, "max_shape", tuple(int(d) for d in self.max_shape))
+        object.__setattr__(self, "dynamic_dims", {int(k): str(v) for k, v in self.dynamic_dims.items()})
+        if len(self.min_shape) != len(self.max_shape):
+            raise InputSpecError(
+                f"output {self.name!r}: min and max shapes must have one rank, got {self.min_shape}, "
+                f"{self.max_shape}"
+            )
+        for axis in self.dynamic_dims:
+            if not 0 <= axis < len(self.min_shape):
+                raise InputSpecError(f"output {self.name!r}: dynamic axis {axis} is outside rank {self.rank}")
+
+    @property
+    def rank(self) -> int:
+        return len(self.min_shape)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "min_shape": list(self.min_shape),
+            "max_shape": list(self.max_shape),
+            "dynamic_dims": {str(k): v for k, v in sorted(self.dynamic_dims.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> OutputSpec:
+        try:
+            return cls(
+                name=data["name"],
+                dtype=data["dtype"],
+                min_shape=tuple(data["min_shape"]),
+                max_shape=tuple(data["max_shape"]),
+                dynamic_dims={int(k): v for k, v in data.get("dynamic_dims", {}).items()},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, InputSpecError):
+                raise
+            raise InputSpecError(f"malformed output spec {data!r:.200}: {exc}") from exc

@@ -13,17 +13,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from compiler.errors import PackageCorruptError, PackageVersionError
+from compiler import json_reader
+from compiler.errors import PackageCorruptError, PackageJsonError, PackageVersionError
 from compiler.package.digest import content_hash
 from compiler.package.manifest import FORMAT_VERSION, PROGRAM, Manifest, check_layout
-from compiler.package.signing import Trust, VerifiedSignature, verify_package
+from compiler.package.signing import Trust, VerifiedSignature, verify_package, verify_signer
 from compiler.version import kiln_version
 
 MANIFEST = "manifest.json"
@@ -68,11 +68,14 @@ def manifest_and_signature(
         raise PackageCorruptError(f"{manifest_path} is a symlink; a package holds plain files only")
     if not manifest_path.is_file():
         raise PackageCorruptError(f"{path} is not a kiln package: {MANIFEST} is missing")
-    try:
-        raw = manifest_path.read_bytes()  # read once: these bytes are hashed, verified and parsed
-        data = json.loads(raw)
-    except (OSError, ValueError) as exc:
-        raise PackageCorruptError(f"{manifest_path} is not valid JSON: {exc}") from exc
+    raw = _read_manifest_bytes(manifest_path)  # read once: these bytes are hashed, verified and parsed
+    trust = (trust or Trust.from_env()) if verify and signature else None
+    if trust is not None:
+        # The signer first, from model.sig alone: an unsigned package, or another key's, is refused
+        # before its manifest is parsed or any other file is read (nor is a hostile manifest's parse
+        # error what a deployment with a key sees).
+        verify_signer(path, trust, manifest_bytes=raw)
+    data = json_reader.loads(raw, str(manifest_path), error=PackageJsonError)
     version = data.get("format_version") if isinstance(data, dict) else None
     if not isinstance(version, int) or isinstance(version, bool):
         raise PackageCorruptError(f"{manifest_path} has no integer format_version")
@@ -90,8 +93,7 @@ def manifest_and_signature(
             raise PackageCorruptError(
                 f"{manifest_path} does not match its content_hash: the manifest was edited after saving"
             )
-        trust = trust or (Trust.from_env() if signature else None)
-        if signature and trust is not None:  # none configured: the package is untrusted data
+        if trust is not None:  # none configured: the package is untrusted data
             signature_check = functools.partial(verify_package, path, trust, manifest_bytes=raw)
     manifest = Manifest.from_json(data)
     if version < 2 and (path / PROGRAM).is_file() and not (path / PROGRAM).is_symlink():
@@ -105,6 +107,21 @@ def manifest_and_signature(
         check_layout(manifest, str(path))
         check_no_symlinks(path)
     return manifest, signature_check
+
+
+def _read_manifest_bytes(manifest_path: Path) -> bytes:
+    try:
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        with os.fdopen(os.open(manifest_path, flags), "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            if size > json_reader.MAX_BYTES:  # checked before a byte is read or allocated
+                raise PackageJsonError(
+                    f"{manifest_path} is {size} bytes, more than the {json_reader.MAX_BYTES} a manifest may "
+                    "have; refused"
+                )
+            return file.read(json_reader.MAX_BYTES + 1)
+    except OSError as exc:
+        raise PackageCorruptError(f"{manifest_path} cannot be read: {exc}") from exc
 
 
 def read_verified(path: Path, rel: str, manifest: Manifest) -> bytes:

@@ -1,8 +1,9 @@
 """Manifest: the typed contract between a package on disk and everything that reads it.
 
 One frozen :class:`Manifest` per package, with one JSON codec (:meth:`Manifest.from_json`,
-:meth:`Manifest.to_json`); the compiler, the tasks and the registry read it by attribute. Format 2
-(this code) writes it; format-1 manifests (kiln before the typed manifest) still read:
+:meth:`Manifest.to_json`); the compiler, the tasks and the registry read it by attribute. Format 3
+(this code) writes it; format 2 reads without ``output_specs`` (None: servers cannot know the outputs
+without running the package); format-1 manifests (kiln before the typed manifest) still read:
 ``target_device`` becomes ``engine_target``, an engine without a ``backend`` runs on the package's,
 the volatile ``created`` stamp is dropped and ``op_modules`` come from the program archive.
 
@@ -30,16 +31,18 @@ from typing import Any
 from compiler.backends import TORCH  # the "backend" of a build that fell back to PyTorch: no engine file
 from compiler.backends.base import EngineIO
 from compiler.errors import PackageCorruptError
-from compiler.inputs.specs import InputSpec
+from compiler.inputs.specs import InputSpec, OutputSpec
 from compiler.options import CompileOptions
 from compiler.runtime.compile_report import BUILD_FAILURE, ENGINE_FIELDS, QUANTIZATION, CompileReport
 from compiler.typed_json import ANY, DIGITS, ListOf, MapOf, OneOf, Opt, Record, check
 from compiler.validation.report import ValidationReport
 
-FORMAT_VERSION = 2
+# 3: output_specs (what a server is told the outputs are, recorded at compile); 2 still reads (none).
+FORMAT_VERSION = 3
 PROGRAM = "program.pt2"
 WEIGHTS = "weights.safetensors"
 RUNTIME_GRAPH = "runtime_graph.json"  # optional: the split graph as data (partitioning/runtime_graph.py)
+GENERATION = "generation.json"  # optional: a prefill program whose decode program is under decode/
 SIGNATURE = "model.sig"  # optional, never listed in files: compiler/package/signing.py
 ENGINE_DIR = "engines"
 
@@ -57,8 +60,19 @@ _SPEC = Record(  # InputSpec.to_dict()
         "max_shape": ListOf(int),
         "dynamic_dims": MapOf(str, keys=DIGITS),
         "value_range": Opt(ListOf(float)),
+        "index_bound": Opt(int),
     },
     required=frozenset({"name", "dtype", "min_shape", "opt_shape", "max_shape"}),
+)
+_OUTPUT_SPEC = Record(  # OutputSpec.to_dict()
+    {
+        "name": str,
+        "dtype": str,
+        "min_shape": ListOf(int),
+        "max_shape": ListOf(int),
+        "dynamic_dims": MapOf(str, keys=DIGITS),
+    },
+    required=frozenset({"name", "dtype", "min_shape", "max_shape"}),
 )
 _ENGINE = Record(
     {
@@ -121,6 +135,7 @@ MANIFEST = Record(
         "kiln_version": str,
         "torch_version": str,
         "input_specs": ListOf(_SPEC),
+        "output_specs": ListOf(_OUTPUT_SPEC),  # format 3
         **ENGINE_FIELDS,
         "input_weights": ListOf(str),
         "plan": _PLAN,
@@ -283,6 +298,8 @@ class Manifest:
     # The HMAC that kiln before model-signing wrote (KILN_SIGNING_KEY): read as data, never checked or
     # written now. Signatures are the package's model.sig (compiler/package/signing.py).
     signature: str | None = None
+    # What the model returns (format 3; None for a package written before kiln recorded it).
+    output_specs: tuple[OutputSpec, ...] | None = None
 
     @property
     def options(self) -> CompileOptions:
@@ -293,7 +310,7 @@ class Manifest:
         return {fp: record.backend for fp, record in self.engines.items()}
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest as JSON data (format 2). ``signature`` only appears when set."""
+        """The manifest as JSON data (format 3). ``signature`` and ``output_specs`` only appear when set."""
         data: dict[str, Any] = {
             "format_version": self.format_version,
             "kiln_version": self.kiln_version,
@@ -317,11 +334,13 @@ class Manifest:
         }
         if self.signature is not None:
             data["signature"] = self.signature
+        if self.output_specs is not None:
+            data["output_specs"] = [s.to_dict() for s in self.output_specs]
         return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Manifest:
-        """Read a format-1 or format-2 manifest. A missing or mistyped field: PackageCorruptError."""
+        """Read a format-1, 2 or 3 manifest. A missing or mistyped field: PackageCorruptError."""
         try:
             return cls._from_json(data)
         except PackageCorruptError:
@@ -363,6 +382,9 @@ class Manifest:
             source=None if source is None else SourceRecord.from_json(source),
             content_hash=data.get("content_hash", ""),
             signature=data.get("signature"),
+            output_specs=None
+            if "output_specs" not in data
+            else tuple(OutputSpec.from_dict(s) for s in data["output_specs"]),
         )
 
 
@@ -396,6 +418,8 @@ def check_layout(manifest: Manifest, where: str) -> None:
         if required not in manifest.files:
             raise PackageCorruptError(f"{where}: the manifest does not list {required}")
     expected = {PROGRAM, WEIGHTS, *({RUNTIME_GRAPH} & set(manifest.files))}
+    if GENERATION in manifest.files:  # decode/ is a package of its own, checked where it loads
+        expected |= {GENERATION, *(rel for rel in manifest.files if rel.startswith("decode/"))}
     for fp, record in manifest.engines.items():
         if not _FINGERPRINT.match(fp):
             raise PackageCorruptError(f"{where}: engine fingerprint {fp!r} is not a fingerprint")

@@ -18,16 +18,16 @@ summarized in words; layout is linear in the graph's size.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compiler.errors import PackageCorruptError
+from compiler import json_reader
+from compiler.errors import PackageCorruptError, PackageJsonError
 from compiler.package.manifest import RUNTIME_GRAPH, Manifest
 from compiler.package.report_html import Markup, h, join
-from compiler.typed_json import ListOf, OneOf, Opt, Record, check
+from compiler.typed_json import ListOf, OneOf, Opt, Record
 
 MAX_DRAWN = 160  # boxes; beyond, the graph is summarized (an SVG that large reads as noise anyway)
 TORCH = "torch"
@@ -106,11 +106,7 @@ _MISSING = object()
 
 def parse_split_graph(data: bytes, where: str) -> SplitGraph:
     """:func:`compiler.partitioning.runtime_graph.write`'s bytes as a :class:`SplitGraph` (no torch)."""
-    try:
-        raw = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise PackageCorruptError(f"{where} is not JSON: {exc!r:.200}") from exc
-    check(raw, _GRAPH, where)
+    raw = json_reader.loads(data, where, schema=_GRAPH, error=PackageJsonError)
     entries = raw["graph"]["nodes"]
     inputs = iter(raw["inputs"])
     nodes: list[FlowNode] = []

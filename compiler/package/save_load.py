@@ -73,6 +73,7 @@ from compiler.package.check import (
 from compiler.package.digest import content_hash
 from compiler.package.manifest import (
     FORMAT_VERSION,
+    GENERATION,
     PROGRAM,
     RUNTIME_GRAPH,
     WEIGHTS,
@@ -100,6 +101,7 @@ from compiler.program.export import (
     load_program_bytes,
     program_bytes,
 )
+from compiler.program.outputs import output_specs
 from compiler.runtime.module import CompiledModule, assemble
 from compiler.validation.report import ValidationReport
 from compiler.version import kiln_version
@@ -136,6 +138,8 @@ def save(
     validation: ValidationReport | Mapping[str, Any] | None = None,
     source: SourceRecord | None = None,
     int8_weights_only: bool = False,
+    extra_files: Mapping[str, bytes] | None = None,
+    external_weights: bool = False,
 ) -> PackageInfo:
     """Write ``compiled`` as a package directory at ``path`` (replacing an old one atomically).
 
@@ -144,6 +148,11 @@ def save(
     that only int8 engines read are left out (the engines' int8 tensors stand for them; the program
     keeps their shapes): the package shrinks to its int8 size, but none of its int8 partitions can be
     raised to a float precision or compared with its float submodule again (recompile for that).
+
+    ``extra_files``: more files of the package (path -> bytes), listed and hashed with the rest (a
+    generation package's ``generation.json`` and decode program: compiler.generation.package).
+    ``external_weights``: the weights file is listed (its checksum binds the weights) but not written: a
+    package inside another that holds those very bytes.
     """
     path = Path(path)
     signer = Signer.from_env()  # a bad signing configuration fails before anything is written
@@ -179,8 +188,12 @@ def save(
                 backend=artifact.backend,
                 build_failure=artifact.build_failure,
             )
+        files.update(extra_files or {})
         (tmp / "engines").mkdir()
         for rel, data in files.items():
+            if external_weights and rel == WEIGHTS:
+                continue
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             write_bytes_atomic(tmp / rel, data)
         report = compiled.report
         manifest = Manifest(
@@ -205,6 +218,7 @@ def save(
             },
             op_modules=tuple(import_modules(plan.program)),
             source=source,
+            output_specs=output_specs(plan.program, plan.specs),
         )
         # Through JSON first, so the hash is of exactly what a reader will parse (int keys, tuples).
         data = json.loads(json.dumps(manifest.to_json(), sort_keys=True))
@@ -217,8 +231,8 @@ def save(
         swap_into_place(tmp, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    total = sum(f.bytes for f in manifest.files.values()) + (path / MANIFEST).stat().st_size
-    return PackageInfo(path, manifest, total)
+    written = [f.bytes for rel, f in manifest.files.items() if not (external_weights and rel == WEIGHTS)]
+    return PackageInfo(path, manifest, sum(written) + (path / MANIFEST).stat().st_size)
 
 
 def load(
@@ -271,6 +285,12 @@ def load(
             path, manifest, pool, signed, allowed_modules, device, trust_engine_code, cuda_graphs
         )
         compiled.load_seconds = {"manifest": round(manifest_s, 4), **compiled.load_seconds}
+        if GENERATION in manifest.files:  # a prefill program: its decode program shares its weights
+            from compiler.generation.package import with_decode
+
+            compiled = with_decode(
+                compiled, path, manifest, allowed_modules, device, trust_engine_code, cuda_graphs
+            )
         compiled.load_seconds["total"] = round(time.perf_counter() - start, 4)
         return compiled
     finally:
@@ -287,6 +307,7 @@ def _load(
     device: str | None,
     trust_engine_code: bool,
     cuda_graphs: str | None,
+    shared_weights: Mapping[str, torch.Tensor] | None = None,
 ) -> CompiledModule:
     try:
         options = manifest.plan["options"]
@@ -308,7 +329,11 @@ def _load(
         )
     }
     # The weights are read, checked and put on the device by a worker, while this thread reads the graph.
-    placed = pool.submit(read_weights, path, WEIGHTS, manifest, target)
+    if shared_weights is None:
+        placed = pool.submit(read_weights, path, WEIGHTS, manifest, target)
+    else:  # load_inner: the enclosing package's tensors, already checked and on the device
+        placed = Future()
+        placed.set_result({k: v.to(target) for k, v in shared_weights.items()})
     stages, mark = {}, time.perf_counter()
 
     def lap(stage: str) -> None:  # where a load's seconds go (CompiledModule.load_seconds)

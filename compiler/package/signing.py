@@ -29,17 +29,23 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import os
 import stat
 import tempfile
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from compiler.errors import PackageCorruptError, PackageSignatureError, SigningConfigError
+from compiler import json_reader
+from compiler.errors import (
+    PackageCorruptError,
+    PackageSignatureError,
+    SigningConfigError,
+    UntrustedJsonError,
+)
 from compiler.package.manifest import SIGNATURE  # model-signing's own default name for the signature file
 
 MANIFEST = "manifest.json"
@@ -66,8 +72,8 @@ def _model_signing(why: str) -> ModuleType:
     return model_signing
 
 
-def _refuse_legacy_hmac() -> None:
-    if os.environ.get(LEGACY_HMAC_ENV):
+def _refuse_legacy_hmac(environ: Mapping[str, str] | None = None) -> None:
+    if (os.environ if environ is None else environ).get(LEGACY_HMAC_ENV):
         raise SigningConfigError(
             f"{LEGACY_HMAC_ENV} is set, but kiln's HMAC signing was replaced by model-signing signatures: "
             f"unset it, sign with {PRIVATE_KEY_ENV} (a PEM EC private key) and verify with "
@@ -148,12 +154,14 @@ class Trust:
             raise SigningConfigError("trust is a public key or certificate roots, exactly one of them")
 
     @classmethod
-    def from_env(cls) -> Trust | None:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Trust | None:
         """The trust ``$KILN_SIGNING_PUBLIC_KEY`` or ``$KILN_SIGNING_TRUSTED_CERTIFICATES`` configures,
-        or None (nothing to verify against: packages are untrusted data)."""
-        _refuse_legacy_hmac()
-        key = os.environ.get(PUBLIC_KEY_ENV, "")
-        roots = _paths(os.environ.get(TRUSTED_CERTIFICATES_ENV, ""))
+        or None (nothing to verify against: packages are untrusted data). ``environ``: another process's
+        environment (a server's), by default this one's."""
+        environ = os.environ if environ is None else environ
+        _refuse_legacy_hmac(environ)
+        key = environ.get(PUBLIC_KEY_ENV, "")
+        roots = _paths(environ.get(TRUSTED_CERTIFICATES_ENV, ""))
         if key and roots:
             raise SigningConfigError(
                 f"both {PUBLIC_KEY_ENV} and {TRUSTED_CERTIFICATES_ENV} are set: a package is verified "
@@ -228,7 +236,7 @@ def verify_package(
     Refusals are :class:`PackageSignatureError` (unsigned, another signer, a file changed, added or
     removed after signing); a configuration that cannot verify is a :class:`SigningConfigError`.
     Needs no torch. The manifest's own checks (content hash, file checksums) are the caller's
-    (``compiler.read_manifest`` makes them all)."""
+    (``compiler.read_manifest`` makes them all). :func:`verify_signer` is its first half alone."""
     path = Path(path)
     trust = trust or Trust.from_env()
     if trust is None:
@@ -241,26 +249,84 @@ def verify_package(
         manifest_bytes = _read_plain(path / MANIFEST, path)
     # model-signing reads the signature from a path: hand it a private copy of the bytes parsed below,
     # so the signature it verifies is the one whose statement kiln then reads.
-    with tempfile.TemporaryDirectory(prefix="kiln-signature-") as tmp:
-        copy = Path(tmp) / SIGNATURE
-        copy.write_bytes(raw)
+    with _private_copy(raw, path) as copy:
         try:
             config.verify(path, copy)
         except Exception as exc:  # any failure to verify is a refusal: the library raises several types
-            raise PackageSignatureError(
-                f"{path}: its signature ({SIGNATURE}) does not verify against {trust.describe()} "
-                f"({type(exc).__name__}: {exc}): it was signed by another key, or a file of the package "
-                "was changed, added or removed after signing; refused"
-            ) from exc
+            raise _refusal(path, trust, exc) from exc
     files = _signed_files(raw, path)
+    _check_manifest_signed(files, manifest_bytes, path)
+    return VerifiedSignature(path, trust, files)
+
+
+def verify_signer(path: str | os.PathLike, trust: Trust, *, manifest_bytes: bytes) -> dict[str, str]:
+    """The half of :func:`verify_package` that reads ``model.sig`` and nothing else of the package: the
+    signature verifies against ``trust`` and its statement covers ``manifest_bytes`` (file -> sha256 of
+    the statement). A load makes this check before it reads any other file, so an unsigned package,
+    or one signed by another key, is refused having read only its manifest and ``model.sig``; the
+    manifest then binds every file the load reads by size and sha256, and :func:`verify_package` (the
+    directory against the statement: no file more or fewer) runs beside those reads."""
+    path = Path(path)
+    config = trust.config()
+    raw = _read_signature(path, trust)
+    with _private_copy(raw, path) as copy:
+        try:
+            # model-signing's own first step of Config.verify (the envelope's signature by the key or
+            # certificate, then its payload), without the hashing of the directory that follows it.
+            from model_signing._signing import sign_sigstore_pb
+
+            verifier = config._verifier
+        except (ImportError, AttributeError) as exc:  # model-signing's layout moved: fail closed, loudly
+            raise SigningConfigError(
+                f"this model-signing has no signature verifier kiln can call on its own ({exc}); "
+                "install the version constraints.txt names"
+            ) from exc
+        try:
+            verifier.verify(sign_sigstore_pb.Signature.read(copy))
+        except Exception as exc:
+            raise _refusal(path, trust, exc) from exc
+    files = _signed_files(raw, path)
+    _check_manifest_signed(files, manifest_bytes, path)
+    return files
+
+
+class _private_copy:
+    """The signature's bytes in a private temporary file, for model-signing (which reads a path)."""
+
+    def __init__(self, raw: bytes, path: Path) -> None:
+        self._raw, self._tmp = raw, tempfile.TemporaryDirectory(prefix="kiln-signature-")
+        # Bounded before model-signing's own json.loads parses it (depth, integers).
+        try:
+            json_reader.loads(raw, f"{path / SIGNATURE}", max_bytes=MAX_SIGNATURE_BYTES)
+        except UntrustedJsonError as exc:
+            self._tmp.cleanup()
+            raise PackageSignatureError(f"{path}: {SIGNATURE} is not a signature kiln reads: {exc}") from exc
+
+    def __enter__(self) -> Path:
+        copy = Path(self._tmp.name) / SIGNATURE
+        copy.write_bytes(self._raw)
+        return copy
+
+    def __exit__(self, *exc: object) -> None:
+        self._tmp.cleanup()
+
+
+def _refusal(path: Path, trust: Trust, exc: Exception) -> PackageSignatureError:
+    return PackageSignatureError(
+        f"{path}: its signature ({SIGNATURE}) does not verify against {trust.describe()} "
+        f"({type(exc).__name__}: {exc}): it was signed by another key, or a file of the package "
+        "was changed, added or removed after signing; refused"
+    )
+
+
+def _check_manifest_signed(files: dict[str, str], manifest_bytes: bytes, path: Path) -> None:
     # The manifest kiln uses must be the signed one: its checksums then bind every other file kiln
     # reads, even should the directory change after model-signing hashed it.
     if files.get(MANIFEST) != hashlib.sha256(manifest_bytes).hexdigest():
         raise PackageSignatureError(
-            f"{path}: the {MANIFEST} read is not the one its signature covers (changed during the load, "
-            "or left out of the signature); refused"
+            f"{path}: the {MANIFEST} read is not the one its signature covers (edited after signing, "
+            "changed during the load, or left out of the signature); refused"
         )
-    return VerifiedSignature(path, trust, files)
 
 
 def _read_signature(path: Path, trust: Trust) -> bytes:
@@ -291,8 +357,9 @@ def _read_plain(file: Path, path: Path) -> bytes:
 def _signed_files(raw: bytes, path: Path) -> dict[str, str]:
     """File -> sha256 from the statement of a signature model-signing has just verified."""
     try:
-        bundle = json.loads(raw)
-        statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"], validate=True))
+        bundle = json_reader.loads(raw, str(path / SIGNATURE), max_bytes=MAX_SIGNATURE_BYTES)
+        payload = base64.b64decode(bundle["dsseEnvelope"]["payload"], validate=True)
+        statement = json_reader.loads(payload, f"{path / SIGNATURE}: its statement", max_bytes=len(payload))
         if statement["predicateType"] != _PREDICATE_TYPE:
             raise ValueError(f"predicate type {statement['predicateType']!r}")
         files = {}
@@ -306,3 +373,86 @@ def _signed_files(raw: bytes, path: Path) -> dict[str, str]:
             f"({type(exc).__name__}: {exc}); kiln reads sha256 file signatures only"
         ) from exc
     return files
+
+
+def new_key_pair(directory: str | os.PathLike, name: str = "kiln-signing") -> tuple[Path, Path]:
+    """A fresh signing identity: an EC P-256 key pair written as ``directory/<name>.pem`` (the unencrypted
+    PKCS#8 private key, mode 0600: for ``$KILN_SIGNING_PRIVATE_KEY`` on the workers that record) and
+    ``directory/<name>.pub`` (its public key, for ``$KILN_SIGNING_PUBLIC_KEY`` where packages are read).
+    (private, public), absolute.
+
+    An existing file of either name is never replaced (a lost private key would orphan every package
+    it signed): SigningConfigError naming it. Both files appear whole or not at all."""
+    try:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+    except ImportError as exc:
+        raise SigningConfigError(f"making a signing key needs the cryptography library: {_INSTALL}") from exc
+    folder = Path(directory).resolve()
+    if not name or Path(name).name != name or name.startswith("."):
+        raise SigningConfigError(f"key name {name!r}: a plain file name (no folder), e.g. kiln-signing")
+    private, public = folder / f"{name}.pem", folder / f"{name}.pub"
+    for path in (private, public):
+        if os.path.lexists(path):
+            raise SigningConfigError(
+                f"{path} exists: kiln never replaces a signing key (packages it signed would no longer "
+                "verify); use it, move it away, or choose another --dir or --name"
+            )
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new folder: the pipeline account's alone
+    key = ec.generate_private_key(ec.SECP256R1())
+    contents = {
+        private: key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+        public: key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        ),
+    }
+    made: list[Path] = []
+    try:
+        for path, data in contents.items():
+            tmp = folder / f".{path.name}.{uuid.uuid4().hex[:8]}"
+            # Created with its final mode: the private key is never readable by others, even briefly.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if path == private else 0o644)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, path)  # fails if the name appeared meanwhile: nothing is replaced
+                made.append(path)
+            finally:
+                tmp.unlink(missing_ok=True)
+    except OSError as exc:
+        for path in made:
+            path.unlink(missing_ok=True)
+        raise SigningConfigError(f"cannot write the signing key pair in {folder}: {exc}") from exc
+    return private, public
+
+
+def trust_note(package_dir: str | os.PathLike, trusted: bool | None) -> str:
+    """One line saying whether a load trusted the package's engine code and why: a verified signature,
+    or what is missing (no verification key in this process's environment, an unsigned package, an
+    explicit ``trust_engine_code``). Untrusted Inductor engines are compiled at load (docs/security.md)."""
+    if trusted is None:
+        return "engine code: not a kiln package load"
+    signed = (Path(package_dir) / SIGNATURE).is_file()
+    try:
+        trust = Trust.from_env()
+    except SigningConfigError as exc:
+        trust, problem = None, str(exc)
+    else:
+        problem = ""
+    if trusted and trust is not None:
+        return f"engine code trusted: its signature verified against {trust.describe()}, so it runs as built"
+    if trusted:
+        return "engine code trusted by the caller (trust_engine_code=True); no signature checked"
+    if trust is not None:
+        why = "a format-1 package, whose hash leaves its program out (re-save it), or trust_engine_code=False"
+    elif problem:
+        why = problem
+    else:
+        why = f"no {PUBLIC_KEY_ENV} (or {TRUSTED_CERTIFICATES_ENV}) in this process's environment, so " + (
+            "its signature was not checked" if signed else "nothing vouches for it (it is unsigned, too)"
+        )
+    return f"engine code untrusted ({why}): Inductor engines are compiled here from their programs"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import json
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import BinaryIO
 
 import torch
 
+from compiler import json_reader
 from compiler.errors import PackageCorruptError
 from compiler.package.check import checksum_error, open_listed
 from compiler.package.manifest import Manifest
@@ -112,12 +112,9 @@ def parse_header(head: bytes | memoryview, size: int) -> list[TensorEntry]:
             raise ValueError(f"its header names a tensor twice ({sorted(names)[:3]}...)")
         return dict(pairs)
 
-    try:
-        header = json.loads(bytes(head[8 : 8 + length]).decode("utf-8"), object_pairs_hook=unique)
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"its header is not UTF-8 ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"its header is not JSON ({exc})") from None
+    header = json_reader.loads(
+        bytes(head[8 : 8 + length]), "its header", max_bytes=MAX_HEADER_BYTES, object_pairs_hook=unique
+    )
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")
     metadata = header.pop("__metadata__", {})
@@ -127,11 +124,16 @@ def parse_header(head: bytes | memoryview, size: int) -> list[TensorEntry]:
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise ValueError(f"tensor {name!r:.80}: expected dtype, shape and data_offsets")
-        dtype, shape, offsets = _DTYPES.get(info["dtype"]), info["shape"], info["data_offsets"]
+        name_of_dtype = info["dtype"] if isinstance(info["dtype"], str) else None  # a list: unhashable
+        dtype, shape, offsets = _DTYPES.get(name_of_dtype), info["shape"], info["data_offsets"]
         if dtype is None:
             raise ValueError(f"tensor {name!r:.80}: unknown dtype {info['dtype']!r:.20}")
         if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
             raise ValueError(f"tensor {name!r:.80}: shape and data_offsets must be non-negative integers")
+        if math.prod(max(d, 1) for d in shape) >= 2**63:
+            # torch's sizes and strides are int64: a zero-size tensor would pass the byte count below
+            # with any other dimension, and fail later as an untyped TypeError.
+            raise ValueError(f"tensor {name!r:.80}: shape {shape} does not fit torch's 64-bit sizes")
         begin, end = offsets
         if end - begin != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"tensor {name!r:.80}: {end - begin} bytes for shape {shape} of {info['dtype']}")

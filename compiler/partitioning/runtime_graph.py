@@ -35,7 +35,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from compiler.errors import KilnError, PackageCorruptError
+from compiler import json_reader
+from compiler.errors import KilnError, PackageCorruptError, PackageJsonError
 from compiler.partitioning import runtime_ops, treespec
 
 FORMAT = 1
@@ -135,7 +136,7 @@ def read(
     ``recorded_modules``: the op-module rule's allow list and the package's modules, for enum types in
     the pytree specs. Malformed data is a :class:`PackageCorruptError` naming ``where``."""
     try:
-        raw = _dict(json.loads(data))
+        raw = _dict(json_reader.loads(data, where, error=PackageJsonError))
         if raw.get("format") != FORMAT:
             raise ValueError(f"format {raw.get('format')!r:.40}")
         specs = [

@@ -15,7 +15,8 @@ calls kiln could have written itself:
 * **arguments** bound to the operator's schema as torch would bind them: each keyword is one of the
   schema's argument names, each value has its argument's type, a string only where
   :data:`STRING_ARGUMENTS` lists the argument and its values;
-* **Python operators** only for tuple indexing and integer shape arithmetic (:data:`PYTHON_OPERATORS`).
+* **Python operators** only for tuple indexing and integer shape arithmetic (:data:`PYTHON_OPERATORS`),
+  the arithmetic bounded: integers in and out within +-2**63 (:data:`INT_BOUND`).
 
 A graph calling anything else is not written as a runtime graph (its package loads from the program,
 as torch.export reads it) and is refused when read (``PackageCorruptError``).
@@ -30,10 +31,57 @@ from typing import Any
 
 import torch
 
-# Tuple indexing of multi-output nodes and arithmetic on symbolic sizes, by the name the file uses.
+from compiler.errors import RuntimeGraphBoundError
+
+# Integers a runtime graph's arithmetic may take and give: a size, stride, offset or index is an int64.
+INT_BOUND = 2**63
+
+
+def _bounded(name: str) -> Callable[..., Any]:
+    """``operator.<name>`` whose integer operands and result lie within +-:data:`INT_BOUND` (Python's
+    integers do not overflow: ``pow(7, 10**8)`` and a few squarings grow without end, in time and
+    memory). Anything else is a :class:`RuntimeGraphBoundError`, for ``pow`` before it computes."""
+    raw = getattr(operator, name)
+
+    def call(*args: Any) -> Any:
+        for value in args:
+            if isinstance(value, int) and abs(value) > INT_BOUND:
+                raise _bound_error(name, args, "takes an integer beyond +-2**63")
+        if name == "pow" and len(args) == 2 and all(isinstance(v, int) for v in args):
+            base, exponent = args
+            if abs(base) > 1 and exponent > 63:  # |base| >= 2: the result is beyond 2**63 already
+                raise _bound_error(name, args, "would give an integer beyond +-2**63")
+        try:
+            result = raw(*args)
+        except (OverflowError, ZeroDivisionError) as exc:
+            raise _bound_error(name, args, f"fails ({exc})") from None
+        if isinstance(result, int) and abs(result) > INT_BOUND:
+            raise _bound_error(name, args, "gives an integer beyond +-2**63")
+        return result
+
+    call.__name__ = call.__qualname__ = f"bounded_{name}"  # fx names the global it calls after it
+    call.__module__ = __name__
+    return call
+
+
+def _bound_error(name: str, args: tuple, what: str) -> RuntimeGraphBoundError:
+    shown = ", ".join(f"{v!r:.30}" if not isinstance(v, int) else str(v) for v in args)
+    return RuntimeGraphBoundError(
+        f"the package's runtime graph calls operator.{name}({shown}), which {what}: no shape, size or "
+        "index needs it (docs/security.md, runtime graph bounds); refused"
+    )
+
+
+# Tuple indexing of multi-output nodes and arithmetic on symbolic sizes, by the name the file uses. A
+# graph read from a package calls the bounded forms; one kiln traced calls operator's own (both are
+# written under operator's name).
+_ARITHMETIC = ("add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow")
 PYTHON_OPERATORS: Mapping[str, Callable[..., Any]] = {
-    f"operator.{name}": getattr(operator, name)
-    for name in ("getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow")
+    "operator.getitem": operator.getitem,
+    **{f"operator.{name}": _bounded(name) for name in _ARITHMETIC},
+}
+_TRACED_OPERATORS: Mapping[str, Callable[..., Any]] = {
+    f"operator.{name}": getattr(operator, name) for name in ("getitem", *_ARITHMETIC)
 }
 
 # ATen operator packets (every overload that passes the schema rule below). Grouped by why a split
@@ -130,7 +178,7 @@ def target_name(target: object) -> str:
         _check_operator(target, name)
         return name
     for name, fn in PYTHON_OPERATORS.items():
-        if fn is target:
+        if fn is target or _TRACED_OPERATORS[name] is target:
             return name
     raise CallRefused(f"call target {target!r:.80} is not an operator a runtime graph may call")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import builtins
 import enum
-import json
 import re
 from collections import defaultdict
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from typing import Any
 
 from torch.utils import _pytree as pytree
 
+from compiler import json_reader
 from compiler.program.module_policy import MODULE_NAME, default_factory_refusal
 
 _QUALNAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -37,7 +37,8 @@ def loads(
 ) -> pytree.TreeSpec:
     """The spec ``pytree.treespec_dumps`` wrote as ``text`` (protocol 1), read by the rules above.
     ``allowed``/``recorded``: the caller's op-module allow list and the package's recorded modules."""
-    protocol, schema = json.loads(text)
+    # Each spec level is two JSON levels (the node object, its children list), in a [protocol, spec] pair.
+    protocol, schema = json_reader.loads(text, f"{where} pytree spec", max_depth=2 * _MAX_DEPTH + 3)
     if protocol != 1:
         raise ValueError(f"pytree spec protocol {protocol!r:.20}")
     return _spec(schema, where, allowed, recorded, 0)
@@ -70,7 +71,11 @@ def _spec(
     else:
         if not isinstance(context, str):
             raise ValueError(f"pytree {kind} context is not JSON text")
-        decoded = json.loads(context, object_hook=lambda obj: _enum_member(obj, where, allowed, recorded))
+        decoded = json_reader.loads(
+            context,
+            f"{where} pytree {kind} context",
+            object_hook=lambda obj: _enum_member(obj, where, allowed, recorded),
+        )
     return pytree.TreeSpec(typ, decoded, [_spec(c, where, allowed, recorded, depth + 1) for c in children])
 
 

@@ -28,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.export import ExportedProgram
 
+from compiler import json_reader
 from compiler.atomic import write_bytes_atomic
 from compiler.errors import ExportError, InputSpecError, OpModuleNotAllowedError, UnsafeProgramError
 from compiler.inputs.specs import InputSpec, dtype_name, specs_from_json, specs_to_json
 from compiler.program.module_policy import ALLOWED_MODULES_ENV, allowed_module_prefixes, is_allowed_module
 from compiler.program.module_policy import MODULE_NAME as _MODULE_NAME
+from compiler.program.outputs import index_bounds
 from compiler.program.text import check_program_text
 from compiler.program.tracing import TRACING
 
@@ -107,7 +109,7 @@ def input_specs(program: ExportedProgram) -> tuple[InputSpec, ...]:
     placeholders = _user_input_nodes(program)
     attached = [n.meta.get("custom", {}).get(SPEC_META_KEY) for n in placeholders]
     if placeholders and all(attached):
-        return tuple(InputSpec.from_dict(json.loads(text)) for text in attached)
+        return tuple(InputSpec.from_dict(json_reader.loads(text, "an input spec")) for text in attached)
     return _specs_from_program(program, {}, require_bounded=True)
 
 
@@ -293,7 +295,7 @@ def check_archive(data: bytes, where: str) -> list[str]:
         if config not in entries:
             continue
         try:
-            payloads = json.loads(archive.read(entries[config]))["config"]
+            payloads = json_reader.loads(archive.read(entries[config]), f"{where}: {config}")["config"]
             items = list(payloads.items())
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise UnsafeProgramError(f"{where}: {config} is malformed: {exc}") from exc
@@ -342,7 +344,7 @@ def recorded_modules(data: bytes) -> list[str]:
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             names = [n for n in archive.namelist() if n.endswith("/extra/" + MODULES_EXTRA_FILE)]
-            modules = json.loads(archive.read(names[0])) if names else []
+            modules = json_reader.loads(archive.read(names[0]), MODULES_EXTRA_FILE) if names else []
     except (OSError, zipfile.BadZipFile, ValueError, KeyError):
         return []
     if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
@@ -421,6 +423,7 @@ def _specs_from_program(
 ) -> tuple[InputSpec, ...]:
     ranges = program.range_constraints
     examples = _example_values(program)
+    bounds = index_bounds(program)
     symbol_names: dict[sympy.Symbol, str] = {}
     specs = []
     for index, node in enumerate(_user_input_nodes(program)):
@@ -453,7 +456,16 @@ def _specs_from_program(
         if isinstance(example, torch.Tensor) and not example.is_floating_point() and example.numel():
             values = (float(example.min()), float(example.max()))
         specs.append(
-            InputSpec(node.name, dtype_name(val.dtype), tuple(lo), tuple(opt), tuple(hi), dyn, values)
+            InputSpec(
+                node.name,
+                dtype_name(val.dtype),
+                tuple(lo),
+                tuple(opt),
+                tuple(hi),
+                dyn,
+                values,
+                index_bound=bounds.get(node.name),
+            )
         )
     return tuple(specs)
 

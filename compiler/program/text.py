@@ -21,17 +21,18 @@ tree), and module names, which are returned for the caller's allow rule. Anythin
 from __future__ import annotations
 
 import ast
-import json
 import keyword
 import re
 from typing import Any
 
-from compiler.errors import UnsafeProgramError
+from compiler import json_reader
+from compiler.errors import UnsafeProgramError, UntrustedJsonError
 from compiler.program.module_policy import default_factory_refusal
 
 # How deep the program text may nest JSON in JSON strings (torch's treespecs: 2 or 3) before it is
 # refused rather than read.
 _JSON_DEPTH = 16
+_DOCUMENT_DEPTH = 256  # arrays and objects in one document (torch's own parse recurses ~1000 deep)
 # Keys whose string values torch uses as names in generated code.
 _NAME_KEYS = frozenset({"name", "as_name"})
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,199}$")
@@ -160,7 +161,9 @@ def check_program_text(model_json: bytes, where: str) -> list[str]:
         return obj
 
     try:
-        root = json.loads(model_json.decode("utf-8"), object_hook=hook)
+        # The bytes are in memory already (checked archive entries): bounded in depth and integers.
+        bounds = {"max_bytes": len(model_json), "max_depth": _DOCUMENT_DEPTH, "object_hook": hook}
+        root = json_reader.loads(model_json, f"{where}: models/model.json", **bounds)
         pending: list[tuple[Any, int, str | None]] = [(root, 0, None)]
         while pending:  # iterative: a deep document must not exhaust the stack here
             value, level, key = pending.pop()
@@ -174,9 +177,11 @@ def check_program_text(model_json: bytes, where: str) -> list[str]:
                 if level >= _JSON_DEPTH:
                     raise UnsafeProgramError(f"{where}: program text nests JSON {_JSON_DEPTH} deep")
                 try:
-                    pending.append((json.loads(value, object_hook=hook), level + 1, None))
-                except ValueError:
-                    continue  # not JSON: torch reads no module from it either
+                    pending.append((json_reader.loads(value, f"{where}: {key}", **bounds), level + 1, None))
+                except UntrustedJsonError as exc:
+                    if getattr(exc, "syntax", False):
+                        continue  # not JSON: torch reads no module from it either
+                    raise  # JSON beyond the bounds: refused, whatever torch would make of it
     except (ValueError, RecursionError) as exc:
         raise UnsafeProgramError(f"{where}: models/model.json is not JSON torch would read: {exc}") from exc
     if isinstance(root, dict):

@@ -10,7 +10,6 @@ import json
 from datetime import UTC, datetime
 
 import typer
-from rich.markup import escape
 
 from flows.cli.options import (
     Evict,
@@ -20,7 +19,7 @@ from flows.cli.options import (
     OlderThan,
     bad_input,
 )
-from flows.render import EXIT_FAILED, EXIT_OK, console
+from flows.render import EXIT_FAILED, EXIT_OK, console, shown
 
 cache_app = typer.Typer(help="List, verify and trim the engine cache (local and object store).")
 
@@ -78,8 +77,8 @@ def cache_ls(location: Location = None, as_json: JsonOut = False) -> None:
             e.backend,
             f"{e.bytes:,}",
             _when(e.last_used),
-            str((e.fields or {}).get("backend", "?")),
-            escape(str(e.meta.get("partition", ""))),
+            shown((e.fields or {}).get("backend", "?"), 40),
+            shown(e.meta.get("partition", ""), 200),
         )
     console.print(table)
     by_backend: dict[str, list[int]] = {}
@@ -95,12 +94,12 @@ def cache_ls(location: Location = None, as_json: JsonOut = False) -> None:
         for key, event in sorted(builds.items(), key=lambda item: item[1].get("time", 0)):
             when = event.get("time")
             table.add_row(
-                escape(key[:16]),
-                escape(str(event.get("state"))),
+                shown(key[:16]),
+                shown(event.get("state"), 40),
                 _when(when) if isinstance(when, int | float) else "-",
-                escape(str(event.get("seconds", ""))),
-                escape(str(event.get("reason", event.get("compiler", "")))[:300]),
-                escape(str(event.get("why", ""))[:200]),
+                shown(event.get("seconds", ""), 20),
+                shown(event.get("reason", event.get("compiler", "")), 300),
+                shown(event.get("why", ""), 200),
             )
         console.print(table)
 
@@ -131,7 +130,7 @@ def cache_verify(
         print(json.dumps({"checked": checked, "bad": [vars(b) for b in bad], "evicted": evict}, indent=2))
     else:
         for b in bad:
-            console.print(f"[red]{b.backend} {b.key[:16]}[/red]: {escape(b.problem)}", soft_wrap=True)
+            console.print(f"[red]{b.backend} {b.key[:16]}[/red]: {shown(b.problem)}", soft_wrap=True)
         evicted = " (evicted)" if evict and bad else ""
         console.print(f"{cache.location}: {checked} entries checked, {len(bad)} bad{evicted}")
     raise typer.Exit(EXIT_FAILED if bad else EXIT_OK)

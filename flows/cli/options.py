@@ -412,7 +412,19 @@ Threads = Annotated[
 ]
 ExportAllowOpModule = Annotated[
     list[str] | None,
-    typer.Option("--allow-op-module", help="module (prefix) a package may import for its custom ops"),
+    typer.Option(
+        "--allow-op-module",
+        help="module (prefix) a package may import for its custom ops; needed only to export a package "
+        "written before kiln recorded output specs (it is run once to learn them)",
+    ),
+]
+ServeAllowOpModule = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--allow-op-module",
+        help="module (prefix) the served packages may import for their custom ops (added to "
+        "$KILN_ALLOWED_OP_MODULES in the server's environment)",
+    ),
 ]
 ExportTrackingUri = Annotated[str | None, typer.Option("--tracking-uri", help="MLflow tracking URI")]
 HttpPort = Annotated[int, typer.Option("--http-port")]
@@ -441,3 +453,10 @@ MaxBytes = Annotated[
 OlderThan = Annotated[
     str | None, typer.Option("--older-than", help="remove entries unused for longer (30m, 12h, 7d, 2w)")
 ]
+SigningDir = Annotated[
+    str,
+    typer.Option(
+        "--dir", help="where the key pair is written (a folder only the pipeline's account can read)"
+    ),
+]
+SigningName = Annotated[str, typer.Option("--name", help="file names: NAME.pem (private), NAME.pub (public)")]

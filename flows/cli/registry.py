@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 
 from flows.cli.options import (
     AllowOpModule,
@@ -38,8 +37,9 @@ from flows.cli.options import (
     TritonUrl,
     Version,
 )
+from registry.terminal import SafeConsole
 
-console = Console()
+console = SafeConsole()  # shows tags and package fields with control characters escaped
 
 
 def _live(
@@ -110,15 +110,15 @@ def lookup_cmd(
     as_json: AsJson = False,
     tracking_uri: TrackingUri = None,
 ) -> None:
-    """Find the champion (else newest) version whose input ranges cover SHAPE (and, with --source, that
-    was compiled from that source); download, verify, load it.
+    """Find the champion (else newest) version, whose input ranges cover SHAPE when one is given (and,
+    with --source, that was compiled from that source); download, verify, load it.
 
     A version that fails verification is skipped for the next that fits, and the output says so."""
     from registry.errors import KilnError, NoMatchingVersionError
     from registry.lookup import describe_result, lookup
 
-    # A source alone selects the version; a shape alone (or both) still has to fit the ranges.
-    shapes = parse_shapes(shape or []) if shape or not source else None
+    # A shape (alone or with a source) has to fit the ranges; without one, the champion (else newest).
+    shapes = parse_shapes(shape) if shape else None
     # A package of hundreds of MB: a terminal shows a progress bar as the files come (registry.transfer).
     try:
         result = lookup(
@@ -152,7 +152,7 @@ def lookup_cmd(
         )
     if result.source_match:
         console.print(f"  source: {_source_text(result.source_match)}", soft_wrap=True)
-    for key in ("backend", "precision", "engine_target", "input_ranges", "package_dir"):
+    for key in ("backend", "precision", "engine_target", "input_ranges", "package_dir", "engine_code"):
         console.print(f"  {key}: {summary[key]}", soft_wrap=True)
     for row in result.skipped:
         console.print(f"  skipped v{row['version']}: {row['reason']}", soft_wrap=True)

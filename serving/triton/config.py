@@ -1,9 +1,16 @@
 """What Triton is told about a served version: its signature and the ``config.pbtxt`` written from it.
 
 A :class:`ServedModel` is written beside each staged package (``<repository>/<model>/<N>/kiln.json``)
-when the version is staged, from the package's input specs and from running the verified package once
-at its smallest and largest shapes (which output axes follow the inputs). ``config.pbtxt`` is rendered
+when the version is staged, from what the package's manifest records (:func:`served_model`): its input
+specs (names, dtypes, shape ranges; a keyword-input model is served under its input names) and its
+output specs, recorded at compile from the exported program. Nothing runs on the exporting host, so
+any host describes any engine target (a CUDA version on a CPU-only host). ``config.pbtxt`` is rendered
 from the champion's ``ServedModel`` alone, so a release or rollback rewrites it without torch.
+
+Every value that reaches ``config.pbtxt`` is checked when a ``ServedModel`` is made or read back
+(:data:`NAME_RULE` for model and tensor names, digits for versions, integers for sizes, a closed set
+of dtypes and targets), and strings are written quoted and escaped: a ``kiln.json`` edited to carry a
+newline or a quote cannot add lines to the config (``default_model_filename``, another backend).
 
 Mapping, per input spec: ``dims`` has -1 for every dynamic axis; when every input's axis 0 is one named
 dynamic dimension starting at 1 and every output's axis 0 follows it, that axis is Triton's batch axis:
@@ -20,10 +27,12 @@ stays in ``dims``. The engine target picks ``KIND_CPU`` or ``KIND_GPU``. No torc
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from compiler import json_reader
 from serving.triton.errors import TritonConfigError
 
 # kiln dtype name (compiler.inputs.specs) -> Triton's model-config type. fp8 has no Triton type.
@@ -46,6 +55,43 @@ THREADS_PARAMETER = "kiln_threads"
 SERVED_FILE = "kiln.json"  # the ServedModel beside a staged package
 PACKAGE_DIR = "package"  # the verified package inside a version folder
 BACKEND_FILE = "model.py"  # kiln's Python backend, the same bytes in every version folder
+
+
+# Model and tensor names Triton is given: letters, digits, '_', '.', '-' (no quote, newline or space,
+# which a config line or a model path would have to escape), not starting with '.' or '-'.
+NAME_RULE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+_DIGITS = re.compile(r"[0-9]{1,9}")
+_HASH = re.compile(r"[0-9a-f]{64}")
+_ENGINE_TARGET = re.compile(r"[a-z][a-z0-9_]{0,15}(:[a-z0-9_]{1,16})?")  # cpu, cuda:sm_90
+_TARGET = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,63}")
+
+
+def checked_name(value: Any, what: str) -> str:
+    """``value`` when it is a string matching :data:`NAME_RULE`; TritonConfigError naming ``what``."""
+    if not isinstance(value, str) or NAME_RULE.fullmatch(value) is None:
+        raise TritonConfigError(
+            f"{what} is {value!r:.80}, which Triton cannot be given: expected letters, digits, '_', '.' "
+            "or '-' (at most 128, not starting with '.' or '-')"
+        )
+    return value
+
+
+def checked_int(value: Any, what: str, *, minimum: int) -> int:
+    """``value`` when it is an integer (not a bool, not a string) >= ``minimum``; else TritonConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TritonConfigError(f"{what} is {value!r:.40}; expected an integer >= {minimum}")
+    return value
+
+
+def checked_target(value: Any, what: str) -> str:
+    """A registry target as the CLI takes it (``cpu``, ``cuda``, ``cuda:sm_90``, ``cuda_sm_90``)."""
+    return _matching(value, _TARGET, what, "a target like 'cpu', 'cuda' or 'cuda:sm_90'")
+
+
+def _matching(value: Any, rule: re.Pattern, what: str, expected: str) -> str:
+    if not isinstance(value, str) or rule.fullmatch(value) is None:
+        raise TritonConfigError(f"{what} is {value!r:.80}; expected {expected}")
+    return value
 
 
 def triton_type(dtype: str, what: str) -> str:
@@ -73,7 +119,14 @@ class TensorSig:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        checked_name(self.name, "a tensor name")
+        if not isinstance(self.shape, list | tuple):
+            raise TritonConfigError(f"tensor {self.name!r}: shape is {self.shape!r:.40}; expected a list")
+        object.__setattr__(
+            self,
+            "shape",
+            tuple(checked_int(d, f"tensor {self.name!r} shape", minimum=-1) for d in self.shape),
+        )
 
 
 @dataclass(frozen=True)
@@ -94,12 +147,24 @@ class ServedModel:
     signature_key: str = ""
 
     def __post_init__(self) -> None:
+        checked_name(self.name, "the model name")
+        checked_name(self.registered_model, "the registered model")
+        _matching(self.version, _DIGITS, "the version", "decimal digits")
+        _matching(self.content_hash, _HASH, "the content hash", "64 lowercase hex digits")
+        _matching(self.engine_target, _ENGINE_TARGET, "the engine target", "one like 'cpu' or 'cuda:sm_90'")
+        checked_int(self.max_batch_size, "max_batch_size", minimum=0)
+        for size in self.preferred_batch_sizes:
+            checked_int(size, "a preferred batch size", minimum=1)
+        if self.signature_key:
+            _matching(self.signature_key, _HASH, "the signature key", "64 lowercase hex digits")
         for sig in self.inputs:
             triton_type(sig.dtype, f"input {sig.name!r} of {self.registered_model}")
         for sig in self.outputs:
             triton_type(sig.dtype, f"output {sig.name!r} of {self.registered_model}")
         if not self.outputs:
             raise TritonConfigError(f"{self.registered_model} version {self.version} returns no tensor")
+        if not self.inputs:
+            raise TritonConfigError(f"{self.registered_model} version {self.version} takes no tensor")
 
     @property
     def kind(self) -> str:
@@ -110,28 +175,82 @@ class ServedModel:
 
     @classmethod
     def from_json(cls, text: str, where: str) -> ServedModel:
+        """Read ``kiln.json`` back; every field keeps its type (no coercion: a version written as a
+        number or a size as a string is refused by name, as is anything :meth:`__post_init__` refuses)."""
         try:
-            data: dict[str, Any] = json.loads(text)
+            data: dict[str, Any] = json_reader.loads(text, where)
+            if not isinstance(data, dict):
+                raise TypeError(f"expected an object, got {type(data).__name__}")
+
+            def sigs(key: str) -> tuple[TensorSig, ...]:
+                return tuple(TensorSig(s["name"], s["dtype"], s["shape"]) for s in data[key])
+
             return cls(
-                name=str(data["name"]),
-                registered_model=str(data["registered_model"]),
-                version=str(data["version"]),
-                content_hash=str(data["content_hash"]),
-                engine_target=str(data["engine_target"]),
-                inputs=tuple(TensorSig(str(s["name"]), str(s["dtype"]), s["shape"]) for s in data["inputs"]),
-                outputs=tuple(
-                    TensorSig(str(s["name"]), str(s["dtype"]), s["shape"]) for s in data["outputs"]
-                ),
-                max_batch_size=int(data["max_batch_size"]),
-                preferred_batch_sizes=tuple(int(b) for b in data["preferred_batch_sizes"]),
-                signature_key=str(data.get("signature_key", "")),
+                name=data["name"],
+                registered_model=data["registered_model"],
+                version=data["version"],
+                content_hash=data["content_hash"],
+                engine_target=data["engine_target"],
+                inputs=sigs("inputs"),
+                outputs=sigs("outputs"),
+                max_batch_size=data["max_batch_size"],
+                preferred_batch_sizes=tuple(data["preferred_batch_sizes"]),
+                signature_key=data.get("signature_key", ""),
             )
         except (ValueError, KeyError, TypeError) as exc:
-            if isinstance(exc, TritonConfigError):
-                raise
             raise TritonConfigError(
                 f"{where} is not a kiln served-model record ({exc}); export again"
             ) from exc
+
+
+def served_model(
+    *,
+    name: str,
+    registered: str,
+    version: str,
+    content_hash: str,
+    engine_target: str,
+    inputs: Sequence[Any],
+    outputs: Sequence[Any],
+    profiles: Sequence[Mapping[str, Any]] = (),
+) -> ServedModel:
+    """The :class:`ServedModel` of a version from its input specs and output specs (``InputSpec``,
+    ``OutputSpec``: what the manifest records), torch-free. The batch axis is Triton's when every
+    input's axis 0 is one named dimension from 1 and every output's axis 0 is that dimension."""
+    batch = batch_axis(inputs)
+    if batch is not None and not all(o.rank and o.dynamic_dims.get(0) == batch[0] for o in outputs):
+        batch = None
+    ins = tuple(
+        TensorSig(
+            spec.name,
+            spec.dtype,
+            [-1 if axis in spec.dynamic_dims else d for axis, d in enumerate(spec.max_shape)],
+        )
+        for spec in inputs
+    )
+    outs = tuple(
+        TensorSig(
+            out.name,
+            out.dtype,
+            [-1 if axis in out.dynamic_dims else d for axis, d in enumerate(out.max_shape)],
+        )
+        for out in outputs
+    )
+    record = ServedModel(name, registered, version, content_hash, engine_target, ins, outs)
+    if batch is None:
+        return record
+    dim, max_batch = batch
+    return ServedModel(
+        name,
+        registered,
+        version,
+        content_hash,
+        engine_target,
+        ins,
+        outs,
+        max_batch,
+        preferred_sizes(profiles, dim, max_batch),
+    )
 
 
 def batch_axis(specs: Sequence[Any]) -> tuple[str, int] | None:
@@ -156,12 +275,9 @@ def render_config(
     threads: int = DEFAULT_THREADS,
 ) -> str:
     """``config.pbtxt`` serving exactly ``served.version`` (the champion) of ``served.name``."""
-    if instances < 1:
-        raise TritonConfigError(f"instances must be at least 1, got {instances}")
-    if threads < 0:
-        raise TritonConfigError(f"threads must be >= 0 (0: automatic), got {threads}")
-    if queue_delay_us < 0:
-        raise TritonConfigError(f"the queue delay must be >= 0 microseconds, got {queue_delay_us}")
+    checked_int(instances, "instances", minimum=1)
+    checked_int(threads, "threads (0: automatic)", minimum=0)
+    checked_int(queue_delay_us, "the queue delay in microseconds", minimum=0)
     batched = served.max_batch_size > 0
 
     def tensors(sigs: Sequence[TensorSig], what: str) -> str:
@@ -173,12 +289,13 @@ def render_config(
             rows.append(f"  {{ name: {json.dumps(sig.name)} data_type: {kind} dims: [ {shape} ] }}")
         return ",\n".join(rows)
 
+    # served's fields were checked when it was made (names, digits): no value can end the comment line.
     lines = [
         f"# Written by kiln (serving/triton) for {served.registered_model} version {served.version}, the",
         "# champion; `kiln release`/`kiln rollback --triton` rewrite it. Edits are overwritten.",
         f"name: {json.dumps(served.name)}",
         'backend: "python"',
-        f"max_batch_size: {served.max_batch_size}",
+        f"max_batch_size: {int(served.max_batch_size)}",
         f"version_policy: {{ specific: {{ versions: [ {int(served.version)} ] }} }}",
         f"input [\n{tensors(served.inputs, 'input')}\n]",
         f"output [\n{tensors(served.outputs, 'output')}\n]",

@@ -14,6 +14,7 @@ import urllib.request
 from typing import Any
 from urllib.parse import quote
 
+from compiler import json_reader
 from serving.triton.errors import ServerRefusedError, ServerUnavailableError
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -134,6 +135,6 @@ class TritonControl:
 
 def _json(raw: bytes) -> Any:
     try:
-        return json.loads(raw) if raw else None
+        return json_reader.loads(raw, "the Triton server's answer") if raw else None
     except ValueError:
         return {"error": raw.decode(errors="replace")[:2000]}

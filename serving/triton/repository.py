@@ -13,13 +13,18 @@ Layout, one folder per kiln model (the Triton model name is the kiln model name:
 rollback needs no download. Every folder is built beside its final place (``.kiln-staging-*``, which
 Triton skips: not a number) from a download that ``registry.lookup.fetch_version`` verified (every
 checksum, and the content hash the registry recorded), and renamed into place; ``config.pbtxt`` is
-replaced atomically. A failed export leaves what was there.
+replaced atomically.
 
-The outputs a version is served with are learnt by running it once (``runtime.describe``), which
-needs torch and a load. A version whose :func:`signature_key` (program, split graph, engine inputs
-and outputs, input specs, target and precision: everything but the weights) equals a version already
-staged in the folder has that version's signature, so a release of retrained or refitted weights is
-staged without torch: download, verify, write. Only a new program is loaded here.
+All or nothing per model: a model that fails to export leaves its folder exactly as it was (a model
+new to the repository leaves no folder at all), so a server on the repository still loads every
+other model. A multi-model export tries every model and reports each outcome (:class:`ExportFailure`).
+
+A version's signature is read from its verified manifest (``config.served_model``: input specs and
+the output specs recorded at compile), so nothing is loaded or run here and any host exports any
+engine target. Packages written before output specs were recorded (format 2) are run once on the CPU
+to learn their outputs, unless a staged version of the same :func:`signature_key` (program, split
+graph, engine inputs and outputs, input specs, target and precision: everything but the weights)
+already says them; a CUDA one is refused by name (compile it again with this kiln).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from compiler import json_reader
 from compiler.atomic import write_bytes_atomic
 from serving.triton.config import (
     BACKEND_FILE,
@@ -48,7 +54,11 @@ from serving.triton.config import (
     PACKAGE_DIR,
     SERVED_FILE,
     ServedModel,
+    checked_int,
+    checked_name,
+    checked_target,
     render_config,
+    served_model,
 )
 from serving.triton.errors import NoChampionError, RepositoryBusyError, RepositoryError, TritonConfigError
 
@@ -141,19 +151,30 @@ class ServingSettings:
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)
 
+    def __post_init__(self) -> None:
+        checked_name(self.registered_model, f"{SETTINGS_FILE}: registered_model")
+        checked_name(self.model, f"{SETTINGS_FILE}: model")
+        checked_target(self.target, f"{SETTINGS_FILE}: target")
+        checked_int(self.queue_delay_us, f"{SETTINGS_FILE}: queue_delay_us", minimum=0)
+        checked_int(self.instances, f"{SETTINGS_FILE}: instances", minimum=1)
+        checked_int(self.threads, f"{SETTINGS_FILE}: threads", minimum=0)
+
     @classmethod
     def read(cls, model_dir: Path) -> ServingSettings:
+        """Read ``kiln-serving.json`` back, every field typed as written (no coercion)."""
         path = model_dir / SETTINGS_FILE
         try:
-            data = json.loads(path.read_text())
+            data = json_reader.read_file(path)
+            if not isinstance(data, dict):
+                raise TypeError(f"expected an object, got {type(data).__name__}")
             fields = ("registered_model", "model", "target", "queue_delay_us", "instances")
-            return cls(**{k: data[k] for k in fields}, threads=int(data.get("threads", DEFAULT_THREADS)))
+            return cls(**{k: data[k] for k in fields}, threads=data.get("threads", DEFAULT_THREADS))
         except FileNotFoundError:
             raise RepositoryError(
                 f"{model_dir} has no {SETTINGS_FILE}: kiln did not write this model folder; export it "
                 f"with `kiln serve triton export {model_dir.name} --repository {model_dir.parent}`"
             ) from None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # TritonConfigError is a ValueError
             raise RepositoryError(f"{path} is unreadable ({exc}); export the model again") from exc
 
 
@@ -246,8 +267,7 @@ def stage_version(
 ) -> tuple[ServedModel, bool]:
     """Make ``<model_dir>/<version>`` hold the verified package of that registry version, kiln's
     ``model.py`` and its ``kiln.json``. (record, created): a complete folder with the registry's content
-    hash is kept as is. The signature comes from a staged version with the same :func:`signature_key`
-    when there is one (no torch), else from loading and running the package once."""
+    hash is kept as is. The signature comes from the manifest (:func:`described`)."""
     from registry.lookup import fetch_version
     from registry.models import content_hash_of
 
@@ -266,13 +286,9 @@ def stage_version(
         )
         os.replace(package_dir, staging / PACKAGE_DIR)
         shutil.rmtree(staging / "download")
-        key = signature_key(manifest)
-        known = same_signature(model_dir, key)
-        if known is not None:
-            served = dataclasses.replace(known, version=version, content_hash=manifest.content_hash)
-        else:
-            served = _probed(staging / PACKAGE_DIR, manifest, model, registered, version, allowed_modules)
-            served = dataclasses.replace(served, signature_key=key)
+        served = described(
+            staging / PACKAGE_DIR, manifest, model_dir, model, registered, version, allowed_modules
+        )
         (staging / BACKEND_FILE).write_bytes(backend_bytes())
         (staging / SERVED_FILE).write_text(served.to_json())
         if folder.exists():  # an incomplete or stale folder: out of the way, then removed
@@ -285,29 +301,53 @@ def stage_version(
     return served, True
 
 
-def _probed(
+def described(
     package_dir: Path,
     manifest: Any,
+    model_dir: Path,
     model: str,
     registered: str,
     version: str,
-    allowed_modules: Sequence[str] | None,
+    allowed_modules: Sequence[str] | None = None,
 ) -> ServedModel:
-    """The signature of a package with a program no staged version has: load it and run it once."""
-    from registry.lookup import load_package
-    from serving.triton.runtime import describe
-
-    module = load_package(package_dir, allowed_modules=allowed_modules)
-    return describe(
-        module,
-        manifest.input_specs,
+    """The :class:`ServedModel` of a verified package: from its manifest's input and output specs; for
+    a package that predates output specs, from a staged version with the same signature key, else by
+    running it once on the CPU (:func:`runtime.probe_output_specs`)."""
+    key = signature_key(manifest)
+    outputs = manifest.output_specs
+    if outputs is None:
+        known = same_signature(model_dir, key)
+        if known is not None:
+            return dataclasses.replace(known, version=version, content_hash=manifest.content_hash)
+        outputs = _probed_outputs(package_dir, manifest, registered, version, allowed_modules)
+    served = served_model(
         name=triton_model_name(model),
         registered=registered,
         version=version,
         content_hash=manifest.content_hash,
         engine_target=manifest.engine_target,
+        inputs=manifest.input_specs,
+        outputs=outputs,
         profiles=manifest.options.profiles,
     )
+    return dataclasses.replace(served, signature_key=key)
+
+
+def _probed_outputs(
+    package_dir: Path, manifest: Any, registered: str, version: str, allowed_modules: Sequence[str] | None
+) -> tuple[Any, ...]:
+    if manifest.engine_target != "cpu":
+        raise TritonConfigError(
+            f"{registered} version {version} was recorded by a kiln that did not record output specs "
+            f"(package format {manifest.format_version}), and its engines are for {manifest.engine_target}, "
+            "which cannot run here to learn them: compile it again with this kiln (its package then says "
+            "its outputs), or export it on a host with that device"
+        )
+    from registry.lookup import load_package
+    from serving.triton.runtime import probe_output_specs
+
+    module = load_package(package_dir, allowed_modules=allowed_modules)
+    return probe_output_specs(module, manifest.input_specs)
 
 
 def prune(model_dir: Path, keep: Sequence[str]) -> list[str]:
@@ -336,10 +376,23 @@ class ExportResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             **self.__dict__,
+            "ok": True,
             "model_dir": str(self.model_dir),
             "staged": list(self.staged),
             "removed": list(self.removed),
         }
+
+
+@dataclass(frozen=True)
+class ExportFailure:
+    """A model that did not export: its folder was left as it was (none, for a model new to it)."""
+
+    model: str  # the kiln model name asked for
+    error: str  # the typed error's class
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "ok": False, "error": self.error, "message": self.message}
 
 
 def champion_of(mlclient: Any, registered: str, policy: Any = None) -> tuple[str, str | None]:
@@ -372,42 +425,87 @@ def export(
     instances: int = 1,
     threads: int = DEFAULT_THREADS,
     allowed_modules: Sequence[str] | None = None,
-) -> list[ExportResult]:
+) -> list[ExportResult | ExportFailure]:
     """Write (or bring up to date) each model's folder in ``repository`` from its champion and previous.
 
-    Every model is checked for a champion before anything is written."""
+    Each model is all or nothing (:func:`export_model`); every model is tried, and the result lists
+    each one's outcome in order. Bad options or an unusable repository raise before anything is written."""
+    from compiler.errors import KilnError
     from registry import config
-    from registry.targets import resolved_model_name
 
-    if instances < 1 or queue_delay_us < 0 or threads < 0:
-        raise TritonConfigError(
-            f"instances must be >= 1, the queue delay >= 0 and threads >= 0 (got {instances}, "
-            f"{queue_delay_us}, {threads})"
-        )
+    checked_int(instances, "instances", minimum=1)
+    checked_int(queue_delay_us, "the queue delay in microseconds", minimum=0)
+    checked_int(threads, "threads (0: automatic)", minimum=0)
     repo = check_repository(repository, write=True, create=True)
     mlclient = config.client(tracking_uri)
-    plans = []
+    settings = {"queue_delay_us": queue_delay_us, "instances": instances, "threads": threads}
+    results: list[ExportResult | ExportFailure] = []
     for model in models:
-        registered = resolved_model_name(mlclient, model, target)  # --target cuda: registry.targets
-        plans.append((model, registered, *champion_of(mlclient, registered)))
-    results = []
-    for model, registered, champion, previous in plans:
-        name = triton_model_name(model)
-        model_dir = repo / name
-        keep = [champion] + ([previous] if previous else [])
-        with repository_lock(repo, name):
-            created = []
+        try:
+            results.append(
+                export_model(mlclient, repo, model, target, settings, allowed_modules=allowed_modules)
+            )
+        except KilnError as exc:
+            results.append(ExportFailure(model, type(exc).__name__, str(exc)))
+    return results
+
+
+def export_model(
+    mlclient: Any,
+    repo: Path,
+    model: str,
+    target: str,
+    settings: dict[str, int],
+    *,
+    allowed_modules: Sequence[str] | None = None,
+) -> ExportResult:
+    """One model's folder from its champion (and previous): all or nothing. On any failure the
+    versions this call staged are removed and ``kiln-serving.json`` and ``config.pbtxt`` are put back
+    as they were; a folder this call created is removed whole."""
+    from registry.targets import resolved_model_name
+
+    registered = resolved_model_name(mlclient, model, target)  # --target cuda: registry.targets
+    champion, previous = champion_of(mlclient, registered)
+    name = triton_model_name(model)
+    model_dir = repo / name
+    keep = [champion] + ([previous] if previous else [])
+    with repository_lock(repo, name):
+        existed = model_dir.exists()
+        before = {f: _read_bytes(model_dir / f) for f in (SETTINGS_FILE, CONFIG_FILE)}
+        created: list[str] = []
+        try:
             for version in keep:
                 _, new = stage_version(
                     mlclient, model_dir, model, registered, version, allowed_modules=allowed_modules
                 )
                 if new:
                     created.append(version)
-            settings = ServingSettings(registered, model, target, queue_delay_us, instances, threads)
-            write_bytes_atomic(model_dir / SETTINGS_FILE, settings.to_json().encode())
+            serving = ServingSettings(registered, model, target, **settings)
+            write_bytes_atomic(model_dir / SETTINGS_FILE, serving.to_json().encode())
             write_config(model_dir, config_for(model_dir, champion))
-            removed = prune(model_dir, keep)
-        results.append(
-            ExportResult(name, registered, champion, previous, model_dir, tuple(created), tuple(removed))
-        )
-    return results
+        except BaseException:
+            if not existed:
+                shutil.rmtree(model_dir, ignore_errors=True)
+            else:
+                for version in created:
+                    shutil.rmtree(model_dir / version, ignore_errors=True)
+                for file, data in before.items():
+                    _restore(model_dir / file, data)
+            raise
+        removed = prune(model_dir, keep)
+    return ExportResult(name, registered, champion, previous, model_dir, tuple(created), tuple(removed))
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _restore(path: Path, data: bytes | None) -> None:
+    if data is None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    else:
+        write_bytes_atomic(path, data)

@@ -47,20 +47,6 @@ ORT_THREADS_ENV = "KILN_ORT_THREADS"  # compiler.backends.onnxruntime reads it w
 Loader = Callable[[Path, str, ServedModel], tuple[Any, Sequence[Any]]]
 
 
-def flatten_outputs(value: Any) -> list[tuple[str, Any]]:
-    """(name, tensor) per output, in one order for the exporter and the backend: a dict's keys, else
-    ``output_<i>`` over the flattened leaves. A leaf that is not a tensor is refused by the caller."""
-    import torch
-    from torch.utils import _pytree
-
-    if isinstance(value, dict):
-        return [(str(k), v) for k, v in value.items()]
-    if isinstance(value, torch.Tensor):
-        return [("output_0", value)]
-    leaves, _ = _pytree.tree_flatten(value)
-    return [(f"output_{i}", leaf) for i, leaf in enumerate(leaves)]
-
-
 class ServedRuntime:
     """One Triton model instance: a loaded module and the signature it is served with."""
 
@@ -98,20 +84,51 @@ class ServedRuntime:
         done = time.perf_counter()
         logger = getattr(pb_utils, "Logger", None)
         if logger is not None:
+            from compiler.package.signing import trust_note  # why its engines compiled, or did not
+
             logger.log_info(
                 f"kiln: {served.name} version {served.version} ready in {done - started:.2f} s (torch "
                 f"{imported - started:.2f} s, verify and load {loaded - imported:.2f} s, warm-up "
-                f"{done - loaded:.2f} s; {threads or 'default'} intra-op threads)"
+                f"{done - loaded:.2f} s; {threads or 'default'} intra-op threads); "
+                f"{trust_note(version_dir / PACKAGE_DIR, getattr(module, 'trust_engine_code', None))}"
             )
         return runtime
 
     def warm_up(self) -> None:
-        """Run once at the specs' smallest and largest shapes (first-run costs paid before serving)."""
+        """Run once at the specs' smallest and largest shapes, on the serving device (first-run costs
+        paid before serving), and check that what it returns is what the version is served with."""
         import torch
 
         with torch.inference_mode():
             for shapes in ("min_shape", "max_shape"):
-                self.module(*[t.to(self.device) for t in example_inputs(self.specs, shapes)])
+                self._outputs(self._call([t.to(self.device) for t in example_inputs(self.specs, shapes)]))
+
+    def _call(self, inputs: list) -> list:
+        """The module on flat inputs in the specs' order: one path for models exported with positional
+        or keyword inputs (``run_flat``; an eager model a benchmark serves is called positionally)."""
+        run_flat = getattr(self.module, "run_flat", None)
+        if run_flat is not None:
+            return list(run_flat(inputs))
+        from torch.utils import _pytree
+
+        return _pytree.tree_leaves(self.module(*inputs))
+
+    def _outputs(self, flat: list) -> list[tuple[str, Any]]:
+        """(served name, tensor) per output; RuntimeError when the module returns other outputs than the
+        version is served with (a repository exported from another package)."""
+        import torch
+
+        from compiler.inputs.specs import dtype_name
+
+        served = self.served.outputs
+        found = [(type(v).__name__ if not isinstance(v, torch.Tensor) else dtype_name(v.dtype)) for v in flat]
+        if found != [o.dtype for o in served]:
+            raise RuntimeError(
+                f"the module returned outputs of types {found}, but {self.served.registered_model} version "
+                f"{self.served.version} is served with {[(o.name, o.dtype) for o in served]}; export the "
+                "repository again"
+            )
+        return [(sig.name, value) for sig, value in zip(served, flat, strict=True)]
 
     def execute(self, requests: list) -> list:
         import torch
@@ -153,6 +170,7 @@ class ServedRuntime:
                     f"input {spec.name!r}: expected dtype {spec.dtype}, got {dtype_name(tensor.dtype)}"
                 )
             spec.check(tensor)  # InputSpecError naming the input and its range
+            spec.check_values(tensor)  # token ids past the embedding: named here, not a Gather error
             tensors.append(tensor)
         return tensors
 
@@ -171,13 +189,7 @@ class ServedRuntime:
                 results += self._run([item])
             return results
         with torch.inference_mode():
-            out = self.module(*[t.to(self.device) for t in inputs])
-        named = flatten_outputs(out)
-        if [n for n, _ in named] != [o.name for o in self.served.outputs]:
-            raise RuntimeError(
-                f"the module returned outputs {[n for n, _ in named]}, but {self.served.version} is served "
-                f"with {[o.name for o in self.served.outputs]}; export the repository again"
-            )
+            named = self._outputs(self._call([t.to(self.device) for t in inputs]))
         start = 0
         for (index, _), size in zip(items, sizes, strict=True):
             tensors = []
@@ -191,9 +203,17 @@ class ServedRuntime:
         return results
 
     def _error(self, exc: BaseException) -> Any:
-        return self.pb.InferenceResponse(
-            output_tensors=[], error=self.pb.TritonError(f"{type(exc).__name__}: {exc}")
+        """The request's error: INVALID_ARG (HTTP 400) for what the request got wrong (an input
+        missing, of another dtype, outside its recorded shape or index range), INTERNAL otherwise."""
+        from compiler.errors import InputSpecError
+
+        message = f"{type(exc).__name__}: {exc}"
+        error = self.pb.TritonError
+        code = getattr(
+            error, "INVALID_ARG" if isinstance(exc, InputSpecError | ValueError) else "INTERNAL", None
         )
+        made = error(message) if code is None else error(message, code)
+        return self.pb.InferenceResponse(output_tensors=[], error=made)
 
 
 def instance_threads(configured: int, instances: int, cores: int | None) -> int:
@@ -290,80 +310,38 @@ def example_inputs(specs: Sequence[Any], shapes: str) -> list:
     return made
 
 
-def probe_outputs(module: Any, specs: Sequence[Any], registered: str) -> list[tuple[str, str, list, list]]:
-    """Run ``module`` at the specs' smallest and largest shapes: (name, dtype, shape at min, at max) per
-    output. Integer inputs are drawn inside their recorded value range."""
+def probe_output_specs(module: Any, specs: Sequence[Any]) -> tuple[Any, ...]:
+    """Output specs of a package written before kiln recorded them (format 2), by running it once at
+    the specs' smallest and largest shapes on the device it was loaded on: an axis that changed is
+    dynamic, named as the input dimension it equals at both ends."""
     import torch
 
-    from compiler.inputs.specs import dtype_name
+    from compiler.inputs.specs import OutputSpec, dtype_name
+    from compiler.program.outputs import output_names
 
+    device = getattr(module, "device", "cpu")
     runs = []
     with torch.inference_mode():
         for shapes in ("min_shape", "max_shape"):
-            runs.append(flatten_outputs(module(*example_inputs(specs, shapes))))
-    found = []
-    for (name, small), (_, large) in zip(runs[0], runs[1], strict=True):
+            runs.append(list(module.run_flat([t.to(device) for t in example_inputs(specs, shapes)])))
+    names = output_names(module._out_spec)
+    if len(names) != len(runs[0]):
+        names = [f"output_{i}" for i in range(len(runs[0]))]
+    dims = {}  # (min, max) of each named input dimension -> its name
+    for spec in specs:
+        for axis, dim in spec.dynamic_dims.items():
+            dims.setdefault((spec.min_shape[axis], spec.max_shape[axis]), dim)
+    made = []
+    for name, small, large in zip(names, runs[0], runs[1], strict=True):
         if not isinstance(small, torch.Tensor):
-            raise TritonConfigError(
-                f"{registered}: output {name!r} is a {type(small).__name__}, not a tensor; Triton serves "
-                "tensors only"
-            )
-        found.append((name, dtype_name(small.dtype), list(small.shape), list(large.shape)))
-    return found
-
-
-def describe(
-    module: Any,
-    specs: Sequence[Any],
-    *,
-    name: str,
-    registered: str,
-    version: str,
-    content_hash: str,
-    engine_target: str,
-    profiles: Sequence[Any],
-) -> ServedModel:
-    """The :class:`ServedModel` of a loaded package: inputs from its specs, outputs probed."""
-    from serving.triton.config import TensorSig, batch_axis, preferred_sizes
-
-    outputs = probe_outputs(module, specs, registered)
-    batch = batch_axis(specs)
-    if batch is not None:
-        lo = max(spec.min_shape[0] for spec in specs)
-        hi = min(spec.max_shape[0] for spec in specs)
-        # Triton's batch axis must be every output's axis 0, following the inputs' batch.
-        if lo == hi or not all(s and b and s[0] == lo and b[0] == hi for _, _, s, b in outputs):
-            batch = None
-    inputs = tuple(
-        TensorSig(
-            spec.name,
-            spec.dtype,
-            [-1 if axis in spec.dynamic_dims else d for axis, d in enumerate(spec.max_shape)],
+            made.append(OutputSpec(name, type(small).__name__, (), ()))
+            continue
+        dynamic = {
+            axis: dims.get((s, b), f"{name}_{axis}")
+            for axis, (s, b) in enumerate(zip(small.shape, large.shape, strict=True))
+            if s != b
+        }
+        made.append(
+            OutputSpec(name, dtype_name(small.dtype), tuple(small.shape), tuple(large.shape), dynamic)
         )
-        for spec in specs
-    )
-    out = tuple(
-        TensorSig(
-            n,
-            dtype,
-            [
-                -1 if (s != b or (batch and axis == 0)) else s
-                for axis, (s, b) in enumerate(zip(small, large, strict=True))
-            ],
-        )
-        for n, dtype, small, large in outputs
-    )
-    if batch is not None:
-        dim, max_batch = batch
-        return ServedModel(
-            name,
-            registered,
-            version,
-            content_hash,
-            engine_target,
-            inputs,
-            out,
-            max_batch,
-            preferred_sizes(profiles, dim, max_batch),
-        )
-    return ServedModel(name, registered, version, content_hash, engine_target, inputs, out)
+    return tuple(made)

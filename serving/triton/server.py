@@ -10,7 +10,8 @@ The server runs with explicit model control (every model of the repository loade
 changes only through the load API), auto-completion off (kiln's ``config.pbtxt`` is complete), and
 HTTP and gRPC bound to 127.0.0.1 unless told otherwise. The stub ignores PYTHONPATH, so the server's
 environment carries ``KILN_TRITON_PYTHONPATH`` (see ``backend/model.py``): this kiln's checkout and
-this interpreter's site-packages.
+this interpreter's site-packages; and where the Python the stub links is another build than the one
+running kiln, a ``python3`` of the stub's own is first on the server's PATH (:func:`server_environment`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from compiler.package.signing import PUBLIC_KEY_ENV, TRUSTED_CERTIFICATES_ENV, Trust
 from serving.triton.control import TritonControl
 from serving.triton.errors import ServerStartError, ServerUnavailableError, TritonNotFoundError
 from serving.triton.repository import check_repository
@@ -140,12 +142,59 @@ def server_command(
     return command
 
 
-def server_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+def stub_python_home(stub: Path) -> str | None:
+    """The prefix of the Python library the stub links (``/usr`` for a distribution's libpython), when
+    its standard library is there. The stub embeds that library but, left alone, finds its standard
+    library through the ``python3`` on PATH: a virtual environment of another build of the same
+    version (pyenv's 3.11.7 over Debian's 3.11.2) then gives it extension modules built for another
+    patch release, and ``import ssl`` (so transformers, so every Hugging Face model) fails in the stub
+    with an undefined symbol. None when it cannot be told (the stub then runs as it always did)."""
+    try:
+        linked = subprocess.run(["ldd", str(stub)], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for line in linked.splitlines():
+        name, _, rest = line.strip().partition(" => ")
+        if not name.startswith(f"lib{version}") or not rest:
+            continue
+        library = Path(rest.split(" (")[0]).resolve()
+        for home in library.parents:
+            if (home / "lib" / version / "os.py").is_file():
+                return str(home)
+    return None
+
+
+def server_environment(
+    extra: dict[str, str] | None = None, stub: Path | None = None, home: Path | None = None
+) -> dict[str, str]:
+    """The server's environment: ``KILN_TRITON_PYTHONPATH``, and where the stub's own Python differs
+    from the one running kiln, a ``python3`` first on PATH that is the stub's (the stub takes its
+    standard library from the first ``python3`` on PATH and ignores ``PYTHONHOME``)."""
     env = dict(os.environ)
     env[ENV_PYTHONPATH] = os.pathsep.join(
         kiln_pythonpath() + [p for p in env.get(ENV_PYTHONPATH, "").split(os.pathsep) if p]
     )
+    prefix = stub_python_home(stub) if stub is not None and home is not None else None
+    interpreter = Path(prefix or "/", "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
+    if (
+        prefix is not None
+        and Path(sys.base_prefix).resolve() != Path(prefix).resolve()
+        and interpreter.is_file()
+    ):
+        folder = home / "stub-python"
+        folder.mkdir(parents=True, exist_ok=True)
+        link = folder / "python3"
+        with contextlib.suppress(FileNotFoundError):
+            link.unlink()
+        link.symlink_to(interpreter)
+        env["PATH"] = os.pathsep.join([str(folder), env.get("PATH", "")])
     env.update(extra or {})
+    # The stubs read the verification key (compiler.load, in the backend) from their own working folder:
+    # the server gets it as an absolute path, so a signed package is verified and runs natively there.
+    for name in (PUBLIC_KEY_ENV, TRUSTED_CERTIFICATES_ENV):
+        if env.get(name):
+            env[name] = os.pathsep.join(str(Path(p).resolve()) for p in env[name].split(os.pathsep) if p)
     return env
 
 
@@ -183,7 +232,11 @@ class TritonServer:
             address=address,
             metrics_port=metrics_port,
         )
-        self.env = server_environment(env)
+        self.env = server_environment(env, self.install.stub, self.home)
+        # A key the stubs cannot use fails here, once, not in every model's load.
+        self.trust = Trust.from_env(self.env)
+        if self.trust is not None:
+            self.trust.config()
         self.proc: subprocess.Popen | None = None
 
     @property

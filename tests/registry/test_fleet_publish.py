@@ -250,3 +250,42 @@ def test_a_zoo_killed_mid_upload_leaves_nothing_that_is_read_and_a_rerun_registe
     found = json.loads(looked.stdout)
     assert found["version"] == "1" and found["content_hash"] == content_hash_of(versions[0].tags)
     assert Path(found["package_dir"], "manifest.json").is_file()
+
+
+def test_a_version_tampered_on_s3_is_refused_by_kiln_lookup(
+    s3_server: MotoServer, s3_mlflow: MlflowServer, tmp_path: Path
+) -> None:
+    """The look-up attack on the fleet's store: an engine of a registered version rewritten on S3 (by
+    whoever can write the bucket) is refused at ``kiln lookup``, before anything of it is loaded."""
+    case = mlp_with_fallback(width=16)
+    program = compiler.export(case.model, case.args, dynamic_shapes=case.dynamic_shapes)
+    package = compiler.save(compiler.compile(program, cache=False), tmp_path / "mlp.kiln").path
+    s3 = s3_server.client("s3")
+    before = set(_model_objects(s3))
+    request = {**REQUEST, "name": "mlp_tampered_s3"}
+    result = record_package(package, "mlp_tampered_s3", request)
+    engine = next(k for k in _model_objects(s3) if k not in before and k.endswith(".engine"))
+    data = bytearray(s3.get_object(Bucket=BUCKET, Key=engine)["Body"].read())
+    data[len(data) // 2] ^= 0xFF
+    s3.put_object(Bucket=BUCKET, Key=engine, Body=bytes(data))
+    with pytest.raises(ArtifactVerificationError, match="does not match its checksum"):
+        lookup("mlp_tampered_s3", tuple(case.args[0].shape), version=result.version)
+    shape = ",".join(map(str, case.args[0].shape))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "lookup",
+            "mlp_tampered_s3",
+            "--version",
+            result.version,
+            "-s",
+            shape,
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0 and "does not match its checksum" in done.stdout + done.stderr, done.stderr

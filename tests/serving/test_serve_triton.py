@@ -11,6 +11,7 @@ no champion.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -49,6 +50,7 @@ from tests.fixtures.server_process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "kiln.tiny.cpu"
+HASH = "ab" * 32
 TOL = 1e-6
 
 
@@ -500,7 +502,7 @@ def test_a_dtype_triton_has_no_type_for_is_refused_naming_the_input():
             "q",
             "kiln.q.cpu",
             "1",
-            "h",
+            HASH,
             "cpu",
             (TensorSig("x", "float32", (-1, 4)), TensorSig("scales", "float8_e4m3fn", (4,))),
             (TensorSig("y", "float32", (-1, 4)),),
@@ -509,7 +511,7 @@ def test_a_dtype_triton_has_no_type_for_is_refused_naming_the_input():
         "q",
         "kiln.q.cpu",
         "1",
-        "h",
+        HASH,
         "cuda:sm_90",
         (TensorSig("x", "int64", (-1, 7)),),
         (TensorSig("y", "bool", (-1, 7)),),
@@ -518,12 +520,61 @@ def test_a_dtype_triton_has_no_type_for_is_refused_naming_the_input():
     assert "max_batch_size: 0" in text and "dims: [ -1, 7 ]" in text and "KIND_GPU" in text
     assert "dynamic_batching" not in text  # not batched: no batch axis
     batched = ServedModel(
-        "q", "kiln.q.cpu", "1", "h", "cuda:sm_90", (TensorSig("x", "float32", (-1, 4)),),
+        "q", "kiln.q.cpu", "1", HASH, "cuda:sm_90", (TensorSig("x", "float32", (-1, 4)),),
         (TensorSig("y", "float32", (-1, 4)),), 16, (4, 8),
     )  # fmt: skip
     assert "preferred_batch_size: [ 4, 8 ]" in render_config(batched)  # a GPU's captured profile sizes
-    with pytest.raises(TritonConfigError, match="threads must be >= 0"):
+    with pytest.raises(TritonConfigError, match=r"threads \(0: automatic\) is -1; expected an integer >= 0"):
         render_config(batched, threads=-1)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        (
+            "registered_model",
+            'kiln.q.cpu version 1\ndefault_model_filename: "evil.py"',
+            "the registered model",
+        ),
+        ("version", '1\nbackend: "onnxruntime"', "the version"),
+        ("version", 1, "the version"),
+        ("name", 'q" backend: "x', "the model name"),
+        ("engine_target", "cpu\n", "the engine target"),
+        ("max_batch_size", "8", "max_batch_size"),
+        ("max_batch_size", True, "max_batch_size"),
+        ("preferred_batch_sizes", ["4"], "a preferred batch size"),
+        ("inputs", [{"name": "x\ny", "dtype": "float32", "shape": [-1, 4]}], "a tensor name"),
+        ("outputs", [{"name": "y", "dtype": "float32", "shape": ["-1", 4]}], "tensor 'y' shape"),
+    ],
+)
+def test_a_served_record_that_could_change_the_config_is_refused_by_field(tmp_path, field, value, named):
+    """kiln.json is read back on every release and rollback: a value that would add config lines (a
+    newline in a name, a version that is not digits) or a number written as a string is refused by
+    name, before anything is rendered."""
+    good = ServedModel(
+        "q", "kiln.q.cpu", "1", HASH, "cpu", (TensorSig("x", "float32", (-1, 4)),),
+        (TensorSig("y", "float32", (-1, 4)),), 8, (4,),
+    )  # fmt: skip
+    data = json.loads(good.to_json())
+    assert ServedModel.from_json(json.dumps(data), "kiln.json") == good
+    data[field] = value
+    with pytest.raises(TritonConfigError, match=re.escape(named)) as caught:
+        ServedModel.from_json(json.dumps(data), "kiln.json")
+    assert "kiln.json" in str(caught.value)
+
+
+def test_serving_settings_with_a_mistyped_field_are_a_repository_error_naming_it(tmp_path):
+    from serving.triton.repository import SETTINGS_FILE, ServingSettings
+
+    good = ServingSettings("kiln.q.cpu", "q", "cpu", 1000, 1, 0)
+    (tmp_path / SETTINGS_FILE).write_text(good.to_json())
+    assert ServingSettings.read(tmp_path) == good
+    for field, value in (("instances", "2"), ("queue_delay_us", -1), ("model", "q\nx"), ("threads", 1.5)):
+        data = json.loads(good.to_json())
+        data[field] = value
+        (tmp_path / SETTINGS_FILE).write_text(json.dumps(data))
+        with pytest.raises(RepositoryError, match=field):
+            ServingSettings.read(tmp_path)
 
 
 def test_a_repository_the_server_cannot_read_is_refused(tmp_path):
@@ -607,10 +658,11 @@ def test_a_model_with_no_champion_is_a_typed_error_naming_it_and_its_aliases(sto
 
     mlclient = config.client(store["uri"])
     set_alias(mlclient, NAME, CHAMPION, None)  # last test: the registry keeps only previous
-    with pytest.raises(NoChampionError) as caught:
-        export(["tiny"], repository, tracking_uri=store["uri"])
-    assert caught.value.registered_model == NAME and caught.value.aliases == {PREVIOUS: "1"}
-    assert "previous -> 1" in str(caught.value) and "kiln release tiny" in str(caught.value)
+    before = sorted(str(p.relative_to(repository)) for p in repository.rglob("*"))
+    (failure,) = export(["tiny"], repository, tracking_uri=store["uri"])
+    assert failure.error == NoChampionError.__name__
+    assert "previous -> 1" in failure.message and "kiln release tiny" in failure.message
+    assert sorted(str(p.relative_to(repository)) for p in repository.rglob("*")) == before  # as it was
     result = CliRunner().invoke(
         app,
         [
@@ -624,5 +676,6 @@ def test_a_model_with_no_champion_is_a_typed_error_naming_it_and_its_aliases(sto
             store["uri"],
         ],
     )
-    # registry.targets: nothing registered for the model at all, under any engine target
-    assert result.exit_code == 2 and "nothing is registered for 'nothing'" in result.output
+    # registry.targets: nothing is registered for the model under any engine target
+    assert result.exit_code == 1 and "nothing is registered for 'nothing'" in result.output
+    assert "not exported" in result.output and not (repository / "nothing").exists()

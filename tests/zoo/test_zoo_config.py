@@ -89,6 +89,32 @@ def test_example_zoo_is_valid_and_uses_every_zoo_architecture() -> None:
             "seq",
             "one range",
         ),
+        (
+            {"name": "a", "factory": "zoo.models:tiny_llama_lm", "task": "text-generation"},
+            "generation",
+            "max_batch",
+        ),
+        (
+            {
+                "name": "a",
+                "factory": "zoo.models:tiny_llama_lm",
+                "task": "text-generation",
+                "generation": {"max_cache_len": 16, "prompt_length": {"max": 16}},
+            },
+            "max_cache_len",
+            "above prompt_length.max",
+        ),
+        (
+            {
+                "name": "a",
+                "factory": "zoo.models:tiny_llama_lm",
+                "task": "text-generation",
+                "generation": {"max_cache_len": 32, "prompt_length": {"max": 16}},
+                "inputs": {"input_ids": {"dims": []}},
+            },
+            "inputs",
+            "generation.prompt_length",
+        ),
     ],
 )
 def test_a_bad_entry_fails_only_that_model_naming_field_and_fix(entry: dict, field: str, fix: str) -> None:
@@ -388,3 +414,25 @@ def test_recorded_fields_the_model_does_not_take_are_refused_naming_the_zoo_opti
         _zoo({"name": "n", "factory": "zoo.models:tiny_bert", "validation": {"ignore_fields": ["x"]}})
     )
     assert "ignore_fields applies to recorded data" in zoo.invalid[0].error
+
+
+def test_a_generation_entry_is_one_request_with_its_plan(tmp_path: Path) -> None:
+    entry = ZooEntry(
+        name="gen",
+        factory="zoo.models:tiny_llama_lm",
+        task="text-generation",
+        generation={
+            "max_batch": 4,
+            "max_cache_len": 48,
+            "prompt_length": {"min": 2, "max": 24},
+            "validation": {"prompts": "prompts.safetensors"},
+        },
+    )
+    (request,) = entry.requests(zoo_dir=str(tmp_path))
+    plan = request.generation
+    assert (plan.max_batch, plan.max_cache_len, plan.prompt_min, plan.prompt_max) == (4, 48, 2, 24)
+    assert plan.prompts == str(tmp_path / "prompts.safetensors")
+    assert request.options.strip_weights  # engines hold no weights: the programs share one copy
+    assert request.to_dict()["generation"]["max_cache_len"] == 48
+    decode = request.for_program("decode")
+    assert decode.generation.program == "decode" and compile_key(decode) != compile_key(request)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 from torch.export import Dim
 
+from compiler import json_reader
 from compiler.errors import SpecialFileError
 from compiler.inputs.files import regular_file
 from compiler.quantization.torchao_guard import keep_torchao_out_of_transformers
@@ -200,7 +200,7 @@ class HfSource:
                 "save_pretrained"
             )
         try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
+            config = json_reader.read_file(config_path, f"source: {self.uri}: config.json")
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             raise ZooConfigError(f"source: {self.uri}: config.json is not readable JSON: {exc}") from None
         if not isinstance(config, dict):

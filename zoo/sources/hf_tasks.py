@@ -24,6 +24,8 @@ HF_TASKS: dict[str, tuple[str, str]] = {
         "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     ),
     "causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    # prefill and decode programs with a static KV cache (zoo.generation; also for factory: sources)
+    "text-generation": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
 }
 
 

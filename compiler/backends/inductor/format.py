@@ -5,7 +5,6 @@ compiled graphs, and the checks that run before any of it is used (docs/security
 from __future__ import annotations
 
 import io
-import json
 import re
 import threading
 import zipfile
@@ -13,6 +12,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from compiler import json_reader
 from compiler.backends.inductor.options import check_header
 from compiler.errors import EngineCompatibilityError, UnsafeEngineError
 
@@ -73,7 +73,7 @@ def read_engine(engine: bytes) -> tuple[dict, EngineEntries]:
         if any(e.compress_type != zipfile.ZIP_STORED for e in entries):
             raise UnsafeEngineError("not a kiln Inductor engine: it holds compressed entries")
         files = EngineEntries(archive, tuple(e.filename for e in entries))
-        header = json.loads(files[HEADER])
+        header = json_reader.loads(files[HEADER], f"the Inductor engine's {HEADER}")
     except (zipfile.BadZipFile, KeyError, ValueError, RuntimeError, OSError) as exc:
         raise UnsafeEngineError(f"not a kiln Inductor engine: {exc}") from exc
     if not isinstance(header, dict) or header.get("magic") != MAGIC:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -32,12 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from compiler import json_reader
+
 if TYPE_CHECKING:  # torch where a build runs or a package loads, not on import (kiln cache ls reads the log)
     import torch
 
     from compiler.backends.inductor.aot import AotGraph
 
 LOG_NAME = "native-builds.log"
+LOG_READ_BYTES = 4 << 20  # what `kiln cache ls` reads of the log: its last lines
 JOBS_DIR = "native-builds"
 MODE_ENV = "KILN_NATIVE_BUILD"  # "background" (default), "inline" (wait for it), "off"
 _MODES = ("background", "inline", "off")
@@ -210,15 +214,22 @@ def _worker_env() -> dict[str, str]:
 
 
 def log_events(cache_dir: Path) -> list[dict[str, Any]]:
-    """The cache's native-build log, oldest first (lines that are not a JSON object are skipped)."""
+    """The cache's native-build log, oldest first (its last :data:`LOG_READ_BYTES`; lines that are not
+    a JSON object within compiler.json_reader's bounds are skipped)."""
     try:
-        lines = (cache_dir / LOG_NAME).read_text(errors="replace").splitlines()
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)  # a FIFO in its place must not hang `cache ls`
+        with os.fdopen(os.open(cache_dir / LOG_NAME, flags), "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                return []
+            size = os.fstat(file.fileno()).st_size
+            file.seek(max(0, size - LOG_READ_BYTES))
+            lines = file.read(LOG_READ_BYTES).decode("utf-8", errors="replace").splitlines()
     except OSError:
         return []
     events = []
     for line in lines[-10000:]:
         try:
-            event = json.loads(line)
+            event = json_reader.loads(line, f"{LOG_NAME} line", max_bytes=64 << 10)
         except ValueError:
             continue
         if isinstance(event, dict) and isinstance(event.get("key"), str):
@@ -239,7 +250,7 @@ def _log(cache_dir: Path, event: Mapping[str, Any]) -> None:
 
 
 def _run(directory: Path) -> int:
-    job = json.loads((directory / "job.json").read_text())
+    job = json_reader.read_file(directory / "job.json")
     key = job["key"]
     why = str(job.get("why", ""))[:500]  # why the engine's own package does not serve here
     from filelock import FileLock, Timeout

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from compiler import json_reader
 from compiler.backends.tensorrt.build_settings import REFIT_MODES
 from compiler.errors import EngineCompatibilityError, RefitError, UnsafeEngineError
 from compiler.inputs.specs import DTYPES, dtype_name
@@ -101,8 +102,8 @@ def decode_engine(engine: bytes) -> tuple[dict[str, Any], memoryview]:
     (size,) = struct.unpack("<I", view[len(_MAGIC) : len(_MAGIC) + 4])
     start = len(_MAGIC) + 4
     try:
-        header = json.loads(bytes(view[start : start + size]))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        header = json_reader.loads(bytes(view[start : start + size]), "the TensorRT engine's header")
+    except ValueError as exc:
         raise EngineCompatibilityError(f"kiln TensorRT engine header is corrupt: {exc}") from exc
     if not isinstance(header, dict):
         raise EngineCompatibilityError("kiln TensorRT engine header is corrupt: not a JSON object")

@@ -265,3 +265,52 @@ def test_the_local_layer_of_an_object_store_cache_is_checked_too(tmp_path: Path)
     local.chmod(0o777)
     with pytest.raises(CacheError, match="writable by others"):
         EngineCache((tmp_path / "store").as_uri(), local_dir=local)
+
+
+@pytest.mark.parametrize("folder", ["locks", "native-builds", "timing"])
+def test_a_folder_in_the_cache_others_can_write_is_refused_with_the_fix(tmp_path: Path, folder: str) -> None:
+    """The folders kiln keeps in a cache (locks, native-build jobs, TensorRT's timing cache) were used
+    as found, whatever their mode: one others can write is refused as the directory itself is."""
+    directory = tmp_path / "cache"
+    EngineCache(directory).put(key(), ENGINE)
+    (directory / folder).mkdir(exist_ok=True)
+    (directory / folder).chmod(0o777)
+    with pytest.raises(CacheError, match=rf"\({folder}\) .* is writable by others.*chmod go-w"):
+        EngineCache(directory)
+    listed = CliRunner().invoke(app, ["cache", "ls", str(directory)])
+    assert listed.exit_code == 2 and "writable by others" in listed.output
+    (directory / folder).chmod(0o700)
+    assert EngineCache(directory).get(key()) == ENGINE
+
+
+def test_a_workspace_others_can_write_is_refused_before_any_model(tmp_path: Path) -> None:
+    from zoo.errors import ZooConfigError
+    from zoo.preflight import check_workspace
+
+    check_workspace(tmp_path / "made")  # made here: private, fine
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ZooConfigError, match=r"settings.workspace .* writable by others.*chmod go-w"):
+        check_workspace(shared)
+
+
+# ---- what a cache holds reaches the terminal as text, never as terminal control ------------------------
+def test_cache_ls_shows_the_native_build_log_with_control_characters_escaped(tmp_path: Path) -> None:
+    """native-builds.log is written by the cache's users: clear screen, window title, a link and a fake
+    line in it are shown as escapes (``\\x1b``), never sent to the terminal as they are."""
+    directory = tmp_path / "cache"
+    EngineCache(directory).put(key(), ENGINE)
+    hostile = {
+        "key": "a" * 64,
+        "state": "built\x1b[2J\x1b[H",
+        "time": 1.0,
+        "reason": "\x1b]0;owned\x07\x1b]8;;https://evil.example/\x07click\x1b]8;;\x07",
+        "why": "ok\r\nkiln: all entries verified \u202eexe.txt",
+    }
+    (directory / "native-builds.log").write_text(json.dumps(hostile) + "\n")
+    listed = _child(["-m", "flows.cli", "cache", "ls", str(directory)])
+    assert listed.returncode == 0, listed.out[-2000:]
+    assert not any(c in listed.out for c in "\x1b\x07\r\u202e"), repr(listed.out[-2000:])
+    assert "built\\x1b[2J\\x1b[H" in listed.out and "\\u202e" in listed.out  # shown, as escapes
+    assert not any(line.lstrip().startswith("kiln: all entries") for line in listed.out.splitlines())

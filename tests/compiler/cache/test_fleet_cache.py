@@ -378,3 +378,35 @@ def test_zoo_check_names_the_url_and_the_variable(tmp_path: Path) -> None:
     if importlib.util.find_spec("gcsfs") is None:
         result = runner.invoke(app, ["zoo", zoo("gs://kiln/engines")])
         assert result.exit_code == 2 and "gcsfs" in result.output  # before anything runs
+
+
+def test_gc_on_s3_never_deletes_an_object_a_record_names_outside_its_blobs(
+    s3_server: MotoServer, tmp_path: Path
+) -> None:
+    """The N14 attack on a real S3 store: a record whose ``sha256`` is a ``../`` path. ``kiln cache gc``
+    removes the entry and never the object it names, whether the store reads the key literally
+    (``blobs/../victim``) or as a path (``victim``)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    location, k = url("traversal"), key("traversal")
+    s3 = s3_server.client("s3")
+    victims = ["traversal/victim", "traversal/blobs/../victim", "victim"]
+    with scoped_environ({"KILN_CACHE_LOCAL_DIR": str(tmp_path / "local")}):
+        cache = EngineCache(location)
+        cache.put(k, b"e" * 1000)
+        for name in victims:
+            s3.put_object(Bucket=BUCKET, Key=name, Body=b"not the cache's")
+        record = json.loads(cache.remote.store.read(f"entries/{k}.json"))
+        for named in ("../victim", "../../victim"):
+            record["sha256"] = named
+            s3.put_object(Bucket=BUCKET, Key=f"traversal/entries/{k}.json", Body=json.dumps(record).encode())
+            gc = CliRunner().invoke(app, ["cache", "gc", location, "--older-than", "0s"])
+            assert gc.exit_code == 0, gc.output
+        for name in victims:
+            assert s3.get_object(Bucket=BUCKET, Key=name)["Body"].read() == b"not the cache's", name
+        left = s3.list_objects_v2(Bucket=BUCKET, Prefix="traversal/entries/").get("KeyCount", 0)
+        assert left == 0  # the entry itself, the store's own object, went

@@ -84,9 +84,14 @@ def test_round_trip_is_self_describing(mlp_package):
     _case, compiled, info = mlp_package
     manifest = compiler.read_manifest(info.path)
     assert isinstance(manifest, Manifest) and manifest == info.manifest
-    assert manifest.format_version == 2 and manifest.backend == "onnxruntime"
+    assert manifest.format_version == 3 and manifest.backend == "onnxruntime"
     assert manifest.engine_target == "cpu" and manifest.precision == "fp32"
     assert manifest.input_specs == compiled.input_specs
+    # what a server is told the outputs are: recorded at compile, from the program (nothing run)
+    (output,) = manifest.output_specs
+    assert (output.name, output.dtype, output.dynamic_dims) == ("output_0", "float32", {0: "batch"})
+    assert output.min_shape[0] == manifest.input_specs[0].min_shape[0]
+    assert output.max_shape[0] == manifest.input_specs[0].max_shape[0]
     assert isinstance(manifest.validation, ValidationReport) and manifest.validation.max_rel_l2 < 1e-4
     assert set(manifest.files) >= {"program.pt2", "weights.safetensors"}
     assert manifest.op_modules == ("zoo.models",)  # registers kiln_zoo::soft_sign_clip
@@ -134,9 +139,10 @@ def test_format1_packages_still_load(fixture, tmp_path):
         assert isinstance(manifest.validation, ValidationReport) and manifest.validation.max_rel_l2 < 1e-4
         torch.testing.assert_close(loaded(x), case.model(x))
     assert loaded(x).shape == (3, 16)
-    # Loading and saving again gives a format-2 package of the same model.
+    # Loading and saving again gives a format-3 package of the same model, its outputs recorded.
     again = compiler.save(loaded, tmp_path / "new.kiln", validation=manifest.validation)
-    assert again.manifest.format_version == 2 and again.manifest.op_modules == ("zoo.models",)
+    assert again.manifest.format_version == 3 and again.manifest.op_modules == ("zoo.models",)
+    assert [o.name for o in again.manifest.output_specs] == ["output_0"]
     assert torch.equal(compiler.load(again.path)(x), loaded(x))
 
 

@@ -1,0 +1,245 @@
+"""The two programs a causal LM is compiled into for generation, as plain modules torch.export takes.
+
+:class:`Prefill` runs a (left-padded) prompt: ``input_ids [B, T]`` and ``attention_mask [B, T]`` ->
+``logits [B, T, V]`` and the cache, one ``[B, kv_heads, max_cache_len, head_dim]`` key tensor and one
+value tensor per layer, positions ``0..T-1`` filled. :class:`Decode` runs one token per row against the
+cache: ``input_ids [B, 1]``, ``attention_mask [B, max_cache_len]`` (1 where a position holds a real
+token, the current one included), ``cache_position [1]`` (where the token's key and value go) and the
+cache -> ``logits [B, 1, V]`` and the updated cache.
+
+The cache is functional (passed in, returned, written with ``index_copy``, never mutated in place), so
+both are ordinary graphs for every stage of the pipeline, and both wrap the same module: their weights
+are the same tensors under the same names, which is what lets a package store them once. The
+attention mask is built here as the 4-D additive mask transformers takes as given (causal over cache
+positions, padding masked out), so no model's own mask code runs under export. Position ids count a
+row's real tokens (left padding starts each row at 0), as transformers' ``generate`` does.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch.export import Dim
+
+from compiler.errors import GenerationError
+from compiler.generation.spec import GenerationSpec
+
+
+def check_causal_lm(model: torch.nn.Module, where: str = "source") -> None:
+    """A transformers causal LM with its head (``*ForCausalLM``), else a GenerationError naming why."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    head = getattr(model, "get_output_embeddings", None)
+    if config is None or head is None or head() is None or not hasattr(model, "generate"):
+        raise GenerationError(
+            f"{where}: {name} has no causal LM head (a transformers *ForCausalLM model with "
+            "get_output_embeddings() and generate()); task: text-generation needs one: load the model "
+            "with its LM head (an hf: folder saved from a *ForCausalLM, or a factory returning one), or "
+            "use another task"
+        )
+
+
+class _Layer:
+    """One layer's keys and values, replaced (not mutated) on each update."""
+
+    is_sliding = False
+    is_compileable = True
+    is_initialized = True
+
+    def __init__(
+        self, keys: torch.Tensor | None, values: torch.Tensor | None, position: torch.Tensor, size: int
+    ):
+        self.keys, self.values, self.position, self.size = keys, values, position, size
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if self.keys is None:  # prefill: an empty cache of the states' batch, heads and head size
+            b, h, _, d = key_states.shape
+            self.keys = key_states.new_zeros(b, h, self.size, d)
+            self.values = value_states.new_zeros(b, value_states.shape[1], self.size, value_states.shape[-1])
+        self.keys = self.keys.index_copy(2, self.position, key_states)
+        self.values = self.values.index_copy(2, self.position, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return 0
+
+
+def _cache(layers: list[_Layer]) -> Any:
+    from transformers.cache_utils import Cache
+
+    class FunctionalCache(Cache):
+        """transformers' Cache protocol over tensors the program takes and returns."""
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return 0  # position ids and the mask are given: nothing derives them from the cache
+
+    return FunctionalCache(layers=layers)
+
+
+class _Step(torch.nn.Module):
+    def __init__(self, lm: torch.nn.Module, max_cache_len: int):
+        super().__init__()
+        check_causal_lm(lm)
+        self.lm, self.max_cache_len = lm, int(max_cache_len)
+        self.layers = int(lm.config.num_hidden_layers)
+        parameters = inspect.signature(lm.forward).parameters
+        # transformers 5.24 renamed past_key_values to cache (the old name still works, with a warning)
+        self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+        layers: list[_Layer],
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        positions = torch.arange(self.max_cache_len, device=input_ids.device)
+        allowed = (positions[None, None, None, :] <= cache_position[None, None, :, None]) & mask[
+            :, None, None, :
+        ].bool()
+        dtype = next(self.lm.parameters()).dtype
+        additive = torch.where(
+            allowed, torch.zeros((), dtype=dtype), torch.full((), torch.finfo(dtype).min, dtype=dtype)
+        )
+        out = self.lm(
+            input_ids=input_ids,
+            attention_mask=additive,
+            position_ids=position_ids,
+            use_cache=True,
+            **{self._cache_arg: _cache(layers)},
+        )
+        return out.logits, [la.keys for la in layers], [la.values for la in layers]
+
+
+class Prefill(_Step):
+    """The prompt pass (see the module docstring)."""
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        batch, length = input_ids.shape
+        position = torch.arange(length, device=input_ids.device)
+        mask = torch.cat(
+            [attention_mask, attention_mask.new_zeros(batch, self.max_cache_len - length)], dim=1
+        )
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        layers = [_Layer(None, None, position, self.max_cache_len) for _ in range(self.layers)]
+        return self._run(input_ids, mask, position_ids, position, layers)
+
+
+class Decode(_Step):
+    """One token per row against the cache (see the module docstring)."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache_position: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        position_ids = (attention_mask.sum(-1, keepdim=True) - 1).clamp(min=0)
+        layers = [_Layer(k, v, cache_position, self.max_cache_len) for k, v in zip(keys, values, strict=True)]
+        return self._run(input_ids, attention_mask, position_ids, cache_position, layers)
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in (value if isinstance(value, list | tuple) else [value]))
+
+
+def generation_spec(
+    lm: torch.nn.Module, *, max_batch: int, max_cache_len: int, prompt_min: int, prompt_max: int
+) -> GenerationSpec:
+    """The spec of ``lm`` compiled with these limits: the cache layout from one eager prefill of two
+    tokens (what the attention layers actually store), token ids from its generation config."""
+    check_causal_lm(lm)
+    config = lm.config
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions is not None and max_cache_len > int(positions):
+        raise GenerationError(
+            f"max_cache_len {max_cache_len} is over the model's {positions} positions "
+            "(max_position_embeddings); lower generation.max_cache_len"
+        )
+    ids = torch.zeros(1, 2, dtype=torch.long, device=next(lm.parameters()).device)
+    with torch.no_grad():
+        _, keys, _ = Prefill(lm, max_cache_len)(ids, torch.ones_like(ids))
+    _, kv_heads, _, head_dim = keys[0].shape
+    generation = getattr(lm, "generation_config", None)
+    pad = getattr(generation, "pad_token_id", None)
+    pad = config.pad_token_id if pad is None else pad
+    eos = getattr(generation, "eos_token_id", None)
+    return GenerationSpec(
+        max_batch=max_batch,
+        max_cache_len=max_cache_len,
+        prompt_min=prompt_min,
+        prompt_max=prompt_max,
+        layers=len(keys),
+        kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        cache_dtype=str(keys[0].dtype).removeprefix("torch."),
+        vocab_size=int(config.vocab_size),
+        pad_token_id=None if pad is None else int(pad),
+        eos_token_id=_token_ids(config.eos_token_id if eos is None else eos),
+        model_type=str(getattr(config, "model_type", "")),
+    )
+
+
+def program_case(
+    lm: torch.nn.Module, spec: GenerationSpec, program: str
+) -> tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]:
+    """(module, example kwargs, dynamic shapes) of the ``prefill`` or ``decode`` program, with the
+    spec's batch and prompt ranges. Example token ids span the vocabulary (validation draws from their
+    range), masks span 0..1 and the decode example writes at the longest prompt's end."""
+    device = next(lm.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    batch_dim = Dim("batch", min=1, max=spec.max_batch)
+    batch = min(2, spec.max_batch)
+    if program == "prefill":
+        length = min(max(spec.prompt_min, 8), spec.prompt_max)
+        ids = torch.randint(0, spec.vocab_size, (batch, length), generator=generator)
+        ids.view(-1)[0], ids.view(-1)[-1] = 0, spec.vocab_size - 1
+        mask = torch.ones_like(ids)
+        mask[-1, 0] = 0  # a left-padded row
+        shapes: dict[str, Any] = {"input_ids": {0: batch_dim}, "attention_mask": {0: batch_dim}}
+        if spec.prompt_min < spec.prompt_max:
+            # torch.export specializes a size-1 axis: a dynamic prompt length starts at 2 (a 1-token
+            # prompt is a prompt_min of 1: spec ranges below say where it runs)
+            prompt = Dim("prompt", min=max(2, spec.prompt_min), max=spec.prompt_max)
+            shapes = {name: {0: batch_dim, 1: prompt} for name in shapes}
+        else:
+            length = spec.prompt_max
+            ids, mask = ids[:, :1].expand(batch, length).clone(), torch.ones(batch, length, dtype=torch.long)
+        kwargs = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+        return Prefill(lm, spec.max_cache_len).eval(), kwargs, shapes
+    if program != "decode":
+        raise ValueError(f"program {program!r}: 'prefill' or 'decode'")
+    dtype = getattr(torch, spec.cache_dtype)
+    shape = spec.cache_shape(batch)
+    ids = torch.randint(0, spec.vocab_size, (batch, 1), generator=generator)
+    ids.view(-1)[0], ids.view(-1)[-1] = 0, spec.vocab_size - 1
+    mask = torch.zeros(batch, spec.max_cache_len, dtype=torch.long)
+    mask[:, : spec.prompt_max + 1] = 1
+    mask[-1, 0] = 0
+    kwargs = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "cache_position": torch.tensor([spec.prompt_max]),
+        "keys": [torch.randn(shape, generator=generator).to(dtype) for _ in range(spec.layers)],
+        "values": [torch.randn(shape, generator=generator).to(dtype) for _ in range(spec.layers)],
+    }
+    kwargs = {
+        k: [t.to(device) for t in v] if isinstance(v, list) else v.to(device) for k, v in kwargs.items()
+    }
+    shapes = {
+        "input_ids": {0: batch_dim},
+        "attention_mask": {0: batch_dim},
+        "cache_position": None,
+        "keys": [{0: batch_dim}] * spec.layers,
+        "values": [{0: batch_dim}] * spec.layers,
+    }
+    return Decode(lm, spec.max_cache_len).eval(), kwargs, shapes

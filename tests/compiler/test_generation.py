@@ -1,0 +1,182 @@
+"""Generation: a Llama-style decoder compiled into prefill and decode programs over one copy of the
+weights, saved, loaded in a fresh process, and its greedy tokens held to transformers' eager generate;
+every limit a typed error naming the zoo field."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import compiler
+from compiler.errors import GenerationError, PackageCorruptError
+from compiler.generation.module import GenerationModule
+from compiler.generation.package import save_generation
+from compiler.generation.step import check_causal_lm, generation_spec, program_case
+from compiler.generation.validate import check_agreement, random_prompts
+from compiler.package.manifest import WEIGHTS
+from zoo.models import tiny_gpt2_lm, tiny_llama_lm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _compile(lm: torch.nn.Module, **limits: int) -> GenerationModule:
+    spec = generation_spec(lm, **limits)
+    programs = {}
+    for program in ("prefill", "decode"):
+        module, kwargs, shapes = program_case(lm, spec, program)
+        exported = compiler.export(module, (), kwargs, dynamic_shapes=shapes)
+        programs[program] = compiler.compile(exported, backend="onnxruntime", strip_weights=True)
+    return GenerationModule(programs["prefill"], programs["decode"], spec)
+
+
+@pytest.fixture(scope="module")
+def llama() -> torch.nn.Module:
+    return tiny_llama_lm(seed=3).model
+
+
+@pytest.fixture(scope="module")
+def package(llama: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    module = _compile(llama, max_batch=4, max_cache_len=40, prompt_min=1, prompt_max=16)
+    path = tmp_path_factory.mktemp("gen") / "llama.kiln"
+    save_generation(module, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(package: Path) -> GenerationModule:
+    return compiler.load(package)
+
+
+def _padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 512, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4], mask[2, :8] = 0, 0  # left padding: 5 and 1 real tokens
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def test_fresh_process_generate_matches_eager_greedy(package: Path, llama: torch.nn.Module) -> None:
+    ids, mask = _padded_batch()
+    script = (
+        "import json, sys, torch, compiler\n"
+        "m = compiler.load(sys.argv[1])\n"
+        "ids, mask = (torch.tensor(json.loads(a)) for a in sys.argv[2:4])\n"
+        "out = m.generate(ids, mask, max_new_tokens=20, eos_token_id=[])\n"
+        "print(json.dumps({'type': type(m).__name__, 'tokens': out.tolist(),\n"
+        "  'shared': m.prefill.weights['lm.lm_head.weight'].data_ptr()\n"
+        "            == m.decode.weights['lm.lm_head.weight'].data_ptr()}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(package), json.dumps(ids.tolist()), json.dumps(mask.tolist())],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    with torch.no_grad():
+        want = llama.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert got["type"] == "GenerationModule"
+    assert got["tokens"] == want.tolist()
+    assert got["shared"]  # the decode program runs on the prefill's weight tensors
+
+
+def test_one_weights_file_and_decode_bound_to_it(package: Path) -> None:
+    outer = compiler.read_manifest(package)
+    inner = json.loads((package / "decode" / "manifest.json").read_text())
+    assert [p for p in package.rglob("*.safetensors")] == [package / WEIGHTS]
+    assert inner["files"][WEIGHTS]["sha256"] == outer.files[WEIGHTS].sha256
+    assert "decode/manifest.json" in outer.files and "generation.json" in outer.files
+    spec = json.loads((package / "generation.json").read_text())
+    assert spec["decode_content_hash"] == inner["content_hash"]
+    assert (spec["max_batch"], spec["max_cache_len"], spec["kv_heads"]) == (4, 40, 2)
+
+
+def test_changed_decode_program_is_refused(package: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "copy.kiln"
+    shutil.copytree(package, copy)
+    program = copy / "decode" / "program.pt2"
+    data = bytearray(program.read_bytes())
+    data[-100] ^= 1
+    program.write_bytes(bytes(data))
+    with pytest.raises(PackageCorruptError, match=r"decode: file program\.pt2 does not match its checksum"):
+        compiler.load(copy)
+
+
+def test_validation_agrees_and_reports(loaded: GenerationModule, llama: torch.nn.Module) -> None:
+    report = check_agreement(
+        llama,
+        loaded,
+        random_prompts(loaded.spec, 4, low=3),
+        max_new_tokens=8,
+        perplexity_rel_tol=1e-4,
+        exact_tokens=True,
+    )
+    assert report["passed"], report["failures"]
+    assert report["token_agreement"] == 1.0 and report["first_divergence"] is None
+    assert report["perplexity_rel_error"] <= 1e-4
+    assert len(report["step_logits_error"]) == 8
+
+
+def test_sampling_is_seeded_and_in_vocabulary(loaded: GenerationModule) -> None:
+    ids = torch.tensor([[5, 6, 7, 8]])
+    kwargs = {"max_new_tokens": 12, "do_sample": True, "top_k": 50, "top_p": 0.9, "temperature": 0.8}
+    first = loaded.generate(ids, seed=7, eos_token_id=[], **kwargs)
+    again = loaded.generate(ids, seed=7, eos_token_id=[], **kwargs)
+    other = loaded.generate(ids, seed=8, eos_token_id=[], **kwargs)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert first.shape == (1, 16) and int(first.max()) < 512
+
+
+def test_eos_ends_rows_and_pads_them(loaded: GenerationModule) -> None:
+    ids, mask = _padded_batch()
+    free = loaded.generate(ids, mask, max_new_tokens=10, eos_token_id=[])
+    stop = int(free[0, 10])  # row 0's second new token: make it the end of sequence
+    out = loaded.generate(ids, mask, max_new_tokens=10, eos_token_id=stop)
+    row = out[0, 9:].tolist()
+    assert row[: row.index(stop) + 1] == free[0, 9 : 9 + row.index(stop) + 1].tolist()
+    assert all(t == 0 for t in row[row.index(stop) + 1 :])
+
+
+@pytest.mark.parametrize(
+    ("shape", "new", "field"),
+    [
+        ((5, 4), 4, "generation.max_batch"),
+        ((1, 17), 4, "generation.prompt_length.max"),
+        ((1, 16), 30, "generation.max_cache_len"),
+    ],
+)
+def test_limits_are_typed_errors_naming_the_field(
+    loaded: GenerationModule, shape: tuple[int, int], new: int, field: str
+) -> None:
+    with pytest.raises(GenerationError, match=field.replace(".", r"\.")):
+        loaded.generate(torch.ones(shape, dtype=torch.long), max_new_tokens=new)
+
+
+def test_model_without_lm_head_is_refused() -> None:
+    from transformers import GPT2Model
+
+    body = GPT2Model(tiny_gpt2_lm().model.config)
+    with pytest.raises(GenerationError, match="no causal LM head"):
+        check_causal_lm(body)
+
+
+def test_padding_without_a_pad_token_names_the_field(llama: torch.nn.Module) -> None:
+    lm = tiny_llama_lm(pad=False).model
+    spec = generation_spec(lm, max_batch=2, max_cache_len=24, prompt_min=1, prompt_max=8)
+    assert spec.pad_token_id is None
+    eager = GenerationModule(*(program_case(lm, spec, p)[0] for p in ("prefill", "decode")), spec)
+    ids, mask = torch.ones(2, 4, dtype=torch.long), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    with pytest.raises(GenerationError, match=r"generation\.pad_token_id"):
+        eager.generate(ids, mask, max_new_tokens=2, eos_token_id=[])
+    assert eager.generate(ids, mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0).shape == (2, 6)
