@@ -102,7 +102,11 @@ def search(
         )
 
     if not supports_layers(recipe):
-        return done(f"its recipe ({recipe and recipe.get('graph')}) keeps no single layer in float"), None, None
+        return (
+            done(f"its recipe ({recipe and recipe.get('graph')}) keeps no single layer in float"),
+            None,
+            None,
+        )
     try:
         calibration = ()
         if recipe["mode"] != "dynamic":
@@ -110,10 +114,18 @@ def search(
         feeds = _captured(plan, [*calibration, *dataset.samples], [partition])[partition]
         own = lower_float(plan, by_name[partition], FLOAT).onnx
         probe = LayerProbe(
-            own, canonical_weights(by_name[partition]), recipe, feeds[: len(calibration)], feeds[len(calibration) :]
+            own,
+            canonical_weights(by_name[partition]),
+            recipe,
+            feeds[: len(calibration)],
+            feeds[len(calibration) :],
         )
     except Exception as exc:  # calibration data gone, a quantizer failure: the partition is raised whole
-        return done(f"could not measure its layers: {type(exc).__name__}: {exc}".splitlines()[0][:300]), None, None
+        return (
+            done(f"could not measure its layers: {type(exc).__name__}: {exc}".splitlines()[0][:300]),
+            None,
+            None,
+        )
     tried: dict[int, tuple[CompiledModule, Any]] = {}
     ranked: list[LayerSensitivity] = []
     measured = 0
@@ -159,10 +171,16 @@ def search(
     counted = {"measured": measured, "verifications": len(tried)}
     note = "" if measured == len(probe.layers) else f"{measured} of {len(probe.layers)} layers measured"
     if high is None:
-        why = "the deadline (repair_seconds) came first" if time.perf_counter() >= deadline else "every layer tried"
+        why = (
+            "the deadline (repair_seconds) came first"
+            if time.perf_counter() >= deadline
+            else "every layer tried"
+        )
         return done("; ".join(filter(None, [note, why])), probe, **counted), None, None
     if high - low > 1:
-        note = "; ".join(filter(None, [note, f"bisection stopped at the deadline: {high} may be more than needed"]))
+        note = "; ".join(
+            filter(None, [note, f"bisection stopped at the deadline: {high} may be more than needed"])
+        )
     module, reached = tried[high]
     return done(note, probe, raised=ranked[:high], passed=True, **counted), module, reached
 

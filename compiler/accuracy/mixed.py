@@ -37,7 +37,11 @@ def kept_fractions(initial: CompiledModule, final: CompiledModule, dataset: Vali
     from compiler.quantization.layers import GraphAccount, account
     from compiler.quantization.quantize import _captured
 
-    asked = [p.name for p in initial.plan.partitions if initial.plan.options.precision_of(p.name) in QUANTIZED_PRECISIONS]
+    asked = [
+        p.name
+        for p in initial.plan.partitions
+        if initial.plan.options.precision_of(p.name) in QUANTIZED_PRECISIONS
+    ]
     feeds = _captured(initial.plan, dataset.samples[:1], asked) if asked and dataset.samples else {}
     total = GraphAccount()
     seen: dict[tuple[int, str], GraphAccount] = {}
@@ -79,7 +83,9 @@ def search_lines(search: Mapping[str, Any]) -> list[str]:
     for layer in search.get("raised", ()):
         weight = f" ({layer['weight']})" if layer.get("weight") else ""
         rel_l2 = float(layer["rel_l2"])
-        sensitivity = f"sensitivity rel L2 {rel_l2:.1e}" if not math.isnan(rel_l2) else "sensitivity not measured"
+        sensitivity = (
+            f"sensitivity rel L2 {rel_l2:.1e}" if not math.isnan(rel_l2) else "sensitivity not measured"
+        )
         lines.append(f"{name}/{layer['name']} {layer['op']}{weight}: int8 -> fp32, {sensitivity}")
     return lines
 

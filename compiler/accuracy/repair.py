@@ -201,7 +201,9 @@ def rebuild(
     before = compiled.plan.options
     layers = before.float_layers if float_layers is None else float_layers
     levels = dict(partition_precision)
-    layers = {k: tuple(v) for k, v in layers.items() if levels.get(k, before.precision) in QUANTIZED_PRECISIONS}
+    layers = {
+        k: tuple(v) for k, v in layers.items() if levels.get(k, before.precision) in QUANTIZED_PRECISIONS
+    }
     options = dataclasses.replace(before, partition_precision=levels, float_layers=layers)
     raised = [
         p.name for p in compiled.plan.partitions if options.precision_of(p.name) not in QUANTIZED_PRECISIONS
@@ -357,7 +359,9 @@ def repair(
         note,
         searches=tuple(s.to_dict() for s in searches),
         float_layers=dict(compiled.plan.options.float_layers),
-        kept=kept_fractions(initial, compiled, dataset) if changed and initial.plan.options.quantized else None,
+        kept=kept_fractions(initial, compiled, dataset)
+        if changed and initial.plan.options.quantized
+        else None,
         budget_seconds=compiled.plan.options.repair_seconds,
     )
     if changed or searches:

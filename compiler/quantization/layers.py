@@ -30,8 +30,22 @@ from compiler.options import QUANTIZED_GRAPH
 # The ops whose work is counted as FLOPs (the GEMMs and convolutions, where int8 kernels pay off).
 COMPUTE_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose")
 # Ops that only move or look up values: never candidates (their Q/DQ follows their neighbours').
-MOVING_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Concat", "Slice", "Split", "Expand",
-              "Shape", "Resize", "MaxPool", "Pad", "Identity")
+MOVING_OPS = (
+    "Reshape",
+    "Transpose",
+    "Squeeze",
+    "Unsqueeze",
+    "Flatten",
+    "Concat",
+    "Slice",
+    "Split",
+    "Expand",
+    "Shape",
+    "Resize",
+    "MaxPool",
+    "Pad",
+    "Identity",
+)
 # Sensitivities rank layers, the model's validation decides: a few samples rank as well as many.
 RANKING_SAMPLES = 4
 INTEGER_TYPES = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
@@ -123,7 +137,13 @@ class LayerProbe:
     def quantized(self, *, exclude: Sequence[str] = (), only: Sequence[str] = ()) -> onnx.ModelProto:
         with self._quiet():
             return self._run_static(
-                self.source, self.folder, self.calibration, self.settings, exclude=exclude, only=only, ranges=self.ranges
+                self.source,
+                self.folder,
+                self.calibration,
+                self.settings,
+                exclude=exclude,
+                only=only,
+                ranges=self.ranges,
             )
 
     def error(self, model: onnx.ModelProto, samples: int | None = None) -> float:
@@ -174,7 +194,9 @@ def account(graph: bytes, feed: Mapping[str, np.ndarray]) -> GraphAccount:
     model = onnx.load_from_string(graph)
     nodes = model.graph.node
     inits = {i.name: i for i in model.graph.initializer}
-    qdq_params = {n for node in nodes if node.op_type in ("QuantizeLinear", "DequantizeLinear") for n in node.input[1:]}
+    qdq_params = {
+        n for node in nodes if node.op_type in ("QuantizeLinear", "DequantizeLinear") for n in node.input[1:]
+    }
     dq_out = {node.output[0]: node.input[0] for node in nodes if node.op_type == "DequantizeLinear"}
     int8 = total = 0
     for init in inits.values():
@@ -204,7 +226,9 @@ def graph_flops(graph: bytes, feed: Mapping[str, np.ndarray]) -> dict[str, int]:
             if name not in known and name not in inits and name not in {i.name for i in model.graph.input}:
                 known.add(name)
                 wanted.append(name)
-                model.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+                model.graph.output.append(
+                    onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
+                )
     outputs = [o.name for o in model.graph.output]
     values = dict(zip(outputs, _run(model.SerializeToString(), [feed], typed=False)[0], strict=True))
     shapes = {name: list(np.shape(v)) for name, v in values.items()}
@@ -267,4 +291,3 @@ def _run(graph: bytes, feeds: Sequence[Mapping[str, np.ndarray]], *, typed: bool
 
 def _finite(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
-

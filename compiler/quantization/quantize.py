@@ -149,7 +149,9 @@ def quantize(
             tensors.update(own)
     levels = {**options.partition_precision, **dict.fromkeys(fallbacks, FALLBACK_PRECISION)}
     if only is not None:  # the others as they were; the record keeps naming every quantized partition
-        kept = {k: v for k, v in plan.quantized.items() if k[len(QUANTIZED_PREFIX) :].split("/")[0] not in names}
+        kept = {
+            k: v for k, v in plan.quantized.items() if k[len(QUANTIZED_PREFIX) :].split("/")[0] not in names
+        }
         tensors = {**kept, **tensors}
         graphs = {**{k: v for k, v in plan.quantized_graphs.items() if k not in names}, **graphs}
         earlier = QuantizationRecord.from_dict(plan.quantization) if plan.quantization else None
