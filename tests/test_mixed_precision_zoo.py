@@ -95,7 +95,11 @@ def _zoo(root: Path, run: str) -> dict:
         timeout=300,
     )
     assert read.returncode == 0, read.stderr[-3000:]
-    return {"summary": summary, "package": json.loads(read.stdout.strip().splitlines()[-1]), "log": done.stderr}
+    return {
+        "summary": summary,
+        "package": json.loads(read.stdout.strip().splitlines()[-1]),
+        "log": done.stderr,
+    }
 
 
 @pytest.fixture(scope="module")
