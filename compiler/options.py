@@ -63,6 +63,9 @@ QUANTIZED_GRAPH = "ort-basic-optimized"
 # weights staying refit inputs.
 PT2E_GRAPH = "pt2e-x86-inductor"
 ROWWISE_GRAPHS = {"fp8": "aten-scaled-mm-rowwise", "int8": "aten-int-mm-rowwise"}
+# The layer search's time budget (CompileOptions.repair_seconds): sensitivity of ~130 ONNX nodes of a
+# 4-layer BERT plus a handful of verifying rebuilds take ~1-2 minutes on 2 CPU cores.
+DEFAULT_REPAIR_SECONDS = 300.0
 # Whether a batch between profiles is padded up to the next one (compiler.runtime.padding).
 PAD_TO_PROFILE = ("off", "auto")
 
@@ -175,6 +178,12 @@ class CompileOptions:
     quantization: str = "static"
     calibration: Calibration = field(default_factory=Calibration)
     pad_to_profile: str = "off"
+    # partition -> layers (nodes of its quantizer's float graph, "n42") kept in float inside its int8
+    # graph: what accuracy repair chose (compiler.accuracy.layers). Only those partitions' keys change.
+    float_layers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # How long accuracy repair may search for the fewest layers to raise before it raises whole
+    # partitions instead (seconds). Not a build setting.
+    repair_seconds: float = DEFAULT_REPAIR_SECONDS
 
     def __post_init__(self) -> None:
         if isinstance(self.calibration, Mapping):
@@ -203,6 +212,7 @@ class CompileOptions:
         if self.precision not in PRECISIONS:
             raise OptionsError(f"precision {self.precision!r} is not supported; expected one of {PRECISIONS}")
         self._check_quantizing_backend()
+        self._check_float_layers()
         if self.on_build_failure not in ON_BUILD_FAILURE:
             raise OptionsError(
                 f"on_build_failure {self.on_build_failure!r} is not supported; expected one of "
@@ -228,6 +238,21 @@ class CompileOptions:
             )
         if self.pad_to_profile == "auto" and not self.profiles:
             raise OptionsError("pad_to_profile 'auto' needs profiles to pad to; give profiles or use 'off'")
+
+    def _check_float_layers(self) -> None:
+        layers = self.float_layers
+        if not isinstance(layers, Mapping) or not all(
+            isinstance(v, list | tuple) and all(isinstance(n, str) and n for n in v) for v in layers.values()
+        ):
+            raise OptionsError(
+                f"float_layers must map partition names to lists of layer (node) names, got {layers!r}"
+            )
+        kept = {str(k): tuple(sorted(set(v))) for k, v in sorted(layers.items()) if v}
+        object.__setattr__(self, "float_layers", kept)
+        budget = self.repair_seconds
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget >= 0:
+            raise OptionsError(f"repair_seconds must be a number of seconds >= 0, got {budget!r}")
+        object.__setattr__(self, "repair_seconds", float(budget))
 
     def _check_quantizing_backend(self) -> None:
         levels = sorted({self.precision, *self.partition_precision.values()} & set(QUANTIZED_PRECISIONS))
@@ -292,7 +317,7 @@ class CompileOptions:
             workspace_bytes=self.workspace_bytes,
             optimization_level=self.optimization_level,
             options=dict(self.backend_options),
-            quantization=self.quantization_settings(precision) if precision in QUANTIZED_PRECISIONS else None,
+            quantization=self.partition_quantization(partition, precision),
             profiles=self.build_profiles(),
         )
 
@@ -352,6 +377,16 @@ class CompileOptions:
         types = "u8s8" if onnxruntime else "s8s8-symmetric"
         return {"mode": "static", "method": self.calibration.method, "types": types, **common}
 
+    def partition_quantization(self, partition: str | None, precision: str) -> dict[str, Any] | None:
+        """The recipe of one partition: ``quantization_settings(precision)`` with the layers it keeps in
+        float (``float_layers``), which change its graph and so its key; None for a float partition."""
+        if precision not in QUANTIZED_PRECISIONS:
+            return None
+        recipe = self.quantization_settings(precision)
+        if partition is not None and self.float_layers.get(partition):
+            recipe["float_layers"] = list(self.float_layers[partition])
+        return recipe
+
     @property
     def quantized(self) -> bool:
         """Whether any partition is quantized (the compile's precision or a partition's exception)."""
@@ -382,6 +417,12 @@ class CompileOptions:
         data["backend_options"] = dict(self.backend_options)
         data["profiles"] = to_json(self.profiles)
         data["calibration"] = self.calibration.to_dict()
+        # Defaults left out, like pad_to_profile's: requests, keys and packages stay as before.
+        data["float_layers"] = {k: list(v) for k, v in self.float_layers.items()}
+        if not self.float_layers:
+            del data["float_layers"]
+        if self.repair_seconds == DEFAULT_REPAIR_SECONDS:
+            del data["repair_seconds"]
         if self.pad_to_profile == "off":  # the default left out: requests, keys and packages stay as before
             del data["pad_to_profile"]
         return data

@@ -28,7 +28,7 @@ from pydantic import (
 
 from compiler.backends import BACKENDS
 from compiler.errors import KilnError
-from compiler.options import DEVICE_RE, ON_BUILD_FAILURE, Calibration, CompileOptions
+from compiler.options import DEFAULT_REPAIR_SECONDS, DEVICE_RE, ON_BUILD_FAILURE, Calibration, CompileOptions
 from compiler.validation.report import Tolerances
 from zoo.errors import ZooConfigError
 from zoo.generation import TASK as GENERATION_TASK
@@ -198,6 +198,11 @@ class ZooEntry(_Strict):
     on_accuracy_failure: Literal["repair", "error"] = Field(
         default="repair",
         description="int8/fp16/bf16 missing its tolerances: raise its worst partitions' precision, or fail",
+    )
+    repair_seconds: float = Field(
+        default=DEFAULT_REPAIR_SECONDS,
+        ge=0,
+        description="how long repair may search for the fewest layers to raise before raising partitions",
     )
     validation: EntryValidation = Field(default_factory=EntryValidation)
     cuda_graphs: Literal["auto", "on", "off"] = Field(
@@ -381,6 +386,7 @@ class ZooEntry(_Strict):
             backend_options=dict(self.backend_options),
             on_build_failure=self.on_build_failure,
             on_accuracy_failure=self.on_accuracy_failure,
+            repair_seconds=self.repair_seconds,
             partition_precision=dict(self.partition.precision),
             device=device,
             cuda_graphs=self.cuda_graphs,

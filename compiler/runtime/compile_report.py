@@ -57,6 +57,35 @@ _ACCURACY = Record(
         "failures": ListOf(str),
     }
 )
+_LAYER = Record(  # compiler.quantization.layers.LayerSensitivity.to_dict()
+    {"name": str, "op": str, "weight": str, "params": int, "flops": int, "rel_l2": _NUMBER},
+    required=frozenset({"name", "op", "rel_l2"}),
+)
+_SEARCH = Record(  # compiler.accuracy.layers.LayerSearch.to_dict()
+    {
+        "partition": str,
+        "raised": ListOf(_LAYER),
+        "candidates": int,
+        "measured": int,
+        "verifications": int,
+        "partition_rel_l2": _NUMBER,
+        "passed": bool,
+        "seconds": _NUMBER,
+        "note": str,
+    },
+    required=frozenset({"partition", "raised", "passed"}),
+)
+_KEPT = Record(  # compiler.accuracy.mixed.kept_fractions()
+    {
+        "precision": str,
+        "weights": Opt(float),
+        "flops": Opt(float),
+        "weights_int8": int,
+        "weights_total": int,
+        "flops_int8": int,
+        "flops_total": int,
+    }
+)
 REPAIR = Record(  # compiler.accuracy.repair.RepairRecord.to_dict()
     {
         "steps": ListOf(Record(_STEP_FIELDS, required=frozenset(_STEP_FIELDS))),
@@ -72,6 +101,11 @@ REPAIR = Record(  # compiler.accuracy.repair.RepairRecord.to_dict()
         "note": str,
         "passed": bool,
         "lines": ListOf(str),
+        "searches": ListOf(_SEARCH),
+        "float_layers": MapOf(ListOf(str)),
+        "kept": Opt(_KEPT),
+        "budget_seconds": Opt(_NUMBER),
+        "reused": bool,
     }
 )
 _PROFILE = Record(  # CompiledModule.measure_profiles() rows, with compiler.runtime.padding's verdict
@@ -200,6 +234,14 @@ class CompileReport:
                 for step in self.accuracy_repair["steps"]
             )
             text += f"; accuracy repair: {raised}"
+        layers = [
+            f"{search['partition']}/{layer['name']}"
+            for search in (self.accuracy_repair or {}).get("searches", ())
+            if search.get("passed")
+            for layer in search.get("raised", ())
+        ]
+        if layers:
+            text += f"; accuracy repair kept {len(layers)} layers in fp32: {', '.join(layers)}"
         if self.cuda_graphs and not self.cuda_graphs.get("capturable"):
             text += f"; CUDA graphs off: {self.cuda_graphs.get('reason')}"
         if self.quantization and self.quantization.get("fallbacks"):
