@@ -378,7 +378,7 @@ def main() -> None:
         "gpu": gpu,
         "capability": "sm_{}{}".format(*torch.cuda.get_device_capability()) if gpu else None,
         "engines_runnable_here": runnable,
-        "target_device": backend.target_device(),
+        "target_device": backend.engine_target(),
         "cpu_aot_dry_run": args.cpu_aot,
         "torch": torch.__version__,
         "onnx": onnx.__version__,

@@ -70,7 +70,7 @@ def engine_library(options: CompileOptions) -> list[str]:
     """The engine library that builds here (name, version, engine target), as the engine cache keys it:
     after a library upgrade the content alone would hand back the old engine."""
     backend = get_backend(options.backend, options.device)
-    return [backend.name, backend.library_version(), backend.target_device()]
+    return [backend.name, backend.library_version(), backend.engine_target()]
 
 
 def _stored(

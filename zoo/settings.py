@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from compiler.options import DEVICE_RE
+from compiler.device_name import DEVICE_RE
 from zoo.sources.factory import DEFAULT_FACTORY_PACKAGES
 
 CACHE_ENV = "KILN_CACHE_DIR"

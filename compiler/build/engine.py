@@ -135,7 +135,7 @@ def _engine_key(backend: EngineBackend, fingerprint: str, settings: BuildSetting
         fingerprint=fingerprint,
         backend=backend.name,
         library_version=backend.library_version(),
-        target_device=backend.target_device(),
+        engine_target=backend.engine_target(),
         settings=settings.to_dict(),
     )
 
@@ -176,7 +176,7 @@ def _fall_back(
     lower_seconds = lowered.seconds if lowered is not None else 0.0
     wanted = plan.options.on_build_failure == "onnxruntime" and failed.name != "onnxruntime" and lowered
     ort = get_backend("onnxruntime")
-    if wanted and plan.options.device != "cpu" and not ort.target_device().startswith("cuda"):
+    if wanted and plan.options.device != "cpu" and not ort.engine_target().startswith("cuda"):
         # ONNX Runtime runs on the CPU here: its engines could not take the model's tensors.
         failure["fallback_error"] = f"onnxruntime runs on the CPU here, the model on {plan.options.device}"
         wanted = False

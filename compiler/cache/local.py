@@ -144,15 +144,17 @@ class EngineCache:
         fingerprint: str,
         backend: str,
         library_version: str,
-        target_device: str,
+        engine_target: str,
         settings: Mapping[str, Any],
     ) -> CacheKey:
-        """sha256 of the canonical JSON (sorted keys) of every field that changes the built engine."""
+        """sha256 of the canonical JSON (sorted keys) of every field that changes the built engine.
+        The engine target is hashed under its first name, ``target_device``: keys (and so warm caches)
+        stay what they were."""
         fields: dict[str, Any] = {
             "fingerprint": fingerprint,
             "backend": backend,
             "library_version": library_version,
-            "target_device": target_device,
+            "target_device": engine_target,
         }
         for name, value in fields.items():
             if not isinstance(value, str) or not value:

@@ -478,7 +478,7 @@ def _report(
     return CompileReport(
         backend=backend.name,
         backend_version=backend.library_version(),
-        engine_target=backend.target_device(),
+        engine_target=backend.engine_target(),
         precision=plan.options.precision,
         strip_weights=plan.options.strip_weights,
         partitions=partitions,

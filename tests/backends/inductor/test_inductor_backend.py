@@ -359,4 +359,4 @@ def test_inductor_backend_on_cuda_needs_a_gpu():
         pytest.skip("this machine has a GPU: tests/gpu covers CUDA")
     with pytest.raises(BackendUnavailableError, match="needs a CUDA GPU"):
         get_backend("inductor", device="cuda")
-    assert InductorBackend("cpu").target_device() == "cpu"
+    assert InductorBackend("cpu").engine_target() == "cpu"

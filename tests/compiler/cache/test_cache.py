@@ -42,7 +42,7 @@ FIELDS = {
     "fingerprint": "fp-abc",
     "backend": "onnxruntime",
     "library_version": "1.20.0",
-    "target_device": "cpu",
+    "engine_target": "cpu",
     "settings": {"precision": "fp32", "strip_weights": False, "opt_level": 3},
 }
 
@@ -63,7 +63,7 @@ def test_key_is_stable_canonical_and_keeps_its_fields() -> None:
     key = make_key()
     reordered = EngineCache.key(
         settings={"opt_level": 3, "strip_weights": False, "precision": "fp32"},
-        target_device="cpu",
+        engine_target="cpu",
         library_version="1.20.0",
         backend="onnxruntime",
         fingerprint="fp-abc",
@@ -88,7 +88,7 @@ def test_key_is_stable_canonical_and_keeps_its_fields() -> None:
         ({"fingerprint": "fp-other"}, "fingerprint"),
         ({"backend": "tensorrt"}, "backend"),
         ({"library_version": "1.21.0"}, "library_version"),
-        ({"target_device": "sm_90"}, "target_device"),
+        ({"engine_target": "sm_90"}, "target_device"),  # hashed under its first name
         ({"settings": {**FIELDS["settings"], "precision": "fp16"}}, "settings.precision"),
         ({"settings": {**FIELDS["settings"], "workspace": 1}}, "settings.workspace"),
     ],
