@@ -73,7 +73,7 @@ class KilnBackend:
         plan = partition(program, options, input_weights=weights)
         unique = dedup(plan)
         engines = {fp: build_engine(plan, unique, fp, cache=self.cache) for fp in unique.fingerprints}
-        compiled = assemble(plan, unique, engines)
+        compiled = assemble(plan, unique, engines, cache=False if self.cache is None else self.cache)
         self.compiled.append(compiled)
         return compiled.forward
 

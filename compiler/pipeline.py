@@ -43,4 +43,5 @@ def compile(
     plan = quantize(partition(program, options), calibration_data)
     unique = dedup(plan)
     engines = {fp: build_engine(plan, unique, fp, cache=engine_cache) for fp in unique.fingerprints}
-    return assemble(plan, unique, engines)
+    # The same cache for what a load compiles (Inductor); False where there is none (None: the default).
+    return assemble(plan, unique, engines, cache=False if engine_cache is None else engine_cache)

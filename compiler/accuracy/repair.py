@@ -197,7 +197,8 @@ def rebuild(
         if fp not in compiled.engines
     }
     engines = {fp: compiled.engines.get(fp) or new[fp] for fp in unique.fingerprints}
-    return assemble(plan, unique, engines), list(new.values())
+    rebuilt = assemble(plan, unique, engines, cache=False if engine_cache is None else engine_cache)
+    return rebuilt, list(new.values())
 
 
 def repair(

@@ -111,7 +111,13 @@ class OnnxRuntimeBackend(RecordedBackend):
         return model.SerializeToString()
 
     def load(
-        self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None, *, siblings: int = 0
+        self,
+        engine: bytes,
+        io: EngineIO,
+        weights: Mapping[str, torch.Tensor] | None,
+        *,
+        siblings: int = 0,
+        cache: object = None,  # keeps nothing compiled at load
     ) -> OnnxRuntimeEngine:
         model = _parse(engine)
         supplied: dict[str, np.ndarray] = {}

@@ -21,7 +21,7 @@ from compiler.backends import TORCH, get_backend
 from compiler.backends.base import BuildSettings, EngineBackend, EngineIO, graph_format
 from compiler.build.lower import LoweredPartition, engine_io, lower, lower_program
 from compiler.cache.entry import CacheKey
-from compiler.cache.local import EngineCache
+from compiler.cache.local import CacheSetting, EngineCache, resolve_cache
 from compiler.errors import EngineBuildError, LoweringError
 from compiler.partitioning.dedup import DedupPlan
 from compiler.partitioning.partition import PartitionPlan
@@ -71,10 +71,13 @@ class EngineArtifact:
 
 
 def build_engine(
-    plan: PartitionPlan, dedup: DedupPlan, fingerprint: str, *, cache: EngineCache | None = None
+    plan: PartitionPlan, dedup: DedupPlan, fingerprint: str, *, cache: CacheSetting = None
 ) -> EngineArtifact:
-    """Lower and build the engine for ``fingerprint`` unless the cache already holds it."""
+    """Lower and build the engine for ``fingerprint`` unless the cache already holds it. ``cache``: as
+    everywhere (``compiler.cache.paths.choose``): None the default cache, False none, a path, URL or
+    ``EngineCache``."""
     start = time.perf_counter()
+    cache = resolve_cache(cache)
     # Bound to the model's device: engines build where they will run (CompileOptions.device).
     backend = get_backend(plan.options.backend, device=plan.options.device)
     representative = next(p for p in plan.partitions if p.name == dedup.unique[fingerprint])

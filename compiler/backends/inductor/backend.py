@@ -93,7 +93,7 @@ from compiler.backends.inductor.graph import (
     save_artifact,
     short_error,
 )
-from compiler.backends.inductor.memo import COMPILE_LOCK, library_key, recall, remember
+from compiler.backends.inductor.memo import COMPILE_LOCK, library_key, recall, recall_aot, remember
 from compiler.backends.inductor.native import LocalAot
 from compiler.backends.inductor.options import (
     build_options,
@@ -101,6 +101,7 @@ from compiler.backends.inductor.options import (
     host_compiler,
 )
 from compiler.backends.inductor.static import build_specializations, specializations, static_key
+from compiler.cache.local import CacheSetting
 from compiler.errors import (
     BackendError,
     EngineBuildError,
@@ -108,10 +109,6 @@ from compiler.errors import (
     RefitError,
 )
 from compiler.inputs.specs import dtype_name
-
-# Per process, by library key: the AOTInductor package built for it (or None) and its compiler (or why
-# there is none), so a stripped or full twin does not compile it again.
-_AOT: dict[str, tuple[bytes | None, str | None]] = {}
 
 
 def warm_inductor_imports() -> None:
@@ -288,7 +285,8 @@ class InductorBackend(RecordedBackend):
         library key."""
         if not options.get("aot"):
             return None, None
-        if key not in _AOT:
+
+        def build() -> tuple[bytes | None, str | None]:
             built, note = aot_from_program(
                 program,
                 io,
@@ -303,16 +301,21 @@ class InductorBackend(RecordedBackend):
                 warnings.warn(
                     f"Inductor: no AOTInductor package for partition {partition or '?'}: {note}; its engine "
                     "is its standalone graph",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
-            _AOT[key] = built, note
-            while len(_AOT) > 16:
-                _AOT.pop(next(iter(_AOT)))
-        return _AOT[key]
+            return built, note
+
+        return recall_aot(key, build)
 
     # -- load, refit -----------------------------------------------------------------------------
     def load(
-        self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None, *, siblings: int = 0
+        self,
+        engine: bytes,
+        io: EngineIO,
+        weights: Mapping[str, torch.Tensor] | None,
+        *,
+        siblings: int = 0,
+        cache: CacheSetting = None,  # where graphs compiled here are kept (graph.LocalCompiled)
     ) -> InductorEngine:
         header, files = read_engine(engine)
         self.check_compatible(header)
@@ -337,7 +340,9 @@ class InductorBackend(RecordedBackend):
         # A package that may not run here (untrusted: its bytes never run; built for another GPU or C++
         # runtime; or it does not load): this machine's own, if built
         wanted = AOT in files and aot is None
-        local = LocalAot(wanted, files[ENGINE_PROGRAM], options, self.device, self.engine_target(), header)
+        local = LocalAot(
+            wanted, files[ENGINE_PROGRAM], options, self.device, self.engine_target(), header, cache
+        )
         aot = aot or local.loaded()
         if aot is not None:  # serves every shape: no Inductor, no Triton imported
             return self._aot_engine(aot, ordered, io, constants, header)
@@ -348,7 +353,7 @@ class InductorBackend(RecordedBackend):
             if compiled is None:
                 frozen = bool(header.get("frozen"))
                 compiled = self._load_compiled(
-                    options, files, io, ordered, constants, frozen=frozen, foreign=foreign
+                    options, files, io, ordered, constants, cache, frozen=frozen, foreign=foreign
                 )
                 remember(key, compiled, None)
             static = {}
@@ -362,6 +367,7 @@ class InductorBackend(RecordedBackend):
                         io,
                         ordered,
                         constants,
+                        cache,
                         shapes=shapes,
                         name=static_entry(index),
                         foreign=foreign,
@@ -416,6 +422,7 @@ class InductorBackend(RecordedBackend):
         engine_io: EngineIO,
         weights: tuple[torch.Tensor, ...],
         constants: Mapping[int, torch.Tensor],
+        cache: CacheSetting,
         *,
         shapes: tuple[tuple[int, ...], ...] | None = None,
         name: str = COMPILED,
@@ -447,7 +454,7 @@ class InductorBackend(RecordedBackend):
             except Exception as exc:  # a cache miss or a torch build mismatch: both mean compile again
                 reason = f"its compiled graph does not load here ({short_error(exc)})"
         # Keyed by the options it is compiled with here (an untrusted header's are filtered already).
-        local = LocalCompiled(files[ENGINE_PROGRAM], options, self.engine_target(), shapes)
+        local = LocalCompiled(files[ENGINE_PROGRAM], options, self.engine_target(), shapes, cache=cache)
         compiled = local.load(examples, weights, constants)
         if compiled is not None:  # compiled here from this very program before: as trusted as a build
             return compiled

@@ -369,7 +369,13 @@ class TensorRTBackend(RecordedBackend):
         return (header, *deserialize(self.trt, self.name, plan, sm))
 
     def load(
-        self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None, *, siblings: int = 0
+        self,
+        engine: bytes,
+        io: EngineIO,
+        weights: Mapping[str, torch.Tensor] | None,
+        *,
+        siblings: int = 0,
+        cache: object = None,  # keeps nothing compiled at load
     ) -> TensorRTEngine:
         header, runtime, cuda_engine, logger = self._deserialize(engine)
         if weights:

@@ -87,7 +87,13 @@ class TorchGraphBackend(RecordedBackend):
         return pack_torch_graph(program, kept)
 
     def load(
-        self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None, *, siblings: int = 0
+        self,
+        engine: bytes,
+        io: EngineIO,
+        weights: Mapping[str, torch.Tensor] | None,
+        *,
+        siblings: int = 0,
+        cache: object = None,  # compiles nothing at load
     ) -> TorchGraphEngine:
         program, stored = unpack_torch_graph(engine)
         given = dict(weights) if weights is not None else safetensors.torch.load(stored)
