@@ -45,7 +45,7 @@ from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.backends.tensorrt.builder import TensorRTBackend
 from compiler.backends.tensorrt.engine_format import decode_engine
 from compiler.backends.tensorrt.onnx_rewrites import canonical_initializers
-from compiler.build.lower import lower
+from compiler.engine_build.lower import lower
 from compiler.errors import KilnError
 from compiler.inputs.data import sample_inputs
 from compiler.quantization.quantize import quantize

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from compiler.build.engine import build_engine
 from compiler.cache.local import EngineCache, resolve_cache
+from compiler.engine_build.engine import build_engine
 from compiler.errors import BackendError, OptionsError
 from compiler.options import CompileOptions
 from compiler.partitioning.dedup import dedup

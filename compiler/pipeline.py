@@ -8,9 +8,9 @@ from typing import Any
 
 from torch.export import ExportedProgram
 
-from compiler.build.engine import build_engine
 from compiler.cache.local import EngineCache, resolve_cache
 from compiler.device import program_on, resolve
+from compiler.engine_build.engine import build_engine
 from compiler.inputs.data import ValidationData
 from compiler.options import CompileOptions
 from compiler.partitioning.dedup import dedup

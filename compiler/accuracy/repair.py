@@ -34,8 +34,8 @@ import torch
 
 from compiler.accuracy.compare import PartitionComparison, PartitionRow, compare_partitions
 from compiler.backends.base import QUANTIZED_PRECISIONS
-from compiler.build.engine import EngineArtifact, build_engine
 from compiler.cache.local import EngineCache, resolve_cache
+from compiler.engine_build.engine import EngineArtifact, build_engine
 from compiler.errors import AccuracyError, PackageError
 from compiler.inputs.data import ValidationData
 from compiler.partitioning.dedup import dedup

@@ -323,12 +323,11 @@ def backend_help() -> str:
     return ", ".join(backend_names())
 
 
-def precision_help() -> str:
-    """``fp32, fp16, bf16, int8 (onnxruntime, ...), fp8 (tensorrt, ..., inductor on cuda)``."""
-    from compiler.backends.base import FLOAT_PRECISIONS, QUANTIZED_PRECISIONS
-
-    parts = list(FLOAT_PRECISIONS)
-    for precision in QUANTIZED_PRECISIONS:
+def precision_help(float_precisions: tuple[str, ...], quantized: tuple[str, ...]) -> str:
+    """``fp32, fp16, bf16, int8 (onnxruntime, ...), fp8 (tensorrt, ..., inductor on cuda)``, from the
+    precisions of ``compiler.backends.base`` (which reads this table: it passes them in)."""
+    parts = list(float_precisions)
+    for precision in quantized:
         names = [_where(r, r.quantizes[precision]) for r in _RECORDS.values() if precision in r.quantizes]
         parts.append(f"{precision} ({', '.join(names)})")
     return ", ".join(parts)

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from compiler.backends import TORCH, get_backend
 from compiler.backends.base import BuildSettings, EngineBackend, EngineIO, graph_format
-from compiler.build.lower import LoweredPartition, engine_io, lower, lower_program
 from compiler.cache.entry import CacheKey
 from compiler.cache.local import CacheSetting, EngineCache, resolve_cache
+from compiler.engine_build.lower import LoweredPartition, engine_io, lower, lower_program
 from compiler.errors import EngineBuildError, LoweringError
 from compiler.partitioning.dedup import DedupPlan
 from compiler.partitioning.partition import PartitionPlan

@@ -74,7 +74,6 @@ from compiler.package.check import (
 from compiler.package.digest import content_hash
 from compiler.package.manifest import (
     FORMAT_VERSION,
-    GENERATION,
     PROGRAM,
     RUNTIME_GRAPH,
     WEIGHTS,
@@ -290,12 +289,8 @@ def load(
             path, manifest, pool, signed, allowed_modules, device, trust_engine_code, cuda_graphs, cache=cache
         )
         compiled.load_seconds = {"manifest": round(manifest_s, 4), **compiled.load_seconds}
-        if GENERATION in manifest.files:  # a prefill program: its decode program shares its weights
-            from compiler.generation.package import with_decode
-
-            compiled = with_decode(
-                compiled, path, manifest, allowed_modules, device, trust_engine_code, cuda_graphs
-            )
+        # A generation package's decode program is joined above this stage (compiler.generation.package.load).
+        compiled.manifest = manifest
         compiled.load_seconds["total"] = round(time.perf_counter() - start, 4)
         return compiled
     finally:

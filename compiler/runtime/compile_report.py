@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from compiler.typed_json import NUMBER_TEXT, ListOf, MapOf, Opt, Record, check
 
 if TYPE_CHECKING:  # read by attribute only: the report's module stays free of torch
-    from compiler.build.engine import EngineArtifact
+    from compiler.engine_build.engine import EngineArtifact
     from compiler.partitioning.dedup import DedupPlan
     from compiler.partitioning.partition import PartitionPlan
 

@@ -26,10 +26,10 @@ from torch.utils import _pytree as pytree
 
 from compiler.backends import get_backend
 from compiler.backends.base import Engine, EngineIO
-from compiler.build.engine import EngineArtifact
-from compiler.build.lower import engine_weights
 from compiler.cache.local import CacheSetting
 from compiler.device import resolve, same
+from compiler.engine_build.engine import EngineArtifact
+from compiler.engine_build.lower import engine_weights
 from compiler.errors import CudaGraphError, InputSpecError, RefitError
 from compiler.inputs.profiles import fixed_profiles, is_fixed, profile_inputs, profile_shapes
 from compiler.inputs.specs import InputSpec, check_inputs
@@ -82,6 +82,7 @@ class CompiledModule(torch.nn.Module):
             report,
         )
         self.validation: dict | None = None  # set by package.load from the manifest
+        self.manifest: Any = None  # set by package.load: the package's Manifest, as verified
         self.load_seconds: dict[str, float] = {}  # set by package.load: where its seconds went
         # Where inputs, engines, fallback ops and outputs live (CompileOptions.device).
         self.device = resolve(plan.options.device)

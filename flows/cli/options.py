@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
+from compiler.backends.base import FLOAT_PRECISIONS, QUANTIZED_PRECISIONS
 from compiler.backends.capabilities import backend_help, precision_help, quantization_help
 from flows.render import EXIT_BAD_INPUT, console
 
@@ -165,7 +166,7 @@ Precision = Annotated[
     typer.Option(
         "--precision",
         "-p",
-        help=precision_help(),
+        help=precision_help(FLOAT_PRECISIONS, QUANTIZED_PRECISIONS),
     ),
 ]
 Quantization = Annotated[
