@@ -26,9 +26,10 @@ from pydantic import (
     model_validator,
 )
 
-from compiler.backends import BACKENDS
+from compiler.backends.capabilities import backend_names
+from compiler.device_name import check_device
 from compiler.errors import KilnError
-from compiler.options import DEFAULT_REPAIR_SECONDS, DEVICE_RE, ON_BUILD_FAILURE, Calibration, CompileOptions
+from compiler.options import DEFAULT_REPAIR_SECONDS, ON_BUILD_FAILURE, Calibration, CompileOptions
 from compiler.validation.report import Tolerances
 from zoo.errors import ZooConfigError
 from zoo.generation import TASK as GENERATION_TASK
@@ -327,16 +328,15 @@ class ZooEntry(_Strict):
     @field_validator("backend")
     @classmethod
     def _backend(cls, v: str) -> str:
-        if v not in BACKENDS:
-            raise ValueError(f"unknown backend {v!r}; use one of {', '.join(BACKENDS)}")
+        if v not in backend_names():
+            raise ValueError(f"unknown backend {v!r}; use one of {', '.join(backend_names())}")
         return v
 
     @field_validator("devices")
     @classmethod
     def _devices(cls, v: list[str]) -> list[str]:
         for device in v:
-            if not DEVICE_RE.match(device):
-                raise ValueError(f"device {device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
+            check_device(device)
         if len(v) != len(set(v)):
             raise ValueError(f"devices {v} repeat a device; list each once")
         return v

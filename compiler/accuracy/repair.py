@@ -43,8 +43,8 @@ from compiler.accuracy.mixed import (
     search_lines,
 )
 from compiler.backends.base import QUANTIZED_PRECISIONS
-from compiler.build.engine import EngineArtifact, build_engine
 from compiler.cache.local import EngineCache, resolve_cache
+from compiler.engine_build.engine import EngineArtifact, build_engine
 from compiler.errors import AccuracyError, PackageError
 from compiler.inputs.data import ValidationData
 from compiler.partitioning.dedup import dedup
@@ -237,7 +237,8 @@ def rebuild(
         if fp not in compiled.engines
     }
     engines = {fp: compiled.engines.get(fp) or new[fp] for fp in unique.fingerprints}
-    return assemble(plan, unique, engines), list(new.values())
+    rebuilt = assemble(plan, unique, engines, cache=False if engine_cache is None else engine_cache)
+    return rebuilt, list(new.values())
 
 
 def repair(

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from compiler.options import QUANTIZED_GRAPH
+from compiler.backends.capabilities import QUANTIZED_GRAPH
 
 # The ops whose work is counted as FLOPs (the GEMMs and convolutions, where int8 kernels pay off).
 COMPUTE_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose")

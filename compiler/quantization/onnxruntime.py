@@ -37,7 +37,7 @@ def quantize_fingerprint(call: RecipeCall) -> tuple[bytes, dict[str, torch.Tenso
     quantized with the call's recipe and calibrated on its feeds (:class:`RecipeCall`)."""
     plan, parts, feeds, settings, fp = call.plan, call.parts, call.feeds, call.recipe, call.fp
     from compiler.backends.onnxruntime import OnnxRuntimeBackend
-    from compiler.build.lower import lower_float
+    from compiler.engine_build.lower import lower_float
     from compiler.partitioning.dedup import canonical_weights
 
     by_name = {p.name: p for p in plan.partitions}

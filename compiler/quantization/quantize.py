@@ -57,9 +57,9 @@ import numpy as np
 import torch
 
 from compiler.backends.base import QUANTIZED_PRECISIONS, to_numpy
+from compiler.backends.capabilities import PT2E_GRAPH, ROWWISE_GRAPHS
 from compiler.errors import CalibrationError, CalibrationWarning, ValidationDataError
 from compiler.inputs.data import ValidationData, random_data, sample_digest, validation_data
-from compiler.options import PT2E_GRAPH, ROWWISE_GRAPHS
 from compiler.partitioning.partition import QUANTIZED_PREFIX, PartitionPlan
 from compiler.program.tracing import custom_op_lock
 from compiler.quantization.recipe import RecipeCall

@@ -7,9 +7,16 @@ against :data:`REPORT` before anything is built (:mod:`compiler.typed_json`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from compiler.typed_json import NUMBER_TEXT, ListOf, MapOf, Opt, Record, check
+
+if TYPE_CHECKING:  # read by attribute only: the report's module stays free of torch
+    from compiler.engine_build.engine import EngineArtifact
+    from compiler.partitioning.dedup import DedupPlan
+    from compiler.partitioning.partition import PartitionPlan
 
 _NUMBER = (float, NUMBER_TEXT)  # compiler.repair writes a non-finite error as "inf" / "nan"
 
@@ -251,3 +258,51 @@ class CompileReport:
             noun = "partition" if len(fell_back) == 1 else "partitions"
             text += f"; {len(fell_back)} {noun} fell back after build failures: {', '.join(fell_back)}"
         return text
+
+
+def report_of(
+    plan: PartitionPlan,
+    dedup: DedupPlan,
+    engines: Mapping[str, EngineArtifact],
+    backend: str,
+    backend_version: str,
+    engine_target: str,
+    refits: int,
+) -> CompileReport:
+    """The report of a new compile, from its plans and engines (``compiler.runtime.module.assemble``)."""
+    partitions = [
+        {**p.to_dict(), "fingerprint": dedup.instance(p.name).fingerprint, "nodes": len(p.nodes)}
+        for p in plan.partitions
+    ]
+    for row in partitions:
+        row.pop("inputs", None)
+        row["backend"] = engines[row["fingerprint"]].backend
+    built = [a for a in engines.values() if a.is_engine]
+    failures = [
+        {**a.build_failure, "partitions": [i.partition for i in dedup.instances_of(fp)]}
+        for fp, a in engines.items()
+        if a.build_failure is not None
+    ]
+    return CompileReport(
+        backend=backend,
+        backend_version=backend_version,
+        engine_target=engine_target,
+        precision=plan.options.precision,
+        strip_weights=plan.options.strip_weights,
+        partitions=partitions,
+        fallback_ops=dict(plan.fallback_ops),
+        unique_fingerprints=len(dedup.unique),
+        engines_built=sum(1 for a in built if not a.cache_hit),
+        cache_hits=sum(1 for a in built if a.cache_hit),
+        refits=refits,
+        engine_bytes=sum(a.bytes for a in built),
+        build_failures=failures,
+        quantization=plan.quantization,
+        stage_seconds={
+            "partition": round(plan.seconds, 4),
+            **({"quantize": plan.quantization["seconds"]} if plan.quantization else {}),
+            "dedup": round(dedup.seconds, 4),
+            "lower": round(sum(a.lower_seconds for a in engines.values()), 4),
+            "build": round(sum(a.seconds - a.lower_seconds for a in engines.values()), 4),
+        },
+    )

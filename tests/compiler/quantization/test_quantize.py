@@ -91,7 +91,7 @@ def test_identical_blocks_build_once_and_each_instance_runs_its_own_weights_and_
     )
     unique = compiler.dedup(plan)  # no new quantization: the stripped engines come from the same graphs
     stripped = compiler.assemble(
-        plan, unique, {fp: compiler.build_engine(plan, unique, fp) for fp in unique.fingerprints}
+        plan, unique, {fp: compiler.build_engine(plan, unique, fp, cache=False) for fp in unique.fingerprints}
     )
     assert stripped.report.strip_weights and all(a.stripped for a in stripped.engines.values())
     full = compiler.save(stripped, tmp_path / "int8-full.kiln")
@@ -200,7 +200,7 @@ def test_a_quantizer_failure_keeps_that_partition_in_fp32_and_names_it():
     assert not any(k.startswith(f"{QUANTIZED_PREFIX}{bad}/") for k in plan.quantized)
     unique = compiler.dedup(plan)  # the fp32 engine is built for it; nothing was cached for int8
     compiled = compiler.assemble(
-        plan, unique, {fp: compiler.build_engine(plan, unique, fp) for fp in unique.fingerprints}
+        plan, unique, {fp: compiler.build_engine(plan, unique, fp, cache=False) for fp in unique.fingerprints}
     )
     assert {compiled.plan.options.precision_of(p.name) for p in plan.partitions} == {"int8", "fp32"}
     assert f"quantization failed, kept in fp32: {bad}" in compiled.report.summary()
