@@ -79,7 +79,7 @@ def search(
     """Search ``partition``'s layers (see the module docstring). ``rebuild(compiled, float_layers)``
     gives the module with those layers in float; ``accuracy(module)`` its :class:`ModelAccuracy`.
     Returns the search, and the passing module and its accuracy (None, None when none passed)."""
-    from compiler.build.lower import lower_float
+    from compiler.engine_build.lower import lower_float
     from compiler.partitioning.dedup import canonical_weights
     from compiler.quantization.quantize import _captured, calibration_samples
 

@@ -33,7 +33,7 @@ DECISION_BACKEND = "kiln-accuracy-repair"  # the cache key's backend field: no e
 def kept_fractions(initial: CompiledModule, final: CompiledModule, dataset: ValidationData) -> dict[str, Any]:
     """Weights and FLOPs kept at int8 (see the module docstring): ``{"precision", "weights", "flops",
     "weights_int8", "weights_total", "flops_int8", "flops_total"}``."""
-    from compiler.build.lower import _quantized_graph
+    from compiler.engine_build.lower import _quantized_graph
     from compiler.quantization.layers import GraphAccount, account
     from compiler.quantization.quantize import _captured
 

@@ -54,7 +54,7 @@ def audit() -> list[str]:
 
     def hook(event: str, args: tuple) -> None:
         if active[0] and event in ("open", "import", "exec", "compile", "subprocess.Popen", "os.system"):
-            seen.append(f"{event} {str(args[0])[:80]}")
+            seen.append(f"{event} {args[0]}")
 
     sys.addaudithook(hook)
     yield seen, active
