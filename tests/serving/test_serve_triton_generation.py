@@ -24,11 +24,9 @@ import pytest
 import torch
 
 import compiler
-from compiler.generation.module import GenerationModule
-from compiler.generation.package import save_generation
-from compiler.generation.step import generation_spec, program_case
 from serving.triton.control import TritonControl
 from serving.triton.errors import ServerUnavailableError
+from tests.fixtures.generation import compile_generation
 from tests.fixtures.server_process import free_port
 from zoo.models import tiny_llama_lm
 
@@ -59,15 +57,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     root = tmp_path_factory.mktemp("triton-gen")
     uri = f"sqlite:///{root / 'mlflow.db'}"
-    lm = tiny_llama_lm(seed=5, hidden=32).model
-    spec = generation_spec(lm, **LIMITS)
-    programs = {}
-    for program in ("prefill", "decode"):
-        module, kwargs, shapes = program_case(lm, spec, program)
-        exported = compiler.export(module, (), kwargs, dynamic_shapes=shapes)
-        programs[program] = compiler.compile(exported, backend="onnxruntime", strip_weights=True)
-    package = root / f"{MODEL}.kiln"
-    save_generation(GenerationModule(programs["prefill"], programs["decode"], spec), package)
+    package = compile_generation(tiny_llama_lm(seed=5, hidden=32).model, root / f"{MODEL}.kiln", **LIMITS)
     with contextlib.chdir(root):  # the embedded store keeps artifacts under the working folder
         assert record_package(package, MODEL, {"name": MODEL}, tracking_uri=uri).version == "1"
     set_alias(config.client(uri), f"kiln.{MODEL}.cpu", CHAMPION, "1")
