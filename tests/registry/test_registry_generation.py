@@ -1,10 +1,13 @@
-"""``kiln release`` of generation versions (issue 44) against a real MLflow server and Prefect server.
+"""Generation versions in the registry (issue 44), against a real MLflow server and Prefect server.
 
 The zoo entry is a tiny Llama-style decoder (``task: text-generation``). Three versions are recorded:
 two compiled from the entry's own model (other batch limits, so other packages) and one from a
-differently seeded model, what a bad retrain gives. The first two are promoted on token agreement and
-perplexity against the eager model, the second also on decode speed against the first; the third is
-refused through the CLI in a process of its own, its report naming every measure it failed.
+differently seeded model, what a bad retrain gives. The logged model's signature says how to call it
+(``generate``: token ids in, the settings as parameters, token ids out) and the MLflow model answers
+as ``generate`` does, in a fresh process; ``kiln report`` of a version shows both programs. The first
+two versions are promoted on token agreement and perplexity against the eager model, the second also
+on decode speed against the first; the third is refused through the CLI in a process of its own, its
+report naming every measure it failed.
 """
 
 from __future__ import annotations
@@ -60,10 +63,78 @@ def versions(mlflow_server, zoo: Path) -> dict[str, str]:
     other = tiny_llama_lm(seed=9, hidden=32).model
     made = {}
     for key, model, batch in (("good", lm, 2), ("good-b3", lm, 3), ("retrained", other, 2)):
-        path = compile_generation(model, zoo.parent / f"{key}.kiln", max_batch=batch, **LIMITS)
+        path = compile_generation(model, zoo.parent / f"{key}.kiln", report=True, max_batch=batch, **LIMITS)
         made[key] = record_package(path, MODEL, request).version
     assert len(set(made.values())) == 3
     return made
+
+
+def _fresh(*args: str) -> str:
+    """``python ARGS`` in a process of its own; its output."""
+    done = subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_logged_model_is_called_as_generate(mlflow_server, zoo: Path, versions: dict[str, str]) -> None:
+    """Its signature names the token inputs, the settings (with defaults) and the output; the MLflow
+    model, loaded in a fresh process, answers as ``compiler.load(...).generate`` with the same settings."""
+    import mlflow
+    import torch
+
+    import compiler
+
+    uri = f"models:/{NAME}/{versions['good']}"
+    signature = mlflow.models.get_model_info(uri).signature
+    assert [s.name for s in signature.inputs.inputs] == ["input_ids", "attention_mask"]
+    assert [s.name for s in signature.outputs.inputs] == ["output_ids"]
+    params = {p.name: p.default for p in signature.params.params}
+    assert params["max_new_tokens"] == 16 and params["do_sample"] is False and params["eos_token_id"] == [2]
+    ids = [[0, 0, 7, 8, 9], [4, 5, 6, 7, 8]]
+    mask = [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    settings = {"max_new_tokens": 6, "do_sample": True, "temperature": 0.7, "top_k": 50, "seed": 3}
+    script = (
+        "import json, sys, numpy as np, mlflow\n"
+        "model = mlflow.pyfunc.load_model(sys.argv[1])\n"
+        "ids, mask, params = (json.loads(a) for a in sys.argv[2:5])\n"
+        "out = model.predict({'input_ids': np.array(ids), 'attention_mask': np.array(mask)}, params=params)\n"
+        "print(json.dumps(out.tolist()))\n"
+    )
+    got = json.loads(
+        _fresh("-c", script, uri, json.dumps(ids), json.dumps(mask), json.dumps(settings)).splitlines()[-1]
+    )
+    loaded = compiler.load(zoo.parent / "good.kiln")
+    want = loaded.generate(torch.tensor(ids), torch.tensor(mask), **{**settings, "top_p": None})
+    assert got == want.tolist() and len(got[0]) == 5 + 6
+
+
+def test_report_of_a_version_shows_both_programs_and_how_to_call_it(
+    mlflow_server, zoo: Path, versions: dict[str, str]
+) -> None:
+    import re
+
+    page_path = zoo.parent / "report.html"
+    _fresh(
+        "-m", "flows.cli",
+        "report", MODEL, "--version", versions["good"], "--out", str(page_path),
+    )  # fmt: skip
+    page = page_path.read_text()
+    headings = re.findall(r"<h2>(.*?)</h2>", page)
+    assert headings[:3] == ["How to call it", "Generation", "Generated tokens"]
+    assert "Prefill program" in headings and "Decode program" in headings
+    assert headings.count("Partitioned graph") == 2  # each program's map
+    assert "module.generate(input_ids" in page and "[batch 1..2, prompt 1..10]" in page
+    ids = re.findall(r' id="([^"]+)"', page)
+    assert len(ids) == len(set(ids)) and "decode-partitions" in ids
+    assert "<th>token agreement</th><td>3 of 3 prompt batches" in page
+    assert re.search(r"<td>decode tokens/s, batch 2</td><td>[0-9.]+</td><td>[0-9.]+</td>", page)
 
 
 def test_release_gates_a_generation_version_on_tokens_perplexity_and_decode_speed(
