@@ -12,16 +12,25 @@ process (keep-alive HTTP/1.1 on asyncio streams) with the garbage collector paus
 machine the client costs one lean thread, not 16 threads contending for the GIL and the cores (their
 waits showed as the servers' latency).
 Triton takes the V2 protocol with the input as binary data (as tritonclient sends it), MLflow its
-JSON. Then a release under load: 4 clients on Triton + kiln while ``registry.release.apply_decision``
-makes version 2 the champion through the server (failed requests; seconds from the call until the
-server answers from version 2, and where they went: staging, the server's load call, and inside it
-the stub's torch import, verify and load, and warm-up from the server's log).
+JSON. Then a release under load: the run's most clients on Triton + kiln while
+``registry.release.apply_decision`` makes version 2 the champion through the server (failed requests;
+seconds from the call until the server answers from version 2, and where they went: staging, the
+server's load call, and inside it the stub's torch import, verify and load, and warm-up from its log).
 Targets: Triton + kiln >= 3x ``mlflow models serve`` at 16 clients, its p99 within 2x its p50, 0
 failed requests in the release, a release serving in <= 10 s. The machine is shared: the JSON names
 the CPU and the load average at the start and end; ``--quiet-below`` waits (up to
 ``--quiet-wait`` s) for the 1-minute load average to drop below it before starting.
 
+``--device cuda`` (issue 41, item 5): the same version compiled with Inductor fp16 on the GPU and
+signed with a key made for the run (so Triton's and MLflow's loads verify it and run its engines as
+built), served with ``KIND_GPU``; one more arm, ``in_process``: the package loaded in this process,
+timed at the very batch sizes Triton's dynamic batcher executed in each Triton + kiln cell (its
+statistics' ``batch_stats``), so its requests per second are the package's own at the same batch mix.
+Targets there: Triton + kiln >= 5x mlflow and >= 0.6x in-process at 16 clients, p99/p50 <= 2, a release
+live within 10 s. The JSON names the GPU and the host CPU.
+
     python3 -m benchmarks.triton_serving [--seconds 8] [--clients 1 4 16]
+    python3 -m benchmarks.triton_serving --device cuda --out triton_serving_cuda_h100
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ import torch
 from torch.export import Dim
 
 from benchmarks._common import print_table, write_json
-from benchmarks.machine import cpu_model
+from benchmarks.machine import cpu_model, gpu_machine
 from serving.triton.config import DEFAULT_QUEUE_DELAY_US
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,27 +87,46 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def build(root: Path) -> dict:
-    """Versions 1 and 2 (other weights) of kiln.bench_mlp.cpu in an embedded store; champion -> 1."""
+SERVED = {"registered": f"kiln.{MODEL}.cpu", "target": "cpu", "device": "cpu"}  # set by build()
+
+
+def build(root: Path, device: str = "cpu", sign: bool = False) -> dict:
+    """Versions 1 and 2 (other weights) of kiln.bench_mlp.<target> in an embedded store; champion -> 1.
+    On CUDA: Inductor fp16. ``sign``: signed with a key pair made here; its public key is then set in
+    this process's environment, which the servers inherit."""
     import compiler
+    from compiler.package.signing import PRIVATE_KEY_ENV, PUBLIC_KEY_ENV, new_key_pair
     from registry import config
-    from registry.models import CHAMPION, set_alias
+    from registry.models import CHAMPION, registered_model_name, set_alias
     from registry.tracking import record_package
 
     uri = f"sqlite:///{root / 'mlflow.db'}"
+    keys = new_key_pair(root / "keys") if sign else None
+    if keys:
+        os.environ[PRIVATE_KEY_ENV] = str(keys[0])
+    example = torch.randn(8, FEATURES, device=device)
     program = compiler.export(
-        bench_model(0), (torch.randn(8, FEATURES),), dynamic_shapes=({0: Dim("batch", min=1, max=32)},)
+        bench_model(0).to(device), (example,), dynamic_shapes=({0: Dim("batch", min=1, max=32)},)
     )
-    compiled = compiler.compile(program, profiles=({"batch": 1}, {"batch": 8}, {"batch": 16}, {"batch": 32}))
+    settings = {"backend": "inductor", "precision": "fp16", "device": device} if device != "cpu" else {}
+    compiled = compiler.compile(
+        program, profiles=({"batch": 1}, {"batch": 8}, {"batch": 16}, {"batch": 32}), **settings
+    )
     v1 = compiler.save(compiled, root / "v1.kiln").path
-    v2 = root / "v2.kiln"
-    shutil.copytree(v1, v2)
-    compiler.refit_package(v2, {k: v * 1.01 for k, v in compiler.load(v2).weights.items()})
+    # Version 2: other weights, same engines (refit in this process, where the engines are trusted).
+    v2 = compiler.save(
+        compiled.refit({k: v * 1.01 for k, v in compiled.weights.items()}), root / "v2.kiln"
+    ).path
     with contextlib.chdir(root):
         for path in (v1, v2):
             record_package(path, MODEL, {"name": MODEL}, tracking_uri=uri)
-    set_alias(config.client(uri), f"kiln.{MODEL}.cpu", CHAMPION, "1")
-    return {"uri": uri}
+    target = compiler.read_manifest(v1).engine_target
+    SERVED.update(registered=registered_model_name(MODEL, target), target=target, device=device)
+    set_alias(config.client(uri), SERVED["registered"], CHAMPION, "1")
+    if keys:
+        del os.environ[PRIVATE_KEY_ENV]
+        os.environ[PUBLIC_KEY_ENV] = str(keys[1])
+    return {"uri": uri, "v1": v1, "signed": bool(keys)}
 
 
 def add_eager(repo: Path) -> None:
@@ -116,26 +144,31 @@ def add_eager(repo: Path) -> None:
     (folder / "config.pbtxt").write_text(render_config(record, queue_delay_us=1000))
 
 
-def triton_request(x: np.ndarray) -> tuple[bytes, dict[str, str]]:
-    """A V2 infer request with the input as binary data (the binary tensor extension)."""
-    payload = x.astype(np.float32).tobytes()
-    header = json.dumps(
-        {
-            "inputs": [
-                {
-                    "name": INPUT["name"],
-                    "shape": list(x.shape),
-                    "datatype": "FP32",
-                    "parameters": {"binary_data_size": len(payload)},
-                }
-            ]
-        }
-    ).encode()
+def v2_request(inputs: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
+    """A V2 infer request with every input as binary data (the binary tensor extension)."""
+    names = {"float32": "FP32", "float16": "FP16", "int64": "INT64", "int32": "INT32", "bool": "BOOL"}
+    described, payload = [], b""
+    for name, value in inputs.items():
+        data = np.ascontiguousarray(value).tobytes()
+        described.append(
+            {
+                "name": name,
+                "shape": list(value.shape),
+                "datatype": names[str(value.dtype)],
+                "parameters": {"binary_data_size": len(data)},
+            }
+        )
+        payload += data
+    header = json.dumps({"inputs": described}).encode()
     headers = {
         "Inference-Header-Content-Length": str(len(header)),
         "Content-Type": "application/octet-stream",
     }
     return header + payload, headers
+
+
+def triton_request(x: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    return v2_request({INPUT["name"]: x.astype(np.float32)})
 
 
 def triton_arm(base: str, model: str) -> tuple[str, bytes, dict[str, str]]:
@@ -242,7 +275,7 @@ def mlflow_serve(uri: str, root: Path):
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PATH": path}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/kiln.{MODEL}.cpu/1",
+        [sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{SERVED['registered']}/1",
          "--env-manager", "local", "--host", "127.0.0.1", "-p", str(port)],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root,
     )  # fmt: skip
@@ -265,7 +298,7 @@ def mlflow_serve(uri: str, root: Path):
 
 
 def release_under_load(server, repo: Path, uri: str, clients: int = 4) -> dict:
-    """4 clients on Triton + kiln while version 2 is released through the server."""
+    """``clients`` clients on Triton + kiln while version 2 is released through the server."""
     from registry.release import GateReport, apply_decision
     from serving.triton.live import TritonRelease
 
@@ -295,8 +328,8 @@ def release_under_load(server, repo: Path, uri: str, clients: int = 4) -> dict:
     time.sleep(1.0)
     log_before = len(server.log_tail(10**9))
     started = time.monotonic()
-    live = TritonRelease(server.http_url, repo, MODEL, tracking_uri=uri)
-    apply_decision(GateReport(f"kiln.{MODEL}.cpu", "2", "1", {}, {}), tracking_uri=uri, live=live)
+    live = TritonRelease(server.http_url, repo, MODEL, SERVED["target"], tracking_uri=uri)
+    apply_decision(GateReport(SERVED["registered"], "2", "1", {}, {}), tracking_uri=uri, live=live)
     returned = time.monotonic() - started
     time.sleep(1.0)
     stop.set()
@@ -335,15 +368,56 @@ def server_side(server, model: str | None, before: dict | None = None) -> dict:
         "executions": stats["execution_count"],
         "queue_ns": stats["inference_stats"]["queue"]["ns"],
         "infer_ns": stats["inference_stats"]["compute_infer"]["ns"],
+        # executions per batch size: the batch mix the backend ran
+        **{f"batch_{b['batch_size']}": b["compute_infer"]["count"] for b in stats.get("batch_stats") or []},
     }
     if before is None:
         return now
-    d = {k: now[k] - before[k] for k in now}
+    d = {k: now[k] - before.get(k, 0) for k in now}
     n = max(d["inferences"], 1)
     return {
         "requests_per_batch": round(d["inferences"] / max(d["executions"], 1), 2),
         "mean_queue_ms": round(d["queue_ns"] / n / 1e6, 3),
         "mean_execute_ms": round(d["infer_ns"] / n / 1e6, 3),
+        "batch_mix": {k.removeprefix("batch_"): v for k, v in d.items() if k.startswith("batch_") and v},
+    }
+
+
+def in_process(package: Path, mixes: dict[int, dict[str, int]], device: str, runs: int = 50) -> dict:
+    """The package loaded here, timed at each batch size Triton + kiln's batcher executed (median of
+    ``runs`` calls each, synchronized): requests per second at each cell's batch mix."""
+    import compiler
+
+    module = compiler.load(package, device=device)
+    sizes = sorted({int(b) for mix in mixes.values() for b in mix})
+    median_s = {}
+    with torch.inference_mode():
+        for size in sizes:
+            x = torch.randn(size, FEATURES, device=device)
+            for _ in range(5):
+                module(x)
+            times = []
+            for _ in range(runs):
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                module(x)
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            median_s[size] = float(np.median(times))
+    cells = {}
+    for clients, mix in mixes.items():
+        requests = sum(int(b) * c for b, c in mix.items())
+        seconds = sum(median_s[int(b)] * c for b, c in mix.items())
+        cells[clients] = {
+            "throughput_rps": round(requests / seconds, 1) if seconds else None,
+            "batch_mix": mix,
+        }
+    return {
+        "trusted": module.trust_engine_code,
+        "median_ms_by_batch": {b: round(t * 1000, 4) for b, t in median_s.items()},
+        "cells": cells,
     }
 
 
@@ -354,66 +428,100 @@ def wait_for_quiet(below: float, patience: float) -> None:
         time.sleep(5)
 
 
-ARMS = ("triton_kiln", "mlflow_serve", "triton_eager")
+ARMS = ("triton_kiln", "mlflow_serve", "triton_eager", "in_process")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the version runs")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per cell")
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds of the same load first")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=None, help="default: all but in_process "
+                        "on the CPU (it contends with the servers for 2 cores), all on CUDA")  # fmt: skip
     parser.add_argument("--queue-delay-us", type=int, default=DEFAULT_QUEUE_DELAY_US, help="export's setting")
     parser.add_argument("--instances", type=int, default=1, help="export's setting")
     parser.add_argument("--threads", type=int, default=0, help="export's setting (0: kiln's automatic)")
     parser.add_argument("--no-release", action="store_true", help="skip the release under load")
+    parser.add_argument(
+        "--no-sign", action="store_true", help="CUDA: leave the versions unsigned (untrusted loads)"
+    )
     parser.add_argument("--quiet-below", type=float, default=1.5, help="start once the load average is below")
-    parser.add_argument("--quiet-wait", type=float, default=300.0, help="... or after this many seconds")
+    parser.add_argument("--quiet-wait", type=float, default=None, help="... or after this many seconds "
+                        "(default 300 on the CPU, 0 on CUDA: the GPU host is not shared)")  # fmt: skip
+    parser.add_argument("--out", default=None, help="results: a name under benchmarks/results/ or a path "
+                        "ending in .json (default triton_serving, triton_serving_cuda)")  # fmt: skip
     parser.add_argument("--no-json", action="store_true", help="print only (trying settings)")
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    arms = args.arms or [a for a in ARMS if cuda or a != "in_process"]
+    quiet_wait = args.quiet_wait if args.quiet_wait is not None else (0.0 if cuda else 300.0)
 
     from serving.triton.repository import export
     from serving.triton.server import TritonServer
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     root = Path(tempfile.mkdtemp(prefix="kiln-triton-bench-"))
-    release = None
+    release, inproc, steps_s = None, None, {}
+    started = time.perf_counter()
     try:
-        store = build(root)
+        store = build(root, args.device, sign=cuda and not args.no_sign)
+        steps_s["build"] = round(time.perf_counter() - started, 2)
         repo = root / "repository"
-        export(
+        results = export(
             [MODEL],
             repo,
+            target=SERVED["target"],
             tracking_uri=store["uri"],
             queue_delay_us=args.queue_delay_us,
             instances=args.instances,
             threads=args.threads,
         )
+        if not hasattr(results[0], "model_dir"):
+            raise SystemExit(f"export failed: {results[0]}")
         INPUT["name"] = json.loads((repo / MODEL / "1" / "kiln.json").read_text())["inputs"][0]["name"]
-        add_eager(repo)
+        if "triton_eager" in arms:
+            add_eager(repo)
         cells = {}
+        mark = time.perf_counter()
         server = TritonServer(repo, http_port=free_port(), grpc_port=free_port()).start()
-        mlflow = mlflow_serve(store["uri"], root) if "mlflow_serve" in args.arms else contextlib.nullcontext()
+        steps_s["triton_start_to_ready"] = round(time.perf_counter() - mark, 2)
+        stubs = re.findall(r"kiln: \S+ version \S+ ready in [^\n]*", server.log_tail(10**9))
+        mlflow = mlflow_serve(store["uri"], root) if "mlflow_serve" in arms else contextlib.nullcontext()
         try:
             with mlflow as mlflow_url:
-                wait_for_quiet(args.quiet_below, args.quiet_wait)
+                wait_for_quiet(args.quiet_below, quiet_wait)
                 load_at_start = os.getloadavg()
-                arms = {
+                drivers = {
                     "triton_kiln": triton_arm(server.http_url, MODEL),
                     "triton_eager": triton_arm(server.http_url, f"{MODEL}_eager"),
                     "mlflow_serve": mlflow_arm(mlflow_url) if mlflow_url else None,
                 }
                 # Side by side: every arm at one client count before the next count.
                 for clients in args.clients:
-                    for arm in args.arms:
+                    for arm in arms:
+                        if arm == "in_process":
+                            continue
                         model = {"triton_kiln": MODEL, "triton_eager": f"{MODEL}_eager"}.get(arm)
                         before = server_side(server, model)
-                        cells[(arm, clients)] = drive(arms[arm], clients, args.seconds, args.warmup)
+                        cells[(arm, clients)] = drive(drivers[arm], clients, args.seconds, args.warmup)
                         if model:
                             cells[(arm, clients)]["server_side"] = server_side(server, model, before)
                         print(arm, cells[(arm, clients)], flush=True)
+            if "in_process" in arms:  # the servers idle meanwhile: the package alone on the device
+                mixes = {
+                    c: cells[("triton_kiln", c)]["server_side"]["batch_mix"]
+                    for c in args.clients
+                    if ("triton_kiln", c) in cells
+                }
+                inproc = in_process(store["v1"], mixes, SERVED["device"])
+                for clients, cell in inproc["cells"].items():
+                    cells[("in_process", clients)] = {"clients": clients, **cell}
+                print("in_process", inproc, flush=True)
             if not args.no_release:
-                release = release_under_load(server, repo, store["uri"])
+                release = release_under_load(server, repo, store["uri"], clients=max(args.clients))
             load_at_end = os.getloadavg()
         finally:
             server.stop()
@@ -422,22 +530,31 @@ def main() -> None:
 
     rows = []
     for clients in args.clients:
-        for arm in args.arms:
-            c = cells[(arm, clients)]
-            rows.append([clients, arm, c["throughput_rps"], c["p50_ms"], c["p99_ms"], c["failed"]])
+        for arm in arms:
+            c = cells.get((arm, clients))
+            if c:
+                rows.append(
+                    [clients, arm, c["throughput_rps"], c.get("p50_ms"), c.get("p99_ms"), c.get("failed")]
+                )
     columns = ["clients", "server", "req/s", "p50 ms", "p99 ms", "failed"]
-    print_table("serving one version, batch-1 requests", columns, rows)
+    print_table(f"serving one version on {args.device}, batch-1 requests", columns, rows)
     top = max(args.clients)
     summary: dict = {"release": release}
     kiln_top, mlflow_top = cells.get(("triton_kiln", top)), cells.get(("mlflow_serve", top))
+    inproc_top = cells.get(("in_process", top))
     if kiln_top:
         summary[f"triton_kiln_p99_over_p50_at_{top}"] = round(kiln_top["p99_ms"] / kiln_top["p50_ms"], 2)
     if kiln_top and mlflow_top:
         summary[f"triton_kiln_vs_mlflow_throughput_at_{top}"] = round(
             kiln_top["throughput_rps"] / mlflow_top["throughput_rps"], 2
         )
+    if kiln_top and inproc_top and inproc_top["throughput_rps"]:
+        summary[f"triton_kiln_vs_in_process_throughput_at_{top}"] = round(
+            kiln_top["throughput_rps"] / inproc_top["throughput_rps"], 2
+        )
     summary["targets"] = {
-        "throughput_vs_mlflow": ">= 3x at 16 clients",
+        "throughput_vs_mlflow": f">= {5 if cuda else 3}x at 16 clients",
+        **({"throughput_vs_in_process": ">= 0.6x at 16 clients, same batch mix"} if cuda else {}),
         "p99_over_p50": "<= 2",
         "release_failed_requests": 0,
         "release_to_serving_s": "<= 10",
@@ -445,26 +562,42 @@ def main() -> None:
     print(json.dumps(summary, indent=2))
     if args.no_json:
         return
-    write_json(
-        "triton_serving",
-        {
-            "cpu": cpu_model(),
-            "cpu_cores": os.cpu_count(),
-            "load_average_at_start": load_at_start,
-            "load_average_at_end": load_at_end,
-            "seconds_per_cell": args.seconds,
-            "warmup_seconds_per_cell": args.warmup,
-            "settings": {
-                "queue_delay_us": args.queue_delay_us,
-                "instances": args.instances,
-                "threads": args.threads,
-            },
-            "client": "one asyncio loop, a keep-alive HTTP/1.1 connection per client, GC paused",
-            "model": f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES} fp32, batch-1 requests, ORT engines",
-            "cells": [{"server": arm, **c} for (arm, _), c in cells.items()],
-            **summary,
+    model = f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, batch-1 requests, " + (
+        "Inductor fp16 on CUDA (AOTInductor), signed" if cuda and not args.no_sign else
+        "Inductor fp16 on CUDA, unsigned" if cuda else "fp32, ORT engines"
+    )  # fmt: skip
+    payload = {
+        **({"gpu_machine": gpu_machine()} if cuda else {}),
+        "cpu": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "device": args.device,
+        "load_average_at_start": load_at_start,
+        "load_average_at_end": load_at_end,
+        "seconds_per_cell": args.seconds,
+        "warmup_seconds_per_cell": args.warmup,
+        "settings": {
+            "queue_delay_us": args.queue_delay_us,
+            "instances": args.instances,
+            "threads": args.threads,
         },
-    )
+        "client": "one asyncio loop, a keep-alive HTTP/1.1 connection per client, GC paused",
+        "model": model,
+        "registered_model": SERVED["registered"],
+        "steps_s": steps_s,
+        "stub_ready_lines": stubs,
+        "in_process": inproc,
+        "cells": [{"server": arm, **c} for (arm, _), c in cells.items()],
+        **summary,
+    }
+    name = args.out or ("triton_serving_cuda" if cuda else "triton_serving")
+    if name.endswith(".json"):
+        Path(name).parent.mkdir(parents=True, exist_ok=True)
+        Path(name).write_text(
+            json.dumps({"machine": {"torch": torch.__version__}, **payload}, indent=2, sort_keys=True)
+        )
+        print(f"\nwrote {name}")
+    else:
+        write_json(name, payload)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ def compile_one(
             "failed",
             error=_error_text(exc),
             seconds=round(time.perf_counter() - start, 2),
+            precision=request.options.precision,  # what was asked: the row says fp16 failed, not fp32
         )
 
 
@@ -176,7 +177,9 @@ def recompile_zoo(
             runnable.append(request)
         else:
             exc = state.result(raise_on_failure=False)
-            results.append(ModelResult(request.name, request.device, "failed", error=_error_text(exc)))
+            failed = ModelResult(request.name, request.device, "failed", error=_error_text(exc))
+            failed.precision = request.options.precision
+            results.append(failed)
             progress.emit("failed", request.name, request.device, _error_text(exc))
 
     if runnable:

@@ -16,9 +16,14 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from registry import config
-from registry.errors import ArtifactMissingError, ArtifactVerificationError, ReleaseError
-from registry.models import registered_model_name
+from registry.errors import (
+    ArtifactMissingError,
+    ArtifactVerificationError,
+    ReleaseError,
+    UnknownEngineTargetError,
+)
 from registry.release import GateReport, champion_or_broken
+from registry.targets import registered_targets, resolve_target, resolved_model_name
 from tasks.generation import generation_gates
 from tasks.registry import (
     accuracy_gate,
@@ -28,24 +33,61 @@ from tasks.registry import (
     rebuild_original,
     resolve_candidate,
 )
+from zoo.config import ZooEntry
 from zoo.errors import ZooConfigError
 from zoo.request import CompileRequest
-from zoo.zoo_file import load_zoo
+from zoo.zoo_file import Zoo, load_zoo
 
 DEFAULT_MAX_LATENCY_RATIO = 1.10
 
 
-def release_request(zoo_path: str, model: str, target: str) -> CompileRequest:
-    """The zoo file's request for ``model`` on the device family of ``target`` (trusted input)."""
+def _entry(zoo_path: str, model: str) -> tuple[Zoo, ZooEntry]:
     zoo = load_zoo(zoo_path)
     entries = [e for e in zoo.entries if e.name == model]
     if not entries:
         invalid = [i.error for i in zoo.invalid if i.name == model]
         raise ZooConfigError(
-            invalid[0] if invalid else f"{zoo_path} has no model {model!r}; it has {zoo.names}"
+            invalid[0]
+            if invalid
+            else f"{zoo_path} has no model {model!r} (it has {zoo.names}); name the zoo file that compiled "
+            "it with --zoo"
         )
+    return zoo, entries[0]
+
+
+def release_target(zoo_path: str, model: str, target: str | None, tracking_uri: str | None = None) -> str:
+    """The registered engine target a release of ``model`` is for: ``target`` (``--target``), else the
+    device the zoo entry lists (``devices: [cuda]``: ``cuda``), resolved by ``registry.targets`` (``cuda``
+    -> ``cuda_sm_90``). An entry listing several device families takes the one with registered versions;
+    a ReleaseError naming ``--target`` when that is not exactly one."""
+    registered = registered_targets(config.client(tracking_uri), model)
+    if target is not None:
+        return resolve_target(model, target, registered)
+    _, entry = _entry(zoo_path, model)
+    families = list(dict.fromkeys(device.split(":")[0] for device in entry.devices))
+    if len(families) == 1:
+        return resolve_target(model, families[0], registered)
+    chosen = {}
+    for family in families:
+        try:
+            chosen[family] = resolve_target(model, family, registered)
+        except UnknownEngineTargetError:
+            continue  # this device has nothing registered: not the one to release
+    if len(chosen) != 1:
+        raise ReleaseError(
+            f"models[{model}] in {zoo_path} lists devices {families}, and "
+            + ("none has" if not chosen else f"{sorted(chosen.values())} all have")
+            + f" registered versions (registered targets: {', '.join(registered) or 'none'}); name the "
+            "engine target to release with --target"
+        )
+    return next(iter(chosen.values()))
+
+
+def release_request(zoo_path: str, model: str, target: str) -> CompileRequest:
+    """The zoo file's request for ``model`` on the device family of ``target`` (trusted input)."""
+    zoo, entry = _entry(zoo_path, model)
     family = target.split(":")[0].split("_")[0]
-    requests = [r for r in zoo.requests(entries[0]) if r.device.split(":")[0] == family]
+    requests = [r for r in zoo.requests(entry) if r.device.split(":")[0] == family]
     if not requests:
         raise ReleaseError(
             f"{model} in {zoo_path} lists no {family} device; the registry target is {target!r}"
@@ -80,7 +122,7 @@ def release(
     """
     logger = get_run_logger()
     config.configure(tracking_uri)
-    name = registered_model_name(model, target)
+    name = resolved_model_name(config.client(tracking_uri), model, target)
     if live:
         from serving.triton.live import triton_release
 

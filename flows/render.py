@@ -84,7 +84,10 @@ def _summary_table(summary: dict[str, Any]) -> Table:
     for column in ("parts", "built", "reused", "rel L2", "lat x", "s"):
         table.add_column(column, justify="right", no_wrap=True)
     for m in summary["models"]:
-        precision = [_precision_cell(m.get("precision") or "fp32")] if mixed else []
+        # An invalid entry has no request, so no precision: "-" (a row that compiled and recorded none
+        # predates the field: fp32)
+        asked = m.get("precision") or ("fp32" if m["status"] == "ok" else NOT_MEASURED)
+        precision = [_precision_cell(asked)] if mixed else []
         table.add_row(
             escape(m["name"]),
             escape(m["device"]),

@@ -26,6 +26,15 @@ class NoMatchingVersionError(RegistryError, LookupError):
         self.candidates = list(candidates or [])
 
 
+class UnknownEngineTargetError(NoMatchingVersionError):
+    """A ``--target`` that names no engine target registered for the model (``registry.targets``);
+    ``registered`` lists the ones there are."""
+
+    def __init__(self, message: str, *, registered: list[str] | None = None):
+        super().__init__(message, candidates=[])
+        self.registered = list(registered or [])
+
+
 class ArtifactMissingError(RegistryError):
     """A registered version's artifact is gone from the artifact store."""
 

@@ -27,6 +27,7 @@ from mlflow.exceptions import MlflowException
 
 from compiler.errors import PackageError
 from compiler.inputs.specs import InputSpec, specs_from_json
+from compiler.package.signing import trust_note
 from registry import config
 from registry.config import RetryPolicy, call_with_retry, is_transient
 from registry.errors import ArtifactMissingError, ArtifactVerificationError, NoMatchingVersionError
@@ -44,6 +45,7 @@ from registry.models import (
     source_of,
 )
 from registry.pyfunc import PACKAGE_ARTIFACT
+from registry.targets import resolved_model_name
 from registry.transfer import ProgressCallback, download_model_dir
 from zoo.sources.staging import new_staging_dir
 
@@ -322,7 +324,7 @@ def lookup(
     ``on_progress``: see :func:`fetch_version`.
     """
     mlclient = config.client(tracking_uri)
-    name = registered_model_name(model, target)
+    name = resolved_model_name(mlclient, model, target, policy)  # --target cuda: this host's GPU's
     query = resolve_source(mlclient, source, policy) if source else None
     if query is not None and query.note:
         log.warning("%s", query.note)
@@ -445,4 +447,10 @@ def describe_result(result: LookupResult) -> dict:
         "source": source_of(result.tags),
         "source_match": result.source_match,
         "skipped": [{k: r[k] for k in ("version", "reason")} for r in result.skipped],
+        # Whether the load ran the engines as built (a signature verified) or compiled them, and why.
+        "engine_code": (
+            trust_note(result.package_dir, getattr(result.module, "trust_engine_code", None))
+            if result.module is not None
+            else None
+        ),
     }

@@ -43,10 +43,10 @@ from registry.models import (
     alias_intent,
     clear_alias_intent,
     get_aliases,
-    registered_model_name,
     registry_lock,
     set_alias,
 )
+from registry.targets import resolved_model_name
 
 log = logging.getLogger("kiln.registry")
 
@@ -317,7 +317,7 @@ def rollback(
     only if it named that version; this works with a broken champion and without a ``previous``.
     """
     mlclient = config.client(tracking_uri)
-    name = registered_model_name(model, target)
+    name = resolved_model_name(mlclient, model, target, policy)
     with registry_lock(mlclient, name), _live_hold(live):
         aliases = get_aliases(mlclient, name, policy)
         champion, previous = aliases.get(CHAMPION), aliases.get(PREVIOUS)

@@ -33,6 +33,7 @@ import os
 import stat
 import tempfile
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -71,8 +72,8 @@ def _model_signing(why: str) -> ModuleType:
     return model_signing
 
 
-def _refuse_legacy_hmac() -> None:
-    if os.environ.get(LEGACY_HMAC_ENV):
+def _refuse_legacy_hmac(environ: Mapping[str, str] | None = None) -> None:
+    if (os.environ if environ is None else environ).get(LEGACY_HMAC_ENV):
         raise SigningConfigError(
             f"{LEGACY_HMAC_ENV} is set, but kiln's HMAC signing was replaced by model-signing signatures: "
             f"unset it, sign with {PRIVATE_KEY_ENV} (a PEM EC private key) and verify with "
@@ -153,12 +154,14 @@ class Trust:
             raise SigningConfigError("trust is a public key or certificate roots, exactly one of them")
 
     @classmethod
-    def from_env(cls) -> Trust | None:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Trust | None:
         """The trust ``$KILN_SIGNING_PUBLIC_KEY`` or ``$KILN_SIGNING_TRUSTED_CERTIFICATES`` configures,
-        or None (nothing to verify against: packages are untrusted data)."""
-        _refuse_legacy_hmac()
-        key = os.environ.get(PUBLIC_KEY_ENV, "")
-        roots = _paths(os.environ.get(TRUSTED_CERTIFICATES_ENV, ""))
+        or None (nothing to verify against: packages are untrusted data). ``environ``: another process's
+        environment (a server's), by default this one's."""
+        environ = os.environ if environ is None else environ
+        _refuse_legacy_hmac(environ)
+        key = environ.get(PUBLIC_KEY_ENV, "")
+        roots = _paths(environ.get(TRUSTED_CERTIFICATES_ENV, ""))
         if key and roots:
             raise SigningConfigError(
                 f"both {PUBLIC_KEY_ENV} and {TRUSTED_CERTIFICATES_ENV} are set: a package is verified "
@@ -370,3 +373,86 @@ def _signed_files(raw: bytes, path: Path) -> dict[str, str]:
             f"({type(exc).__name__}: {exc}); kiln reads sha256 file signatures only"
         ) from exc
     return files
+
+
+def new_key_pair(directory: str | os.PathLike, name: str = "kiln-signing") -> tuple[Path, Path]:
+    """A fresh signing identity: an EC P-256 key pair written as ``directory/<name>.pem`` (the unencrypted
+    PKCS#8 private key, mode 0600: for ``$KILN_SIGNING_PRIVATE_KEY`` on the workers that record) and
+    ``directory/<name>.pub`` (its public key, for ``$KILN_SIGNING_PUBLIC_KEY`` where packages are read).
+    (private, public), absolute.
+
+    An existing file of either name is never replaced (a lost private key would orphan every package
+    it signed): SigningConfigError naming it. Both files appear whole or not at all."""
+    try:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+    except ImportError as exc:
+        raise SigningConfigError(f"making a signing key needs the cryptography library: {_INSTALL}") from exc
+    folder = Path(directory).resolve()
+    if not name or Path(name).name != name or name.startswith("."):
+        raise SigningConfigError(f"key name {name!r}: a plain file name (no folder), e.g. kiln-signing")
+    private, public = folder / f"{name}.pem", folder / f"{name}.pub"
+    for path in (private, public):
+        if os.path.lexists(path):
+            raise SigningConfigError(
+                f"{path} exists: kiln never replaces a signing key (packages it signed would no longer "
+                "verify); use it, move it away, or choose another --dir or --name"
+            )
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new folder: the pipeline account's alone
+    key = ec.generate_private_key(ec.SECP256R1())
+    contents = {
+        private: key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+        public: key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        ),
+    }
+    made: list[Path] = []
+    try:
+        for path, data in contents.items():
+            tmp = folder / f".{path.name}.{uuid.uuid4().hex[:8]}"
+            # Created with its final mode: the private key is never readable by others, even briefly.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if path == private else 0o644)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, path)  # fails if the name appeared meanwhile: nothing is replaced
+                made.append(path)
+            finally:
+                tmp.unlink(missing_ok=True)
+    except OSError as exc:
+        for path in made:
+            path.unlink(missing_ok=True)
+        raise SigningConfigError(f"cannot write the signing key pair in {folder}: {exc}") from exc
+    return private, public
+
+
+def trust_note(package_dir: str | os.PathLike, trusted: bool | None) -> str:
+    """One line saying whether a load trusted the package's engine code and why: a verified signature,
+    or what is missing (no verification key in this process's environment, an unsigned package, an
+    explicit ``trust_engine_code``). Untrusted Inductor engines are compiled at load (docs/security.md)."""
+    if trusted is None:
+        return "engine code: not a kiln package load"
+    signed = (Path(package_dir) / SIGNATURE).is_file()
+    try:
+        trust = Trust.from_env()
+    except SigningConfigError as exc:
+        trust, problem = None, str(exc)
+    else:
+        problem = ""
+    if trusted and trust is not None:
+        return f"engine code trusted: its signature verified against {trust.describe()}, so it runs as built"
+    if trusted:
+        return "engine code trusted by the caller (trust_engine_code=True); no signature checked"
+    if trust is not None:
+        why = "a format-1 package, whose hash leaves its program out (re-save it), or trust_engine_code=False"
+    elif problem:
+        why = problem
+    else:
+        why = f"no {PUBLIC_KEY_ENV} (or {TRUSTED_CERTIFICATES_ENV}) in this process's environment, so " + (
+            "its signature was not checked" if signed else "nothing vouches for it (it is unsigned, too)"
+        )
+    return f"engine code untrusted ({why}): Inductor engines are compiled here from their programs"

@@ -8,10 +8,12 @@ constraints and example inputs, and refuses unbounded ranges.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import inspect
 import io
+import itertools
 import json
 import os
 import re
@@ -63,7 +65,7 @@ def export(
     """
     kwargs = dict(kwargs or {})
     try:
-        with TRACING:
+        with TRACING, _sdpa_for_tracing(model, args, kwargs):
             program = torch.export.export(
                 model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=strict
             )
@@ -75,6 +77,22 @@ def export(
     specs = _specs_from_program(program, dim_names, require_bounded=True)
     attach_specs(program, specs)
     return program
+
+
+def _sdpa_for_tracing(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """On CUDA, the math attention kernel while tracing. The traced graph keeps
+    ``aten.scaled_dot_product_attention`` either way (the kernel is chosen again where the engine is
+    built); only the shape propagation differs. CUDA's memory-efficient kernel aligns an explicit mask by
+    padding and slicing it, which with a dynamic sequence length adds guards (``seq % 8 == 0``...) that
+    no range satisfies: ``Constraints violated (seq)!`` for every Hugging Face text model with an
+    attention mask (torch 2.11 on an H100; pytorch/pytorch#124502)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    leaves = torch.utils._pytree.tree_leaves((args, dict(kwargs)))
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    tensors += itertools.islice(model.parameters(), 1)  # a model whose inputs are all Python values
+    on_cuda = any(t.device.type == "cuda" for t in tensors)
+    return sdpa_kernel([SDPBackend.MATH]) if on_cuda else contextlib.nullcontext()
 
 
 def attach_specs(program: ExportedProgram, specs: Sequence[InputSpec]) -> None:

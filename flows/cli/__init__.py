@@ -7,7 +7,8 @@ Every command group, one module each, listed once in :data:`GROUPS`; every optio
 - :mod:`flows.cli.registry`: ``lookup``, ``release``, ``rollback``, ``versions``;
 - :mod:`flows.cli.ops`: ``deploy``, ``report``, ``debug``, ``webhook``;
 - :mod:`flows.cli.cache`: ``cache ls|verify|gc``;
-- :mod:`flows.cli.serve`: ``serve triton export|run``.
+- :mod:`flows.cli.serve`: ``serve triton export|run``;
+- :mod:`flows.cli.signing`: ``signing init|check``.
 
 Only typer and rich are imported here: ``kiln --help`` answers without torch, Prefect or MLflow
 (issue 21); each command imports what it uses. Exit codes: 0 all models ok, 1 a model failed,
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import typer
 
-from flows.cli import cache, compile, ops, registry, serve
+from flows.cli import cache, compile, ops, registry, serve, signing
 from registry.terminal import sanitize_logs
 
 sanitize_logs()  # every log line and warning the commands print shows control characters as escapes
@@ -38,7 +39,7 @@ app = typer.Typer(
 )
 
 # Every command group of kiln, in the order `kiln --help` lists their commands.
-GROUPS = (compile, registry, ops, cache, serve)
+GROUPS = (compile, registry, ops, cache, serve, signing)
 for _group in GROUPS:
     _group.register_commands(app)
 

@@ -205,6 +205,7 @@ def zoo_cmd(
     from pydantic import ValidationError
 
     from zoo.errors import ZooConfigError
+    from zoo.last_run import record_zoo_file
     from zoo.zoo_file import format_errors as _format_errors
     from zoo.zoo_file import load_zoo
 
@@ -229,6 +230,11 @@ def zoo_cmd(
     invalid = [i for i in zoo.invalid if not model or i.name in model]
     out_dir = str(Path(out or settings.out_dir).resolve())
     _check_writable(out_dir, settings.workspace)
+    # kiln release MODEL, later in this directory, rebuilds the original from this file's entry.
+    try:
+        record_zoo_file(zoo_file)
+    except OSError as exc:  # the run goes on; kiln release then needs --zoo
+        console.print(f"[yellow]warning:[/yellow] {escape(str(exc))}: release with --zoo", soft_wrap=True)
     if not invalid:
         summary = _unchanged_summary(requests, out_dir, settings, str(zoo_file))
         if summary is not None:
@@ -473,6 +479,7 @@ def compile_cmd(
             exc = state.result(raise_on_failure=False)
             message = f"{type(exc).__name__}: {exc}" if isinstance(exc, BaseException) else str(state.message)
             result = ModelResult(request.name, request.device, "failed", error=message)
+            result.precision = request.options.precision  # what was asked (the prec column)
             events.emit("failed", request.name, request.device, message)
         return write_summary([result], out_dir, settings, 0.0, zoo=str(zoo_file)), None
 

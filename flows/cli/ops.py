@@ -17,7 +17,7 @@ from flows.cli.options import (
     DebugCompareRuns,
     Deployment,
     DeployName,
-    DeviceTarget,
+    EngineTarget,
     Host,
     JsonOut,
     MaxConnections,
@@ -119,7 +119,7 @@ REPORT_HELP = (
 def report_cmd(
     target: ReportTarget,
     out: Out = None,
-    device_target: DeviceTarget = "cpu",
+    engine_target: EngineTarget = "cpu",
     version: ReportVersion = None,
     tracking_uri: ReportTrackingUri = None,
 ) -> None:
@@ -136,7 +136,7 @@ def report_cmd(
             from registry.lookup import lookup
 
             found = lookup(
-                target, None, target=device_target, version=version, load=False, tracking_uri=tracking_uri
+                target, None, target=engine_target, version=version, load=False, tracking_uri=tracking_uri
             )
             manifest, title = found.manifest, f"{found.name} version {found.version}"
             package = found.package_dir

@@ -252,8 +252,20 @@ TrackingUri = Annotated[
         show_default=False,
     ),
 ]
-Target = Annotated[
-    str, typer.Option("--target", help="target device the engines were built for: cpu, cuda:sm_90")
+# The engine target (what engines are built for), as every registry command takes it; registry.targets
+# resolves it against the targets registered for the model.
+ENGINE_TARGET_HELP = (
+    "engine target of the registered versions: cpu, cuda (this machine's GPU; on a host without one, the "
+    "model's only CUDA target) or cuda:sm_90"
+)
+EngineTarget = Annotated[str, typer.Option("--target", help=ENGINE_TARGET_HELP)]
+ReleaseEngineTarget = Annotated[
+    str | None,
+    typer.Option(
+        "--target",
+        help=ENGINE_TARGET_HELP + " (default: the device the zoo entry lists: devices: [cuda] -> cuda)",
+        show_default=False,
+    ),
 ]
 TritonUrl = Annotated[
     str | None,
@@ -315,7 +327,13 @@ RelL2 = Annotated[
 ]
 Runs = Annotated[int, typer.Option(help="timed runs per module for the latency gate")]
 ReleaseZooFile = Annotated[
-    str, typer.Option("--zoo", help="the zoo file whose entry builds the original model (trusted input)")
+    str | None,
+    typer.Option(
+        "--zoo",
+        help="the zoo file whose entry builds the original model (trusted input; default: the zoo file "
+        "of the last kiln zoo run in this directory)",
+        show_default=False,
+    ),
 ]
 ForceReplaceBroken = Annotated[
     bool,
@@ -354,7 +372,6 @@ ReportTarget = Annotated[
 Out = Annotated[
     Path | None, typer.Option("--out", "-o", help="the HTML file (default: <package name>.report.html)")
 ]
-DeviceTarget = Annotated[str, typer.Option("--target", help="registry: engines built for: cpu, cuda:sm_90")]
 ReportVersion = Annotated[str | None, typer.Option(help="registry: this version number")]
 ReportTrackingUri = Annotated[str | None, typer.Option(help="registry: MLflow tracking URI")]
 WebhookServeZooFile = Annotated[
@@ -380,7 +397,7 @@ Repository = Annotated[
     Path, typer.Option("--repository", "-r", help="the Triton model repository (a directory)")
 ]
 Models = Annotated[list[str], typer.Argument(help="kiln model names (as in the zoo file), e.g. tiny_bert")]
-ExportTarget = Annotated[str, typer.Option("--target", help="engine target of the registered versions")]
+ExportTarget = EngineTarget  # flows/cli/serve.py's name for it
 QueueDelayUs = Annotated[
     int, typer.Option("--queue-delay-us", help="dynamic batching: how long a request may wait for others")
 ]
@@ -436,3 +453,10 @@ MaxBytes = Annotated[
 OlderThan = Annotated[
     str | None, typer.Option("--older-than", help="remove entries unused for longer (30m, 12h, 7d, 2w)")
 ]
+SigningDir = Annotated[
+    str,
+    typer.Option(
+        "--dir", help="where the key pair is written (a folder only the pipeline's account can read)"
+    ),
+]
+SigningName = Annotated[str, typer.Option("--name", help="file names: NAME.pem (private), NAME.pub (public)")]

@@ -15,12 +15,14 @@ from flows.cli.options import (
     AllowOpModule,
     AsJson,
     Dst,
+    EngineTarget,
     ForceReplaceBroken,
     LookupBackend,
     LookupModel,
     LookupPrecision,
     MaxLatencyRatio,
     ReleaseAsJson,
+    ReleaseEngineTarget,
     ReleaseModel,
     ReleaseVersion,
     ReleaseZooFile,
@@ -28,7 +30,6 @@ from flows.cli.options import (
     Runs,
     Shape,
     Source,
-    Target,
     To,
     TrackingUri,
     TritonRepository,
@@ -100,7 +101,7 @@ def lookup_cmd(
     model: LookupModel,
     shape: Shape = None,
     backend: LookupBackend = None,
-    target: Target = "cpu",
+    target: EngineTarget = "cpu",
     precision: LookupPrecision = None,
     version: Version = None,
     source: Source = None,
@@ -151,7 +152,7 @@ def lookup_cmd(
         )
     if result.source_match:
         console.print(f"  source: {_source_text(result.source_match)}", soft_wrap=True)
-    for key in ("backend", "precision", "engine_target", "input_ranges", "package_dir"):
+    for key in ("backend", "precision", "engine_target", "input_ranges", "package_dir", "engine_code"):
         console.print(f"  {key}: {summary[key]}", soft_wrap=True)
     for row in result.skipped:
         console.print(f"  skipped v{row['version']}: {row['reason']}", soft_wrap=True)
@@ -172,11 +173,11 @@ def _source_text(match: dict) -> str:
 def release_cmd(
     model: ReleaseModel,
     version: ReleaseVersion = None,
-    target: Target = "cpu",
+    target: ReleaseEngineTarget = None,
     max_latency_ratio: MaxLatencyRatio = 1.10,
     rel_l2: RelL2 = None,
     runs: Runs = 30,
-    zoo_file: ReleaseZooFile = "deploy/zoo.yaml",
+    zoo_file: ReleaseZooFile = None,
     force_replace_broken: ForceReplaceBroken = False,
     as_json: ReleaseAsJson = False,
     tracking_uri: TrackingUri = None,
@@ -186,12 +187,22 @@ def release_cmd(
 ) -> None:
     """Re-validate a candidate against the original model and the champion; promote it or reject it.
 
+    The original model comes from the zoo entry of --zoo, else of the zoo file the last kiln zoo run in
+    this directory read; the engine target from --target, else the entry's device (devices: [cuda]: the
+    version built for this machine's GPU, or the only CUDA one registered).
+
     With --triton and --repository the server serves the new champion before the aliases move; if it
     refuses, nothing moves."""
-    from flows.release import release
+    from flows.release import release, release_target
     from flows.server import prefect_api
     from registry.errors import KilnError
+    from zoo.last_run import zoo_file_for
 
+    try:  # checked before Prefect starts: a bad zoo file or target is one line, not a flow's traceback
+        zoo_file = zoo_file_for(model, zoo_file)
+        target = release_target(zoo_file, model, target, tracking_uri)
+    except KilnError as exc:
+        raise _fail(f"{type(exc).__name__}: {exc}") from None
     live = _live(model, target, triton, repository, triton_timeout, tracking_uri)
     try:
         with prefect_api():  # a temporary API server that dies with this process, even by SIGKILL
@@ -228,7 +239,7 @@ def release_cmd(
 
 def rollback_cmd(
     model: ReleaseModel,
-    target: Target = "cpu",
+    target: EngineTarget = "cpu",
     to: To = None,
     tracking_uri: TrackingUri = None,
     triton: TritonUrl = None,
@@ -239,10 +250,16 @@ def rollback_cmd(
 
     With --triton and --repository the server serves it before the aliases move; if it refuses, nothing
     moves."""
+    from registry import config
     from registry.errors import KilnError
     from registry.release import rollback
+    from registry.targets import resolve_engine_target
     from serving.triton.live import triton_release
 
+    try:  # the server's repository is checked against the resolved registered name
+        target = resolve_engine_target(config.client(tracking_uri), model, target)
+    except KilnError as exc:
+        raise _fail(f"{type(exc).__name__}: {exc}") from None
     live = _live(model, target, triton, repository, triton_timeout, tracking_uri)
     try:
         target_server = triton_release(live)

@@ -134,6 +134,7 @@ def run_cmd(
     # The server's own log goes to the terminal; SIGTERM/SIGINT stop it and its stubs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
+        console.print(_trust_line(server.trust), soft_wrap=True, highlight=False)
         server.start()
         console.print(
             f"[green]serving {escape(str(server.repository))}[/green]: HTTP {server.http_url}, gRPC "
@@ -148,6 +149,21 @@ def run_cmd(
     finally:
         server.stop()
     raise typer.Exit(code)
+
+
+def _trust_line(trust: object) -> str:
+    """What the server's loads will trust (docs/security.md): said before its models load."""
+    from compiler.package.signing import PUBLIC_KEY_ENV
+
+    if trust is not None:
+        return (
+            f"packages are verified against {escape(trust.describe())}: unsigned or altered ones are "
+            "refused, signed ones run their engines as built"
+        )
+    return (
+        f"no {PUBLIC_KEY_ENV} set: packages load untrusted (their Inductor engines are compiled at load; "
+        "`kiln signing init` sets up signing)"
+    )
 
 
 def register_commands(app: typer.Typer) -> None:

@@ -173,6 +173,8 @@ class ServedModel:
             triton_type(sig.dtype, f"output {sig.name!r} of {self.registered_model}")
         if not self.outputs:
             raise TritonConfigError(f"{self.registered_model} version {self.version} returns no tensor")
+        if not self.inputs:
+            raise TritonConfigError(f"{self.registered_model} version {self.version} takes no tensor")
 
     @property
     def kind(self) -> str:

@@ -470,9 +470,9 @@ def export_model(
     """One model's folder from its champion (and previous): all or nothing. On any failure the
     versions this call staged are removed and ``kiln-serving.json`` and ``config.pbtxt`` are put back
     as they were; a folder this call created is removed whole."""
-    from registry.models import registered_model_name
+    from registry.targets import resolved_model_name
 
-    registered = registered_model_name(model, target)
+    registered = resolved_model_name(mlclient, model, target)  # --target cuda: registry.targets
     champion, previous = champion_of(mlclient, registered)
     name = triton_model_name(model)
     model_dir = repo / name

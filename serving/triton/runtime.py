@@ -87,10 +87,13 @@ class ServedRuntime:
         done = time.perf_counter()
         logger = getattr(pb_utils, "Logger", None)
         if logger is not None:
+            from compiler.package.signing import trust_note  # why its engines compiled, or did not
+
             logger.log_info(
                 f"kiln: {served.name} version {served.version} ready in {done - started:.2f} s (torch "
                 f"{imported - started:.2f} s, verify and load {loaded - imported:.2f} s, warm-up "
-                f"{done - loaded:.2f} s; {threads or 'default'} intra-op threads)"
+                f"{done - loaded:.2f} s; {threads or 'default'} intra-op threads); "
+                f"{trust_note(version_dir / PACKAGE_DIR, getattr(module, 'trust_engine_code', None))}"
             )
         return runtime
 

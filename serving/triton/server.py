@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from compiler.package.signing import PUBLIC_KEY_ENV, TRUSTED_CERTIFICATES_ENV, Trust
 from serving.triton.control import TritonControl
 from serving.triton.errors import ServerStartError, ServerUnavailableError, TritonNotFoundError
 from serving.triton.repository import check_repository
@@ -189,6 +190,11 @@ def server_environment(
         link.symlink_to(interpreter)
         env["PATH"] = os.pathsep.join([str(folder), env.get("PATH", "")])
     env.update(extra or {})
+    # The stubs read the verification key (compiler.load, in the backend) from their own working folder:
+    # the server gets it as an absolute path, so a signed package is verified and runs natively there.
+    for name in (PUBLIC_KEY_ENV, TRUSTED_CERTIFICATES_ENV):
+        if env.get(name):
+            env[name] = os.pathsep.join(str(Path(p).resolve()) for p in env[name].split(os.pathsep) if p)
     return env
 
 
@@ -227,6 +233,10 @@ class TritonServer:
             metrics_port=metrics_port,
         )
         self.env = server_environment(env, self.install.stub, self.home)
+        # A key the stubs cannot use fails here, once, not in every model's load.
+        self.trust = Trust.from_env(self.env)
+        if self.trust is not None:
+            self.trust.config()
         self.proc: subprocess.Popen | None = None
 
     @property

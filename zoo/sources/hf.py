@@ -71,7 +71,7 @@ def _transformers_version() -> str:
         return importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
         raise ZooConfigError(
-            "source: hf: sources need transformers; install kiln[models] (pip install 'transformers>=4.45')"
+            "source: hf: sources need transformers; install kiln[models] (pip install 'transformers>=5.17')"
         ) from None
 
 
@@ -314,6 +314,7 @@ class HfSource:
                 f"{type(exc).__name__}: {exc}"[:2000]
             ) from exc
         model.eval()
+        _without_cache(model)
         main_input = getattr(model, "main_input_name", "input_ids")
         if main_input == "input_ids":
             return self._text_case(model, config)
@@ -374,6 +375,22 @@ class HfSource:
         return LoadedCase(
             model, (), {"pixel_values": pixels}, {"pixel_values": {0: Dim("batch", min=1, max=MAX_BATCH)}}
         )
+
+
+def _without_cache(model: torch.nn.Module) -> None:
+    """``use_cache`` off in the model's config and its sub-configs (a decoder inside an encoder-decoder or
+    a multimodal model): a decoder run for ``feature-extraction`` would otherwise return its KV cache, a
+    ``DynamicCache`` that torch.export cannot carry out of the graph. A compiled package answers one
+    forward pass; generation with a cache is not what it serves. Encoders have no cache: their graph is
+    unchanged, so the source identity is too."""
+    configs = [getattr(model, "config", None)]
+    while configs:
+        config = configs.pop()
+        if config is None:
+            continue
+        if getattr(config, "use_cache", None):
+            config.use_cache = False
+        configs += [getattr(config, name, None) for name in getattr(config, "sub_configs", {}) or {}]
 
 
 def _type_vocab_size(model: torch.nn.Module) -> int:
