@@ -17,7 +17,8 @@ dynamic batch and sequence, compiled and validated:
   leaves a guard (``Min(8*seq, 16*seq) == 8*seq``) torch 2.11 cannot prove; torch 2.13 exports it.
 
 It needs torch, transformers, onnx, onnxruntime (and onnxscript) and kiln's ``compiler/`` and ``zoo/``
-sources on ``PYTHONPATH``: no Prefect, MLflow, pydantic or yaml, so it runs on a GPU host's own torch::
+sources on ``PYTHONPATH``: no Prefect, MLflow or pydantic (checked with them blocked), so it runs on a
+GPU host's own torch::
 
     PYTHONPATH=. python benchmarks/floor_versions.py                     # cpu, and cuda where there is one
     PYTHONPATH=. python benchmarks/floor_versions.py --device cuda --backend inductor --precision fp16

@@ -45,7 +45,7 @@ from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.backends.tensorrt.builder import TensorRTBackend
 from compiler.backends.tensorrt.engine_format import decode_engine
 from compiler.backends.tensorrt.onnx_rewrites import canonical_initializers
-from compiler.build.lower import lower
+from compiler.engine_build.lower import lower
 from compiler.errors import KilnError
 from compiler.inputs.data import sample_inputs
 from compiler.quantization.quantize import quantize
@@ -378,7 +378,7 @@ def main() -> None:
         "gpu": gpu,
         "capability": "sm_{}{}".format(*torch.cuda.get_device_capability()) if gpu else None,
         "engines_runnable_here": runnable,
-        "target_device": backend.target_device(),
+        "target_device": backend.engine_target(),
         "cpu_aot_dry_run": args.cpu_aot,
         "torch": torch.__version__,
         "onnx": onnx.__version__,

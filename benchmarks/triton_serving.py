@@ -271,8 +271,14 @@ def drive(arm: tuple[str, bytes, dict[str, str]], clients: int, seconds: float, 
 def mlflow_serve(uri: str, root: Path):
     port = free_port()
     log = open(root / "mlflow-serve.log", "wb")  # noqa: SIM115 - the child's
-    # mlflow runs `uvicorn` by name: this interpreter's scripts first, as in an activated venv.
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    # mlflow runs `uvicorn` by name: this interpreter's scripts first, as in an activated venv, then a
+    # `uvicorn` that is this interpreter's module (a host whose packages come through PYTHONPATH, as the
+    # GPU machine's carried wheels do, has no uvicorn script).
+    shim = root / "bin"
+    shim.mkdir(exist_ok=True)
+    (shim / "uvicorn").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m uvicorn "$@"\n')
+    (shim / "uvicorn").chmod(0o755)
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", ""), str(shim)])
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PATH": path}
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{SERVED['registered']}/1",

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     "get_backend": "compiler.backends",
-    "EngineArtifact": "compiler.build.engine",
-    "build_engine": "compiler.build.engine",
+    "EngineArtifact": "compiler.engine_build.engine",
+    "build_engine": "compiler.engine_build.engine",
     "EngineCache": "compiler.cache.local",
     "PartitionComparison": "compiler.accuracy.compare",
     "compare_partitions": "compiler.accuracy.compare",
@@ -37,7 +37,7 @@ _EXPORTS: dict[str, str] = {
     "SourceRecord": "compiler.package.manifest",
     "CompileOptions": "compiler.options",
     "PackageInfo": "compiler.package.save_load",
-    "load": "compiler.package.save_load",
+    "load": "compiler.generation.package",  # any package; a generation package with its decode program
     "read_manifest": "compiler.package.check",
     "refit_package": "compiler.package.save_load",
     "save": "compiler.package.save_load",
@@ -128,15 +128,16 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from compiler.accuracy.compare import PartitionComparison, compare_partitions
     from compiler.accuracy.repair import RepairRecord, RepairResult, ensure_accuracy, rebuild, repair
     from compiler.backends import get_backend
-    from compiler.build.engine import EngineArtifact, build_engine
     from compiler.cache.local import EngineCache
     from compiler.dynamo import KilnBackend, kiln_backend
+    from compiler.engine_build.engine import EngineArtifact, build_engine
+    from compiler.generation.package import load
     from compiler.inputs.data import ValidationData, validation_data
     from compiler.inputs.specs import InputSpec
     from compiler.options import CompileOptions
     from compiler.package.check import read_manifest
     from compiler.package.manifest import Manifest, SourceRecord
-    from compiler.package.save_load import PackageInfo, load, refit_package, save
+    from compiler.package.save_load import PackageInfo, refit_package, save
     from compiler.partitioning.dedup import DedupPlan, dedup
     from compiler.partitioning.partition import PartitionPlan, partition
     from compiler.pipeline import compile

@@ -10,23 +10,20 @@ weights live elsewhere (:func:`program_on`). Engines are bound to the device by
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from compiler.errors import BackendUnavailableError, OptionsError
-
-DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+from compiler.device_name import check_device
+from compiler.errors import BackendUnavailableError
 
 
 def resolve(device: str | torch.device) -> torch.device:
     """The device named, present here; ``cuda`` means the current CUDA device (an explicit index)."""
     name = str(device)
-    if not DEVICE_RE.match(name):
-        raise OptionsError(f"device {name!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
+    check_device(name)
     if name == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():

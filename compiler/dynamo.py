@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from compiler.build.engine import build_engine
 from compiler.cache.local import EngineCache, resolve_cache
+from compiler.engine_build.engine import build_engine
 from compiler.errors import BackendError, OptionsError
 from compiler.options import CompileOptions
 from compiler.partitioning.dedup import dedup
@@ -73,7 +73,7 @@ class KilnBackend:
         plan = partition(program, options, input_weights=weights)
         unique = dedup(plan)
         engines = {fp: build_engine(plan, unique, fp, cache=self.cache) for fp in unique.fingerprints}
-        compiled = assemble(plan, unique, engines)
+        compiled = assemble(plan, unique, engines, cache=False if self.cache is None else self.cache)
         self.compiled.append(compiled)
         return compiled.forward
 

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # Options are built wherever a zoo file is read (a no-op re-run included): these imports need no torch.
 from compiler.backends.base import PRECISIONS, QUANTIZED_PRECISIONS, BuildSettings
+from compiler.backends.capabilities import (
+    Quantizing,
+    backend_names,
+    capabilities,
+    capturable,
+    is_backend,
+    quantizing_backends,
+)
+from compiler.device_name import check_device
 from compiler.errors import CudaGraphError, OptionsError
-from compiler.inputs.profiles import Size, fixed_profiles, normalize, to_json
+from compiler.inputs.profiles import Size, normalize, to_json
 
 CUDA_GRAPH_MODES = ("auto", "on", "off")
 
@@ -27,11 +35,12 @@ def check_mode(mode: str, device: str, backend: str, on_build_failure: str) -> N
             "work only): use device 'cuda', or cuda_graphs 'auto' or 'off'"
         )
     for role, name in (("backend", backend), ("on_build_failure", on_build_failure)):
-        if name == "onnxruntime":
+        if is_backend(name) and not capabilities(name).cuda_graph_capture:
+            capturing = [n for n in backend_names() if capturable(n) and n != "auto"]
             raise CudaGraphError(
-                f"cuda_graphs 'on' with {role} 'onnxruntime': ONNX Runtime runs its engines on its own "
-                "streams, outside a PyTorch capture; use backend 'inductor' or 'tensorrt' (and "
-                "on_build_failure 'torch'), or cuda_graphs 'auto'"
+                f"cuda_graphs 'on' with {role} {name!r}: {capabilities(name).no_capture}; use backend "
+                f"{' or '.join(repr(n) for n in capturing)} (and on_build_failure 'torch'), or cuda_graphs "
+                "'auto'"
             )
 
 
@@ -41,28 +50,13 @@ ON_BUILD_FAILURE = ("torch", "onnxruntime", "error")
 ON_ACCURACY_FAILURE = ("repair", "error")
 # What one partition may be set to (CompileOptions.partition_precision): a precision, or "torch".
 PARTITION_LEVELS = (*PRECISIONS, "torch")
-DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 # How a quantized partition is quantized: "static" (activation scales calibrated on data, QDQ graph)
 # or "dynamic" (weights quantized ahead, activations at run time; no calibration data).
 QUANTIZATION_MODES = ("static", "dynamic")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
-# Backends that build each quantized precision; others are refused by name. ONNX Runtime runs int8
-# on the CPU and TensorRT parses explicit Q/DQ (symmetric, as it requires) for int8 and for fp8, whose
-# GEMMs need compute capability 8.9+ (checked at build): both from ONNX Runtime's quantizer's graphs.
-# Inductor runs int8 on x86 CPUs from torchao's PT2E flow (compiler.quantization.pt2e), and int8 and fp8
-# on CUDA with torchao's dynamic rowwise recipes (compiler.quantization.rowwise).
-QUANTIZING_BACKENDS = {
-    "int8": ("onnxruntime", "tensorrt", "tensorrt-rtx", "inductor"),
-    "fp8": ("tensorrt", "tensorrt-rtx", "inductor"),
-}
-# What the quantizer's graph is made from: ONNX Runtime's basic optimizations first (Conv+BatchNorm
-# fused, compiler.quantize). A change here changes every quantized graph, so it is in their keys.
-QUANTIZED_GRAPH = "ort-basic-optimized"
-# Inductor's: torchao's X86InductorQuantizer on the partition's program (graph and weights frozen),
-# and on CUDA each eligible linear a dynamic rowwise torch._scaled_mm (fp8) or torch._int_mm (int8),
-# weights staying refit inputs.
-PT2E_GRAPH = "pt2e-x86-inductor"
-ROWWISE_GRAPHS = {"fp8": "aten-scaled-mm-rowwise", "int8": "aten-int-mm-rowwise"}
+# The layer search's time budget (CompileOptions.repair_seconds): sensitivity of ~130 ONNX nodes of a
+# 4-layer BERT plus a handful of verifying rebuilds take ~1-2 minutes on 2 CPU cores.
+DEFAULT_REPAIR_SECONDS = 300.0
 # Whether a batch between profiles is padded up to the next one (compiler.runtime.padding).
 PAD_TO_PROFILE = ("off", "auto")
 
@@ -152,8 +146,9 @@ class CompileOptions:
 
     ``quantization`` and ``calibration``: how ``int8`` / ``fp8`` partitions are quantized
     (``compiler.quantize``): ``"static"`` (QDQ, activation scales calibrated on ``calibration.data``)
-    or ``"dynamic"`` (ONNX Runtime only). int8 is built by ``onnxruntime``, ``tensorrt`` and
-    ``tensorrt-rtx``, fp8 by the two TensorRTs (``QUANTIZING_BACKENDS``); others are refused by name.
+    or ``"dynamic"`` (weights ahead, activations at run time). Which backend builds which quantized
+    precision, in which mode, on which device is its record in :mod:`compiler.backends.capabilities`;
+    others are refused by name.
     """
 
     backend: str = "onnxruntime"
@@ -175,6 +170,12 @@ class CompileOptions:
     quantization: str = "static"
     calibration: Calibration = field(default_factory=Calibration)
     pad_to_profile: str = "off"
+    # partition -> layers (nodes of its quantizer's float graph, "n42") kept in float inside its int8
+    # graph: what accuracy repair chose (compiler.accuracy.layers). Only those partitions' keys change.
+    float_layers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # How long accuracy repair may search for the fewest layers to raise before it raises whole
+    # partitions instead (seconds). Not a build setting.
+    repair_seconds: float = DEFAULT_REPAIR_SECONDS
 
     def __post_init__(self) -> None:
         if isinstance(self.calibration, Mapping):
@@ -198,20 +199,21 @@ class CompileOptions:
             "partition_precision",
             {str(k): str(v) for k, v in sorted(dict(self.partition_precision).items())},
         )
-        if not isinstance(self.device, str) or not DEVICE_RE.match(self.device):
-            raise OptionsError(f"device {self.device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
+        check_device(self.device)
+        capabilities(self.backend)  # a backend it knows (an OptionsError naming them otherwise)
         if self.precision not in PRECISIONS:
             raise OptionsError(f"precision {self.precision!r} is not supported; expected one of {PRECISIONS}")
         self._check_quantizing_backend()
+        self._check_float_layers()
         if self.on_build_failure not in ON_BUILD_FAILURE:
             raise OptionsError(
                 f"on_build_failure {self.on_build_failure!r} is not supported; expected one of "
                 f"{ON_BUILD_FAILURE}"
             )
-        if self.on_build_failure == "onnxruntime" and self.backend == "onnxruntime":
+        if self.on_build_failure == self.backend:
             raise OptionsError(
-                "on_build_failure 'onnxruntime' with backend 'onnxruntime': ONNX Runtime cannot fall back "
-                "to itself; use 'torch' or 'error'"
+                f"on_build_failure {self.on_build_failure!r} with backend {self.backend!r}: a backend cannot "
+                "fall back to itself; use 'torch' or 'error'"
             )
         if not isinstance(self.min_block_size, int) or self.min_block_size < 1:
             raise OptionsError(f"min_block_size must be an integer >= 1, got {self.min_block_size!r}")
@@ -229,55 +231,40 @@ class CompileOptions:
         if self.pad_to_profile == "auto" and not self.profiles:
             raise OptionsError("pad_to_profile 'auto' needs profiles to pad to; give profiles or use 'off'")
 
-    def _check_quantizing_backend(self) -> None:
-        levels = sorted({self.precision, *self.partition_precision.values()} & set(QUANTIZED_PRECISIONS))
-        for level in levels:
-            backends = QUANTIZING_BACKENDS[level]
-            if self.backend not in backends:
-                missing = (
-                    "ONNX Runtime has no fp8 kernels on the CPU"
-                    if level == "fp8" and self.backend == "onnxruntime"
-                    else f"backend {self.backend!r} has no {level} build here"
-                )
-                raise OptionsError(
-                    f"precision {level}: {missing}; {level} engines are built by "
-                    f"{', '.join(repr(b) for b in backends)} (name one), or use a float precision"
-                )
-        if self.backend == "inductor":
-            self._check_inductor_quantizing(levels)
-        elif levels and self.quantization == "dynamic" and self.backend != "onnxruntime":
+    def _check_float_layers(self) -> None:
+        layers = self.float_layers
+        if not isinstance(layers, Mapping) or not all(
+            isinstance(v, list | tuple) and all(isinstance(n, str) and n for n in v) for v in layers.values()
+        ):
             raise OptionsError(
-                f"quantization 'dynamic' with backend {self.backend!r}: TensorRT takes explicit Q/DQ "
-                "graphs only, with activation scales calibrated ahead; use quantization: static"
+                f"float_layers must map partition names to lists of layer (node) names, got {layers!r}"
             )
+        kept = {str(k): tuple(sorted(set(v))) for k, v in sorted(layers.items()) if v}
+        object.__setattr__(self, "float_layers", kept)
+        budget = self.repair_seconds
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget >= 0:
+            raise OptionsError(f"repair_seconds must be a number of seconds >= 0, got {budget!r}")
+        object.__setattr__(self, "repair_seconds", float(budget))
 
-    def _check_inductor_quantizing(self, levels: list[str]) -> None:
-        """Inductor: int8 on the CPU is static (oneDNN); on CUDA int8 and fp8 are dynamic rowwise
-        (torch._int_mm, torch._scaled_mm)."""
-        cuda = self.device.startswith("cuda")
-        if "int8" in levels and not cuda:
-            if self.quantization == "dynamic":
+    def _check_quantizing_backend(self) -> None:
+        """Each quantized precision built by this backend on this device, in a mode it quantizes in
+        (compiler.backends.capabilities), or an OptionsError naming what does."""
+        levels = tuple(
+            sorted({self.precision, *self.partition_precision.values()} & set(QUANTIZED_PRECISIONS))
+        )
+        record = capabilities(self.backend)
+        for level in levels:
+            if level not in record.quantizes:
+                missing = record.refusals.get(level, f"backend {self.backend!r} has no {level} build here")
+                names = ", ".join(repr(b) for b in quantizing_backends(level))
                 raise OptionsError(
-                    "quantization 'dynamic' with backend 'inductor' and int8 on the CPU: its oneDNN int8 "
-                    "kernels take activation scales calibrated ahead; use quantization: static (dynamic "
-                    "int8 is Inductor's recipe on CUDA)"
+                    f"precision {level}: {missing}; {level} engines are built by {names} (name one), or "
+                    "use a float precision"
                 )
-            if self.calibration.method != "minmax":
-                raise OptionsError(
-                    f"calibration.method {self.calibration.method!r} is ONNX Runtime's calibrator; "
-                    "backend 'inductor' calibrates with torchao's observers: use 'minmax'"
-                )
-        if "fp8" in levels and not cuda:
-            raise OptionsError(
-                f"precision fp8 with backend 'inductor' on {self.device}: fp8 GEMMs "
-                "(torch._scaled_mm) run on CUDA GPUs of compute capability 8.9+; use device: cuda"
-            )
-        if cuda and levels and self.quantization != "dynamic":
-            level = " and ".join(levels)
-            raise OptionsError(
-                f"precision {level} with backend 'inductor' on CUDA scales activations per row at run "
-                "time (torchao's dynamic rowwise recipes): use quantization: dynamic (no calibration data)"
-            )
+        record.check_quantizing(self._quantizing(), levels)
+
+    def _quantizing(self) -> Quantizing:
+        return Quantizing(self.backend, self.device, self.quantization, self.calibration.method)
 
     def build_settings(self, partition: str | None = None) -> BuildSettings:
         """The build settings of ``partition`` (its ``partition_precision``, else ``precision``); with
@@ -292,65 +279,31 @@ class CompileOptions:
             workspace_bytes=self.workspace_bytes,
             optimization_level=self.optimization_level,
             options=dict(self.backend_options),
-            quantization=self.quantization_settings(precision) if precision in QUANTIZED_PRECISIONS else None,
+            quantization=self.partition_quantization(partition, precision),
             profiles=self.build_profiles(),
         )
 
     def build_profiles(self) -> tuple[Mapping[str, Size], ...]:
         """The profiles engines are built for (so they enter engine cache keys only where they change
-        the engine): Inductor specializes for the fixed ones, TensorRT builds an optimization profile
-        for each, ONNX Runtime builds one dynamic engine."""
-        if self.backend == "inductor":
-            return tuple(fixed_profiles(self.profiles))
-        return () if self.backend == "onnxruntime" else self.profiles
+        the engine): the backend's ``build_profiles`` policy (compiler.backends.capabilities)."""
+        return capabilities(self.backend).profiles_built(self.profiles)
 
     def quantization_settings(self, precision: str = "int8") -> dict[str, Any]:
         """What decides a quantized graph's structure and types (where Q/DQ nodes go, which integer or
-        float8 type each side takes), so it enters fingerprints. The calibration data does not: its
-        values reach engines by refit (docs/compiler-api.md).
+        float8 type each side takes, whether scales are refit or compiled in), so it enters
+        fingerprints: the backend's record says (compiler.backends.capabilities). The calibration data
+        does not: its values reach engines by refit (docs/compiler-api.md)."""
+        return capabilities(self.backend).quantization_settings(self._quantizing(), precision)
 
-        ONNX Runtime: uint8 activations with a zero point, int8 weights, int32 biases (its fast U8S8
-        kernels). TensorRT: symmetric activations (zero point 0, which it requires), biases left in
-        float; fp8 is E4M3 on both sides, calibrated by ONNX Runtime's float8 calibrator
-        (``distribution``, its only one: ``calibration.method`` applies to int8)."""
-        # ``scales``: "refit" (ONNX Runtime: values put in like weights, so one engine serves every
-        # instance of a block) or "graph" (TensorRT compiles them into its kernels and refuses to
-        # refit them: each instance is its own engine).
-        if self.backend == "inductor" and self.device.startswith("cuda"):
-            # Weights with row scales (refit tensors), activations scaled per row at run time, the
-            # other ops in bf16 ("compute").
-            return {
-                "mode": "dynamic",
-                "types": "e4m3fn-rowwise" if precision == "fp8" else "s8s8-rowwise-symmetric",
-                "per_channel": True,
-                "graph": ROWWISE_GRAPHS[precision],
-                "scales": "refit",
-                "compute": "bf16",
-            }
-        if self.backend == "inductor":
-            # uint8 activations and per-channel int8 weights (X86InductorQuantizer's recipe); weights
-            # and scales are frozen into each instance's program, as oneDNN's prepacked kernels need.
-            return {
-                "mode": "static",
-                "method": "minmax",
-                "types": "u8s8",
-                "per_channel": True,
-                "graph": PT2E_GRAPH,
-                "scales": "graph",
-                "weights": "frozen",
-            }
-        onnxruntime = self.backend == "onnxruntime"
-        common = {
-            "per_channel": True,
-            "graph": QUANTIZED_GRAPH,
-            "scales": "refit" if onnxruntime else "graph",
-        }
-        if self.quantization == "dynamic":
-            return {"mode": "dynamic", **common}
-        if precision == "fp8":
-            return {"mode": "static", "method": "distribution", "types": "e4m3fn-symmetric", **common}
-        types = "u8s8" if onnxruntime else "s8s8-symmetric"
-        return {"mode": "static", "method": self.calibration.method, "types": types, **common}
+    def partition_quantization(self, partition: str | None, precision: str) -> dict[str, Any] | None:
+        """The recipe of one partition: ``quantization_settings(precision)`` with the layers it keeps in
+        float (``float_layers``), which change its graph and so its key; None for a float partition."""
+        if precision not in QUANTIZED_PRECISIONS:
+            return None
+        recipe = self.quantization_settings(precision)
+        if partition is not None and self.float_layers.get(partition):
+            recipe["float_layers"] = list(self.float_layers[partition])
+        return recipe
 
     @property
     def quantized(self) -> bool:
@@ -382,6 +335,12 @@ class CompileOptions:
         data["backend_options"] = dict(self.backend_options)
         data["profiles"] = to_json(self.profiles)
         data["calibration"] = self.calibration.to_dict()
+        # Defaults left out, like pad_to_profile's: requests, keys and packages stay as before.
+        data["float_layers"] = {k: list(v) for k, v in self.float_layers.items()}
+        if not self.float_layers:
+            del data["float_layers"]
+        if self.repair_seconds == DEFAULT_REPAIR_SECONDS:
+            del data["repair_seconds"]
         if self.pad_to_profile == "off":  # the default left out: requests, keys and packages stay as before
             del data["pad_to_profile"]
         return data

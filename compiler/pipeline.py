@@ -8,9 +8,9 @@ from typing import Any
 
 from torch.export import ExportedProgram
 
-from compiler.build.engine import build_engine
 from compiler.cache.local import EngineCache, resolve_cache
 from compiler.device import program_on, resolve
+from compiler.engine_build.engine import build_engine
 from compiler.inputs.data import ValidationData
 from compiler.options import CompileOptions
 from compiler.partitioning.dedup import dedup
@@ -43,4 +43,5 @@ def compile(
     plan = quantize(partition(program, options), calibration_data)
     unique = dedup(plan)
     engines = {fp: build_engine(plan, unique, fp, cache=engine_cache) for fp in unique.fingerprints}
-    return assemble(plan, unique, engines)
+    # The same cache for what a load compiles (Inductor); False where there is none (None: the default).
+    return assemble(plan, unique, engines, cache=False if engine_cache is None else engine_cache)

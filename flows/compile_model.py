@@ -15,6 +15,7 @@ from prefect import flow, get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
 
 from compiler.accuracy.compare import precision_summary
+from compiler.accuracy.mixed import precision_warning
 from flows import progress
 from flows.results import ModelResult, package_path
 from tasks.refs import EngineRef
@@ -106,6 +107,12 @@ def compile_model(
         )
     shutil.rmtree(Path(package.run_copy).parent, ignore_errors=True)  # recorded (or not wanted): done
 
+    # A model left at another precision than asked (layers or partitions raised by repair) is a
+    # warning in the summary and the log, not only a number in the report.
+    asked = precision_warning(validated.staged.report.accuracy_repair, request.options.precision)
+    mixed = [asked] if asked else []
+    if asked:
+        logger.warning("%s: %s", name, asked)
     # Reused: from the workspace or the persistent engine cache. A build that fell back to PyTorch built
     # nothing (the compile report lists it under build_failures).
     reused = sum(1 for e in engines if e.cache_hit)
@@ -130,7 +137,7 @@ def compile_model(
         tracking=tracking if isinstance(tracking, dict) else None,
         build_workers=sorted({e.worker for e in engines}),
         engine_cache=engine_cache,
-        warnings=sorted({w for e in engines for w in e.warnings}),
+        warnings=sorted({w for e in engines for w in e.warnings}) + mixed,
         precision=precision_summary(validation.precision_plan) or request.options.precision,
     )
     remember(

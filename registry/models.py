@@ -4,6 +4,7 @@ Name scheme: ``kiln.<model>.<target>``, both parts lower-cased with every charac
 ``[a-z0-9_-]`` replaced by ``_`` (``kiln.tiny_bert.cpu``, ``kiln.tiny_bert.cuda_sm_90``). The target
 is the package's ``engine_target`` (engines are built for it); backend and precision are version
 tags, so one registered model can hold ONNX Runtime and TensorRT builds of the same model side by side.
+What a person types (``--target cuda``) becomes a registered target in ``registry.targets``.
 
 Every version carries these tags (strings; all of them data, none ever imported or executed):
 

@@ -139,6 +139,16 @@ def metrics_for(manifest: Manifest, package_bytes: int) -> dict[str, float]:
         for key in ("rounds", "engines_built", "engines_from_cache", "build_seconds", "seconds"):
             if key in repair:
                 metrics[f"repair.{key}"] = _number(repair[key])
+        searches = repair.get("searches") or ()
+        metrics["repair.layers_raised"] = float(
+            sum(len(s.get("raised", ())) for s in searches if s.get("passed"))
+        )
+        for key in ("weights", "flops"):
+            value = (repair.get("kept") or {}).get(key)
+            if value is not None:
+                metrics[f"repair.kept.{key}"] = _number(value)
+        if repair.get("budget_seconds") is not None:
+            metrics["repair.budget_seconds"] = _number(repair["budget_seconds"])
         for point in ("before", "after"):
             for key in ("max_rel_l2", "min_cosine", "min_top1_agreement"):
                 value = (repair.get(point) or {}).get(key)

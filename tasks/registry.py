@@ -155,6 +155,8 @@ def latency_gate(
         # The candidate's opt shape is outside the champion's ranges: time at the champion's opt.
         flat = sample_inputs(champion.input_specs, "opt", generator)
         check_inputs(candidate.input_specs, flat)
+    # Where both run (a CUDA version's inputs on its GPU: sample_inputs makes them on the CPU).
+    flat = [t.to(candidate.device) for t in flat]
     with torch.no_grad():
         timed = measure_latency(
             {"candidate": lambda: candidate.run_flat(flat), "champion": lambda: champion.run_flat(flat)},

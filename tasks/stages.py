@@ -70,7 +70,7 @@ def engine_library(options: CompileOptions) -> list[str]:
     """The engine library that builds here (name, version, engine target), as the engine cache keys it:
     after a library upgrade the content alone would hand back the old engine."""
     backend = get_backend(options.backend, options.device)
-    return [backend.name, backend.library_version(), backend.target_device()]
+    return [backend.name, backend.library_version(), backend.engine_target()]
 
 
 def _stored(
@@ -202,6 +202,13 @@ def _where() -> str:
 # ---------------------------------------------------------------- the stages
 
 
+def _cache(engine_cache: str | None) -> str | bool:
+    """The run's engine cache as every compiler function takes it: its location, or False where the
+    run's settings chose none (None would mean the default cache: ZooSettings.engine_cache_choice
+    decided already)."""
+    return engine_cache or False
+
+
 @task(name="resolve-source", cache_policy=NO_CACHE, persist_result=False)
 def resolve_source(request: CompileRequest) -> str:
     """The compile's content key from the source's identity: a hash, no model is loaded."""
@@ -313,8 +320,7 @@ def build_engine(
     ):
         warnings.simplefilter("always", CacheWarning)  # shown in the summary, not only with -v
         partition_plan, dedup = _load_plan(plan)
-        cache = compiler.EngineCache(engine_cache) if engine_cache else None
-        artifact = compiler.build_engine(partition_plan, dedup, fingerprint, cache=cache)
+        artifact = compiler.build_engine(partition_plan, dedup, fingerprint, cache=_cache(engine_cache))
         ref = store_artifact(artifact, workspace, _where())
     cache_warnings = tuple(
         dict.fromkeys(str(w.message) for w in seen if issubclass(w.category, CacheWarning))
@@ -391,7 +397,7 @@ def validate_package(
                 warmup=plan.warmup,
                 runs=plan.runs,
                 seed=plan.seed,
-                cache=compiler.EngineCache(engine_cache) if engine_cache else False,
+                cache=_cache(engine_cache),
             )
         except AccuracyError as exc:
             raise ValidationFailedError(f"{request.name}: " + "; ".join(exc.failures)) from None

@@ -372,7 +372,7 @@ def run(config: dict, results_path: Path) -> None:
     (outside / "store-folder").mkdir()
     engine = os.urandom(2000) + bytes(3000)
     key = str(EngineCache.key(fingerprint="fuzz", backend="onnxruntime", library_version="1",
-                              target_device="cpu", settings={"opt": 3}))  # fmt: skip
+                              engine_target="cpu", settings={"opt": 3}))  # fmt: skip
     # What following a link out would find: a good copy of the entry, so a read outside is not refused.
     templates = scratch / "templates"
     clean = Round(scratch / "clean", "store", None, key, engine, templates / "store-None")

@@ -26,9 +26,10 @@ from pydantic import (
     model_validator,
 )
 
-from compiler.backends import BACKENDS
+from compiler.backends.capabilities import backend_names
+from compiler.device_name import check_device
 from compiler.errors import KilnError
-from compiler.options import DEVICE_RE, ON_BUILD_FAILURE, Calibration, CompileOptions
+from compiler.options import DEFAULT_REPAIR_SECONDS, ON_BUILD_FAILURE, Calibration, CompileOptions
 from compiler.validation.report import Tolerances
 from zoo.errors import ZooConfigError
 from zoo.generation import TASK as GENERATION_TASK
@@ -199,6 +200,11 @@ class ZooEntry(_Strict):
         default="repair",
         description="int8/fp16/bf16 missing its tolerances: raise its worst partitions' precision, or fail",
     )
+    repair_seconds: float = Field(
+        default=DEFAULT_REPAIR_SECONDS,
+        ge=0,
+        description="how long repair may search for the fewest layers to raise before raising partitions",
+    )
     validation: EntryValidation = Field(default_factory=EntryValidation)
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         default="auto",
@@ -322,16 +328,15 @@ class ZooEntry(_Strict):
     @field_validator("backend")
     @classmethod
     def _backend(cls, v: str) -> str:
-        if v not in BACKENDS:
-            raise ValueError(f"unknown backend {v!r}; use one of {', '.join(BACKENDS)}")
+        if v not in backend_names():
+            raise ValueError(f"unknown backend {v!r}; use one of {', '.join(backend_names())}")
         return v
 
     @field_validator("devices")
     @classmethod
     def _devices(cls, v: list[str]) -> list[str]:
         for device in v:
-            if not DEVICE_RE.match(device):
-                raise ValueError(f"device {device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
+            check_device(device)
         if len(v) != len(set(v)):
             raise ValueError(f"devices {v} repeat a device; list each once")
         return v
@@ -381,6 +386,7 @@ class ZooEntry(_Strict):
             backend_options=dict(self.backend_options),
             on_build_failure=self.on_build_failure,
             on_accuracy_failure=self.on_accuracy_failure,
+            repair_seconds=self.repair_seconds,
             partition_precision=dict(self.partition.precision),
             device=device,
             cuda_graphs=self.cuda_graphs,

@@ -51,7 +51,7 @@ def check_backend_available(backend: str, device: str = "cpu") -> None:
     except KilnError as exc:
         raise ZooConfigError(f"backend: {backend!r} cannot be used here: {exc}") from None
     if device.startswith("cuda"):
-        builds_for = instance.target_device()
+        builds_for = instance.engine_target()
         if not builds_for.startswith("cuda"):
             raise ZooConfigError(
                 f"devices: {device!r} needs GPU engines, but backend {backend!r} builds for {builds_for!r} "

@@ -6,17 +6,13 @@ models' entries are :mod:`zoo.config`.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from compiler.options import DEVICE_RE
+from compiler.cache.paths import choose
+from compiler.device_name import DEVICE_RE
 from zoo.sources.factory import DEFAULT_FACTORY_PACKAGES
-
-CACHE_ENV = "KILN_CACHE_DIR"
-DEFAULT_ENGINE_CACHE = ".kiln/engine-cache"
 
 
 class _Strict(BaseModel):
@@ -91,24 +87,14 @@ class ZooSettings(_Strict):
         return self.engine_cache_choice()[0]
 
     def engine_cache_choice(self) -> tuple[str | None, str]:
-        """(directory or None, where the choice came from) for the summary."""
-        if self.engine_cache is False:
-            return None, "disabled by settings.engine_cache: false"
-        if isinstance(self.engine_cache, str):
-            return _cache_location(self.engine_cache), "settings.engine_cache"
-        if os.environ.get(CACHE_ENV):
-            return _cache_location(os.environ[CACHE_ENV]), f"${CACHE_ENV}"
-        return str(Path(DEFAULT_ENGINE_CACHE).resolve()), "default"
+        """(directory or URL, or None, where the choice came from) for the summary: the compiler's one
+        decision (compiler.cache.paths.choose), with the project's default folder."""
+        return choose(self.engine_cache, named="settings.engine_cache", project=True)
 
     def tracking_enabled(self) -> bool:
         if self.tracking is not None:
             return self.tracking
         return registry_available()
-
-
-def _cache_location(text: str) -> str:
-    """An object-store URL (s3://, gs://, file://) as written; a directory made absolute."""
-    return text if "://" in text else str(Path(text).resolve())
 
 
 def registry_available() -> bool:

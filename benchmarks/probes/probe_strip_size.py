@@ -22,7 +22,7 @@ from compiler.backends.base import BuildSettings
 from compiler.backends.tensorrt.build_settings import builder_flag_names, optimization_profile
 from compiler.backends.tensorrt.builder import TensorRTBackend
 from compiler.backends.tensorrt.onnx_rewrites import canonical_initializers
-from compiler.build.lower import lower
+from compiler.engine_build.lower import lower
 from zoo import models as zoo
 
 CASES = {

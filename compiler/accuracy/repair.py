@@ -26,20 +26,30 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from compiler.accuracy.compare import PartitionComparison, PartitionRow, compare_partitions
+from compiler.accuracy.layers import LayerSearch, search
+from compiler.accuracy.mixed import (
+    decision_key,
+    kept_fractions,
+    kept_line,
+    recalled_decision,
+    remember_decision,
+    search_lines,
+)
 from compiler.backends.base import QUANTIZED_PRECISIONS
-from compiler.build.engine import EngineArtifact, build_engine
 from compiler.cache.local import EngineCache, resolve_cache
+from compiler.engine_build.engine import EngineArtifact, build_engine
 from compiler.errors import AccuracyError, PackageError
 from compiler.inputs.data import ValidationData
 from compiler.partitioning.dedup import dedup
 from compiler.partitioning.partition import QUANTIZED_PREFIX
+from compiler.quantization.quantize import quantize
 from compiler.runtime.module import CompiledModule, assemble
 from compiler.validation.report import Latency, Tolerances, ValidationReport, nan_as_worst
 from compiler.validation.validate import measure_accuracy, validate, validation_inputs
@@ -112,6 +122,14 @@ class RepairRecord:
     seconds: float
     data_source: str
     note: str = ""  # why it stopped short, when it did
+    # Layer-granular repair (compiler.accuracy.layers): each partition's search, the layers it kept in
+    # float, what of the model stayed at the requested precision, the time budget, and whether the
+    # decision came from the engine cache (an earlier repair of this very compile).
+    searches: tuple[dict, ...] = ()
+    float_layers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    kept: Mapping[str, Any] | None = None
+    budget_seconds: float | None = None
+    reused: bool = False
 
     @property
     def passed(self) -> bool:
@@ -125,13 +143,17 @@ class RepairRecord:
                 f"; model top-1 agreement {self.before.min_top1_agreement:.2f} -> "
                 f"{self.after.min_top1_agreement:.2f}"
             )
-        return [step.describe() for step in self.steps] + [model] + ([self.note] if self.note else [])
+        searched = [line for search in self.searches for line in search_lines(search)]
+        kept = [kept_line(self.kept)] if self.kept else []
+        notes = [self.note] if self.note else []
+        return searched + [step.describe() for step in self.steps] + [model] + kept + notes
 
     def to_dict(self) -> dict:
         """JSON-safe: a non-finite error (an overflow's ``inf``, ``nan``) is written as a string, since
         strict JSON readers refuse ``Infinity``; ``from_dict`` reads it back as a float."""
         data = _json_safe(dataclasses.asdict(self))
         data["partition_precision"] = dict(self.partition_precision)
+        data["float_layers"] = {k: list(v) for k, v in self.float_layers.items()}
         data["passed"] = self.passed
         data["lines"] = self.lines()
         return data
@@ -153,6 +175,8 @@ class RepairRecord:
                 point[metric] = None if point[metric] is None else float(point[metric])
             values[key] = ModelAccuracy(**point)
         values["partition_precision"] = dict(data["partition_precision"])
+        values["searches"] = tuple(dict(s) for s in data.get("searches", ()))
+        values["float_layers"] = {k: tuple(v) for k, v in (data.get("float_layers") or {}).items()}
         return cls(**values)
 
 
@@ -168,11 +192,19 @@ def rebuild(
     partition_precision: Mapping[str, str],
     *,
     cache: EngineCache | str | os.PathLike | bool | None = None,
+    float_layers: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[CompiledModule, list[EngineArtifact]]:
-    """``compiled`` with new per-partition precisions: only fingerprints it does not hold are built
+    """``compiled`` with new per-partition precisions (and ``float_layers``: layers kept in float inside
+    int8 partitions, whose graphs are quantized again): only fingerprints it does not hold are built
     (through the engine cache); every other engine is reused as it is. Returns the new module and the
     artifacts it had to get (built or from the cache)."""
-    options = dataclasses.replace(compiled.plan.options, partition_precision=dict(partition_precision))
+    before = compiled.plan.options
+    layers = before.float_layers if float_layers is None else float_layers
+    levels = dict(partition_precision)
+    layers = {
+        k: tuple(v) for k, v in layers.items() if levels.get(k, before.precision) in QUANTIZED_PRECISIONS
+    }
+    options = dataclasses.replace(before, partition_precision=levels, float_layers=layers)
     raised = [
         p.name for p in compiled.plan.partitions if options.precision_of(p.name) not in QUANTIZED_PRECISIONS
     ]
@@ -189,6 +221,14 @@ def rebuild(
         if options.precision_of(key[len(QUANTIZED_PREFIX) :].split("/")[0]) in QUANTIZED_PRECISIONS
     }
     plan = dataclasses.replace(compiled.plan, options=options, quantized=quantized)
+    changed = [
+        p.name
+        for p in plan.partitions
+        if options.precision_of(p.name) in QUANTIZED_PRECISIONS
+        and options.float_layers.get(p.name, ()) != before.float_layers.get(p.name, ())
+    ]
+    if changed:
+        plan = quantize(plan, only=changed)
     unique = dedup(plan)
     engine_cache = resolve_cache(cache)
     new = {
@@ -197,7 +237,8 @@ def rebuild(
         if fp not in compiled.engines
     }
     engines = {fp: compiled.engines.get(fp) or new[fp] for fp in unique.fingerprints}
-    return assemble(plan, unique, engines), list(new.values())
+    rebuilt = assemble(plan, unique, engines, cache=False if engine_cache is None else engine_cache)
+    return rebuilt, list(new.values())
 
 
 def repair(
@@ -223,8 +264,15 @@ def repair(
     start = time.perf_counter()
     gate = dataclasses.replace(tolerances, max_latency_ratio=None)
     dataset = validation_inputs(compiled, data, samples=samples, seed=seed)
+    engine_cache = resolve_cache(cache)
+    key = decision_key(compiled, gate, dataset)
+    earlier = _reuse(original, compiled, gate, dataset, engine_cache, key, start)
+    if earlier is not None:
+        return earlier
+    initial = compiled
     before = current = _accuracy(original, compiled, dataset, gate)
     steps: list[RepairStep] = []
+    searches: list[LayerSearch] = []
     built = from_cache = rounds = 0
     build_seconds = 0.0
     note = ""
@@ -232,6 +280,16 @@ def repair(
     precision = compiled.plan.options.precision
     pins = pinned(compiled.plan.options)
     device = compiled.plan.options.device
+    deadline = start + compiled.plan.options.repair_seconds
+
+    def rebuilt(module: CompiledModule, levels: Mapping[str, str], layers=None) -> CompiledModule:
+        nonlocal built, from_cache, build_seconds
+        module, artifacts = rebuild(module, levels, cache=engine_cache or False, float_layers=layers)
+        built += sum(1 for a in artifacts if a.is_engine and not a.cache_hit)
+        from_cache += sum(1 for a in artifacts if a.is_engine and a.cache_hit)
+        build_seconds += sum(a.seconds for a in artifacts)
+        return module
+
     if current.failures and precision not in REDUCED:
         note = (
             f"not repaired: repair raises {'/'.join(REDUCED)} partitions and this compile is {precision}; "
@@ -250,12 +308,26 @@ def repair(
                 note += f" or pinned by partition_precision ({', '.join(sorted(pins))})"
             break
         rounds += 1
+        # Layer granularity first: the worst int8 partition keeps its fewest sensitive layers in float.
+        searched = {s.partition for s in searches}
+        layered = [r for r in picks if r.precision in QUANTIZED_PRECISIONS and r.partition not in searched]
+        if layered and time.perf_counter() < deadline:
+            found, module, reached = search(
+                compiled,
+                layered[0].partition,
+                dataset,
+                deadline,
+                rebuild=lambda m, layers: rebuilt(m, m.plan.options.partition_precision, layers),
+                accuracy=lambda m: _accuracy(original, m, dataset, gate),
+            )
+            searches.append(found)
+            if module is not None:
+                compiled, current = module, reached
+                table = compare_partitions(compiled, dataset.samples, runs=0)
+                continue
         levels = {**compiled.plan.options.partition_precision}
         levels.update({row.partition: step_up(row.precision, device) for row in picks})
-        compiled, artifacts = rebuild(compiled, levels, cache=cache)
-        built += sum(1 for a in artifacts if a.is_engine and not a.cache_hit)
-        from_cache += sum(1 for a in artifacts if a.is_engine and a.cache_hit)
-        build_seconds += sum(a.seconds for a in artifacts)
+        compiled = rebuilt(compiled, levels)
         after = compare_partitions(compiled, dataset.samples, runs=0)
         for row in picks:
             now = after.row(row.partition)
@@ -273,6 +345,7 @@ def repair(
             )
         table = after
         current = _accuracy(original, compiled, dataset, gate)
+    changed = bool(steps or any(s.raised for s in searches))
     record = RepairRecord(
         tuple(steps),
         before,
@@ -285,11 +358,55 @@ def repair(
         round(time.perf_counter() - start, 4),
         dataset.source,
         note,
+        searches=tuple(s.to_dict() for s in searches),
+        float_layers=dict(compiled.plan.options.float_layers),
+        kept=kept_fractions(initial, compiled, dataset)
+        if changed and initial.plan.options.quantized
+        else None,
+        budget_seconds=compiled.plan.options.repair_seconds,
     )
-    if steps:
+    if changed or searches:
         compiled.report.accuracy_repair = record.to_dict()
         compiled.report.stage_seconds["repair"] = record.seconds
+    if changed and record.passed and engine_cache is not None and key is not None:
+        remember_decision(engine_cache, key, record.to_dict())
     return RepairResult(compiled, record, table)
+
+
+def _reuse(
+    original: torch.nn.Module,
+    compiled: CompiledModule,
+    gate: Tolerances,
+    dataset: ValidationData,
+    engine_cache: EngineCache | None,
+    key: str | None,
+    start: float,
+) -> RepairResult | None:
+    """An earlier repair of this very compile (same engines, options, tolerances and samples), read from
+    the engine cache and applied: its engines come from the cache, nothing is searched or measured
+    again but the model's accuracy, which must still pass (else None: repair searches anew)."""
+    found = recalled_decision(engine_cache, key) if engine_cache is not None and key is not None else None
+    if found is None:
+        return None
+    earlier = RepairRecord.from_dict(found)
+    module, artifacts = rebuild(
+        compiled, earlier.partition_precision, cache=engine_cache, float_layers=earlier.float_layers
+    )
+    reached = _accuracy(original, module, dataset, gate)
+    if reached.failures:
+        return None
+    record = dataclasses.replace(
+        earlier,
+        after=reached,
+        engines_built=sum(1 for a in artifacts if a.is_engine and not a.cache_hit),
+        engines_from_cache=sum(1 for a in artifacts if a.is_engine and a.cache_hit),
+        build_seconds=round(sum(a.seconds for a in artifacts), 4),
+        seconds=round(time.perf_counter() - start, 4),
+        reused=True,
+    )
+    module.report.accuracy_repair = record.to_dict()
+    module.report.stage_seconds["repair"] = record.seconds
+    return RepairResult(module, record, None)
 
 
 def _json_safe(value: Any) -> Any:
@@ -356,7 +473,7 @@ def ensure_accuracy(
     accuracy_failed = any(reason.startswith("accuracy:") for reason in failures)
     if accuracy_failed and compiled.plan.options.on_accuracy_failure == "repair":
         result = repair(original, compiled, tolerances, data=dataset, cache=cache)
-        if result.record.steps:
+        if result.compiled is not compiled:  # partitions or layers raised
             compiled = result.compiled
             report = validate(original, compiled, data=dataset, **settings)
             failures = report.failures(tolerances)

@@ -1,9 +1,10 @@
 """The one small protocol every engine backend meets.
 
 A backend turns a lowered partition (an ONNX model whose weights are initializers with canonical
-names ``w0, w1, ...``) into engine bytes, and engine bytes plus weights into a callable. New
-backends are one module that implements :class:`EngineBackend` and registers in
-``compiler.backends.get_backend``.
+names ``w0, w1, ...``) into engine bytes, and engine bytes plus weights into a callable. A new
+backend is one package that implements :class:`EngineBackend` plus its record in
+:mod:`compiler.backends.capabilities` (what it builds from, quantizes, captures, builds profiles for),
+which :func:`get_backend` reads to make it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from compiler.backends.capabilities import capabilities
 from compiler.inputs.specs import InputSpec
 
 if TYPE_CHECKING:  # the settings and records here are read without torch (zoo files, manifests)
@@ -114,14 +116,25 @@ class Engine(Protocol):
 
 @runtime_checkable
 class EngineBackend(Protocol):
-    name: str
+    name: str  # its record's name in compiler.backends.capabilities
+
+    @property
+    def graph_format(self) -> str:
+        """What ``build`` takes: the record's ``graph_format`` (:func:`graph_format` reads it)."""
+        ...
 
     def library_version(self) -> str:
         """Version of the library that builds and runs engines (part of every cache key)."""
         ...
 
-    def target_device(self) -> str:
-        """Where engines built now will run, e.g. ``cpu`` or ``cuda:sm_90``."""
+    def engine_target(self) -> str:
+        """The engine target: what engines built now run on, e.g. ``cpu`` or ``cuda:sm_90`` (part of
+        every cache key, recorded in the manifest). Not the device a model runs on."""
+        ...
+
+    def check_runnable(self) -> None:
+        """BackendUnavailableError unless engines built now can also run on this machine (TensorRT-RTX
+        builds on an H100 but cannot run there); ``get_backend("auto")`` skips a backend that raises."""
         ...
 
     def supports(self, target: Any) -> bool:
@@ -159,15 +172,30 @@ class EngineBackend(Protocol):
         ...
 
 
-# What a backend's ``build`` takes (its ``graph_format`` attribute; "onnx" when it has none): the lowered
-# ONNX model, or a torch graph archive (:func:`pack_torch_graph`) for backends that compile the
-# partition's exported program themselves (Inductor).
+# What a backend's ``build`` takes (its record's ``graph_format``): the lowered ONNX model, or a torch
+# graph archive (:func:`pack_torch_graph`) for backends that compile the partition's exported program
+# themselves (Inductor).
 GRAPH_FORMATS = ("onnx", "torch.export")
 _GRAPH_PROGRAM, _GRAPH_WEIGHTS = "program.pt2", "weights.safetensors"
 
 
-def graph_format(backend: object) -> str:
-    return getattr(backend, "graph_format", "onnx")
+def graph_format(backend: EngineBackend) -> str:
+    """What ``backend.build`` takes, from its record (compiler.backends.capabilities)."""
+    return capabilities(backend.name).graph_format
+
+
+class RecordedBackend:
+    """What every backend's record already says, for a backend class to inherit: ``graph_format``, and
+    a ``check_runnable`` that finds nothing to refuse (a backend that can refuse overrides it)."""
+
+    name: str
+
+    @property
+    def graph_format(self) -> str:
+        return graph_format(self)  # type: ignore[arg-type]
+
+    def check_runnable(self) -> None:
+        return None
 
 
 def pack_torch_graph(program: bytes, weights: Mapping[str, torch.Tensor]) -> bytes:

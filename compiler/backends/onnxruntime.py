@@ -20,10 +20,11 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
-from compiler.backends.base import BuildSettings, EngineIO, is_weight_name, to_numpy
+from compiler.backends.base import BuildSettings, EngineIO, RecordedBackend, is_weight_name, to_numpy
 from compiler.backends.onnx_inline import check_self_contained
 from compiler.backends.onnx_support import onnx_exportable
 from compiler.errors import (
+    BackendUnavailableError,
     BuildSettingsError,
     EngineBuildError,
     InputSpecError,
@@ -54,13 +55,24 @@ class OnnxRuntimeEngine:
         return tuple(torch.from_numpy(np.ascontiguousarray(out)) for out in outputs)
 
 
-class OnnxRuntimeBackend:
+def create(name: str, device: str, trust_engine_code: bool) -> OnnxRuntimeBackend:
+    """Its record's maker (compiler.backends.capabilities): ONNX models are data, so trust changes nothing."""
+    backend = OnnxRuntimeBackend()
+    if device != "cpu" and not backend.engine_target().startswith("cuda"):
+        raise BackendUnavailableError(
+            f"backend 'onnxruntime' runs on the CPU only here (providers {backend.providers}); device "
+            f"{device!r} needs onnxruntime-gpu, or backend 'inductor' or 'tensorrt'"
+        )
+    return backend
+
+
+class OnnxRuntimeBackend(RecordedBackend):
     name = "onnxruntime"
 
     def library_version(self) -> str:
         return ort.__version__
 
-    def target_device(self) -> str:
+    def engine_target(self) -> str:
         return "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
 
     @cached_property
@@ -99,7 +111,13 @@ class OnnxRuntimeBackend:
         return model.SerializeToString()
 
     def load(
-        self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None, *, siblings: int = 0
+        self,
+        engine: bytes,
+        io: EngineIO,
+        weights: Mapping[str, torch.Tensor] | None,
+        *,
+        siblings: int = 0,
+        cache: object = None,  # keeps nothing compiled at load
     ) -> OnnxRuntimeEngine:
         model = _parse(engine)
         supplied: dict[str, np.ndarray] = {}

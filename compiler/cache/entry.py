@@ -115,6 +115,32 @@ def record_size(record: Any) -> int:
     return size if _is_size(size) else 0
 
 
+def engine_key(
+    *,
+    fingerprint: str,
+    backend: str,
+    library_version: str,
+    engine_target: str,
+    settings: Mapping[str, Any],
+) -> CacheKey:
+    """An engine's key: sha256 of the canonical JSON (sorted keys) of every field that changes the built
+    engine. The engine target is hashed under its first name, ``target_device``: keys (and so warm
+    caches) stay what they were."""
+    fields: dict[str, Any] = {
+        "fingerprint": fingerprint,
+        "backend": backend,
+        "library_version": library_version,
+        "target_device": engine_target,
+    }
+    for name, value in fields.items():
+        if not isinstance(value, str) or not value:
+            raise CacheError(f"cache key field {name!r} must be a non-empty string, got {value!r}")
+    if not isinstance(settings, Mapping):
+        raise CacheError(f"cache key settings must be a mapping, got {type(settings).__name__}")
+    fields["settings"] = dict(settings)
+    return make_key(fields)
+
+
 def make_key(fields: dict[str, Any]) -> CacheKey:
     """sha256 of the canonical JSON (sorted keys) of ``fields``."""
     canonical = canonical_json(fields, "cache key settings")

@@ -39,7 +39,6 @@ from compiler.atomic import write_bytes_atomic
 from compiler.cache.entry import (
     CODECS,
     CacheEntryInfo,
-    CacheKey,
     CacheStats,
     CacheWarning,
     Unreadable,
@@ -47,10 +46,10 @@ from compiler.cache.entry import (
     check_key,
     check_meta,
     check_record,
+    engine_key,
     entry_info,
     flatten,
     load_record,
-    make_key,
     make_record,
     record_bytes,
     resolve_max_bytes,
@@ -60,6 +59,7 @@ from compiler.cache.files import EntryFileError, read_own_file
 from compiler.cache.locks import KeyLocks
 from compiler.cache.paths import (
     check_private_tree,
+    choose,
     fsync_directory,
     local_dir_for,
     own_files,
@@ -90,12 +90,12 @@ class EngineCache:
         local_dir: str | os.PathLike[str] | None = None,
         lease_seconds: float = 120.0,
     ) -> None:
-        location = os.fspath(directory) if directory is not None else os.environ.get("KILN_CACHE_DIR")
+        location = choose(directory)[0]  # None: $KILN_CACHE_DIR, else the user's cache folder
         # An object-store URL: entries are shared through it, and kept hot on this worker's disk.
         self.remote = RemoteEntries(location, lease_seconds=lease_seconds) if is_url(location) else None
         if self.remote is not None:
-            directory = local_dir or os.environ.get(LOCAL_DIR_ENV) or local_dir_for(self.remote.url)
-        self.directory = resolve_directory(directory)
+            location = local_dir or os.environ.get(LOCAL_DIR_ENV) or local_dir_for(self.remote.url)
+        self.directory = resolve_directory(location)
         self._warned: set[str] = set()
         self.max_bytes = resolve_max_bytes(max_bytes)
         if compression not in CODECS:
@@ -138,29 +138,7 @@ class EngineCache:
         return self.remote.store.protocol if self.remote is not None else "local"
 
     # ---- keys -------------------------------------------------------------------------------------------
-    @staticmethod
-    def key(
-        *,
-        fingerprint: str,
-        backend: str,
-        library_version: str,
-        target_device: str,
-        settings: Mapping[str, Any],
-    ) -> CacheKey:
-        """sha256 of the canonical JSON (sorted keys) of every field that changes the built engine."""
-        fields: dict[str, Any] = {
-            "fingerprint": fingerprint,
-            "backend": backend,
-            "library_version": library_version,
-            "target_device": target_device,
-        }
-        for name, value in fields.items():
-            if not isinstance(value, str) or not value:
-                raise CacheError(f"cache key field {name!r} must be a non-empty string, got {value!r}")
-        if not isinstance(settings, Mapping):
-            raise CacheError(f"cache key settings must be a mapping, got {type(settings).__name__}")
-        fields["settings"] = dict(settings)
-        return make_key(fields)
+    key = staticmethod(engine_key)  # EngineCache.key(fingerprint=..., ...): compiler.cache.entry
 
     def describe(self, key: str) -> dict[str, Any] | None:
         """The stored metadata of an entry (fields, sizes, sha256, created, format version), or None."""
@@ -489,12 +467,14 @@ class EngineCache:
         )
 
 
-def resolve_cache(cache: EngineCache | str | os.PathLike | bool | None) -> EngineCache | None:
-    """``None``/``True``: the default persistent cache; ``False``: none; a path or URL: a cache there."""
+def resolve_cache(cache: CacheSetting) -> EngineCache | None:
+    """The engine cache a public function's ``cache`` names, as :func:`compiler.cache.paths.choose`
+    reads it: ``None``/``True`` the default, ``False`` none, a path or URL a cache there, a cache
+    itself."""
     if cache is False:
         return None
-    if cache is None or cache is True:
-        return EngineCache()
-    if isinstance(cache, EngineCache):
-        return cache
-    return EngineCache(cache)
+    return cache if isinstance(cache, EngineCache) else EngineCache(choose(cache)[0])
+
+
+# What every public function's ``cache`` takes; None means the default cache everywhere.
+CacheSetting = EngineCache | str | os.PathLike | bool | None

@@ -1,6 +1,7 @@
-"""Where a cache lives on this machine: the directory of a local cache, the local layer of an
-object-store cache, whether it is private enough to trust, making renames in it durable, and listing
-only the files it writes there."""
+"""Where a cache lives on this machine: which engine cache a compile uses and why (:func:`choose`, the
+one place that decides, and the one reader of ``$KILN_CACHE_DIR``), the directory of a local cache, the
+local layer of an object-store cache, whether it is private enough to trust, making renames in it
+durable, and listing only the files it writes there."""
 
 from __future__ import annotations
 
@@ -18,6 +19,38 @@ from compiler.errors import CacheError
 _TMP_RE = re.compile(r"\.[0-9a-f]{64}\.[A-Za-z0-9_]+\.tmp\.(?:bin|json)")
 
 
+CACHE_ENV = "KILN_CACHE_DIR"
+# Where a zoo run or `kiln compile` keeps engines by default: beside its workspace (.kiln/), so that a
+# project directory carries its own warm cache. The library, which has no project, uses the user's
+# cache folder (user_cache_dir() / "engines").
+PROJECT_CACHE = ".kiln/engine-cache"
+
+
+def choose(
+    setting: str | os.PathLike[str] | bool | None, *, named: str = "cache", project: bool = False
+) -> tuple[str | None, str]:
+    """(the engine cache's location, why it was chosen): the one decision every entry point makes.
+
+    ``setting`` is what the caller was given, read the same way by every public function that takes a
+    cache (``compiler.compile``, ``build_engine``, ``repair``, ``ensure_accuracy``, ``load``,
+    ``KilnBackend``, a zoo file's ``settings.engine_cache``): ``False`` is no cache; a directory or an
+    object-store URL (``s3://``, ``gs://``, ``file://``) is that cache; ``None`` (or ``True``) is the
+    default: ``$KILN_CACHE_DIR``, else the user's cache folder, or for a ``project`` (a zoo run, ``kiln
+    compile``) ``.kiln/engine-cache`` under the working directory. ``named``: the setting's name, for
+    the reason. A directory comes back absolute, a URL as written."""
+    if setting is False:
+        return None, f"disabled by {named}: false"
+    if setting is not None and setting is not True:
+        return _location(os.fspath(setting)), named
+    if os.environ.get(CACHE_ENV):
+        return _location(os.environ[CACHE_ENV]), f"${CACHE_ENV}"
+    return str(Path(PROJECT_CACHE).absolute() if project else user_cache_dir() / "engines"), "default"
+
+
+def _location(text: str) -> str:
+    return text if "://" in text else str(Path(text).expanduser().absolute())
+
+
 def user_cache_dir() -> Path:
     # platformdirs knows every OS's convention; GPU images may lack it, where XDG's default serves.
     try:
@@ -32,9 +65,8 @@ def local_dir_for(url: str) -> Path:
     return user_cache_dir() / "remote" / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
-def resolve_directory(directory: str | os.PathLike[str] | None) -> Path:
-    if directory is None:
-        directory = os.environ.get("KILN_CACHE_DIR") or user_cache_dir() / "engines"
+def resolve_directory(directory: str | os.PathLike[str]) -> Path:
+    """A local cache's directory, absolute; a CacheError where it cannot be one."""
     path = Path(directory).expanduser().absolute()
     if path.exists() and not path.is_dir():
         raise CacheError(f"cache directory {path} exists but is not a directory; expected a directory")
@@ -52,9 +84,7 @@ def resolve_directory(directory: str | os.PathLike[str] | None) -> Path:
 # a pre-existing one others can write is refused as the directory itself is.
 PRIVATE_FOLDERS = ("locks", "native-builds", "timing")
 
-_CACHE_FIX = (
-    "set KILN_CACHE_DIR (or KILN_CACHE_LOCAL_DIR for an object-store cache) to a directory of your own"
-)
+_CACHE_FIX = f"set {CACHE_ENV} (or KILN_CACHE_LOCAL_DIR for an object-store cache) to a directory of your own"
 
 
 def check_private(

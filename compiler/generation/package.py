@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +32,7 @@ from compiler import json_reader
 from compiler.errors import PackageCorruptError, PackageJsonError
 from compiler.generation.module import GenerationModule
 from compiler.generation.spec import DECODE_DIR, GENERATION_FILE, GenerationSpec
+from compiler.package import save_load
 from compiler.package.check import MANIFEST, manifest_and_signature, read_verified
 from compiler.package.manifest import WEIGHTS, Manifest
 from compiler.package.save_load import PackageInfo, _load, save
@@ -97,6 +99,35 @@ def read_spec(path: str | os.PathLike, manifest: Manifest) -> GenerationSpec:
         raise
     except (ValueError, KeyError, TypeError) as exc:
         raise PackageCorruptError(f"{where} is not a generation spec: {exc}") from exc
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    allowed_modules: Sequence[str] | None = None,
+    device: str | None = None,
+    trust_engine_code: bool | None = None,
+    cuda_graphs: str | None = None,
+    cache: Any = None,
+) -> CompiledModule | GenerationModule:
+    """``compiler.load``: any package (:func:`compiler.package.save_load.load` says what a load checks
+    and what each argument means); a generation package's decode program joins its prefill program.
+    Here, above the package stage, so that the package stage never imports generation."""
+    start = time.perf_counter()
+    prefill = save_load.load(
+        path,
+        allowed_modules=allowed_modules,
+        device=device,
+        trust_engine_code=trust_engine_code,
+        cuda_graphs=cuda_graphs,
+        cache=cache,
+    )
+    if GENERATION_FILE not in prefill.manifest.files:
+        return prefill
+    trust = prefill.trust_engine_code  # what the verified signature (or the caller) decided
+    module = with_decode(prefill, Path(path), prefill.manifest, allowed_modules, device, trust, cuda_graphs)
+    module.load_seconds["total"] = round(time.perf_counter() - start, 4)
+    return module
 
 
 def with_decode(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from compiler.backends import get_backend
-from compiler.build.engine import EngineArtifact
+from compiler.engine_build.engine import EngineArtifact
 from compiler.errors import EngineCompatibilityError
 from compiler.package.manifest import PROGRAM, RUNTIME_GRAPH, Manifest
 from compiler.partitioning import runtime_graph

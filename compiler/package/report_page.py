@@ -175,6 +175,23 @@ def _repair_section(manifest: Manifest) -> Markup:
     ]
     lines = join(h("<li>{line}</li>", line=line) for line in record.get("lines") or [])
     table = _table("repair", ["round", "partition", "precision", "its rel L2", "fingerprint"], rows)
+    layers = [
+        [
+            str(search.get("partition")),
+            str(layer.get("name")),
+            str(layer.get("op")),
+            str(layer.get("weight") or ""),
+            _num(layer.get("rel_l2")),
+            str(layer.get("params", "")),
+            str(layer.get("flops", "")),
+        ]
+        for search in record.get("searches") or ()
+        if search.get("passed")
+        for layer in search.get("raised") or ()
+    ]
+    if layers:
+        header = ["partition", "layer", "op", "parameter", "sensitivity (rel L2 alone)", "weights", "FLOPs"]
+        table = join([_table("raised-layers", header, layers), table])
     return h("<section><h2>Accuracy repair</h2><ul>{lines}</ul>{table}</section>", lines=lines, table=table)
 
 

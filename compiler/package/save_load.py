@@ -60,6 +60,7 @@ import torch
 
 from compiler.atomic import write_bytes_atomic
 from compiler.backends.inductor.backend import warm_inductor_imports
+from compiler.cache.local import CacheSetting
 from compiler.device import program_on, resolve, same
 from compiler.errors import KilnError, PackageCorruptError
 from compiler.package import reading
@@ -73,7 +74,6 @@ from compiler.package.check import (
 from compiler.package.digest import content_hash
 from compiler.package.manifest import (
     FORMAT_VERSION,
-    GENERATION,
     PROGRAM,
     RUNTIME_GRAPH,
     WEIGHTS,
@@ -242,6 +242,7 @@ def load(
     device: str | None = None,
     trust_engine_code: bool | None = None,
     cuda_graphs: str | None = None,
+    cache: CacheSetting = None,
 ) -> CompiledModule:
     """Load a package: verify, re-create the split graph from the saved plan, refit engines, ready to call.
 
@@ -261,6 +262,9 @@ def load(
     ``cuda_graphs``: ``"auto"``, ``"on"`` or ``"off"`` for this load; by default what the package was
     compiled with (``CompileOptions.cuda_graphs``; packages that predate it: ``"auto"``). The capture
     check recorded at compile is trusted: a module it refused runs uncaptured (``"on"``: CudaGraphError).
+
+    ``cache``: the engine cache, as everywhere (None: the default, False: none), where engines that are
+    compiled here (Inductor's, untrusted or built elsewhere) are kept for the next load.
     """
     path = Path(path)
     start = time.perf_counter()
@@ -282,15 +286,11 @@ def load(
     signed = verifier.submit(signature_check) if signature_check is not None else None
     try:
         compiled = _load(
-            path, manifest, pool, signed, allowed_modules, device, trust_engine_code, cuda_graphs
+            path, manifest, pool, signed, allowed_modules, device, trust_engine_code, cuda_graphs, cache=cache
         )
         compiled.load_seconds = {"manifest": round(manifest_s, 4), **compiled.load_seconds}
-        if GENERATION in manifest.files:  # a prefill program: its decode program shares its weights
-            from compiler.generation.package import with_decode
-
-            compiled = with_decode(
-                compiled, path, manifest, allowed_modules, device, trust_engine_code, cuda_graphs
-            )
+        # A generation package's decode program is joined above this stage (compiler.generation.package.load).
+        compiled.manifest = manifest
         compiled.load_seconds["total"] = round(time.perf_counter() - start, 4)
         return compiled
     finally:
@@ -308,6 +308,8 @@ def _load(
     trust_engine_code: bool,
     cuda_graphs: str | None,
     shared_weights: Mapping[str, torch.Tensor] | None = None,
+    *,
+    cache: CacheSetting = None,
 ) -> CompiledModule:
     try:
         options = manifest.plan["options"]
@@ -404,7 +406,7 @@ def _load(
     _check_dedup(dedup, plan, manifest, path)
     engines = reading.engine_artifacts(manifest, reads)
     report = copy.deepcopy(manifest.report)
-    compiled = assemble(plan, dedup, engines, report=report, trust_engine_code=trust_engine_code)
+    compiled = assemble(plan, dedup, engines, report=report, trust_engine_code=trust_engine_code, cache=cache)
     # The report describes the compile: this load's assemble time is not part of it (and would make a
     # re-saved package differ from its source).
     compiled.report.stage_seconds.clear()

@@ -15,7 +15,7 @@ import copy
 import io
 import logging
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ def quantize_fingerprint(call: RecipeCall) -> tuple[bytes, dict[str, torch.Tenso
     quantized with the call's recipe and calibrated on its feeds (:class:`RecipeCall`)."""
     plan, parts, feeds, settings, fp = call.plan, call.parts, call.feeds, call.recipe, call.fp
     from compiler.backends.onnxruntime import OnnxRuntimeBackend
-    from compiler.build.lower import lower_float
+    from compiler.engine_build.lower import lower_float
     from compiler.partitioning.dedup import canonical_weights
 
     by_name = {p.name: p for p in plan.partitions}
@@ -107,7 +107,34 @@ def _run_quantizer(
     model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], settings: Mapping[str, Any]
 ) -> onnx.ModelProto:
     """ONNX Runtime's quantizer on ``model`` with the recipe ``settings`` names
-    (``CompileOptions.quantization_settings``), through files: it takes paths and rewrites its input."""
+    (``CompileOptions.quantization_settings``), through files: it takes paths and rewrites its input.
+    The layers ``settings["float_layers"]`` names (accuracy repair's choice) are left in float."""
+    with tempfile.TemporaryDirectory(prefix="kiln-quantize-") as tmp, quiet_quantizer():
+        source = prepared(model, Path(tmp))
+        return run_static(source, Path(tmp), feeds, settings, exclude=settings.get("float_layers", ()))
+
+
+def prepared(model: onnx.ModelProto, folder: Path) -> Path:
+    """``model`` as the quantizer reads it (basic optimizations run), saved in ``folder``."""
+    source = folder / "float.onnx"
+    onnx.save_model(model, source)
+    _optimize_basic(source, source)
+    return source
+
+
+def run_static(
+    source: Path,
+    folder: Path,
+    feeds: list[dict[str, np.ndarray]],
+    settings: Mapping[str, Any],
+    *,
+    exclude: Sequence[str] = (),
+    only: Sequence[str] = (),
+    ranges: Path | None = None,
+) -> onnx.ModelProto:
+    """The quantizer on a :func:`prepared` graph: every layer but ``exclude`` (or only ``only``).
+    ``ranges``: a calibration cache file (ONNX Runtime's JSON of tensor ranges): written by the first
+    call, read by the next, so a layer search calibrates once."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         CalibrationMethod,
@@ -124,52 +151,59 @@ def _run_quantizer(
         def get_next(self) -> dict[str, np.ndarray] | None:
             return next(self.rows, None)
 
-    with tempfile.TemporaryDirectory(prefix="kiln-quantize-") as tmp, _quiet_quantizer():
-        source, target = Path(tmp) / "float.onnx", Path(tmp) / "int8.onnx"
-        onnx.save_model(model, source)
-        _optimize_basic(source, source)
-        if settings["mode"] == "dynamic":
-            quantize_dynamic(source, target, per_channel=True, weight_type=QuantType.QInt8)
-        else:
-            if not feeds:
-                raise QuantizationError("no calibration inputs reached this partition")
-            shapes = {tuple((k, a.shape) for k, a in sorted(feed.items())) for feed in feeds}
-            if settings["method"] == "distribution" and len(shapes) > 1:
-                raise QuantizationError(
-                    "ONNX Runtime's float8 calibrator (distribution) stacks its samples: every "
-                    f"calibration sample must reach this partition in one shape, got {len(shapes)} shapes"
-                )
-            types = {
-                # uint8 activations (U8S8): with int8 ones BERT's embeddings partition (a Gather over the
-                # vocabulary table) ran at 22-50x fp32 latency at batch 1
-                # (benchmarks/probes/probe_qdq_types.py).
-                "u8s8": (QuantType.QUInt8, QuantType.QInt8, {}),
-                # TensorRT: zero points 0 on both sides, biases stay float (it has no int32 dequantize).
-                "s8s8-symmetric": (QuantType.QInt8, QuantType.QInt8, _SYMMETRIC),
-                "e4m3fn-symmetric": (QuantType.QFLOAT8E4M3FN, QuantType.QFLOAT8E4M3FN, _SYMMETRIC),
-            }
-            activations, weights, extra = types[settings["types"]]
-            # TensorRT: Q/DQ at the inputs of GEMMs and convolutions only, where its int8 and fp8 kernels
-            # are (it propagates them on). A quantized constant of an elementwise op (BERT's attention
-            # scale) is refused ("Quantized constant is only allowed before DQ"), and ONNX Runtime's
-            # float8 calibrator fails on a Softmax's [0, 1] range ("Attributes 'avg' and/or 'std'
-            # missing") and on zero biases (scale 0: "Initializer has nan").
-            ops = None if settings["types"] == "u8s8" else ["MatMul", "Gemm", "Conv"]
-            if ops and not any(node.op_type in ops for node in onnx.load(source).graph.node):
-                raise QuantizationError(f"no {', '.join(ops)} to quantize (TensorRT's are in GEMMs)")
-            quantize_static(
-                source,
-                target,
-                Reader(),
-                quant_format=QuantFormat.QDQ,
-                per_channel=bool(settings["per_channel"]),
-                activation_type=activations,
-                weight_type=weights,
-                calibrate_method=getattr(CalibrationMethod, _METHODS[settings["method"]]),
-                extra_options=dict(extra),
-                op_types_to_quantize=ops,
-            )
+    target = folder / "int8.onnx"
+    if settings["mode"] == "dynamic":
+        quantize_dynamic(
+            source,
+            target,
+            per_channel=True,
+            weight_type=QuantType.QInt8,
+            nodes_to_exclude=list(exclude),
+            nodes_to_quantize=list(only),
+        )
         return onnx.load(target)
+    if not feeds and not (ranges is not None and ranges.is_file()):
+        raise QuantizationError("no calibration inputs reached this partition")
+    shapes = {tuple((k, a.shape) for k, a in sorted(feed.items())) for feed in feeds}
+    if settings["method"] == "distribution" and len(shapes) > 1:
+        raise QuantizationError(
+            "ONNX Runtime's float8 calibrator (distribution) stacks its samples: every "
+            f"calibration sample must reach this partition in one shape, got {len(shapes)} shapes"
+        )
+    types = {
+        # uint8 activations (U8S8): with int8 ones BERT's embeddings partition (a Gather over the
+        # vocabulary table) ran at 22-50x fp32 latency at batch 1
+        # (benchmarks/probes/probe_qdq_types.py).
+        "u8s8": (QuantType.QUInt8, QuantType.QInt8, {}),
+        # TensorRT: zero points 0 on both sides, biases stay float (it has no int32 dequantize).
+        "s8s8-symmetric": (QuantType.QInt8, QuantType.QInt8, _SYMMETRIC),
+        "e4m3fn-symmetric": (QuantType.QFLOAT8E4M3FN, QuantType.QFLOAT8E4M3FN, _SYMMETRIC),
+    }
+    activations, weights, extra = types[settings["types"]]
+    # TensorRT: Q/DQ at the inputs of GEMMs and convolutions only, where its int8 and fp8 kernels
+    # are (it propagates them on). A quantized constant of an elementwise op (BERT's attention
+    # scale) is refused ("Quantized constant is only allowed before DQ"), and ONNX Runtime's
+    # float8 calibrator fails on a Softmax's [0, 1] range ("Attributes 'avg' and/or 'std'
+    # missing") and on zero biases (scale 0: "Initializer has nan").
+    ops = None if settings["types"] == "u8s8" else ["MatMul", "Gemm", "Conv"]
+    if ops and not any(node.op_type in ops for node in onnx.load(source).graph.node):
+        raise QuantizationError(f"no {', '.join(ops)} to quantize (TensorRT's are in GEMMs)")
+    quantize_static(
+        source,
+        target,
+        Reader(),
+        quant_format=QuantFormat.QDQ,
+        per_channel=bool(settings["per_channel"]),
+        activation_type=activations,
+        weight_type=weights,
+        calibrate_method=getattr(CalibrationMethod, _METHODS[settings["method"]]),
+        extra_options=dict(extra),
+        op_types_to_quantize=ops,
+        nodes_to_exclude=list(exclude),
+        nodes_to_quantize=list(only),
+        calibration_cache_path=ranges,
+    )
+    return onnx.load(target)
 
 
 _SYMMETRIC = {"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False}
@@ -286,7 +320,7 @@ def _tensor(init: onnx.TensorProto) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _quiet_quantizer() -> Iterator[None]:
+def quiet_quantizer() -> Iterator[None]:
     """ONNX Runtime's quantizer logs advice ("consider pre-processing") on the root logger per call,
     and its histogram calibrators print progress to stdout."""
     root = logging.getLogger()

@@ -4,7 +4,7 @@
 Inductor (``CompileOptions.quantization_settings``: scales and weights "frozen"):
 
 1. The partition is exported with this instance's weights as constants of the program
-   (``compiler.build.lower.export_partition``): Inductor's int8 kernels are oneDNN's, whose weights are
+   (``compiler.engine_build.lower.export_partition``): Inductor's int8 kernels are oneDNN's, whose weights are
    prepacked when the graph is frozen, so weights cannot stay inputs as in kiln's float engines.
 2. ``X86InductorQuantizer`` (uint8 activations, per-channel int8 weights) annotates its linear and
    convolution nodes; ``prepare_pt2e`` puts min/max observers on them; the captured activations
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from compiler.build.lower import export_partition
+from compiler.engine_build.lower import export_partition
 from compiler.errors import QuantizationError
 from compiler.partitioning.dedup import canonical_weights
 from compiler.partitioning.partition import PartitionPlan

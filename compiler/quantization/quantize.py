@@ -48,7 +48,7 @@ import dataclasses
 import os
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -57,10 +57,10 @@ import numpy as np
 import torch
 
 from compiler.backends.base import QUANTIZED_PRECISIONS, to_numpy
+from compiler.backends.capabilities import PT2E_GRAPH, ROWWISE_GRAPHS
 from compiler.errors import CalibrationError, CalibrationWarning, ValidationDataError
 from compiler.inputs.data import ValidationData, random_data, sample_digest, validation_data
-from compiler.options import PT2E_GRAPH, ROWWISE_GRAPHS
-from compiler.partitioning.partition import PartitionPlan
+from compiler.partitioning.partition import QUANTIZED_PREFIX, PartitionPlan
 from compiler.program.tracing import custom_op_lock
 from compiler.quantization.recipe import RecipeCall
 
@@ -106,11 +106,17 @@ def quantize(
     data: str | os.PathLike | Mapping[str, object] | ValidationData | None = None,
     *,
     seed: int = 0,
+    only: Collection[str] | None = None,
 ) -> PartitionPlan:
     """``plan`` with its int8 partitions quantized (see the module docstring). ``data`` overrides
-    ``options.calibration.data`` (e.g. a ``compiler.inputs.hf_data.dataset_data`` result)."""
+    ``options.calibration.data`` (e.g. a ``compiler.inputs.hf_data.dataset_data`` result).
+
+    ``only``: quantize these partitions again (their ``float_layers`` changed: accuracy repair) and
+    keep every other partition's graph and tensors as ``plan`` holds them."""
     options = plan.options
     names = [p.name for p in plan.partitions if options.precision_of(p.name) in QUANTIZED_PRECISIONS]
+    if only is not None:
+        names = [name for name in names if name in set(only)]
     if not names:
         return plan
     from compiler.partitioning.dedup import dedup  # dedup imports partition; quantize sits between them
@@ -126,10 +132,10 @@ def quantize(
     graphs: dict[str, bytes] = {}
     fallbacks: dict[str, str] = {}
     for fp, representative in unique.unique.items():
-        if options.precision_of(representative) not in QUANTIZED_PRECISIONS:
+        parts = [i.partition for i in unique.instances_of(fp) if i.partition in names]
+        if not parts:
             continue
-        parts = [i.partition for i in unique.instances_of(fp)]
-        recipe = options.quantization_settings(options.precision_of(representative))
+        recipe = options.partition_quantization(representative, options.precision_of(representative))
         # Scales compiled into the engine (TensorRT, Inductor): each instance is its own graph and engine.
         for group in [[p] for p in parts] if recipe["scales"] == "graph" else [parts]:
             try:
@@ -142,6 +148,16 @@ def quantize(
             graphs[group[0]] = graph
             tensors.update(own)
     levels = {**options.partition_precision, **dict.fromkeys(fallbacks, FALLBACK_PRECISION)}
+    if only is not None:  # the others as they were; the record keeps naming every quantized partition
+        kept = {
+            k: v for k, v in plan.quantized.items() if k[len(QUANTIZED_PREFIX) :].split("/")[0] not in names
+        }
+        tensors = {**kept, **tensors}
+        graphs = {**{k: v for k, v in plan.quantized_graphs.items() if k not in names}, **graphs}
+        earlier = QuantizationRecord.from_dict(plan.quantization) if plan.quantization else None
+        if earlier is not None:
+            fallbacks = {**{k: v for k, v in earlier.fallbacks.items() if k not in names}, **fallbacks}
+            names = [*earlier.partitions, *(n for n in names if n not in earlier.partitions)]
     settings = options.quantization_settings(
         options.precision if options.precision in QUANTIZED_PRECISIONS else "int8"
     )

@@ -36,4 +36,4 @@ class RecipeCall:
         if self.settings is not None:
             return self.settings
         options = self.plan.options
-        return options.quantization_settings(options.precision_of(self.parts[0]))
+        return options.partition_quantization(self.parts[0], options.precision_of(self.parts[0])) or {}

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from compiler.build.lower import PRECISION_DTYPES, export_partition
+from compiler.engine_build.lower import PRECISION_DTYPES, export_partition
 from compiler.errors import QuantizationError
 from compiler.partitioning.dedup import canonical_weights
 from compiler.partitioning.partition import QUANTIZED_PREFIX, PartitionPlan

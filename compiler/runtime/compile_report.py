@@ -7,9 +7,16 @@ against :data:`REPORT` before anything is built (:mod:`compiler.typed_json`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from compiler.typed_json import NUMBER_TEXT, ListOf, MapOf, Opt, Record, check
+
+if TYPE_CHECKING:  # read by attribute only: the report's module stays free of torch
+    from compiler.engine_build.engine import EngineArtifact
+    from compiler.partitioning.dedup import DedupPlan
+    from compiler.partitioning.partition import PartitionPlan
 
 _NUMBER = (float, NUMBER_TEXT)  # compiler.repair writes a non-finite error as "inf" / "nan"
 
@@ -57,6 +64,35 @@ _ACCURACY = Record(
         "failures": ListOf(str),
     }
 )
+_LAYER = Record(  # compiler.quantization.layers.LayerSensitivity.to_dict()
+    {"name": str, "op": str, "weight": str, "params": int, "flops": int, "rel_l2": _NUMBER},
+    required=frozenset({"name", "op", "rel_l2"}),
+)
+_SEARCH = Record(  # compiler.accuracy.layers.LayerSearch.to_dict()
+    {
+        "partition": str,
+        "raised": ListOf(_LAYER),
+        "candidates": int,
+        "measured": int,
+        "verifications": int,
+        "partition_rel_l2": _NUMBER,
+        "passed": bool,
+        "seconds": _NUMBER,
+        "note": str,
+    },
+    required=frozenset({"partition", "raised", "passed"}),
+)
+_KEPT = Record(  # compiler.accuracy.mixed.kept_fractions()
+    {
+        "precision": str,
+        "weights": Opt(float),
+        "flops": Opt(float),
+        "weights_int8": int,
+        "weights_total": int,
+        "flops_int8": int,
+        "flops_total": int,
+    }
+)
 REPAIR = Record(  # compiler.accuracy.repair.RepairRecord.to_dict()
     {
         "steps": ListOf(Record(_STEP_FIELDS, required=frozenset(_STEP_FIELDS))),
@@ -72,6 +108,11 @@ REPAIR = Record(  # compiler.accuracy.repair.RepairRecord.to_dict()
         "note": str,
         "passed": bool,
         "lines": ListOf(str),
+        "searches": ListOf(_SEARCH),
+        "float_layers": MapOf(ListOf(str)),
+        "kept": Opt(_KEPT),
+        "budget_seconds": Opt(_NUMBER),
+        "reused": bool,
     }
 )
 _PROFILE = Record(  # CompiledModule.measure_profiles() rows, with compiler.runtime.padding's verdict
@@ -200,6 +241,14 @@ class CompileReport:
                 for step in self.accuracy_repair["steps"]
             )
             text += f"; accuracy repair: {raised}"
+        layers = [
+            f"{search['partition']}/{layer['name']}"
+            for search in (self.accuracy_repair or {}).get("searches", ())
+            if search.get("passed")
+            for layer in search.get("raised", ())
+        ]
+        if layers:
+            text += f"; accuracy repair kept {len(layers)} layers in fp32: {', '.join(layers)}"
         if self.cuda_graphs and not self.cuda_graphs.get("capturable"):
             text += f"; CUDA graphs off: {self.cuda_graphs.get('reason')}"
         if self.quantization and self.quantization.get("fallbacks"):
@@ -209,3 +258,51 @@ class CompileReport:
             noun = "partition" if len(fell_back) == 1 else "partitions"
             text += f"; {len(fell_back)} {noun} fell back after build failures: {', '.join(fell_back)}"
         return text
+
+
+def report_of(
+    plan: PartitionPlan,
+    dedup: DedupPlan,
+    engines: Mapping[str, EngineArtifact],
+    backend: str,
+    backend_version: str,
+    engine_target: str,
+    refits: int,
+) -> CompileReport:
+    """The report of a new compile, from its plans and engines (``compiler.runtime.module.assemble``)."""
+    partitions = [
+        {**p.to_dict(), "fingerprint": dedup.instance(p.name).fingerprint, "nodes": len(p.nodes)}
+        for p in plan.partitions
+    ]
+    for row in partitions:
+        row.pop("inputs", None)
+        row["backend"] = engines[row["fingerprint"]].backend
+    built = [a for a in engines.values() if a.is_engine]
+    failures = [
+        {**a.build_failure, "partitions": [i.partition for i in dedup.instances_of(fp)]}
+        for fp, a in engines.items()
+        if a.build_failure is not None
+    ]
+    return CompileReport(
+        backend=backend,
+        backend_version=backend_version,
+        engine_target=engine_target,
+        precision=plan.options.precision,
+        strip_weights=plan.options.strip_weights,
+        partitions=partitions,
+        fallback_ops=dict(plan.fallback_ops),
+        unique_fingerprints=len(dedup.unique),
+        engines_built=sum(1 for a in built if not a.cache_hit),
+        cache_hits=sum(1 for a in built if a.cache_hit),
+        refits=refits,
+        engine_bytes=sum(a.bytes for a in built),
+        build_failures=failures,
+        quantization=plan.quantization,
+        stage_seconds={
+            "partition": round(plan.seconds, 4),
+            **({"quantize": plan.quantization["seconds"]} if plan.quantization else {}),
+            "dedup": round(dedup.seconds, 4),
+            "lower": round(sum(a.lower_seconds for a in engines.values()), 4),
+            "build": round(sum(a.seconds - a.lower_seconds for a in engines.values()), 4),
+        },
+    )

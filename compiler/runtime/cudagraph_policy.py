@@ -11,14 +11,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from compiler.backends.capabilities import capturable
 from compiler.errors import CudaGraphError
 
 if TYPE_CHECKING:
     import torch
-
-# Backends whose engines run on PyTorch's current CUDA stream, so a stream capture records them.
-# ONNX Runtime launches on its own streams (and its CPU provider on the host): never captured.
-CAPTURABLE_BACKENDS = ("inductor", "tensorrt", "tensorrt-rtx", "auto")
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,9 @@ def decide(
     if device.type != "cuda":
         reason = f"the model runs on {device}"
     else:
-        outside = sorted({b for b in engine_backends if b not in CAPTURABLE_BACKENDS})
+        # Only engines on PyTorch's current CUDA stream are recorded by a stream capture (each
+        # backend's record says: ONNX Runtime launches on its own streams, never captured).
+        outside = sorted({b for b in engine_backends if not capturable(b)})
         if outside:
             reason = f"engines of {outside} run outside PyTorch's CUDA stream"
         elif check is not None and not check.capturable:

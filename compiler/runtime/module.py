@@ -25,17 +25,18 @@ import torch
 from torch.utils import _pytree as pytree
 
 from compiler.backends import get_backend
-from compiler.backends.base import Engine, EngineBackend, EngineIO
-from compiler.build.engine import EngineArtifact
-from compiler.build.lower import engine_weights
+from compiler.backends.base import Engine, EngineIO
+from compiler.cache.local import CacheSetting
 from compiler.device import resolve, same
+from compiler.engine_build.engine import EngineArtifact
+from compiler.engine_build.lower import engine_weights
 from compiler.errors import CudaGraphError, InputSpecError, RefitError
 from compiler.inputs.profiles import fixed_profiles, is_fixed, profile_inputs, profile_shapes
 from compiler.inputs.specs import InputSpec, check_inputs
 from compiler.partitioning.dedup import DedupPlan
 from compiler.partitioning.partition import PartitionPlan
 from compiler.program.tracing import custom_op_lock
-from compiler.runtime.compile_report import CompileReport
+from compiler.runtime.compile_report import CompileReport, report_of
 from compiler.runtime.cudagraph_policy import CaptureCheck, decide
 from compiler.runtime.cudagraphs import DEFAULT_MAX_SHAPES, CudaGraphs, check_capture
 from compiler.runtime.padding import check_padding, pad_call, pad_targets
@@ -67,10 +68,12 @@ class CompiledModule(torch.nn.Module):
         report: CompileReport,
         *,
         trust_engine_code: bool = True,
+        cache: CacheSetting = None,
     ):
         super().__init__()
-        # Whether its engines' bytes were trusted to run as code (a package load decides): refit keeps it.
-        self.trust_engine_code = trust_engine_code
+        # Whether its engines' bytes were trusted to run as code (a package load decides), and the engine
+        # cache its loads were handed (where Inductor keeps graphs it compiles at load): refit keeps both.
+        self.trust_engine_code, self.cache = trust_engine_code, cache
         self.plan, self.dedup, self.engines, self.graph, self.report = (
             plan,
             dedup,
@@ -79,6 +82,7 @@ class CompiledModule(torch.nn.Module):
             report,
         )
         self.validation: dict | None = None  # set by package.load from the manifest
+        self.manifest: Any = None  # set by package.load: the package's Manifest, as verified
         self.load_seconds: dict[str, float] = {}  # set by package.load: where its seconds went
         # Where inputs, engines, fallback ops and outputs live (CompileOptions.device).
         self.device = resolve(plan.options.device)
@@ -314,6 +318,7 @@ class CompiledModule(torch.nn.Module):
             self._refitted_artifacts(plan),
             report=self.report,
             trust_engine_code=self.trust_engine_code,
+            cache=self.cache,
         )
         refitted.cuda_graphs.max_shapes = self.cuda_graphs.max_shapes
         refitted.cuda_graphs.static_outputs = self.cuda_graphs.static_outputs
@@ -365,13 +370,10 @@ class CompiledModule(torch.nn.Module):
                     call.engine.refit_in_place(weights)
                     continue
                 artifact = self.engines[call.fingerprint]
-                backend = get_backend(
-                    artifact.backend,
-                    device=self.plan.options.device,
-                    trust_engine_code=self.trust_engine_code,
-                )
                 siblings = per_backend[artifact.backend] - 1
-                call.engine = backend.load(artifact.engine, artifact.io, weights, siblings=siblings)
+                call.engine = _load(
+                    self.plan, artifact, weights, siblings, self.trust_engine_code, self.cache
+                )
                 reloaded += 1
             if reloaded:  # captures of the old engines would replay their weights
                 self.cuda_graphs.clear()
@@ -401,9 +403,12 @@ def assemble(
     *,
     report: CompileReport | None = None,
     trust_engine_code: bool = True,
+    cache: CacheSetting = None,
 ) -> CompiledModule:
     """Load every engine instance with its weights (refit) and wire them into the fallback graph.
-    ``trust_engine_code``: False for engines from an untrusted source (see ``get_backend``)."""
+    ``trust_engine_code``: False for engines from an untrusted source (see ``get_backend``). ``cache``:
+    the engine cache, as everywhere (None: the default), where a backend keeps what it compiles at
+    load (Inductor: engines whose compiled graphs do not load here)."""
     start = time.perf_counter()
     graph = copy.copy(plan.graph_module)
     refits = 0
@@ -419,21 +424,20 @@ def assemble(
             continue  # the build fell back to PyTorch: the partition's own submodule stays in the graph
         shared = dedup.unique[instance.fingerprint] != part.name
         weights = engine_weights(plan, instance)
-        backend = get_backend(
-            artifact.backend, device=plan.options.device, trust_engine_code=trust_engine_code
-        )
-        engine = backend.load(
-            artifact.engine, artifact.io, weights, siblings=per_backend[artifact.backend] - 1
-        )
+        siblings = per_backend[artifact.backend] - 1
+        engine = _load(plan, artifact, weights, siblings, trust_engine_code, cache)
         refits += int(shared or artifact.stripped)
         positions = tuple(i for i, src in enumerate(part.inputs) if src.kind == "activation")
         setattr(graph, part.name, EngineCall(engine, artifact.io, positions, instance.fingerprint))
     if report is None:
-        report = _report(
-            plan, dedup, engines, get_backend(plan.options.backend, device=plan.options.device), refits
+        backend = get_backend(plan.options.backend, device=plan.options.device)
+        report = report_of(
+            plan, dedup, engines, backend.name, backend.library_version(), backend.engine_target(), refits
         )
     report.stage_seconds["assemble"] = round(time.perf_counter() - start, 4)
-    module = CompiledModule(plan, dedup, engines, graph, report, trust_engine_code=trust_engine_code)
+    module = CompiledModule(
+        plan, dedup, engines, graph, report, trust_engine_code=trust_engine_code, cache=cache
+    )
     # A new compile (or a package from before the check, or compiled with graphs off): check the
     # capture once and record it. A recorded check is trusted: loads and refits skip it.
     if module.cuda_graphs.enabled and report.cuda_graphs is None:
@@ -455,46 +459,14 @@ def assemble(
     return module
 
 
-def _report(
+def _load(
     plan: PartitionPlan,
-    dedup: DedupPlan,
-    engines: Mapping[str, EngineArtifact],
-    backend: EngineBackend,
-    refits: int,
-) -> CompileReport:
-    partitions = [
-        {**p.to_dict(), "fingerprint": dedup.instance(p.name).fingerprint, "nodes": len(p.nodes)}
-        for p in plan.partitions
-    ]
-    for row in partitions:
-        row.pop("inputs", None)
-        row["backend"] = engines[row["fingerprint"]].backend
-    built = [a for a in engines.values() if a.is_engine]
-    failures = [
-        {**a.build_failure, "partitions": [i.partition for i in dedup.instances_of(fp)]}
-        for fp, a in engines.items()
-        if a.build_failure is not None
-    ]
-    return CompileReport(
-        backend=backend.name,
-        backend_version=backend.library_version(),
-        engine_target=backend.target_device(),
-        precision=plan.options.precision,
-        strip_weights=plan.options.strip_weights,
-        partitions=partitions,
-        fallback_ops=dict(plan.fallback_ops),
-        unique_fingerprints=len(dedup.unique),
-        engines_built=sum(1 for a in built if not a.cache_hit),
-        cache_hits=sum(1 for a in built if a.cache_hit),
-        refits=refits,
-        engine_bytes=sum(a.bytes for a in built),
-        build_failures=failures,
-        quantization=plan.quantization,
-        stage_seconds={
-            "partition": round(plan.seconds, 4),
-            **({"quantize": plan.quantization["seconds"]} if plan.quantization else {}),
-            "dedup": round(dedup.seconds, 4),
-            "lower": round(sum(a.lower_seconds for a in engines.values()), 4),
-            "build": round(sum(a.seconds - a.lower_seconds for a in engines.values()), 4),
-        },
-    )
+    artifact: EngineArtifact,
+    weights: Mapping[str, torch.Tensor],
+    siblings: int,
+    trust_engine_code: bool,
+    cache: CacheSetting,
+) -> Engine:
+    """One engine instance, loaded by the backend that built it, on the model's device."""
+    backend = get_backend(artifact.backend, device=plan.options.device, trust_engine_code=trust_engine_code)
+    return backend.load(artifact.engine, artifact.io, weights, siblings=siblings, cache=cache)

@@ -14,6 +14,8 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
+from compiler.backends.base import FLOAT_PRECISIONS, QUANTIZED_PRECISIONS
+from compiler.backends.capabilities import backend_help, precision_help, quantization_help
 from flows.render import EXIT_BAD_INPUT, console
 
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="show Prefect's task logs")]
@@ -157,21 +159,19 @@ CompileZooFile = Annotated[Path, typer.Option("--zoo", help="zoo file to take th
 Device = Annotated[str | None, typer.Option("--device", "-d", help="where the model runs: cpu, cuda, cuda:N")]
 Backend = Annotated[
     str | None,
-    typer.Option("--backend", "-b", help="onnxruntime, tensorrt, tensorrt-rtx, inductor, auto"),
+    typer.Option("--backend", "-b", help=backend_help()),
 ]
 Precision = Annotated[
     str | None,
     typer.Option(
         "--precision",
         "-p",
-        help="fp32, fp16, bf16, int8 (onnxruntime, tensorrt, inductor), fp8 (tensorrt, inductor on cuda)",
+        help=precision_help(FLOAT_PRECISIONS, QUANTIZED_PRECISIONS),
     ),
 ]
 Quantization = Annotated[
     str | None,
-    typer.Option(
-        "--quantization", help="static (calibrated, default) or dynamic (onnxruntime; inductor on cuda)"
-    ),
+    typer.Option("--quantization", help=quantization_help()),
 ]
 CalibrationData = Annotated[
     Path | None,

@@ -100,7 +100,9 @@ def kiln_pythonpath() -> list[str]:
     import serving
 
     kiln_root = str(Path(serving.__file__).resolve().parents[1])
-    paths = [kiln_root]
+    # PYTHONPATH's folders too: packages installed with `pip --target` there (a GPU host's carried
+    # wheels) are part of this interpreter's environment, and the stub ignores PYTHONPATH.
+    paths = [kiln_root, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
     for key in ("purelib", "platlib"):
         paths.append(sysconfig.get_paths()[key])
     with contextlib.suppress(AttributeError):

@@ -127,10 +127,18 @@ def _server_children(pid: int) -> list[psutil.Process]:
 def test_the_temporary_api_server_dies_with_a_killed_cli(command: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update({"PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "home")})
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    if command == "release":
+        # What kiln release checks before its API server starts: a zoo entry and a registered target.
+        import mlflow
+
+        mlflow.MlflowClient(store).create_registered_model("kiln.mlp.cpu")
+        entry = "{name: mlp, factory: 'zoo.models:mlp_with_fallback'}"
+        (tmp_path / "zoo.yaml").write_text(f"models:\n  - {entry}\n")
     args = {
         "compile": ["compile", "zoo.models:mlp_with_fallback", "--no-tracking",
                     "--out", str(tmp_path / "out"), "--workspace", str(tmp_path / "ws")],
-        "release": ["release", "mlp", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"],
+        "release": ["release", "mlp", "--tracking-uri", store, "--zoo", str(tmp_path / "zoo.yaml")],
     }[command]  # fmt: skip
     cli = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", *args],

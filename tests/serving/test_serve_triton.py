@@ -676,5 +676,6 @@ def test_a_model_with_no_champion_is_a_typed_error_naming_it_and_its_aliases(sto
             store["uri"],
         ],
     )
-    assert result.exit_code == 1 and "kiln.nothing.cpu has no 'champion' alias" in result.output
+    # registry.targets: nothing is registered for the model under any engine target
+    assert result.exit_code == 1 and "nothing is registered for 'nothing'" in result.output
     assert "not exported" in result.output and not (repository / "nothing").exists()

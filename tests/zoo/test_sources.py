@@ -162,6 +162,24 @@ def test_hf_folder_loads_and_exports_with_ranges_from_config_and_task(
     torch.testing.assert_close(exported_t, eager_t, rtol=1e-4, atol=1e-5)
 
 
+def test_an_hf_decoder_as_feature_extraction_exports_without_its_cache(hf_dir: Path) -> None:
+    """Issue 41: GPT-2's hidden states, not its KV cache (a DynamicCache torch.export cannot return)."""
+    import transformers as t
+
+    folder = hf_dir / "gpt2-features"
+    torch.manual_seed(0)
+    config = t.GPT2Config(vocab_size=96, n_positions=48, n_embd=16, n_layer=1, n_head=2)
+    t.GPT2Model(config).save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["use_cache"] is True  # as the hub's have it
+    case = _entry(f"hf:{folder}", task="feature-extraction").requests()[0].load_case()
+    program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+    assert [s.name for s in compiler.input_specs(program)] == ["input_ids", "attention_mask"]
+    x = {"input_ids": torch.randint(0, 96, (3, 7)), "attention_mask": torch.ones(3, 7, dtype=torch.int64)}
+    eager, exported = case.model(**x), program.module()(**x)
+    assert eager.past_key_values is None
+    torch.testing.assert_close(exported.last_hidden_state, eager.last_hidden_state, rtol=1e-4, atol=1e-5)
+
+
 def test_inputs_override_the_hf_ranges_and_the_example_moves_inside_them(hf_dir: Path) -> None:
     folder = _tiny_hf("feature-extraction", hf_dir / "ranged")
     seq = {"axis": 1, "name": "seq", "min": 24, "max": 32}

@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 
-from compiler.backends.base import BuildSettings, EngineIO, unpack_torch_graph
+from compiler.backends.base import BuildSettings, EngineIO, RecordedBackend, unpack_torch_graph
 from compiler.backends.inductor.aot import AotGraph, aot_from_program
 from compiler.backends.inductor.compat import check_compatible, cxx_runtime, device_index, foreign_code
 from compiler.backends.inductor.engine import InductorEngine, ordered_weights
@@ -93,7 +93,7 @@ from compiler.backends.inductor.graph import (
     save_artifact,
     short_error,
 )
-from compiler.backends.inductor.memo import COMPILE_LOCK, library_key, recall, remember
+from compiler.backends.inductor.memo import COMPILE_LOCK, library_key, recall, recall_aot, remember
 from compiler.backends.inductor.native import LocalAot
 from compiler.backends.inductor.options import (
     build_options,
@@ -101,6 +101,7 @@ from compiler.backends.inductor.options import (
     host_compiler,
 )
 from compiler.backends.inductor.static import build_specializations, specializations, static_key
+from compiler.cache.local import CacheSetting
 from compiler.errors import (
     BackendError,
     EngineBuildError,
@@ -108,10 +109,6 @@ from compiler.errors import (
     RefitError,
 )
 from compiler.inputs.specs import dtype_name
-
-# Per process, by library key: the AOTInductor package built for it (or None) and its compiler (or why
-# there is none), so a stripped or full twin does not compile it again.
-_AOT: dict[str, tuple[bytes | None, str | None]] = {}
 
 
 def warm_inductor_imports() -> None:
@@ -129,9 +126,12 @@ def inductor_supports(target: Any) -> bool:
     return target.namespace in ("aten", "prims")
 
 
-class InductorBackend:
-    name = "inductor"
-    graph_format = "torch.export"
+def create(name: str, device: str, trust_engine_code: bool) -> InductorBackend:
+    return InductorBackend(device, trust_engine_code=trust_engine_code)  # its record's maker
+
+
+class InductorBackend(RecordedBackend):
+    name = "inductor"  # its record: graph_format "torch.export" (compiler.backends.capabilities)
 
     def __init__(self, device: str = "cpu", *, trust_engine_code: bool = True) -> None:
         # Untrusting (a package from an untrusted source): engines are compiled from their programs, and
@@ -151,7 +151,7 @@ class InductorBackend:
                 pass
         return version
 
-    def target_device(self) -> str:
+    def engine_target(self) -> str:
         if self.device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(self.device)
             return f"cuda:sm_{major}{minor}"
@@ -175,7 +175,7 @@ class InductorBackend:
         if settings.precision == "fp8" and self._fp8_missing():
             raise EngineBuildError(
                 f"partition {partition}: precision fp8 needs a CUDA GPU of compute capability 8.9 or later "
-                f"(torch._scaled_mm); this backend targets {self.target_device()}",
+                f"(torch._scaled_mm); this backend targets {self.engine_target()}",
                 partition=partition,
             )
         program, weight_bytes = unpack_torch_graph(lowered)
@@ -188,7 +188,7 @@ class InductorBackend:
             "format": FORMAT,
             "torch": torch.__version__,
             "library": self.library_version(),
-            "device": self.target_device(),
+            "device": self.engine_target(),
             "device_index": device_index(self.device),
             "compiler": compiler,
             "precision": settings.precision,
@@ -285,7 +285,8 @@ class InductorBackend:
         library key."""
         if not options.get("aot"):
             return None, None
-        if key not in _AOT:
+
+        def build() -> tuple[bytes | None, str | None]:
             built, note = aot_from_program(
                 program,
                 io,
@@ -300,16 +301,21 @@ class InductorBackend:
                 warnings.warn(
                     f"Inductor: no AOTInductor package for partition {partition or '?'}: {note}; its engine "
                     "is its standalone graph",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
-            _AOT[key] = built, note
-            while len(_AOT) > 16:
-                _AOT.pop(next(iter(_AOT)))
-        return _AOT[key]
+            return built, note
+
+        return recall_aot(key, build)
 
     # -- load, refit -----------------------------------------------------------------------------
     def load(
-        self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None, *, siblings: int = 0
+        self,
+        engine: bytes,
+        io: EngineIO,
+        weights: Mapping[str, torch.Tensor] | None,
+        *,
+        siblings: int = 0,
+        cache: CacheSetting = None,  # where graphs compiled here are kept (graph.LocalCompiled)
     ) -> InductorEngine:
         header, files = read_engine(engine)
         self.check_compatible(header)
@@ -334,7 +340,9 @@ class InductorBackend:
         # A package that may not run here (untrusted: its bytes never run; built for another GPU or C++
         # runtime; or it does not load): this machine's own, if built
         wanted = AOT in files and aot is None
-        local = LocalAot(wanted, files[ENGINE_PROGRAM], options, self.device, self.target_device(), header)
+        local = LocalAot(
+            wanted, files[ENGINE_PROGRAM], options, self.device, self.engine_target(), header, cache
+        )
         aot = aot or local.loaded()
         if aot is not None:  # serves every shape: no Inductor, no Triton imported
             return self._aot_engine(aot, ordered, io, constants, header)
@@ -345,7 +353,7 @@ class InductorBackend:
             if compiled is None:
                 frozen = bool(header.get("frozen"))
                 compiled = self._load_compiled(
-                    options, files, io, ordered, constants, frozen=frozen, foreign=foreign
+                    options, files, io, ordered, constants, cache, frozen=frozen, foreign=foreign
                 )
                 remember(key, compiled, None)
             static = {}
@@ -359,6 +367,7 @@ class InductorBackend:
                         io,
                         ordered,
                         constants,
+                        cache,
                         shapes=shapes,
                         name=static_entry(index),
                         foreign=foreign,
@@ -413,6 +422,7 @@ class InductorBackend:
         engine_io: EngineIO,
         weights: tuple[torch.Tensor, ...],
         constants: Mapping[int, torch.Tensor],
+        cache: CacheSetting,
         *,
         shapes: tuple[tuple[int, ...], ...] | None = None,
         name: str = COMPILED,
@@ -444,7 +454,7 @@ class InductorBackend:
             except Exception as exc:  # a cache miss or a torch build mismatch: both mean compile again
                 reason = f"its compiled graph does not load here ({short_error(exc)})"
         # Keyed by the options it is compiled with here (an untrusted header's are filtered already).
-        local = LocalCompiled(files[ENGINE_PROGRAM], options, self.target_device(), shapes)
+        local = LocalCompiled(files[ENGINE_PROGRAM], options, self.engine_target(), shapes, cache=cache)
         compiled = local.load(examples, weights, constants)
         if compiled is not None:  # compiled here from this very program before: as trusted as a build
             return compiled
@@ -483,8 +493,8 @@ class InductorBackend:
 
     def check_compatible(self, header: Mapping[str, Any]) -> None:
         """EngineCompatibilityError unless an engine with this header runs here, on this backend's device."""
-        check_compatible(header, self.device, self.target_device())
+        check_compatible(header, self.device, self.engine_target())
 
     def foreign_code(self, header: Mapping[str, Any], files: Mapping[str, bytes]) -> str | None:
         """Why the engine's stored native code must not run here though the engine may (compat.py)."""
-        return foreign_code(header, AOT in files, self.device, self.target_device())
+        return foreign_code(header, AOT in files, self.device, self.engine_target())

@@ -137,7 +137,9 @@ class LocalCompiled:
         shapes: tuple[tuple[int, ...], ...] | None = None,
         *,
         aot: bool = False,
+        cache: Any = None,
     ):
+        self.cache = cache  # the cache the load was handed (compiler.cache.local.CacheSetting)
         meta = {"torch": torch.__version__, "target": target, "options": options, "format": FORMAT}
         if shapes is not None:  # a static specialization: its own entry
             meta["static_shapes"] = [list(s) for s in shapes]
@@ -147,14 +149,13 @@ class LocalCompiled:
         kind = "inductor-local-aot" if aot else "inductor-local-compile"
         self.meta = {"kind": kind, "torch": torch.__version__, "target": target}
 
-    @staticmethod
-    def _cache() -> Any:
-        from compiler.cache.local import EngineCache
+    def _cache(self) -> Any:
+        from compiler.cache.local import resolve_cache
         from compiler.errors import CacheError
 
-        try:
-            return EngineCache()  # KILN_CACHE_DIR, else the user's cache: trusted input (docs/security.md)
-        except CacheError:
+        try:  # the load's cache (None: the default one): trusted input (docs/security.md)
+            return resolve_cache(self.cache)
+        except CacheError:  # one kiln may not use: the graph is compiled again next time
             return None
 
     def load(

@@ -21,6 +21,8 @@ COMPILE_LOCK = threading.RLock()
 RECENT_LIMIT = 128
 # key -> (the compiled graph, its saved artifact where this process built it: what a build stores)
 _RECENT: OrderedDict[str, tuple[Callable[..., Any], bytes | None]] = OrderedDict()
+# key -> the AOTInductor package built for it (or None) and its compiler (or why there is none)
+_AOT: dict[str, tuple[bytes | None, str | None]] = {}
 
 
 def library_key(program: bytes, header: Mapping[str, Any]) -> str:
@@ -43,3 +45,15 @@ def remember(key: str, compiled: Callable[..., Any], artifact: bytes | None) -> 
     _RECENT.move_to_end(key)
     while len(_RECENT) > RECENT_LIMIT:
         _RECENT.popitem(last=False)
+
+
+def recall_aot(
+    key: str, build: Callable[[], tuple[bytes | None, str | None]]
+) -> tuple[bytes | None, str | None]:
+    """The AOTInductor package of ``key`` (and its compiler, or why there is none), built once per
+    process: a stripped or full twin does not compile it again. The last 16 are kept."""
+    if key not in _AOT:
+        _AOT[key] = build()
+        while len(_AOT) > 16:
+            _AOT.pop(next(iter(_AOT)))
+    return _AOT[key]

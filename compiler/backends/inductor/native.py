@@ -138,12 +138,13 @@ class LocalAot:
         device: torch.device,
         target: str,
         header: Mapping[str, Any],
+        cache: Any = None,
     ):
         from compiler.backends.inductor.graph import LocalCompiled
 
         self.wanted, self.device, self.options, self.header = wanted, device, options, header
         self.program, self.target = program, target
-        self.entry = LocalCompiled(program, options, target, aot=True) if wanted else None
+        self.entry = LocalCompiled(program, options, target, aot=True, cache=cache) if wanted else None
 
     def loaded(self) -> AotGraph | None:
         """The package built here before, loaded; None where there is none (or not wanted)."""

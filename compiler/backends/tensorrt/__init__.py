@@ -8,7 +8,7 @@ whether engines built here can also run here (TensorRT-RTX builds on an H100 but
 on sm_90).
 
 Words: the *engine target* is what an engine is built for, the GPU compute capabilities it runs on
-(``cuda:sm_90``; :class:`EngineTarget`); ``target_device()`` is the backend protocol's name for it.
+(``cuda:sm_90``; :class:`EngineTarget`, the backend protocol's ``engine_target()``).
 The *device* is where a model runs (``cuda:1``), which is not decided here.
 
 One module per job, each name imported from its module (this file only describes them); the first

@@ -27,7 +27,7 @@ import onnx
 import torch
 
 from compiler.atomic import write_bytes_atomic
-from compiler.backends.base import BuildSettings, EngineIO
+from compiler.backends.base import BuildSettings, EngineIO, RecordedBackend
 from compiler.backends.onnx_inline import check_self_contained
 from compiler.backends.tensorrt.build_settings import (
     builder_flag_names,
@@ -85,7 +85,13 @@ def _error_node(text: str, node_names: Sequence[str]) -> str | None:
     return None
 
 
-class TensorRTBackend:
+def create(name: str, device: str, trust_engine_code: bool) -> TensorRTBackend:
+    """Its records' maker (compiler.backends.capabilities): plans run with host code disallowed, so
+    trust changes nothing; engines run on the GPU of the CUDA ``device``."""
+    return TensorRTBackend(name)
+
+
+class TensorRTBackend(RecordedBackend):
     """EngineBackend for ``tensorrt`` (TensorRT 10/11) and ``tensorrt-rtx`` (TensorRT for RTX).
 
     Construction imports the library and needs a CUDA GPU (BackendUnavailableError otherwise, so
@@ -169,8 +175,8 @@ class TensorRTBackend:
             return EngineTarget(RTX_DEFAULT_COMPUTE_CAPABILITIES, and_later=True)
         return EngineTarget((self._require_gpu("building an engine"),))
 
-    def target_device(self) -> str:
-        """The engine target of builds now, e.g. ``cuda:sm_90`` (the protocol's name for it)."""
+    def engine_target(self) -> str:
+        """The engine target of builds now, e.g. ``cuda:sm_90``."""
         return str(self._engine_target())
 
     def supports(self, target: Any) -> bool:  # ``target``: the protocol's name for an fx node's op
@@ -363,7 +369,13 @@ class TensorRTBackend:
         return (header, *deserialize(self.trt, self.name, plan, sm))
 
     def load(
-        self, engine: bytes, io: EngineIO, weights: Mapping[str, torch.Tensor] | None, *, siblings: int = 0
+        self,
+        engine: bytes,
+        io: EngineIO,
+        weights: Mapping[str, torch.Tensor] | None,
+        *,
+        siblings: int = 0,
+        cache: object = None,  # keeps nothing compiled at load
     ) -> TensorRTEngine:
         header, runtime, cuda_engine, logger = self._deserialize(engine)
         if weights:

@@ -140,15 +140,18 @@ def test_refit_in_place_copies_into_the_engines_own_tensors(blocks, compiled, tm
             assert [w.data_ptr() for w in call.engine.weights] == storages[name]
 
 
-def _load_in_a_fresh_process(package: Path, x: Path, env: dict) -> tuple[list[str], torch.Tensor, str]:
-    """(stdout words, output, warnings) of loading ``package`` in a new process and calling it on ``x``."""
+def _load_in_a_fresh_process(
+    package: Path, x: Path, env: dict, cache: Path | None = None
+) -> tuple[list[str], torch.Tensor, str]:
+    """(stdout words, output, warnings) of loading ``package`` in a new process (with ``cache`` where
+    given) and calling it on ``x``."""
     code = textwrap.dedent(
         f"""
         import warnings, torch, compiler
         import zoo.models  # registers the custom op the package's program calls
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            m = compiler.load({str(package)!r})
+            m = compiler.load({str(package)!r}, cache={str(cache) if cache else None!r})
         print(m.report.backend, m.device, m.trust_engine_code)
         print("WARNINGS", *(str(w.message) for w in caught if "Inductor engine" in str(w.message)))
         torch.save(m(torch.load({str(x)!r})), {str(x)!r} + ".out")
@@ -187,6 +190,23 @@ def test_package_round_trip_in_a_fresh_process(blocks, compiled, tmp_path, monke
     assert words == ["inductor", "cpu", "False"]
     assert "not trusted to run code" in warned and "compiling it from its program" in warned
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_an_untrusted_load_keeps_what_it_compiles_in_the_cache_it_is_handed(blocks, compiled, tmp_path):
+    """The graphs a load compiles from engines' programs go to the cache the load was handed, not to
+    one the backend opens itself ($KILN_CACHE_DIR here, which stays empty)."""
+    case, _ = blocks
+    module, _ = compiled
+    compiler.save(module, tmp_path / "unsigned.kiln")
+    torch.save(case.args[0], tmp_path / "x.pt")
+    default, handed = tmp_path / "default", tmp_path / "handed"
+    env = {**os.environ, "KILN_CACHE_DIR": str(default)}
+    words, out, _ = _load_in_a_fresh_process(tmp_path / "unsigned.kiln", tmp_path / "x.pt", env, handed)
+    assert words == ["inductor", "cpu", "False"]
+    torch.testing.assert_close(out, module(case.args[0]), rtol=1e-6, atol=1e-6)
+    kinds = {e.meta.get("kind") for e in compiler.EngineCache(handed).entries()}
+    assert kinds == {"inductor-local-compile"}, kinds
+    assert not default.exists() or not compiler.EngineCache(default).entries()
 
 
 def test_a_refit_keeps_the_trust_its_module_was_loaded_with(blocks, compiled, tmp_path):
@@ -359,4 +379,4 @@ def test_inductor_backend_on_cuda_needs_a_gpu():
         pytest.skip("this machine has a GPU: tests/gpu covers CUDA")
     with pytest.raises(BackendUnavailableError, match="needs a CUDA GPU"):
         get_backend("inductor", device="cuda")
-    assert InductorBackend("cpu").target_device() == "cpu"
+    assert InductorBackend("cpu").engine_target() == "cpu"

@@ -443,7 +443,7 @@ def test_engine_target_is_stored_under_the_format_1_header_keys():
 
 
 def test_engine_target_spells_cache_keys_as_before():
-    # target_device() (a cache-key and manifest field) is str(EngineTarget): its spelling must not move
+    # engine_target() (a cache-key and manifest field) is str(EngineTarget): its spelling must not move
     portable = EngineTarget(RTX_DEFAULT_COMPUTE_CAPABILITIES, and_later=True)
     assert str(portable) == "cuda:sm_80+sm_86+sm_89+sm_120+"
     assert str(EngineTarget(("sm_90",))) == "cuda:sm_90"
@@ -697,7 +697,7 @@ def test_timing_cache_persists_beside_the_engine_cache_where_the_library_has_one
     if buildable.rtx:  # TensorRT-RTX's timing cache changes no engine and would force a GPU query
         assert files == []
         return
-    assert files == [f"{buildable.name}-{buildable.library_version()}-{buildable.target_device()[5:]}.timing"]
+    assert files == [f"{buildable.name}-{buildable.library_version()}-{buildable.engine_target()[5:]}.timing"]
     first = (tmp_path / "timing" / files[0]).stat().st_size
     buildable.build(_mlp_onnx(width=16, out=8)[0], _io(16, 8), BuildSettings(), cache_dir=tmp_path)
     assert (tmp_path / "timing" / files[0]).stat().st_size >= first > 0  # read, extended, written back

@@ -34,7 +34,8 @@ import platformdirs
 import pytest
 
 from compiler.cache.entry import CacheKey, CacheWarning
-from compiler.cache.local import EngineCache
+from compiler.cache.local import EngineCache, resolve_cache
+from compiler.cache.paths import choose
 from compiler.errors import CacheError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -42,7 +43,7 @@ FIELDS = {
     "fingerprint": "fp-abc",
     "backend": "onnxruntime",
     "library_version": "1.20.0",
-    "target_device": "cpu",
+    "engine_target": "cpu",
     "settings": {"precision": "fp32", "strip_weights": False, "opt_level": 3},
 }
 
@@ -63,7 +64,7 @@ def test_key_is_stable_canonical_and_keeps_its_fields() -> None:
     key = make_key()
     reordered = EngineCache.key(
         settings={"opt_level": 3, "strip_weights": False, "precision": "fp32"},
-        target_device="cpu",
+        engine_target="cpu",
         library_version="1.20.0",
         backend="onnxruntime",
         fingerprint="fp-abc",
@@ -88,7 +89,7 @@ def test_key_is_stable_canonical_and_keeps_its_fields() -> None:
         ({"fingerprint": "fp-other"}, "fingerprint"),
         ({"backend": "tensorrt"}, "backend"),
         ({"library_version": "1.21.0"}, "library_version"),
-        ({"target_device": "sm_90"}, "target_device"),
+        ({"engine_target": "sm_90"}, "target_device"),  # hashed under its first name
         ({"settings": {**FIELDS["settings"], "precision": "fp16"}}, "settings.precision"),
         ({"settings": {**FIELDS["settings"], "workspace": 1}}, "settings.workspace"),
     ],
@@ -313,6 +314,43 @@ def test_default_directory_is_the_platform_user_cache(
     assert cache.directory == Path(platformdirs.user_cache_dir("kiln")) / "engines"
     assert cache.directory.is_relative_to(tmp_path) and cache.directory.is_dir()
     assert cache.max_bytes == 10 * 1024**3
+
+
+def test_one_decision_reads_every_cache_setting_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compiler.cache.paths.choose decides for every entry point: None (or True) is the default cache,
+    False none, a directory or URL that cache; a zoo run's default is its project's folder."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "env"))
+    assert choose(None) == choose(True) == (str(tmp_path / "env"), "$KILN_CACHE_DIR")
+    assert choose(False, named="settings.engine_cache") == (None, "disabled by settings.engine_cache: false")
+    assert choose("s3://bucket/prefix") == ("s3://bucket/prefix", "cache")
+    assert choose(tmp_path / "mine") == (str(tmp_path / "mine"), "cache")
+    assert resolve_cache(None).directory == tmp_path / "env" and resolve_cache(False) is None
+    given = EngineCache(tmp_path / "given")
+    assert resolve_cache(given) is given
+    monkeypatch.delenv("KILN_CACHE_DIR")
+    monkeypatch.chdir(tmp_path)
+    assert choose(None, project=True) == (str(tmp_path / ".kiln" / "engine-cache"), "default")
+
+
+def test_build_engine_reads_cache_none_as_the_default_like_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    import compiler
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "default"))
+    program = compiler.export(torch.nn.Linear(4, 2).eval(), (torch.randn(2, 4),))
+    plan = compiler.partition(program)
+    unique = compiler.dedup(plan)
+    (fingerprint,) = unique.fingerprints
+    assert not compiler.build_engine(plan, unique, fingerprint, cache=False).cache_hit
+    assert not (tmp_path / "default").exists()  # False: no cache at all
+    compiler.build_engine(plan, unique, fingerprint)  # None: the default cache, as compile() reads it
+    assert len(EngineCache().entries()) == 1
+    assert compiler.compile(program, cache=None).report.cache_hits == 1
 
 
 # ---- concurrency ------------------------------------------------------------------------------------------

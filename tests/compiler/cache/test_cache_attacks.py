@@ -39,7 +39,7 @@ FIELDS = {
     "fingerprint": "fp-attack",
     "backend": "onnxruntime",
     "library_version": "1.20.0",
-    "target_device": "cpu",
+    "engine_target": "cpu",
     "settings": {},
 }
 ENGINE = b"engine bytes " * 100

@@ -34,7 +34,7 @@ FIELDS = {
     "fingerprint": "fp-fleet",
     "backend": "onnxruntime",
     "library_version": "1.20.0",
-    "target_device": "cpu",
+    "engine_target": "cpu",
     "settings": {"precision": "fp32"},
 }
 

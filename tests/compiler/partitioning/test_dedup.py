@@ -2,7 +2,7 @@ import onnx
 import torch
 
 import compiler
-from compiler.build.lower import lower
+from compiler.engine_build.lower import lower
 from compiler.options import CompileOptions
 from zoo.models import bert_encoder, repeated_fallback
 

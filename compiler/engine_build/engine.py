@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from compiler.backends import TORCH, get_backend
 from compiler.backends.base import BuildSettings, EngineBackend, EngineIO, graph_format
-from compiler.build.lower import LoweredPartition, engine_io, lower, lower_program
 from compiler.cache.entry import CacheKey
-from compiler.cache.local import EngineCache
+from compiler.cache.local import CacheSetting, EngineCache, resolve_cache
+from compiler.engine_build.lower import LoweredPartition, engine_io, lower, lower_program
 from compiler.errors import EngineBuildError, LoweringError
 from compiler.partitioning.dedup import DedupPlan
 from compiler.partitioning.partition import PartitionPlan
@@ -71,10 +71,13 @@ class EngineArtifact:
 
 
 def build_engine(
-    plan: PartitionPlan, dedup: DedupPlan, fingerprint: str, *, cache: EngineCache | None = None
+    plan: PartitionPlan, dedup: DedupPlan, fingerprint: str, *, cache: CacheSetting = None
 ) -> EngineArtifact:
-    """Lower and build the engine for ``fingerprint`` unless the cache already holds it."""
+    """Lower and build the engine for ``fingerprint`` unless the cache already holds it. ``cache``: as
+    everywhere (``compiler.cache.paths.choose``): None the default cache, False none, a path, URL or
+    ``EngineCache``."""
     start = time.perf_counter()
+    cache = resolve_cache(cache)
     # Bound to the model's device: engines build where they will run (CompileOptions.device).
     backend = get_backend(plan.options.backend, device=plan.options.device)
     representative = next(p for p in plan.partitions if p.name == dedup.unique[fingerprint])
@@ -135,7 +138,7 @@ def _engine_key(backend: EngineBackend, fingerprint: str, settings: BuildSetting
         fingerprint=fingerprint,
         backend=backend.name,
         library_version=backend.library_version(),
-        target_device=backend.target_device(),
+        engine_target=backend.engine_target(),
         settings=settings.to_dict(),
     )
 
@@ -176,7 +179,7 @@ def _fall_back(
     lower_seconds = lowered.seconds if lowered is not None else 0.0
     wanted = plan.options.on_build_failure == "onnxruntime" and failed.name != "onnxruntime" and lowered
     ort = get_backend("onnxruntime")
-    if wanted and plan.options.device != "cpu" and not ort.target_device().startswith("cuda"):
+    if wanted and plan.options.device != "cpu" and not ort.engine_target().startswith("cuda"):
         # ONNX Runtime runs on the CPU here: its engines could not take the model's tensors.
         failure["fallback_error"] = f"onnxruntime runs on the CPU here, the model on {plan.options.device}"
         wanted = False

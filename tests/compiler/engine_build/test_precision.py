@@ -72,7 +72,7 @@ def test_float32_extremes_are_the_engine_dtypes_own(precision):
     without overflow'; Inductor on CUDA did, for BERT-base): the lowered engine graph fills with the
     engine dtype's extreme instead, and a scalar in arithmetic (x / 1e5) keeps its value."""
     from compiler.backends.base import unpack_torch_graph
-    from compiler.build.lower import lower_program
+    from compiler.engine_build.lower import lower_program
 
     model, x = MaskedScores().eval(), torch.randn(4, 8)
     plan = compiler.partition(compiler.export(model, (x,)), compiler.CompileOptions(precision=precision))

@@ -1,0 +1,193 @@
+"""Layer-granular repair: an int8 partition that misses the model's tolerances keeps its fewest, most
+sensitive layers in float instead of leaving int8 whole.
+
+For the partition repair picked (:mod:`compiler.accuracy.repair`), when its recipe takes per-layer
+exclusions (:func:`compiler.quantization.layers.supports_layers`: ONNX Runtime's quantizer, for ONNX
+Runtime and TensorRT engines):
+
+1. each layer's sensitivity: the partition's own output error (vs its float graph) with only that layer
+   quantized, on the validation samples' activations at its inputs, quantized from one calibration
+   (:class:`~compiler.quantization.layers.LayerProbe`), most sensitive first;
+2. the fewest of them kept in float until the *model* meets the tolerances: the top 1, 2, 4, ...
+   rebuilt (quantized again with ``CompileOptions.float_layers``, the engine through the engine cache)
+   and validated, then a bisection between the last miss and the first hit.
+
+Both stop at the deadline (``CompileOptions.repair_seconds``): layers not measured by then rank after
+the measured ones, and a search with no passing set by then gives up, and repair raises the partition
+whole (the fallback it always had). Every verification is a real rebuild, so the set chosen is the one
+validated.
+
+Sensitivities are measured on validation samples, the data the gate checks, as partition repair's
+errors are; calibration data only sets scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from compiler.inputs.data import ValidationData
+from compiler.quantization.layers import LayerProbe, LayerSensitivity, supports_layers
+from compiler.runtime.module import CompiledModule
+
+FLOAT = "fp32"  # what a layer kept out of int8 computes in (ONNX Runtime's QDQ graphs are fp32 around it)
+
+
+@dataclass(frozen=True)
+class LayerSearch:
+    """One partition's layer search: the layers it kept in float (with their sensitivity), what it
+    measured and verified, and whether the model met its tolerances."""
+
+    partition: str
+    raised: tuple[LayerSensitivity, ...]
+    candidates: int  # layers the quantizer touched
+    measured: int  # of them, whose sensitivity was measured before the deadline
+    verifications: int  # rebuilds validated against the model's tolerances
+    partition_rel_l2: float  # the partition's own error with every layer at int8 (vs its float graph)
+    passed: bool
+    seconds: float
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["raised"] = [r.to_dict() for r in self.raised]
+        data["partition_rel_l2"] = _finite(self.partition_rel_l2)
+        return data
+
+    def lines(self) -> list[str]:
+        if not self.passed:
+            return [f"{self.partition}: no set of its layers in float met the tolerances ({self.note})"]
+        return [
+            f"{self.partition}/{r.layer.label()}: int8 -> {FLOAT}, sensitivity rel L2 {r.rel_l2:.1e}"
+            for r in self.raised
+        ]
+
+
+def search(
+    compiled: CompiledModule,
+    partition: str,
+    dataset: ValidationData,
+    deadline: float,
+    *,
+    rebuild: Callable[[CompiledModule, Mapping[str, tuple[str, ...]]], CompiledModule],
+    accuracy: Callable[[CompiledModule], Any],
+) -> tuple[LayerSearch, CompiledModule | None, Any]:
+    """Search ``partition``'s layers (see the module docstring). ``rebuild(compiled, float_layers)``
+    gives the module with those layers in float; ``accuracy(module)`` its :class:`ModelAccuracy`.
+    Returns the search, and the passing module and its accuracy (None, None when none passed)."""
+    from compiler.build.lower import lower_float
+    from compiler.partitioning.dedup import canonical_weights
+    from compiler.quantization.quantize import _captured, calibration_samples
+
+    start = time.perf_counter()
+    plan = compiled.plan
+    recipe = plan.options.partition_quantization(partition, plan.options.precision_of(partition))
+    by_name = {p.name: p for p in plan.partitions}
+
+    def done(note: str, probe: LayerProbe | None = None, **found: Any) -> LayerSearch:
+        return LayerSearch(
+            partition,
+            tuple(found.get("raised", ())),
+            len(probe.layers) if probe else 0,
+            found.get("measured", 0),
+            found.get("verifications", 0),
+            probe.full_error if probe else math.nan,
+            bool(found.get("passed")),
+            round(time.perf_counter() - start, 4),
+            note,
+        )
+
+    if not supports_layers(recipe):
+        return (
+            done(f"its recipe ({recipe and recipe.get('graph')}) keeps no single layer in float"),
+            None,
+            None,
+        )
+    try:
+        calibration = ()
+        if recipe["mode"] != "dynamic":
+            calibration = calibration_samples(plan)[0].samples
+        feeds = _captured(plan, [*calibration, *dataset.samples], [partition])[partition]
+        own = lower_float(plan, by_name[partition], FLOAT).onnx
+        probe = LayerProbe(
+            own,
+            canonical_weights(by_name[partition]),
+            recipe,
+            feeds[: len(calibration)],
+            feeds[len(calibration) :],
+        )
+    except Exception as exc:  # calibration data gone, a quantizer failure: the partition is raised whole
+        return (
+            done(f"could not measure its layers: {type(exc).__name__}: {exc}".splitlines()[0][:300]),
+            None,
+            None,
+        )
+    tried: dict[int, tuple[CompiledModule, Any]] = {}
+    ranked: list[LayerSensitivity] = []
+    measured = 0
+
+    def verify(count: int) -> bool:
+        names = tuple(sorted(r.layer.name for r in ranked[:count]))
+        module = rebuild(compiled, {**plan.options.float_layers, partition: names})
+        tried[count] = (module, accuracy(module))
+        return not tried[count][1].failures
+
+    # Free layers first (elementwise ops and norms: no int8 weights, no GEMM FLOPs), then the costly
+    # ones, each tier most sensitive first: the prefix that passes keeps the most of int8's gains.
+    low, high = 0, None  # the most layers known to miss, the fewest known to pass
+    try:
+        for tier in ([x for x in probe.layers if not x.costly], [x for x in probe.layers if x.costly]):
+            if high is not None or not tier:
+                continue
+            found = []
+            for layer in tier:
+                if time.perf_counter() > deadline:
+                    break
+                found.append(probe.sensitivity(layer))
+            measured += len(found)
+            seen = {m.layer.name for m in found}
+            ranked += sorted((m for m in found if m.rel_l2 > 0), key=lambda m: -_worst(m.rel_l2))
+            ranked += [LayerSensitivity(x, math.nan) for x in tier if x.name not in seen]
+            count = max(1, low)
+            while high is None and low < len(ranked) and time.perf_counter() < deadline:
+                count = min(max(count, low + 1), len(ranked))
+                if verify(count):
+                    high = count
+                else:
+                    low = count
+                    count *= 2
+    finally:
+        probe.close()
+    while high is not None and high - low > 1 and time.perf_counter() < deadline:
+        middle = (low + high) // 2
+        if verify(middle):
+            high = middle
+        else:
+            low = middle
+    counted = {"measured": measured, "verifications": len(tried)}
+    note = "" if measured == len(probe.layers) else f"{measured} of {len(probe.layers)} layers measured"
+    if high is None:
+        why = (
+            "the deadline (repair_seconds) came first"
+            if time.perf_counter() >= deadline
+            else "every layer tried"
+        )
+        return done("; ".join(filter(None, [note, why])), probe, **counted), None, None
+    if high - low > 1:
+        note = "; ".join(
+            filter(None, [note, f"bisection stopped at the deadline: {high} may be more than needed"])
+        )
+    module, reached = tried[high]
+    return done(note, probe, raised=ranked[:high], passed=True, **counted), module, reached
+
+
+def _worst(value: float) -> float:
+    return math.inf if math.isnan(value) else value
+
+
+def _finite(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)

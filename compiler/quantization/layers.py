@@ -1,0 +1,293 @@
+"""Layers inside a quantized partition: which nodes the quantizer touched, what each one costs, and how
+much error each adds alone (the measurements accuracy repair's layer search ranks by).
+
+A *layer* is a node of the partition's float ONNX graph as ONNX Runtime's quantizer reads it (lowered,
+``Transpose(w)`` folded, basic optimizations run): its name (``n42``) is canonical, set by position at
+lowering, so it names the same node in every instance of one fingerprint and in every compile of the
+same model; it is what the quantizer's ``nodes_to_exclude`` takes. Each is described by its op and the
+parameter it reads (``m.bert.encoder.layer.3.output.dense.weight``), so a report names it as a user would.
+
+Only graphs made by ONNX Runtime's quantizer (ONNX Runtime and TensorRT engines) have layers here; a
+recipe without per-layer exclusion (Inductor's PT2E and rowwise flows) is raised whole instead
+(:func:`supports_layers`).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from compiler.backends.capabilities import QUANTIZED_GRAPH
+
+# The ops whose work is counted as FLOPs (the GEMMs and convolutions, where int8 kernels pay off).
+COMPUTE_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose")
+# Ops that only move or look up values: never candidates (their Q/DQ follows their neighbours').
+MOVING_OPS = (
+    "Reshape",
+    "Transpose",
+    "Squeeze",
+    "Unsqueeze",
+    "Flatten",
+    "Concat",
+    "Slice",
+    "Split",
+    "Expand",
+    "Shape",
+    "Resize",
+    "MaxPool",
+    "Pad",
+    "Identity",
+)
+# Sensitivities rank layers, the model's validation decides: a few samples rank as well as many.
+RANKING_SAMPLES = 4
+INTEGER_TYPES = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
+
+
+def supports_layers(recipe: Mapping[str, Any] | None) -> bool:
+    """Whether a partition of this recipe (``CompileOptions.partition_quantization``) can keep single
+    layers in float: graphs of ONNX Runtime's quantizer take ``nodes_to_exclude``."""
+    return bool(recipe) and recipe.get("graph") == QUANTIZED_GRAPH
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One node the quantizer touched: its canonical name, op, the parameter it reads, its size."""
+
+    name: str
+    op: str
+    weight: str  # the parameter (weight key) it reads, "" for none (attention's activation GEMMs)
+    params: int  # elements of that parameter
+    flops: int  # 2 x multiply-adds at the measured input shape (0 for ops that are not GEMMs/convolutions)
+
+    @property
+    def costly(self) -> bool:
+        """Whether keeping it in float costs what int8 is for: int8 weights (a GEMM's, a convolution's, an
+        embedding table's) or GEMM/convolution FLOPs. Elementwise ops and norms cost neither."""
+        return self.op in COMPUTE_OPS or (self.op == "Gather" and self.params > 0) or self.flops > 0
+
+    def label(self) -> str:
+        return f"{self.name} {self.op}" + (f" ({self.weight})" if self.weight else "")
+
+
+@dataclass(frozen=True)
+class LayerSensitivity:
+    """A layer and the partition's output error (relative L2 vs its float graph) with only it quantized."""
+
+    layer: Layer
+    rel_l2: float
+
+    def to_dict(self) -> dict:
+        return {**asdict(self.layer), "rel_l2": _finite(self.rel_l2)}
+
+
+class LayerProbe:
+    """One partition's float graph prepared and calibrated once; variants of it quantized from the
+    cached ranges (no calibration pass each) and run on the evaluation feeds.
+
+    ``float_graph``: the partition lowered in fp32 with its own weights (``lower_float``);
+    ``weight_names``: canonical weight name (``w3``) -> weight key; ``calibration``/``evaluation``:
+    feeds (``x0..xk`` -> array) captured at the partition's inputs."""
+
+    def __init__(
+        self,
+        float_graph: bytes,
+        weight_names: Mapping[str, str],
+        settings: Mapping[str, Any],
+        calibration: Sequence[Mapping[str, np.ndarray]],
+        evaluation: Sequence[Mapping[str, np.ndarray]],
+    ) -> None:
+        from compiler.quantization.onnxruntime import _folded, prepared, quiet_quantizer, run_static
+
+        self.settings = {k: v for k, v in settings.items() if k != "float_layers"}
+        self.folder = Path(tempfile.mkdtemp(prefix="kiln-layers-"))
+        self.calibration = [dict(f) for f in calibration]
+        self.evaluation = [dict(f) for f in evaluation]
+        self._run_static, self._quiet = run_static, quiet_quantizer
+        model = onnx.load_from_string(float_graph)
+        weight_of = _weight_inputs(model, weight_names)
+        with quiet_quantizer():
+            self.source = prepared(_folded(model), self.folder)
+        self.ranges = self.folder / "ranges.json"
+        self.reference = _run(self.source.read_bytes(), self.evaluation)
+        full = self.quantized()
+        sizes = {i.name: int(np.prod(i.dims)) for i in onnx.load(self.source).graph.initializer}
+        touched = _quantized_nodes(full)
+        flops = graph_flops(self.source.read_bytes(), self.evaluation[0]) if self.evaluation else {}
+        self.layers = [
+            Layer(
+                node.name,
+                node.op_type,
+                weight_of.get(node.name, ("", ""))[1],
+                sum(sizes.get(i, 0) for i in node.input if i in sizes and sizes[i] > 1),
+                flops.get(node.name, 0),
+            )
+            for node in onnx.load(self.source).graph.node
+            if node.name in touched and node.op_type not in MOVING_OPS
+        ]
+        self.full_error = self.error(full)
+
+    def quantized(self, *, exclude: Sequence[str] = (), only: Sequence[str] = ()) -> onnx.ModelProto:
+        with self._quiet():
+            return self._run_static(
+                self.source,
+                self.folder,
+                self.calibration,
+                self.settings,
+                exclude=exclude,
+                only=only,
+                ranges=self.ranges,
+            )
+
+    def error(self, model: onnx.ModelProto, samples: int | None = None) -> float:
+        """The partition's relative L2 error vs its float graph over the evaluation feeds (every output;
+        the first ``samples``)."""
+        outputs = _run(model.SerializeToString(), self.evaluation[:samples])
+        num = den = 0.0
+        for got, want in zip(outputs, self.reference, strict=False):
+            for a, b in zip(got, want, strict=True):
+                a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                num += float(((a - b) ** 2).sum())
+                den += float((b**2).sum())
+        return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+
+    def sensitivity(self, layer: Layer) -> LayerSensitivity:
+        """The error ``layer`` adds alone: only it quantized."""
+        return LayerSensitivity(layer, self.error(self.quantized(only=[layer.name]), RANKING_SAMPLES))
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class GraphAccount:
+    """What one engine graph holds at int8 and in float: weight elements and GEMM/convolution FLOPs."""
+
+    weights_int8: int = 0
+    weights_total: int = 0
+    flops_int8: int = 0
+    flops_total: int = 0
+
+    def __add__(self, other: GraphAccount) -> GraphAccount:
+        return GraphAccount(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def float_only(self) -> GraphAccount:
+        """The same graph with nothing at int8 (a partition raised whole)."""
+        return GraphAccount(0, self.weights_total, 0, self.flops_total)
+
+
+def astuple(account: GraphAccount) -> tuple[int, int, int, int]:
+    return (account.weights_int8, account.weights_total, account.flops_int8, account.flops_total)
+
+
+def account(graph: bytes, feed: Mapping[str, np.ndarray]) -> GraphAccount:
+    """Weights and FLOPs of an engine graph (QDQ or float) at ``feed``'s shapes: a weight is int8 when
+    it is stored as int8/uint8 for a DequantizeLinear; a GEMM or convolution runs at int8 when an input
+    comes from a DequantizeLinear. Q/DQ scales and zero points are not weights."""
+    model = onnx.load_from_string(graph)
+    nodes = model.graph.node
+    inits = {i.name: i for i in model.graph.initializer}
+    qdq_params = {
+        n for node in nodes if node.op_type in ("QuantizeLinear", "DequantizeLinear") for n in node.input[1:]
+    }
+    dq_out = {node.output[0]: node.input[0] for node in nodes if node.op_type == "DequantizeLinear"}
+    int8 = total = 0
+    for init in inits.values():
+        size = int(np.prod(init.dims)) if init.dims else 1
+        if init.name in qdq_params or size <= 1:
+            continue
+        total += size
+        if init.data_type in INTEGER_TYPES and init.name in dq_out.values():
+            int8 += size
+    flops = graph_flops(graph, feed)
+    low = sum(f for node in nodes if (f := flops.get(node.name, 0)) and any(i in dq_out for i in node.input))
+    return GraphAccount(int8, total, low, sum(flops.values()))
+
+
+def graph_flops(graph: bytes, feed: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """Node name -> FLOPs (2 x multiply-adds) of every GEMM and convolution, from one run at ``feed``'s
+    shapes with their inputs and outputs made graph outputs."""
+    model = onnx.load_from_string(graph)
+    nodes = [n for n in model.graph.node if n.op_type in COMPUTE_OPS and n.name]
+    if not nodes:
+        return {}
+    known = {o.name for o in model.graph.output}
+    inits = {i.name: list(i.dims) for i in model.graph.initializer}
+    wanted = []
+    for node in nodes:
+        for name in (node.input[0], node.input[1], node.output[0]):
+            if name not in known and name not in inits and name not in {i.name for i in model.graph.input}:
+                known.add(name)
+                wanted.append(name)
+                model.graph.output.append(
+                    onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
+                )
+    outputs = [o.name for o in model.graph.output]
+    values = dict(zip(outputs, _run(model.SerializeToString(), [feed], typed=False)[0], strict=True))
+    shapes = {name: list(np.shape(v)) for name, v in values.items()}
+    shapes.update(inits)
+    shapes.update({k: list(np.shape(v)) for k, v in feed.items()})
+    result = {}
+    for node in nodes:
+        out, a, b = (shapes.get(n) for n in (node.output[0], node.input[0], node.input[1]))
+        if out is None or a is None:
+            continue
+        if node.op_type == "MatMul":
+            k = a[-1]
+        elif node.op_type == "Gemm":
+            trans = next((x.i for x in node.attribute if x.name == "transA"), 0)
+            k = a[0] if trans else a[-1]
+        elif b is not None:  # Conv, ConvTranspose: the kernel's input channels per group x its window
+            k = int(np.prod(b[1:]))
+        else:
+            continue
+        result[node.name] = 2 * int(np.prod(out)) * int(k)
+    return result
+
+
+def _weight_inputs(model: onnx.ModelProto, weight_names: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """Node name -> (canonical weight, weight key) of the largest parameter it reads, directly or
+    through a ``Transpose`` (what folding turns into a transposed weight)."""
+    sizes = {i.name: int(np.prod(i.dims)) for i in model.graph.initializer}
+    through = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Transpose" and n.input}
+    found = {}
+    for node in model.graph.node:
+        reads = [through.get(i, i) for i in node.input]
+        weights = [w for w in reads if w in weight_names and sizes.get(w, 0) > 1]
+        if weights:
+            best = max(weights, key=lambda w: sizes[w])
+            found[node.name] = (best, weight_names[best])
+    return found
+
+
+def _quantized_nodes(model: onnx.ModelProto) -> set[str]:
+    """Names of the nodes reading a DequantizeLinear's output (what the quantizer put at low precision)."""
+    dq_out = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    return {
+        n.name
+        for n in model.graph.node
+        if n.op_type not in ("QuantizeLinear", "DequantizeLinear") and any(i in dq_out for i in n.input)
+    }
+
+
+def _run(graph: bytes, feeds: Sequence[Mapping[str, np.ndarray]], *, typed: bool = True) -> list[list]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if not typed:  # outputs added without shapes: no optimizer may fuse them away
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+    names = {i.name for i in session.get_inputs()}
+    return [session.run(None, {k: v for k, v in feed.items() if k in names}) for feed in feeds]
+
+
+def _finite(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)
