@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from compiler.package.manifest import GENERATION, SIGNATURE, Manifest
+from compiler.package.manifest import SIGNATURE, Manifest
 from compiler.package.report_html import Markup, h, join
 from compiler.package.report_map import (
     MAX_DRAWN,
@@ -73,16 +73,10 @@ def program_sections(manifest: Manifest, split: SplitGraph | None) -> list[Marku
 
 def render_package_report(path: str | Path, manifest: Manifest, title: str) -> str:
     """:func:`render_report` for the package at ``path`` (its ``manifest`` already read and verified),
-    with the split graph it saved; a generation package's page shows both its programs and how to call
-    it (:mod:`compiler.package.report_generation`)."""
+    with the split graph it saved. (A generation package's page, with both its programs and how to
+    call it, is :func:`compiler.generation.report.render_package_report`'s, which takes any package.)"""
     signed = (Path(path) / SIGNATURE).is_file()
-    split = read_split_graph(path, manifest)
-    body = None
-    if GENERATION in manifest.files:
-        from compiler.package.report_generation import generation_body
-
-        body = generation_body(Path(path), manifest, title, split)
-    return render_report(manifest, title, split, signed=signed, body=body)
+    return render_report(manifest, title, read_split_graph(path, manifest), signed=signed)
 
 
 # ---------------------------------------------------------------- tables

@@ -1,4 +1,5 @@
-"""The report page of a generation package (``kiln report``): both programs, and how to call it.
+"""The report page of any package (``kiln report``); a generation package's shows both programs, and how
+to call it.
 
 A generation package is its prefill program's package with ``generation.json`` and the decode
 program's package under ``decode/`` (:mod:`compiler.generation.package`). Its page says first how to
@@ -21,15 +22,23 @@ from compiler import json_reader
 from compiler.errors import PackageCorruptError, PackageJsonError
 from compiler.generation.spec import DECODE_DIR, GENERATION_FILE, GenerationSpec
 from compiler.package.check import MANIFEST, manifest_and_signature, read_verified
-from compiler.package.manifest import Manifest
+from compiler.package.manifest import GENERATION, SIGNATURE, Manifest
 from compiler.package.report_html import Markup, h, join
 from compiler.package.report_map import read_split_graph
-
-# report_page imports this module where it draws a generation package, after it is itself imported
 from compiler.package.report_page import _facts as facts
 from compiler.package.report_page import _num as num
 from compiler.package.report_page import _table as table
-from compiler.package.report_page import program_sections
+from compiler.package.report_page import program_sections, render_report
+
+
+def render_package_report(path: str | Path, manifest: Manifest, title: str) -> str:
+    """The page of the package at ``path`` (its ``manifest`` already read and verified): for a
+    generation package, how to call it, the generation spec and report and both programs; for any
+    other, :func:`compiler.package.report_page.render_package_report`'s."""
+    path = Path(path)
+    split = read_split_graph(path, manifest)
+    body = generation_body(path, manifest, title, split) if GENERATION in manifest.files else None
+    return render_report(manifest, title, split, signed=(path / SIGNATURE).is_file(), body=body)
 
 
 def read_generation(path: Path, manifest: Manifest) -> tuple[GenerationSpec, Manifest]:
