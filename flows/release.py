@@ -11,6 +11,7 @@ ratio compares like with like. The registry changes all-or-nothing (``registry.r
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from prefect import flow, get_run_logger
 
@@ -23,6 +24,7 @@ from registry.errors import (
 )
 from registry.release import GateReport, champion_or_broken
 from registry.targets import registered_targets, resolve_target, resolved_model_name
+from tasks.generation import generation_gates
 from tasks.registry import (
     accuracy_gate,
     decide,
@@ -163,6 +165,52 @@ def release(
         if champion_version
         else (None, None)
     )
+    if request.generation is not None:  # generated tokens, perplexity and decode speed: tasks/generation.py
+        gates = generation_gates(
+            request, original.lm, candidate, champion, champion_version, max_latency_ratio, runs=runs
+        )
+    else:
+        gates = _forward_gates(
+            request,
+            original,
+            candidate,
+            champion,
+            champion_version,
+            tolerances,
+            samples,
+            runs,
+            max_latency_ratio,
+        )
+    reasons = gates["reasons"]
+    report = GateReport(
+        name,
+        candidate_version,
+        champion_version,
+        gates["accuracy"],
+        gates["latency"],
+        reasons,
+        replaced_broken_champion=broken,
+        failed_measures=gates["failed_measures"],
+    )
+    outcome = decide(report, live)
+    verdict = "promoted to champion" if outcome.promoted else f"rejected: {'; '.join(reasons)}"
+    logger.info("%s version %s %s", name, candidate_version, verdict)
+    return outcome.to_dict()
+
+
+def _forward_gates(
+    request: CompileRequest,
+    original: Any,
+    candidate: Any,
+    champion: Any | None,
+    champion_version: str | None,
+    tolerances: Any,
+    samples: int,
+    runs: int,
+    max_latency_ratio: float,
+) -> dict[str, Any]:
+    """Accuracy (candidate vs the original) and latency (candidate vs the champion) of a forward pass:
+    ``accuracy``, ``latency``, ``reasons`` and ``failed_measures`` (``accuracy``, ``latency``)."""
     # Candidate and champion are measured against the original on the same data (the entry's
     # recorded inputs, when it has them); only the candidate's numbers gate the release.
     # Read for each version's own specs: the entry's validation.ignore_fields applies to both.
@@ -181,10 +229,5 @@ def release(
             f"champion's (v{champion_version}, {latency['champion_median_ms']:.3f} ms); "
             f"the limit is {max_latency_ratio:.2f}x"
         )
-    report = GateReport(
-        name, candidate_version, champion_version, accuracy, latency, reasons, replaced_broken_champion=broken
-    )
-    outcome = decide(report, live)
-    verdict = "promoted to champion" if outcome.promoted else f"rejected: {'; '.join(reasons)}"
-    logger.info("%s version %s %s", name, candidate_version, verdict)
-    return outcome.to_dict()
+    failed = ["accuracy"] * bool(accuracy["failures"]) + ["latency"] * (not latency["passed"])
+    return {"accuracy": accuracy, "latency": latency, "reasons": reasons, "failed_measures": failed}

@@ -5,11 +5,14 @@
 ``generation.perplexity`` / ``generation.eager_perplexity`` / ``generation.perplexity_rel_error``,
 ``ttft_ms.prompt<N>`` (time to first token at two prompt lengths, batch 1) and
 ``decode_tokens_per_s.batch<B>`` (batch 1 and 8), each also for the eager programs (``eager_...``).
+
+And the logged model's signature, which says how to call it: ``generate`` (:func:`generation_signature`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from compiler import json_reader
 from compiler.errors import PackageJsonError
@@ -44,3 +47,59 @@ def generation_metrics(package_dir: Path, manifest: Manifest) -> dict[str, float
             elif key.startswith(f"{side}_decode_tokens_per_s_batch"):
                 metrics[f"{prefix}decode_tokens_per_s.batch{key.rsplit('batch', 1)[1]}"] = float(value)
     return metrics
+
+
+def read_spec(package_dir: Path, manifest: Manifest) -> GenerationSpec | None:
+    """The package's generation spec (checked against the manifest), or None for another package."""
+    if GENERATION_FILE not in manifest.files:
+        return None
+    raw = read_verified(package_dir, GENERATION_FILE, manifest)
+    return GenerationSpec.from_json(
+        json_reader.loads(raw, f"{package_dir}/{GENERATION_FILE}", error=PackageJsonError)
+    )
+
+
+def generate_params(spec: GenerationSpec) -> dict[str, Any]:
+    """``generate``'s settings as the logged model takes them (``predict(..., params=...)``), with
+    their defaults: ``top_k`` 0 and ``top_p`` 1.0 leave sampling unlimited."""
+    return {
+        "max_new_tokens": 16,
+        "do_sample": False,
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "seed": 0,
+        "eos_token_id": list(spec.eos_token_id),
+    }
+
+
+def generation_signature(spec: GenerationSpec) -> Any:
+    """The MLflow signature of a generation package: ``input_ids`` and ``attention_mask`` int64
+    [batch, prompt] in, ``output_ids`` int64 [batch, prompt + new] out (what ``generate`` returns), the
+    settings as parameters (:func:`generate_params`)."""
+    import numpy as np
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ParamSchema, ParamSpec, Schema, TensorSpec
+
+    ids = np.dtype("int64")
+    inputs = Schema([TensorSpec(ids, (-1, -1), "input_ids"), TensorSpec(ids, (-1, -1), "attention_mask")])
+    kinds = {"max_new_tokens": "long", "do_sample": "boolean", "temperature": "double", "top_k": "long",
+             "top_p": "double", "seed": "long", "eos_token_id": "long"}  # fmt: skip
+    params = ParamSchema(
+        [
+            ParamSpec(name, kinds[name], value, (-1,) if isinstance(value, list) else None)
+            for name, value in generate_params(spec).items()
+        ]
+    )
+    return ModelSignature(
+        inputs=inputs, outputs=Schema([TensorSpec(ids, (-1, -1), "output_ids")]), params=params
+    )
+
+
+def generation_example(spec: GenerationSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The logged model's input example (MLflow runs it once when the model is logged): the shortest
+    prompt, one new token."""
+    import numpy as np
+
+    ids = np.zeros((1, spec.prompt_min), dtype=np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}, {"max_new_tokens": 1}

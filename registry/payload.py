@@ -367,6 +367,23 @@ def latency_chart(validation: ValidationReport | None, title: str, path: Path) -
     return path
 
 
+def model_signature(package_dir: Path, manifest: Manifest) -> ModelSignature | None:
+    """The logged model's signature: :func:`signature_for` its input specs, or for a generation package
+    how ``generate`` is called (:func:`registry.generation.generation_signature`)."""
+    from registry.generation import generation_signature, read_spec
+
+    spec = read_spec(Path(package_dir), manifest)
+    return signature_for(manifest.input_specs) if spec is None else generation_signature(spec)
+
+
+def model_input_example(package_dir: Path, manifest: Manifest) -> Any:
+    """The logged model's input example, matching :func:`model_signature`."""
+    from registry.generation import generation_example, read_spec
+
+    spec = read_spec(Path(package_dir), manifest)
+    return input_example_for(manifest.input_specs) if spec is None else generation_example(spec)
+
+
 def signature_for(specs: Iterable[InputSpec]) -> ModelSignature | None:
     """The MLflow signature of the input specs: ``-1`` on dynamic axes (ranges live in the spec JSON)."""
     inputs = []

@@ -102,7 +102,35 @@ class KilnPackageModel(mlflow.pyfunc.PythonModel):
         model_input: np.ndarray,
         params: dict[str, Any] | None = None,
     ) -> np.ndarray | list[np.ndarray]:
-        """numpy in (one array, ``{name: array}`` or a list in input order), numpy out."""
+        """numpy in (one array, ``{name: array}`` or a list in input order), numpy out. A generation
+        package is called through ``generate`` (:meth:`generate`)."""
+        if hasattr(self.module, "generate"):
+            return self.generate(model_input, params)
         flat = self.module.run_flat(self._tensors(self._ordered(model_input)))
         arrays = [t.detach().cpu().numpy() for t in flat]
         return arrays[0] if len(arrays) == 1 else arrays
+
+    def generate(self, model_input: Any, params: Mapping[str, Any] | None = None) -> np.ndarray:
+        """A generation package's ``generate``: ``{"input_ids": [B, T], "attention_mask": [B, T]}`` (or
+        the two in a list) in, ``output_ids`` [B, T + new] out; ``params`` as its signature names them
+        (registry.generation.generate_params; ``top_k`` 0 and ``top_p`` 1.0: no limit)."""
+        import torch
+
+        values = self._ordered(model_input)
+        ids = torch.as_tensor(np.ascontiguousarray(values[0]))
+        mask = torch.as_tensor(np.ascontiguousarray(values[1])) if len(values) > 1 else None
+        given = dict(params or {})
+        eos = given.get("eos_token_id")
+        top_k, top_p = int(given.get("top_k") or 0), float(given.get("top_p", 1.0))
+        out = self.module.generate(
+            ids,
+            mask,
+            max_new_tokens=int(given.get("max_new_tokens", 16)),
+            do_sample=bool(given.get("do_sample", False)),
+            temperature=float(given.get("temperature", 1.0)),
+            top_k=top_k or None,
+            top_p=None if top_p >= 1.0 else top_p,
+            seed=int(given.get("seed", 0)),
+            eos_token_id=None if eos is None else [int(v) for v in np.asarray(eos).reshape(-1)],
+        )
+        return out.cpu().numpy()

@@ -64,6 +64,9 @@ class GateReport:
     measured_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     # Why the champion could not be loaded, when the release was forced past it (force_replace_broken).
     replaced_broken_champion: str | None = None
+    # The measures that refused it, by name: "accuracy", "latency"; a generation version's
+    # "generation.token_agreement", "generation.perplexity", "decode_tokens_per_s" (tasks/generation.py).
+    failed_measures: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -183,6 +186,7 @@ def _compact_json(data: dict, limit: int = 4900) -> str:
         return text
     summary = {
         "passed": data.get("passed"),
+        "failed_measures": data.get("failed_measures", []),
         "reasons": [r[:300] for r in data.get("reasons", [])][:5],
         "max_rel_l2": data.get("accuracy", {}).get("max_rel_l2"),
         "latency_ratio": data.get("latency", {}).get("ratio"),

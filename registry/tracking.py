@@ -444,8 +444,8 @@ def _upload_logged_model(
                 python_model=KilnPackageModel(allowed_modules=manifest.op_modules),
                 artifacts={PACKAGE_ARTIFACT: str(package_dir)},
                 code_paths=payload.code_paths(manifest.op_modules),
-                signature=payload.signature_for(manifest.input_specs),
-                input_example=payload.input_example_for(manifest.input_specs),
+                signature=payload.model_signature(package_dir, manifest),  # generate's, for generation
+                input_example=payload.model_input_example(package_dir, manifest),
                 pip_requirements=payload.requirements_for(manifest),
                 metadata={"kiln_content_hash": manifest.content_hash, "kiln_model": model},
             )

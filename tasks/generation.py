@@ -117,3 +117,78 @@ def package_generation(
             save_generation(module, target, validation=prefill.report, source=lineage)
     get_run_logger().info("package %s (%d bytes, %.2fs)", target, info.bytes, time.perf_counter() - start)
     return PackageRef(str(target), info.content_hash, info.bytes, str(mine))
+
+
+@task(name="generation-gates", cache_policy=NO_CACHE, persist_result=False)
+def generation_gates(
+    request: CompileRequest,
+    lm: Any,
+    candidate: Any,
+    champion: Any | None,
+    champion_version: str | None,
+    max_ratio: float,
+    runs: int = 30,
+) -> dict[str, Any]:
+    """A release's gates for a generation version: ``accuracy`` (greedy tokens and perplexity against
+    the eager ``lm`` on the entry's prompts, as at compile), ``latency`` (time per decode step against
+    the champion's, interleaved), ``reasons`` and ``failed_measures``: each reason starts with the
+    measure it names (``generation.token_agreement``, ``generation.perplexity``,
+    ``decode_tokens_per_s``; ``generation`` for a candidate that is no generation package)."""
+    from compiler.generation.module import GenerationModule
+    from compiler.generation.validate import (
+        check_agreement,
+        compare_decode_speed,
+        random_prompts,
+        recorded_prompts,
+    )
+
+    if not isinstance(candidate, GenerationModule):
+        reason = (
+            "generation: the candidate is not a generation package (no decode program); compile it from "
+            "the zoo entry (task: text-generation)"
+        )
+        return {"accuracy": {}, "latency": {}, "reasons": [reason], "failed_measures": ["generation"]}
+    plan = request.generation
+    lm = lm.to(candidate.device).eval()
+    prompts = (
+        recorded_prompts(plan.prompts, candidate.spec, plan.samples)
+        if plan.prompts is not None
+        else random_prompts(candidate.spec, plan.samples, seed=request.validation.seed)
+    )
+    accuracy = check_agreement(
+        lm,
+        candidate,
+        prompts,
+        max_new_tokens=plan.max_new_tokens,
+        perplexity_rel_tol=plan.perplexity_rel_tol,
+        exact_tokens=request.options.precision == "fp32",
+    )
+    failed = [f"generation.{measure}" for measure in accuracy["failed_measures"]]
+    reasons = [
+        f"{measure}: {text} vs the original model"
+        for measure, text in zip(failed, accuracy["failures"], strict=True)
+    ]
+    gates = {"accuracy": accuracy, "reasons": reasons, "failed_measures": failed}
+    if champion is None or not isinstance(champion, GenerationModule):
+        why = (
+            "no champion yet" if champion is None else f"the champion (v{champion_version}) does not generate"
+        )
+        note = f"{why}: no decode speed to compare"
+        return {**gates, "latency": {"passed": True, "note": note, "max_ratio": max_ratio}}
+    try:
+        speed = compare_decode_speed(candidate, champion, runs=max(1, runs // 5))
+    except ValueError as exc:
+        return {**gates, "latency": {"passed": True, "note": f"not compared: {exc}", "max_ratio": max_ratio}}
+    slow = [b for b in speed["batches"] if not speed[f"ratio_batch{b}"] <= max_ratio]
+    for batch in slow:
+        mine, theirs = (
+            speed[f"{side}_decode_tokens_per_s_batch{batch}"] for side in ("candidate", "champion")
+        )
+        reasons.append(
+            f"decode_tokens_per_s: {mine:.1f} tokens/s at batch {batch}, a decode step "
+            f"{speed[f'ratio_batch{batch}']:.2f}x the champion's (v{champion_version}, {theirs:.1f} "
+            f"tokens/s); the limit is {max_ratio:.2f}x (--max-latency-ratio)"
+        )
+    speed.update(measure="decode_tokens_per_s", max_ratio=max_ratio, passed=not slow)
+    failed += ["decode_tokens_per_s"] if slow else []
+    return {**gates, "latency": speed}

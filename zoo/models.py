@@ -181,6 +181,29 @@ def tiny_llama_lm(
     return _lm_case(LlamaForCausalLM(config), config.vocab_size)
 
 
+def tiny_qwen2_lm(seed: int = 0, hidden: int = 32, num_layers: int = 2, positions: int = 128) -> ModelCase:
+    """A Qwen2 decoder (a third family: Llama's layout with biases on the query, key and value
+    projections; grouped-query attention, 4 query heads over 2 key/value heads) with its LM head."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    _seeded(seed)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.2,
+        attn_implementation="sdpa",
+    )
+    return _lm_case(Qwen2ForCausalLM(config), config.vocab_size)
+
+
 @torch.library.custom_op("kiln_zoo::soft_sign_clip", mutates_args=())
 def soft_sign_clip(x: torch.Tensor) -> torch.Tensor:
     """An op no engine backend knows: it has no ONNX translation, so it must fall back to PyTorch."""

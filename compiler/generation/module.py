@@ -169,6 +169,11 @@ class GenerationModule(torch.nn.Module):
                 f"{getattr(input_ids, 'shape', type(input_ids).__name__)}"
             )
         ids = input_ids.to(device=self.device, dtype=torch.long)
+        vocab = self.spec.vocab_size
+        if vocab and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            # named here: past the embedding table it is an index error inside a kernel (or garbage)
+            raise GenerationError(f"input_ids holds token id {bad}, outside the vocabulary 0..{vocab - 1}")
         if attention_mask is None:
             return ids, torch.ones_like(ids)
         if tuple(attention_mask.shape) != tuple(ids.shape):

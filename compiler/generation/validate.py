@@ -156,14 +156,16 @@ def check_agreement(
     # perplexity over every real position of every prompt (none: a prompt of single tokens, 1.0)
     compiled_ppl, eager_ppl = (math.exp(s / n) if n else 1.0 for s, n in (nll["compiled"], nll["eager"]))
     rel = abs(compiled_ppl - eager_ppl) / eager_ppl
-    failures = []
+    failures, failed = [], []  # failed: the measures that missed (token_agreement, perplexity)
     if exact_tokens and agree < total:
+        failed.append("token_agreement")
         failures.append(
             f"greedy tokens differ from eager generate on {total - agree} of {total} prompt batches (first "
             f"at new token {min(divergences)}); fp32 must match exactly: check the model exports faithfully, "
             "or set on_accuracy_failure/precision"
         )
     if not rel <= perplexity_rel_tol:
+        failed.append("perplexity")
         failures.append(
             f"perplexity {compiled_ppl:.6g} vs eager {eager_ppl:.6g} (relative {rel:.3g}) is over "
             f"generation.validation.perplexity_rel_tol {perplexity_rel_tol:g}"
@@ -183,6 +185,7 @@ def check_agreement(
         "max_new_tokens": max_new_tokens,
         "passed": not failures,
         "failures": failures,
+        "failed_measures": failed,
     }
 
 
@@ -224,4 +227,45 @@ def measure_speed(
                 per_step += m.last_times.decode
             result[f"{name}_decode_tokens_per_s_batch{batch}"] = round(batch / _median(per_step), 2)
     result["measured_at"] = time.strftime("%Y-%m-%d")
+    return result
+
+
+def compare_decode_speed(
+    candidate: GenerationModule,
+    champion: GenerationModule,
+    *,
+    runs: int = 5,
+    new_tokens: int = 16,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Time per decode step of two generation modules on the same prompts, run by run interleaved (a
+    release's speed gate: both in this process, on this machine): at batch 1 and at the largest batch
+    both take (at most 8), at a prompt length both take. ``ratio_batch<B>``: the candidate's median
+    step time over the champion's. ValueError when the two share no prompt length."""
+    a, b = candidate.spec, champion.spec
+    top = min(a.prompt_max, b.prompt_max)
+    length = min(max(candidate.prompt_floor, champion.prompt_floor, min(8, top)), top)
+    if length < max(candidate.prompt_floor, champion.prompt_floor):
+        raise ValueError(
+            f"no prompt length both take (candidate {a.prompt_min}..{a.prompt_max}, champion "
+            f"{b.prompt_min}..{b.prompt_max})"
+        )
+    steps = max(2, min(new_tokens, a.max_cache_len - length, b.max_cache_len - length))
+    batches = sorted({1, min(8, a.max_batch, b.max_batch)})
+    generator = torch.Generator().manual_seed(seed)
+    modules = {"candidate": candidate, "champion": champion}
+    result: dict[str, Any] = {"prompt_length": length, "new_tokens": steps, "batches": batches, "runs": runs}
+    for batch in batches:
+        ids = torch.randint(0, min(a.vocab_size, b.vocab_size), (batch, length), generator=generator)
+        for m in modules.values():  # warm-up
+            m.generate(ids.to(m.device), max_new_tokens=2, eos_token_id=[])
+        steps_s: dict[str, list[float]] = {name: [] for name in modules}
+        for _ in range(max(1, runs)):
+            for name, m in modules.items():
+                m.generate(ids.to(m.device), max_new_tokens=steps, eos_token_id=[])
+                steps_s[name] += m.last_times.decode
+        medians = {name: _median(times) for name, times in steps_s.items()}
+        for name, median in medians.items():
+            result[f"{name}_decode_tokens_per_s_batch{batch}"] = round(batch / median, 2)
+        result[f"ratio_batch{batch}"] = medians["candidate"] / medians["champion"]
     return result

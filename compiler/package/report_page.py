@@ -34,18 +34,33 @@ from compiler.package.report_map import (
 
 MAX_ROWS = 400  # rows per table
 
-__all__ = ["MAX_DRAWN", "MAX_ROWS", "render_package_report", "render_report"]
+__all__ = ["MAX_DRAWN", "MAX_ROWS", "program_sections", "render_package_report", "render_report"]
 
 
 def render_report(
-    manifest: Manifest, title: str, split: SplitGraph | None = None, *, signed: bool | None = None
+    manifest: Manifest,
+    title: str,
+    split: SplitGraph | None = None,
+    *,
+    signed: bool | None = None,
+    body: Sequence[Markup] | None = None,
 ) -> str:
     """The whole page for one package (``title``: what it is called, e.g. its folder or version).
     ``split``: the package's split graph (:func:`compiler.package.report_map.read_split_graph`), which the map
     draws the whole dataflow from; without it the map shows what the partition plan records.
-    ``signed``: whether the package holds a model-signing signature (``model.sig``; None: unknown)."""
+    ``signed``: whether the package holds a model-signing signature (``model.sig``; None: unknown).
+    ``body``: the sections between the overview and the lineage (default: :func:`program_sections`)."""
     sections = [
         _overview(manifest, title),
+        *(program_sections(manifest, split) if body is None else body),
+        _lineage_section(manifest, signed),
+    ]
+    return str(h(_PAGE, title=f"kiln report: {title}", body=join(sections, "\n")))
+
+
+def program_sections(manifest: Manifest, split: SplitGraph | None) -> list[Markup]:
+    """One program's sections: map, partitions, dedup, repair, specs and profiles, validation, time."""
+    return [
         map_section(manifest, split),
         _partitions_section(manifest),
         _dedup_section(manifest),
@@ -53,14 +68,13 @@ def render_report(
         _specs_section(manifest),
         _validation_section(manifest),
         _time_section(manifest),
-        _lineage_section(manifest, signed),
     ]
-    return str(h(_PAGE, title=f"kiln report: {title}", body=join(sections, "\n")))
 
 
 def render_package_report(path: str | Path, manifest: Manifest, title: str) -> str:
     """:func:`render_report` for the package at ``path`` (its ``manifest`` already read and verified),
-    with the split graph it saved."""
+    with the split graph it saved. (A generation package's page, with both its programs and how to
+    call it, is :func:`compiler.generation.report.render_package_report`'s, which takes any package.)"""
     signed = (Path(path) / SIGNATURE).is_file()
     return render_report(manifest, title, read_split_graph(path, manifest), signed=signed)
 

@@ -125,8 +125,8 @@ def report_cmd(
 ) -> None:
     from compiler.atomic import write_bytes_atomic
     from compiler.errors import KilnError
+    from compiler.generation.report import render_package_report  # any package; generation's too
     from compiler.package.check import read_manifest
-    from compiler.package.report_page import render_package_report
 
     try:
         if Path(target).is_dir():

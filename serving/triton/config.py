@@ -55,6 +55,7 @@ THREADS_PARAMETER = "kiln_threads"
 SERVED_FILE = "kiln.json"  # the ServedModel beside a staged package
 PACKAGE_DIR = "package"  # the verified package inside a version folder
 BACKEND_FILE = "model.py"  # kiln's Python backend, the same bytes in every version folder
+METHODS = ("forward", "generate")  # ServedModel.method
 
 
 # Model and tensor names Triton is given: letters, digits, '_', '.', '-' (no quote, newline or space,
@@ -112,14 +113,18 @@ def wire_type(dtype: str, what: str) -> str:
 
 @dataclass(frozen=True)
 class TensorSig:
-    """One input or output: name, kiln dtype, full shape with -1 for every dynamic axis (batch included)."""
+    """One input or output: name, kiln dtype, full shape with -1 for every dynamic axis (batch included);
+    ``optional``: an input a request may leave out (a generation version's sampling parameters)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    optional: bool = False
 
     def __post_init__(self) -> None:
         checked_name(self.name, "a tensor name")
+        if not isinstance(self.optional, bool):
+            raise TritonConfigError(f"tensor {self.name!r}: optional is {self.optional!r:.40}; expected bool")
         if not isinstance(self.shape, list | tuple):
             raise TritonConfigError(f"tensor {self.name!r}: shape is {self.shape!r:.40}; expected a list")
         object.__setattr__(
@@ -145,6 +150,9 @@ class ServedModel:
     # What the signature depends on besides weights (repository.signature_key): a later version with
     # the same key is served with this signature, without loading it (a release stays torch-free).
     signature_key: str = ""
+    # How the backend calls the loaded package: "forward" (its inputs, as the manifest records them) or
+    # "generate" (a generation package: token ids in, token ids out; serving/triton/generation.py).
+    method: str = "forward"
 
     def __post_init__(self) -> None:
         checked_name(self.name, "the model name")
@@ -157,6 +165,8 @@ class ServedModel:
             checked_int(size, "a preferred batch size", minimum=1)
         if self.signature_key:
             _matching(self.signature_key, _HASH, "the signature key", "64 lowercase hex digits")
+        if self.method not in METHODS:
+            raise TritonConfigError(f"the method is {self.method!r:.40}; expected one of {list(METHODS)}")
         for sig in self.inputs:
             triton_type(sig.dtype, f"input {sig.name!r} of {self.registered_model}")
         for sig in self.outputs:
@@ -183,7 +193,9 @@ class ServedModel:
                 raise TypeError(f"expected an object, got {type(data).__name__}")
 
             def sigs(key: str) -> tuple[TensorSig, ...]:
-                return tuple(TensorSig(s["name"], s["dtype"], s["shape"]) for s in data[key])
+                return tuple(
+                    TensorSig(s["name"], s["dtype"], s["shape"], s.get("optional", False)) for s in data[key]
+                )
 
             return cls(
                 name=data["name"],
@@ -196,6 +208,7 @@ class ServedModel:
                 max_batch_size=data["max_batch_size"],
                 preferred_batch_sizes=tuple(data["preferred_batch_sizes"]),
                 signature_key=data.get("signature_key", ""),
+                method=data.get("method", "forward"),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise TritonConfigError(
@@ -286,7 +299,8 @@ def render_config(
             dims = sig.shape[1:] if batched else sig.shape
             kind = triton_type(sig.dtype, f"{what} {sig.name!r}")
             shape = ", ".join(str(d) for d in dims)
-            rows.append(f"  {{ name: {json.dumps(sig.name)} data_type: {kind} dims: [ {shape} ] }}")
+            optional = " optional: true" if sig.optional else ""
+            rows.append(f"  {{ name: {json.dumps(sig.name)} data_type: {kind} dims: [ {shape} ]{optional} }}")
         return ",\n".join(rows)
 
     # served's fields were checked when it was made (names, digits): no value can end the comment line.

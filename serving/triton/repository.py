@@ -47,6 +47,7 @@ from filelock import FileLock, Timeout
 
 from compiler import json_reader
 from compiler.atomic import write_bytes_atomic
+from compiler.package.manifest import GENERATION
 from serving.triton.config import (
     BACKEND_FILE,
     DEFAULT_QUEUE_DELAY_US,
@@ -314,6 +315,13 @@ def described(
     a package that predates output specs, from a staged version with the same signature key, else by
     running it once on the CPU (:func:`runtime.probe_output_specs`)."""
     key = signature_key(manifest)
+    if GENERATION in manifest.files:  # served by its generate: token ids in, token ids out
+        from serving.triton.generation import generation_served
+
+        served = generation_served(
+            package_dir, manifest, name=triton_model_name(model), registered=registered, version=version
+        )
+        return dataclasses.replace(served, signature_key=key)
     outputs = manifest.output_specs
     if outputs is None:
         known = same_signature(model_dir, key)

@@ -74,7 +74,10 @@ class ServedRuntime:
         imported = time.perf_counter()
         module, specs = (load or load_verified)(version_dir / PACKAGE_DIR, device, served)
         loaded = time.perf_counter()
-        runtime = cls(module, served, specs, device, pb_utils)
+        kind = cls
+        if served.method == "generate":  # a generation package: token ids in, token ids out
+            from serving.triton.generation import GenerationRuntime as kind
+        runtime = kind(module, served, specs, device, pb_utils)
         runtime.warm_up()
         # Everything imported and loaded so far lives as long as the stub: out of the collector's
         # generations, so a full collection during execute walks only what requests allocate (with

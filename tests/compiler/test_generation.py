@@ -20,7 +20,7 @@ from compiler.generation.package import save_generation
 from compiler.generation.step import check_causal_lm, generation_spec, program_case
 from compiler.generation.validate import check_agreement, random_prompts
 from compiler.package.manifest import WEIGHTS
-from zoo.models import tiny_gpt2_lm, tiny_llama_lm
+from zoo.models import tiny_gpt2_lm, tiny_llama_lm, tiny_qwen2_lm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -180,3 +180,18 @@ def test_padding_without_a_pad_token_names_the_field(llama: torch.nn.Module) -> 
     with pytest.raises(GenerationError, match=r"generation\.pad_token_id"):
         eager.generate(ids, mask, max_new_tokens=2, eos_token_id=[])
     assert eager.generate(ids, mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0).shape == (2, 6)
+
+
+def test_a_third_family_qwen2_generates_eager_greedy_tokens(tmp_path: Path) -> None:
+    """Qwen2 (biases on the attention projections) compiled, saved, loaded: the same greedy tokens as
+    transformers' eager generate on a left-padded batch."""
+    lm = tiny_qwen2_lm(seed=4).model
+    path = tmp_path / "qwen2.kiln"
+    save_generation(_compile(lm, max_batch=3, max_cache_len=32, prompt_min=1, prompt_max=12), path)
+    loaded = compiler.load(path)
+    assert loaded.spec.model_type == "qwen2"
+    ids, mask = _padded_batch()
+    got = loaded.generate(ids, mask, max_new_tokens=12, eos_token_id=[])
+    with torch.no_grad():
+        want = lm.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert got.tolist() == want.tolist()
