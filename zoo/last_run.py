@@ -15,6 +15,7 @@ import os
 import time
 from pathlib import Path
 
+from compiler import json_reader
 from compiler.atomic import write_bytes_atomic
 from zoo.errors import ZooConfigError
 
@@ -34,7 +35,7 @@ def last_zoo_file(root: str | os.PathLike = ".") -> Path | None:
     """The zoo file the last ``kiln zoo`` here ran, or None when none has run here."""
     record = Path(root) / RECORD
     try:
-        data = json.loads(record.read_text(encoding="utf-8"))
+        data = json_reader.read_file(record)
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError, ValueError) as exc:

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
+from compiler import json_reader
 from compiler.backends.base import QUANTIZED_PRECISIONS, to_numpy
 from compiler.cache.local import EngineCache
 from compiler.inputs.data import ValidationData, sample_digest
@@ -131,7 +132,7 @@ def decision_key(compiled: CompiledModule, gate: Tolerances, dataset: Validation
         fingerprint=identity,
         backend=DECISION_BACKEND,
         library_version=kiln_version(),
-        target_device=options.device,
+        engine_target=options.device,
         settings={"kind": "accuracy repair decision"},
     )
 
@@ -140,8 +141,8 @@ def recalled_decision(cache: EngineCache, key: str) -> dict | None:
     data = cache.get(key)
     if data is None:
         return None
-    try:
-        found = json.loads(data)
+    try:  # a cache record is trusted input read as untrusted data: bounded
+        found = json_reader.loads(data, f"accuracy repair decision {key[:16]}")
     except ValueError:
         return None
     return found if isinstance(found, dict) else None

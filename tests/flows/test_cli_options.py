@@ -24,6 +24,9 @@ FLAGS = {
 NO_FLAG = {
     "partition_precision": "a map from partition name to precision: the zoo file's partition_precision, "
     "or what accuracy repair records; partition names exist only after a first compile",
+    "float_layers": "the layers accuracy repair's layer search keeps in float, by partition and node name: "
+    "recorded in the plan, names that exist only after a first compile",
+    "repair_seconds": "the layer search's time budget: the zoo entry's repair_seconds",
 }
 
 
@@ -53,7 +56,14 @@ def test_every_compile_option_is_a_flag_of_kiln_compile_or_says_why_not():
 
 def test_one_module_lists_every_command_group():
     names = sorted(c.name for c in app.registered_commands) + sorted(g.name for g in app.registered_groups)
-    assert {g.__name__.rsplit(".", 1)[-1] for g in GROUPS} == {"compile", "registry", "ops", "cache", "serve"}
+    assert {g.__name__.rsplit(".", 1)[-1] for g in GROUPS} == {
+        "compile",
+        "registry",
+        "ops",
+        "cache",
+        "serve",
+        "signing",
+    }
     assert "zoo" in names and "lookup" in names and "cache" in names and "serve" in names
 
 
