@@ -289,7 +289,9 @@ def test_lookup_cli_selects_by_source(mlflow_server, recorded):
     assert f"source: {PROD} -> version 3 now; matched: uri" in text.output
     miss = runner.invoke(build_app(), ["lookup", "fraud", "--source", PROD, "--shape", "64,16"])
     assert miss.exit_code == 1 and "outside its range" in miss.output
-    assert runner.invoke(build_app(), ["lookup", "fraud"]).exit_code == 2  # neither shape nor source
+    # neither shape nor source: the champion (else newest), as after `kiln zoo` (issue 40)
+    plain = runner.invoke(build_app(), ["lookup", "fraud"])
+    assert plain.exit_code == 0 and "verified and loaded" in plain.output
 
 
 def test_a_fresh_process_looks_the_version_up_by_source_and_runs_it(
