@@ -31,9 +31,24 @@ from compiler.version import kiln_version
 DECISION_BACKEND = "kiln-accuracy-repair"  # the cache key's backend field: no engine is ever keyed so
 
 
-def kept_fractions(initial: CompiledModule, final: CompiledModule, dataset: ValidationData) -> dict[str, Any]:
+def kept_fractions(
+    initial: CompiledModule, final: CompiledModule, dataset: ValidationData
+) -> dict[str, Any] | None:
     """Weights and FLOPs kept at int8 (see the module docstring): ``{"precision", "weights", "flops",
-    "weights_int8", "weights_total", "flops_int8", "flops_total"}``."""
+    "weights_int8", "weights_total", "flops_int8", "flops_total"}``; None where a module's plan holds
+    no quantized graph to count from (a module read back from a package or a workspace: its engines
+    hold them), so the repair's record says nothing rather than fail the compile."""
+    from compiler.errors import LoweringError
+
+    try:
+        return _kept_fractions(initial, final, dataset)
+    except LoweringError:
+        return None
+
+
+def _kept_fractions(
+    initial: CompiledModule, final: CompiledModule, dataset: ValidationData
+) -> dict[str, Any]:
     from compiler.engine_build.lower import _quantized_graph
     from compiler.quantization.layers import GraphAccount, account
     from compiler.quantization.quantize import _captured
