@@ -63,13 +63,46 @@ from serving.triton.config import DEFAULT_QUEUE_DELAY_US
 
 ROOT = Path(__file__).resolve().parents[1]
 FEATURES, HIDDEN, CLASSES = 256, 1024, 16
-MODEL = "bench_mlp"
+# --model: which model every arm serves. The env var carries the choice into Triton's stub process,
+# where benchmarks/triton_eager_backend.py rebuilds the eager module with bench_model.
+MODEL_ENV = "KILN_BENCH_SERVING_MODEL"
+MODELS = {
+    "mlp": f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}",
+    # BERT-base-sized classifier: GPU work per batch large enough that the in-process ratio measures
+    # serving overhead against real work, not against a 60-microsecond MLP
+    "bert": "BERT 12x768 classifier (vocab 30522, random weights), sequence 256",
+    "bert-tiny": "BERT 2x128 classifier (vocab 30522, random weights), sequence 256 (trying the script)",
+}
+BERT_SEQ, BERT_VOCAB = 256, 30522
+MODEL = "bench_mlp"  # the registered / served name (kept for both models: the results' history uses it)
 INPUT = {"name": "x"}  # the exported program's input name, read from the repository once exported
 
 
+def model_kind() -> str:
+    return os.environ.get(MODEL_ENV, "mlp")
+
+
+class _Classifier(torch.nn.Module):
+    """Token ids and mask in, logits out (positional: the exported inputs keep these names)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
 def bench_model(seed: int) -> torch.nn.Module:
-    """An MLP large enough that batching pays: 256 -> 1024 -> 1024 -> 16."""
+    """``mlp``: an MLP large enough that batching pays, 256 -> 1024 -> 1024 -> 16. ``bert``: a
+    BERT-base-sized sequence classifier from its config, random weights."""
     torch.manual_seed(seed)
+    if model_kind().startswith("bert"):
+        from transformers import BertConfig, BertForSequenceClassification
+
+        tiny = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=256)
+        config = BertConfig(num_labels=CLASSES, **(tiny if model_kind() == "bert-tiny" else {}))
+        return _Classifier(BertForSequenceClassification(config)).eval()
     return torch.nn.Sequential(
         torch.nn.Linear(FEATURES, HIDDEN),
         torch.nn.GELU(),
@@ -77,6 +110,15 @@ def bench_model(seed: int) -> torch.nn.Module:
         torch.nn.GELU(),
         torch.nn.Linear(HIDDEN, CLASSES),
     ).eval()
+
+
+def example_inputs(batch: int, device: str = "cpu", seed: int | None = None) -> dict[str, torch.Tensor]:
+    """One batch of the served model's inputs, by input name."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    if model_kind().startswith("bert"):
+        ids = torch.randint(0, BERT_VOCAB, (batch, BERT_SEQ), generator=gen)
+        return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids, device=device)}
+    return {"x": torch.randn(batch, FEATURES, generator=gen).to(device)}
 
 
 def free_port() -> int:
@@ -104,9 +146,10 @@ def build(root: Path, device: str = "cpu", sign: bool = False) -> dict:
     keys = new_key_pair(root / "keys") if sign else None
     if keys:
         os.environ[PRIVATE_KEY_ENV] = str(keys[0])
-    example = torch.randn(8, FEATURES, device=device)
+    example = tuple(example_inputs(8, device).values())
+    batch = Dim("batch", min=1, max=32)
     program = compiler.export(
-        bench_model(0).to(device), (example,), dynamic_shapes=({0: Dim("batch", min=1, max=32)},)
+        bench_model(0).to(device), example, dynamic_shapes=tuple({0: batch} for _ in example)
     )
     settings = {"backend": "inductor", "precision": "fp16", "device": device} if device != "cpu" else {}
     compiled = compiler.compile(
@@ -115,7 +158,8 @@ def build(root: Path, device: str = "cpu", sign: bool = False) -> dict:
     v1 = compiler.save(compiled, root / "v1.kiln").path
     # Version 2: other weights, same engines (refit in this process, where the engines are trusted).
     v2 = compiler.save(
-        compiled.refit({k: v * 1.01 for k, v in compiled.weights.items()}), root / "v2.kiln"
+        compiled.refit({k: v * 1.01 if v.is_floating_point() else v for k, v in compiled.weights.items()}),
+        root / "v2.kiln",
     ).path
     with contextlib.chdir(root):
         for path in (v1, v2):
@@ -167,20 +211,24 @@ def v2_request(inputs: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
     return header + payload, headers
 
 
-def triton_request(x: np.ndarray) -> tuple[bytes, dict[str, str]]:
-    return v2_request({INPUT["name"]: x.astype(np.float32)})
+def request_arrays() -> dict[str, np.ndarray]:
+    """One batch-1 request, by the served input names (in the exported order)."""
+    values = [t.numpy() for t in example_inputs(1, seed=0).values()]
+    return dict(zip(INPUT["names"], values, strict=True))
 
 
 def triton_arm(base: str, model: str) -> tuple[str, bytes, dict[str, str]]:
-    body, headers = triton_request(np.random.default_rng(0).standard_normal((1, FEATURES)))
+    body, headers = v2_request(request_arrays())
     return f"{base}/v2/models/{model}/infer", body, headers
 
 
 def mlflow_arm(base: str) -> tuple[str, bytes, dict[str, str]]:
-    x = np.random.default_rng(0).standard_normal((1, FEATURES)).astype(np.float32)
+    arrays = request_arrays()
+    by_name = {k: v.tolist() for k, v in arrays.items()}
+    inputs = by_name[INPUT["name"]] if len(by_name) == 1 else by_name
     return (
         f"{base}/invocations",
-        json.dumps({"inputs": x.tolist()}).encode(),
+        json.dumps({"inputs": inputs}).encode(),
         {"Content-Type": "application/json"},
     )
 
@@ -399,15 +447,15 @@ def in_process(package: Path, mixes: dict[int, dict[str, int]], device: str, run
     median_s = {}
     with torch.inference_mode():
         for size in sizes:
-            x = torch.randn(size, FEATURES, device=device)
+            x = tuple(example_inputs(size, device).values())
             for _ in range(5):
-                module(x)
+                module(*x)
             times = []
             for _ in range(runs):
                 if device != "cpu":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                module(x)
+                module(*x)
                 if device != "cpu":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
@@ -440,6 +488,7 @@ ARMS = ("triton_kiln", "mlflow_serve", "triton_eager", "in_process")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the version runs")
+    parser.add_argument("--model", choices=tuple(MODELS), default="mlp", help="what every arm serves")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per cell")
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds of the same load first")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
@@ -462,6 +511,7 @@ def main() -> None:
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
+    os.environ[MODEL_ENV] = args.model
     arms = args.arms or [a for a in ARMS if cuda or a != "in_process"]
     quiet_wait = args.quiet_wait if args.quiet_wait is not None else (0.0 if cuda else 300.0)
 
@@ -487,7 +537,8 @@ def main() -> None:
         )
         if not hasattr(results[0], "model_dir"):
             raise SystemExit(f"export failed: {results[0]}")
-        INPUT["name"] = json.loads((repo / MODEL / "1" / "kiln.json").read_text())["inputs"][0]["name"]
+        served_inputs = json.loads((repo / MODEL / "1" / "kiln.json").read_text())["inputs"]
+        INPUT.update(name=served_inputs[0]["name"], names=[i["name"] for i in served_inputs])
         if "triton_eager" in arms:
             add_eager(repo)
         cells = {}
@@ -568,7 +619,7 @@ def main() -> None:
     print(json.dumps(summary, indent=2))
     if args.no_json:
         return
-    model = f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, batch-1 requests, " + (
+    model = f"{MODELS[args.model]}, batch-1 requests, " + (
         "Inductor fp16 on CUDA (AOTInductor), signed" if cuda and not args.no_sign else
         "Inductor fp16 on CUDA, unsigned" if cuda else "fp32, ORT engines"
     )  # fmt: skip
