@@ -268,14 +268,16 @@ class Connection:
             self.writer = None
 
 
-async def _client_loop(conn: Connection, until: float, out: list[float] | None, failures: list[int]) -> None:
+async def _client_loop(conn: Connection, until: float, out: list[float] | None, failures: list) -> None:
     while (start := time.perf_counter()) < until:
         try:
             await conn.post()
             if out is not None:
                 out.append(time.perf_counter() - start)
-        except Exception:
+        except Exception as exc:
             failures[0] += 1
+            if len(failures) == 1:  # the first failure's reason, for the results
+                failures.append(f"{type(exc).__name__}: {str(exc)[:300]}")
             conn.close()
 
 
@@ -304,6 +306,7 @@ async def _drive(arm: tuple[str, bytes, dict[str, str]], clients: int, seconds: 
         "clients": clients,
         "requests": int(flat.size),
         "failed": failures[0],
+        **({"first_failure": failures[1]} if len(failures) > 1 else {}),
         "throughput_rps": round(flat.size / seconds, 1),
         "p50_ms": round(float(np.percentile(flat, 50)), 3) if flat.size else None,
         "p99_ms": round(float(np.percentile(flat, 99)), 3) if flat.size else None,
@@ -567,6 +570,11 @@ def main() -> None:
                         if model:
                             cells[(arm, clients)]["server_side"] = server_side(server, model, before)
                         print(arm, cells[(arm, clients)], flush=True)
+            if any(c.get("failed") for (arm, _), c in cells.items() if arm == "mlflow_serve"):
+                print(
+                    "mlflow models serve's log, last lines:\n"
+                    + (root / "mlflow-serve.log").read_text()[-4000:]
+                )
             if "in_process" in arms:  # the servers idle meanwhile: the package alone on the device
                 mixes = {
                     c: cells[("triton_kiln", c)]["server_side"]["batch_mix"]
@@ -601,7 +609,7 @@ def main() -> None:
     inproc_top = cells.get(("in_process", top))
     if kiln_top:
         summary[f"triton_kiln_p99_over_p50_at_{top}"] = round(kiln_top["p99_ms"] / kiln_top["p50_ms"], 2)
-    if kiln_top and mlflow_top:
+    if kiln_top and mlflow_top and mlflow_top["throughput_rps"]:
         summary[f"triton_kiln_vs_mlflow_throughput_at_{top}"] = round(
             kiln_top["throughput_rps"] / mlflow_top["throughput_rps"], 2
         )

@@ -60,12 +60,17 @@ class KilnPackageModel(mlflow.pyfunc.PythonModel):
         import torch
 
         specs = self.module.input_specs
+        # numpy arrives on the host; a CUDA package takes its inputs on its device
+        device = getattr(self.module, "device", None)
         tensors = []
         for spec, value in zip(specs, values, strict=False):
             tensor = (
                 value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
             )
-            tensors.append(tensor.to(spec.torch_dtype) if tensor.dtype != spec.torch_dtype else tensor)
+            tensor = tensor.to(spec.torch_dtype) if tensor.dtype != spec.torch_dtype else tensor
+            tensors.append(
+                tensor.to(device) if device is not None and not isinstance(value, torch.Tensor) else tensor
+            )
         if len(values) != len(specs):
             from compiler.errors import InputSpecError
 

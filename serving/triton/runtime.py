@@ -193,14 +193,15 @@ class ServedRuntime:
             return results
         with torch.inference_mode():
             named = self._outputs(self._call([t.to(self.device) for t in inputs]))
+            # One device-to-host copy per output for the whole batch, then host slices per request
+            # (a copy per request synchronized the device once per request).
+            named = [(name, value.detach().cpu()) for name, value in named]
         start = 0
         for (index, _), size in zip(items, sizes, strict=True):
             tensors = []
             for name, value in named:
                 part = value if size is None else value[start : start + size]
-                tensors.append(
-                    self.pb.Tensor.from_dlpack(name, dlpack.to_dlpack(part.detach().cpu().contiguous()))
-                )
+                tensors.append(self.pb.Tensor.from_dlpack(name, dlpack.to_dlpack(part.contiguous())))
             results.append((index, tensors))
             start += size or 0
         return results
