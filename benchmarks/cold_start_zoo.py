@@ -98,12 +98,24 @@ else:
     shapes = {"pixel_values": {0: batch}}
 params = sum(p.numel() for p in model.parameters())
 program = compiler.export(model, (), kwargs, dynamic_shapes=shapes)
+if len(sys.argv) > 7 and sys.argv[7]:  # cProfile of the compile itself (--profile-compile)
+    import cProfile
+    profiler = cProfile.Profile()
+    profiler.enable()
 start = time.perf_counter()
 module = compiler.compile(
     program, backend="inductor", device=device, precision="fp32" if device == "cpu" else "fp16",
     cache=False, **({} if aot else {"backend_options": {"aot": False}}),
 )
 compile_s = time.perf_counter() - start
+if len(sys.argv) > 7 and sys.argv[7]:
+    import io, pstats
+    profiler.disable()
+    profiler.dump_stats(sys.argv[7] + ".pstats")
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(100)
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    open(sys.argv[7] + ".txt", "w").write(text.getvalue())
 phases = None
 if profile:  # Inductor's own phase timer (what the compile's seconds went to)
     try:
@@ -182,7 +194,7 @@ print(json.dumps({
         "sympy": "sympy" in imported, "transformers": "transformers" in imported,
         "triton": "triton" in imported,
     },
-    "load_stages_s": module.load_seconds,
+    "load_stages_s": module.load_seconds, "profiled": bool(profile),
     "warnings": sorted({str(w.message)[:300] for w in caught})[:10],
 }))
 """
@@ -280,9 +292,15 @@ def run_model(name: str, args: argparse.Namespace, scratch: Path, deadline: floa
     result: dict = {"model": MODELS[name] + (" (tiny config)" if args.tiny else "")}
     package = scratch / f"{name}.kiln"
     flags = [args.device, "1" if args.tiny else "0", "1" if args.profile else "0"]
+    profile_dir = Path(args.profile or ".")
+    compile_profile = str(profile_dir / f"{name}.compile") if args.profile_compile else ""
     result["compile_default"] = _run(
-        COMPILE, [name, str(package), "1", *flags], scratch / f"{name}-compile-default", left()
+        COMPILE,
+        [name, str(package), "1", *flags, compile_profile],
+        scratch / f"{name}-compile-default",
+        left(),
     )
+    result["compile_default"]["profiled"] = bool(compile_profile)
     if "error" in result["compile_default"]:
         return result
     if not args.skip_standalone:
@@ -295,7 +313,13 @@ def run_model(name: str, args: argparse.Namespace, scratch: Path, deadline: floa
     result["floor"] = _run(FLOOR, [str(package), args.device], None, min(left(), 120))
     runs = {
         "trusted": ("1", "trusted", "", ""),
-        "untrusted_first": ("0", "untrusted", "", ""),
+        # --profile-untrusted: this run itself under cProfile (its seconds then include the profiler's)
+        "untrusted_first": (
+            "0",
+            "untrusted",
+            str(profile_dir / f"{name}.untrusted") if args.profile_untrusted else "",
+            "",
+        ),
         "untrusted_second": ("0", "untrusted", "", ""),
         "trusted_library_imported": ("1", "trusted-library", "", "transformers.modeling_outputs"),
     }
@@ -404,6 +428,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs (a CPU smoke run)")
     parser.add_argument("--profile", default="", help="folder for a profiled trusted load per model")
+    parser.add_argument(
+        "--profile-untrusted", action="store_true", help="run the untrusted first load under cProfile"
+    )
+    parser.add_argument(
+        "--profile-compile", action="store_true", help="run the default compile under cProfile"
+    )
     parser.add_argument("--skip-standalone", action="store_true", help="leave out the aot: false compile")
     parser.add_argument("--budget-s", type=float, default=500, help="steps past it are skipped")
     parser.add_argument("--merge", nargs="+", help="JSON files of earlier runs to merge into --out")
@@ -417,6 +447,8 @@ def main() -> None:
         unknown = sorted(set(names) - set(MODELS))
         if unknown:
             parser.error(f"--models: unknown {unknown}; known: {sorted(MODELS)}")
+        if (args.profile_untrusted or args.profile_compile) and not args.profile:
+            parser.error("--profile-untrusted and --profile-compile write into the --profile folder")
         if args.profile:
             Path(args.profile).mkdir(parents=True, exist_ok=True)
         deadline = time.perf_counter() + args.budget_s
