@@ -16,15 +16,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from compiler.backends import TORCH, get_backend
 from compiler.backends.base import BuildSettings, EngineBackend, EngineIO, graph_format
 from compiler.cache.entry import CacheKey
 from compiler.cache.local import CacheSetting, EngineCache, resolve_cache
-from compiler.engine_build.lower import LoweredPartition, engine_io, lower, lower_program
 from compiler.errors import EngineBuildError, LoweringError
 from compiler.partitioning.dedup import DedupPlan
 from compiler.partitioning.partition import PartitionPlan
+
+if TYPE_CHECKING:
+    from compiler.engine_build.lower import LoweredPartition
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,9 @@ def build_engine(
     representative = next(p for p in plan.partitions if p.name == dedup.unique[fingerprint])
     # Per partition: CompileOptions.partition_precision may raise one above the compile's precision.
     settings = plan.options.build_settings(representative.name)
+    # Here, not at the top: lowering imports ONNX (0.3-0.6 s), which a package load never needs.
+    from compiler.engine_build.lower import engine_io, lower, lower_program
+
     io = engine_io(plan, representative)
     key = _engine_key(backend, fingerprint, settings)
     if settings.precision == TORCH:  # kept in PyTorch on purpose (partition_precision): nothing to build
@@ -185,6 +191,8 @@ def _fall_back(
         wanted = False
     graph = lowered.onnx if wanted and lowered is not None else b""
     if wanted and not graph:  # the failed backend compiled the torch graph: lower to ONNX now
+        from compiler.engine_build.lower import lower
+
         try:
             again = lower(plan, dedup, fingerprint)
             graph, lower_seconds = again.onnx, lower_seconds + again.seconds

@@ -23,6 +23,15 @@ from compiler.partitioning import runtime_graph
 from compiler.program.export import import_allowed_modules
 
 
+def import_recorded_modules(path: Path, manifest: Manifest, allowed_modules: Sequence[str] | None) -> None:
+    """The modules the package records (its custom ops, its input and output types), imported where this
+    process allows them (else OpModuleNotAllowedError naming them), before the program's own check: a
+    load imports them while its workers read the files (``transformers`` alone is 1-2 s where a process
+    has not imported it yet). :func:`read_runtime_graph` then imports only what the program adds."""
+    recorded = list(manifest.op_modules)
+    import_allowed_modules(recorded, str(path / PROGRAM), allowed=allowed_modules, recorded=recorded)
+
+
 def read_runtime_graph(
     path: Path,
     manifest: Manifest,

@@ -93,6 +93,7 @@ class ServedRuntime:
                 f"kiln: {served.name} version {served.version} ready in {done - started:.2f} s (torch "
                 f"{imported - started:.2f} s, verify and load {loaded - imported:.2f} s, warm-up "
                 f"{done - loaded:.2f} s; {threads or 'default'} intra-op threads); "
+                f"{load_stages(module)}"
                 f"{trust_note(version_dir / PACKAGE_DIR, getattr(module, 'trust_engine_code', None))}"
             )
         return runtime
@@ -274,6 +275,15 @@ def apply_threads(model_config: Any, device: str) -> int:
     os.environ[ORT_THREADS_ENV] = str(threads)
     torch.set_num_threads(threads)
     return threads
+
+
+def load_stages(module: Any) -> str:
+    """``compiler.load``'s stage split (``CompiledModule.load_seconds``) as the start log shows it, the
+    stages cold-start work is measured by (benchmarks/cold_start_zoo.py); empty for a module without."""
+    stages = getattr(module, "load_seconds", None)
+    if not isinstance(stages, dict) or not stages:
+        return ""
+    return "load stages " + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in stages.items()) + "; "
 
 
 def load_verified(package_dir: Path, device: str, served: ServedModel) -> tuple[Any, Sequence[Any]]:

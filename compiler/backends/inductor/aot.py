@@ -107,6 +107,12 @@ def build_aot(
             # needed, and Inductor's ISA probes (a compile and a fresh Python process each) cost 35-40 s
             # of a 77 s GPT-2 package build on the H200 host (benchmarks/probes/probe_aot_cost.h200.json).
             configs["cpp.vec_isa_ok"] = False
+            # Its C++ wrapper only launches kernels (and, under CUDA graphs, is replayed, not run): built
+            # at -O0 unless the build's options say otherwise, the C++ compile the standalone form does
+            # not have is a fraction of Inductor's -O1 (issue 45: the default compile at 1.8-2.4x the
+            # standalone form's).
+            if "aot_inductor.compile_wrapper_opt_level" in torch._inductor.config.get_config_copy():
+                configs.setdefault("aot_inductor.compile_wrapper_opt_level", "O0")
         try:
             from compiler.program.tracing import TRACING
 

@@ -61,7 +61,7 @@ def test_refit_in_place_keeps_the_module_and_a_save_carries_the_new_weights(prog
     path = compiler.save(compiler.compile(program, cache=tmp_path / "c"), tmp_path / "m.kiln").path
     loaded = compiler.load(path)  # owns its weights (an in-process compile shares the model's)
     stages = loaded.load_seconds  # where the load's seconds went, for cold-start work
-    assert {"manifest", "program", "weights_and_replay", "engines_and_warmup"} <= set(stages)
+    assert {"manifest", "imports", "weights", "plan", "engines", "warmup", "total"} <= set(stages)
     assert stages["total"] >= sum(v for k, v in stages.items() if k != "total") - 1e-3
     tuned = repeated_fallback(depth=4, width=128, seed=5).model
     x = torch.randn(3, 128)
