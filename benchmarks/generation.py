@@ -433,6 +433,7 @@ def main() -> None:
                 "graphed": static.graphed,
                 "graph_reason": static.reason,
                 "captures": static.captures,
+                "cache_copy_back_max_bytes": static.full_copy_max_bytes,  # whole caches up to this
             }
 
         report.data["greedy_vs_eager"] = report.phase(

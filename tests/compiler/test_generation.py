@@ -133,14 +133,17 @@ def test_static_cache_steps_match_the_functional_loop_and_write_in_place(loaded:
     buffers are never replaced and end up holding every position's keys."""
     ids, mask = _padded_batch()
     runs = {}
-    for name, static, pad in (("functional", False, False), ("static", True, False), ("bucket", True, True)):
+    cases = (("functional", False, False, 0), ("slot", True, False, 0), ("whole", True, False, 1 << 40))
+    for name, static, pad, full_copy in (*cases, ("bucket", True, True, 0)):
         loaded.static_cache = static
         if static:
-            loaded.static_decode().pad_to_buckets = pad  # on CUDA: on with graphs
+            # on CUDA: padded with graphs; a whole-cache copy back where the cache is small
+            loaded.static_decode().pad_to_buckets = pad
+            loaded.static_decode().full_copy_max_bytes = full_copy
         tokens = loaded.generate(ids, mask, max_new_tokens=6, eos_token_id=[], output_logits=True)
         runs[name] = tokens, [t.clone() for t in loaded.last_logits]
     loaded.static_cache, loaded.static_decode().pad_to_buckets = True, False
-    for name in ("static", "bucket"):
+    for name in ("slot", "whole", "bucket"):
         assert torch.equal(runs[name][0], runs["functional"][0]), name
         for got, want in zip(runs[name][1], runs["functional"][1], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
