@@ -11,6 +11,7 @@ returns, so the two compare position by position.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from compiler.errors import GenerationError
+from compiler.generation.decoding import StaticDecode
 from compiler.generation.spec import GenerationSpec
 
 Program = Callable[..., Any]
@@ -35,9 +37,14 @@ class StepTimes:
 class GenerationModule(torch.nn.Module):
     """Prefill and decode over one copy of the weights; calling it runs the prefill program."""
 
-    def __init__(self, prefill: Program, decode: Program, spec: GenerationSpec):
+    def __init__(self, prefill: Program, decode: Program, spec: GenerationSpec, *, static_cache: bool = True):
         super().__init__()
         self.prefill, self.decode, self.spec = prefill, decode, spec
+        # static_cache: decode steps run on preallocated buffers updated in place, captured as CUDA
+        # graphs where allowed (compiler.generation.decoding); False: each step's program returns a
+        # new cache that the next step takes (the functional loop, kept to check the other against).
+        self.static_cache = static_cache
+        self._static: StaticDecode | None = None
         self.last_times = StepTimes()
         self.last_logits: list[torch.Tensor] = []
 
@@ -71,6 +78,13 @@ class GenerationModule(torch.nn.Module):
         """The shortest prompt the prefill program takes (shorter ones are left-padded up to it)."""
         specs = getattr(self.prefill, "input_specs", None)
         return int(specs[0].min_shape[1]) if specs else self.spec.prompt_min
+
+    def static_decode(self) -> StaticDecode:
+        """The static cache and step runner of the decode program (made on first use; ``.graphed`` and
+        ``.reason`` say whether steps replay CUDA graphs and why not)."""
+        if self._static is None or self._static.decode is not self.decode:
+            self._static = StaticDecode(self.decode, self.spec, self.device)
+        return self._static
 
     @torch.no_grad()
     def generate(
@@ -122,41 +136,52 @@ class GenerationModule(torch.nn.Module):
         if do_sample:
             generator = torch.Generator(device=ids.device)
             generator.manual_seed(0 if seed is None else int(seed))
-        times, clock = StepTimes(), _clock(ids.device)
-        start = clock()
+        timer = _Timer(ids.device)
+        timer.mark()
         logits, keys, values = self.prefill(input_ids=ids, attention_mask=mask)
         token = _pick(logits[:, -1], do_sample, temperature, top_k, top_p, generator)
-        times.prefill = clock() - start
+        timer.mark()
         self.last_logits = [logits[:, -1]] if output_logits else []
-        cache_mask = torch.zeros(batch, spec.max_cache_len, dtype=mask.dtype, device=ids.device)
-        cache_mask[:, :length] = mask
         done = torch.zeros(batch, dtype=torch.bool, device=ids.device)
         eos_ids = torch.tensor(eos, dtype=ids.dtype, device=ids.device) if eos else None
         out = [ids]
-        for step in range(max_new_tokens):
-            if eos_ids is not None:
-                token = torch.where(done, torch.full_like(token, pad), token)
-            out.append(token[:, None])
-            if eos_ids is not None:
-                done |= torch.isin(token, eos_ids)
-                if bool(done.all()):
+        static = self.static_decode() if self.static_cache else None
+        cache_mask = bucket = None
+        with static.lock if static is not None else contextlib.nullcontext():
+            for step in range(max_new_tokens):
+                if eos_ids is not None:
+                    token = torch.where(done, torch.full_like(token, pad), token)
+                out.append(token[:, None])
+                if eos_ids is not None:
+                    done |= torch.isin(token, eos_ids)
+                    if bool(done.all()):
+                        break
+                if step == max_new_tokens - 1:
                     break
-            if step == max_new_tokens - 1:
-                break
-            position = length + step
-            cache_mask[:, position] = 1
-            start = clock()
-            logits, keys, values = self.decode(
-                input_ids=token[:, None],
-                attention_mask=cache_mask,
-                cache_position=torch.tensor([position], device=ids.device),
-                keys=list(keys),
-                values=list(values),
-            )
-            token = _pick(logits[:, -1], do_sample, temperature, top_k, top_p, generator)
-            times.decode.append(clock() - start)
-            if output_logits:
-                self.last_logits.append(logits[:, -1])
+                if static is not None:
+                    if bucket is None:
+                        bucket = static.start(keys, values, mask, length)
+                    last = static.step(bucket, token)
+                else:  # the functional loop: a new cache each step
+                    if cache_mask is None:
+                        cache_mask = mask.new_zeros(batch, spec.max_cache_len)
+                        cache_mask[:, :length] = mask
+                    position = length + step
+                    cache_mask[:, position] = 1
+                    logits, keys, values = self.decode(
+                        input_ids=token[:, None],
+                        attention_mask=cache_mask,
+                        cache_position=torch.tensor([position], device=ids.device),
+                        keys=list(keys),
+                        values=list(values),
+                    )
+                    last = logits[:, -1]
+                token = _pick(last, do_sample, temperature, top_k, top_p, generator)
+                timer.mark()
+                if output_logits:
+                    self.last_logits.append(last.clone())
+        spans = timer.spans()
+        times = StepTimes(spans[0], spans[1:])
         self.last_times = times
         return torch.cat(out, dim=1)
 
@@ -196,16 +221,27 @@ class GenerationModule(torch.nn.Module):
         return ids, mask
 
 
-def _clock(device: torch.device) -> Callable[[], float]:
-    """perf_counter, after the device's queued work (a CUDA step's time is its kernels' time)."""
-    if device.type != "cuda":
-        return time.perf_counter
+class _Timer:
+    """Marks on the device's timeline (CUDA events: no sync per step), read once at the end."""
 
-    def now() -> float:
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
 
-    return now
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        if self.cuda and self.marks:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
 
 
 def _ids(value: int | Sequence[int]) -> tuple[int, ...]:

@@ -33,7 +33,7 @@ from compiler.inputs.profiles import check_profiles
 from compiler.inputs.specs import InputSpec
 from compiler.options import CompileOptions
 from compiler.partitioning.blocks import split_by_block
-from compiler.partitioning.prepare import prepared_copy
+from compiler.partitioning.prepare import is_symbolic, prepared_copy
 from compiler.partitioning.runtime_graph import CallSignature, RuntimeGraph
 from compiler.program.export import input_specs
 from compiler.program.tracing import TRACING
@@ -356,6 +356,11 @@ class _Support(OperatorSupportBase):
         packet = getattr(node.target, "overloadpacket", None)
         if packet is not None and packet in self.forced:
             return False
+        if is_symbolic(node):
+            # A size goes where the op reading it goes (prepare gives each reader its own copy): one
+            # merged into an engine whose reader stays in PyTorch (a higher-order op, a forced op) would
+            # leave the engine as a SymInt output, which no engine returns.
+            return all(self.is_node_supported(submodules, user) for user in node.users)
         return node.target in SYMBOLIC_OPS or bool(self.backend.supports(node.target))
 
 

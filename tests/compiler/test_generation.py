@@ -127,6 +127,39 @@ def test_validation_agrees_and_reports(loaded: GenerationModule, llama: torch.nn
     assert len(report["step_logits_error"]) == 8
 
 
+def test_static_cache_steps_match_the_functional_loop_and_write_in_place(loaded: GenerationModule) -> None:
+    """Decode on the preallocated cache (updated in place, what CUDA graphs capture) gives the tokens
+    and logits of the functional loop (a new cache each step), padded into a batch bucket too; the
+    buffers are never replaced and end up holding every position's keys."""
+    ids, mask = _padded_batch()
+    runs = {}
+    cases = (("functional", False, False, 0), ("slot", True, False, 0), ("whole", True, False, 1 << 40))
+    for name, static, pad, full_copy in (*cases, ("bucket", True, True, 0)):
+        loaded.static_cache = static
+        if static:
+            # on CUDA: padded with graphs; a whole-cache copy back where the cache is small
+            loaded.static_decode().pad_to_buckets = pad
+            loaded.static_decode().full_copy_max_bytes = full_copy
+        tokens = loaded.generate(ids, mask, max_new_tokens=6, eos_token_id=[], output_logits=True)
+        runs[name] = tokens, [t.clone() for t in loaded.last_logits]
+    loaded.static_cache, loaded.static_decode().pad_to_buckets = True, False
+    for name in ("slot", "whole", "bucket"):
+        assert torch.equal(runs[name][0], runs["functional"][0]), name
+        for got, want in zip(runs[name][1], runs["functional"][1], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    static = loaded.static_decode()
+    assert static.bucket_rows(3) == 3 and not static.graphed and static.reason == "the model runs on cpu"
+    keys = static._keys[0]
+    pointer = keys.data_ptr()
+    tokens = loaded.generate(ids, mask, max_new_tokens=6, eos_token_id=[])
+    assert static._keys[0].data_ptr() == pointer  # the same buffer, written in place
+    # a prefill of the whole sequence computes the keys the steps wrote (positions 0..13; 14 is unread)
+    full_mask = torch.cat([mask, torch.ones(3, 5, dtype=mask.dtype)], dim=1)
+    _, want, _ = loaded.prefill(input_ids=tokens[:, :14], attention_mask=full_mask)
+    torch.testing.assert_close(keys[:3, :, :14], want[0][:, :, :14], rtol=1e-4, atol=1e-4)
+    assert not keys[:3, :, 14:].any()
+
+
 def test_sampling_is_seeded_and_in_vocabulary(loaded: GenerationModule) -> None:
     ids = torch.tensor([[5, 6, 7, 8]])
     kwargs = {"max_new_tokens": 12, "do_sample": True, "top_k": 50, "top_p": 0.9, "temperature": 0.8}

@@ -85,3 +85,40 @@ def test_plan_serialises_to_json_and_replays_on_the_same_program():
     plan = compiler.partition(program, CompileOptions(split_modules=("RepeatedFallbackBlock",)))
     again = replay(plan.program, plan.to_dict())
     assert [p.to_dict() for p in again.partitions] == [p.to_dict() for p in plan.partitions]
+
+
+class _SizesIntoNoGrad(torch.nn.Module):
+    """transformers 5.17's rotary embedding, reduced: a ``no_grad`` block (a higher-order op under export,
+    which stays in PyTorch) reading the input's sizes and a tensor computed beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, 8))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            angles = (positions[:, :, None] * self.freq).reshape(x.shape[0], x.shape[1], 8)
+        return self.lin(x) + angles.cos()
+
+
+def test_a_size_read_by_a_fallback_op_stays_in_pytorch_and_the_model_compiles():
+    """The H100 decode failure (issue 44): a size copy merged into the engine before the no_grad block
+    left that engine with a SymInt output, and building it failed in engine_io."""
+    from torch.export import Dim
+
+    model = _SizesIntoNoGrad().eval()
+    x, mask = torch.randn(2, 5, 8), torch.ones(2, 5)
+    batch, length = Dim("batch", max=4), Dim("length", min=2, max=16)
+    program = compiler.export(model, (x, mask), dynamic_shapes=({0: batch, 1: length}, {0: batch, 1: length}))
+    plan = compiler.partition(program)
+    assert plan.fallback_ops.get("torch.ops.higher_order.wrap_with_set_grad_enabled") == 1, plan.fallback_ops
+    for part in plan.partitions:
+        outputs = next(n for n in plan.submodule(part.name).graph.nodes if n.op == "output").args[0]
+        assert all(isinstance(o.meta["val"], torch.Tensor) for o in outputs), part.name
+    _inputs_are_tensors(plan)
+    compiled = compiler.compile(program, backend="onnxruntime")
+    x, mask = torch.randn(3, 7, 8), torch.ones(3, 7)
+    mask[1, :2] = 0
+    torch.testing.assert_close(compiled(x, mask), model(x, mask), rtol=1e-5, atol=1e-5)
