@@ -25,7 +25,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 # Keep NVLink multicast off (the device README): set here too, for servers started with their own env.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # h100 / h200: the results file names the card it ran on (timings on one are not the other's)
-gpu() { nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i 'h[0-9]*' | tr 'H' 'h'; }
+gpu() { nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E 'h[0-9]+' | head -1 | tr 'H' 'h'; }
 e2e() { timeout 580 python3 benchmarks/gpu_e2e.py --work /tmp/kiln-e2e --out "$out/gpu_e2e_$(gpu).json" "$@" 2>&1 |
   grep -v -e Warning -e warnings.warn | tee "$out/e2e-$step.log" | tail -60; }
 case $step in
