@@ -59,7 +59,7 @@ def deploy_cmd(
     from prefect.settings import PREFECT_API_URL
 
     from flows.deployments import register
-    from zoo.config import ZooConfigError
+    from zoo.errors import ZooConfigError
 
     if not PREFECT_API_URL.value():
         raise bad_input(
