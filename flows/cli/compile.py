@@ -23,10 +23,10 @@ from flows.cli.options import (
     CompileZooFile,
     CudaGraphs,
     DaskAddress,
-    DeprecatedDevice,
-    DeprecatedDevices,
     Device,
+    DeviceAsTarget,
     Devices,
+    DevicesAsTarget,
     EngineCacheDir,
     JsonOut,
     MinBlockSize,
@@ -190,7 +190,7 @@ def zoo_cmd(
     out: OutDir = None,
     model: Model = None,
     device: Devices = None,
-    target: DeprecatedDevices = None,
+    device_as_target: DevicesAsTarget = None,
     task_runner: TaskRunner = None,
     dask_address: DaskAddress = None,
     workspace: Workspace = None,
@@ -201,7 +201,7 @@ def zoo_cmd(
     verbose: Verbose = False,
 ) -> None:
     quiet_prefect(verbose)
-    device = devices_with_deprecated_target("zoo", device, target)
+    device = devices_with_deprecated_target("zoo", device, device_as_target)
     from pydantic import ValidationError
 
     from zoo.errors import ZooConfigError
@@ -371,7 +371,7 @@ def compile_cmd(
     zoo_file: CompileZooFile = Path("deploy/zoo.yaml"),
     out: OutDir = None,
     device: Device = None,
-    target: DeprecatedDevice = None,
+    device_as_target: DeviceAsTarget = None,
     backend: Backend = None,
     precision: Precision = None,
     quantization: Quantization = None,
@@ -404,7 +404,7 @@ def compile_cmd(
     verbose: Verbose = False,
 ) -> None:
     quiet_prefect(verbose)
-    device = devices_with_deprecated_target("compile", device, target)
+    device = devices_with_deprecated_target("compile", device, device_as_target)
     from pydantic import ValidationError
 
     from zoo.config import ZooEntry
