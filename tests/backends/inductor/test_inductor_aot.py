@@ -178,12 +178,6 @@ def _failing_compiler(directory: Path) -> Path:
     return failing
 
 
-@pytest.mark.xfail(
-    reason="passes alone, fails after this file's earlier compiles of the same program since the structure "
-    "pass (issue 43's engine-cache change, 996c785): the failing compiler is never asked, so no warning; "
-    "not found yet",
-    strict=False,
-)
 def test_aot_that_cannot_be_built_or_loaded_is_left_out_with_the_reason(program, tmp_path, monkeypatch):
     model, exported = program
     monkeypatch.setenv("KILN_AOT_CXX", str(_failing_compiler(tmp_path)))
