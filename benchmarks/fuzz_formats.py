@@ -18,9 +18,7 @@ from pathlib import Path
 
 from benchmarks._common import print_table, write_json
 from benchmarks.machine import cpu_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_fuzz_formats import fuzz
+from tests.compiler.package.test_fuzz_formats import fuzz
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import compiler
 from benchmarks._common import interleaved, print_table, write_json
-from compiler.accuracy.compare import precision_summary
+from compiler.validation.report import precision_summary
 from zoo.models import SensitiveModel
 
 # ---------------------------------------------------------------- the deliberately sensitive model

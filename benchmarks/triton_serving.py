@@ -532,7 +532,7 @@ def main() -> None:
         results = export(
             [MODEL],
             repo,
-            target=SERVED["target"],
+            engine_target=SERVED["target"],
             tracking_uri=store["uri"],
             queue_delay_us=args.queue_delay_us,
             instances=args.instances,

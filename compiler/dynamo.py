@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from compiler.cache.local import EngineCache, resolve_cache
+from compiler.cache.local import EngineCache, resolve_setting
 from compiler.engine_build.engine import build_engine
 from compiler.errors import BackendError, OptionsError
 from compiler.options import CompileOptions
@@ -43,7 +43,7 @@ class KilnBackend:
         **settings: Any,
     ):
         self.options = dataclasses.replace(options or CompileOptions(), **settings)
-        self.cache = resolve_cache(cache)
+        self.cache = resolve_setting(cache)  # False where there is none: None is the default cache
         self.compiled: list[CompiledModule] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -73,7 +73,7 @@ class KilnBackend:
         plan = partition(program, options, input_weights=weights)
         unique = dedup(plan)
         engines = {fp: build_engine(plan, unique, fp, cache=self.cache) for fp in unique.fingerprints}
-        compiled = assemble(plan, unique, engines, cache=False if self.cache is None else self.cache)
+        compiled = assemble(plan, unique, engines, cache=self.cache)
         self.compiled.append(compiled)
         return compiled.forward
 

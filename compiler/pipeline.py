@@ -8,7 +8,7 @@ from typing import Any
 
 from torch.export import ExportedProgram
 
-from compiler.cache.local import EngineCache, resolve_cache
+from compiler.cache.local import EngineCache, resolve_setting
 from compiler.device import program_on, resolve
 from compiler.engine_build.engine import build_engine
 from compiler.inputs.data import ValidationData
@@ -36,12 +36,12 @@ def compile(
     ``split_modules="auto"``, ...).
     """
     options = dataclasses.replace(options or CompileOptions(), **settings)
-    engine_cache = resolve_cache(cache)
+    engine_cache = resolve_setting(cache)  # resolved once; False where there is none (None: the default)
     # The program runs where the options say: a program exported elsewhere is moved (weights and the
     # devices its ops name); better to export on the device (compiler.device.to_device).
     program = program_on(program, resolve(options.device))
     plan = quantize(partition(program, options), calibration_data)
     unique = dedup(plan)
     engines = {fp: build_engine(plan, unique, fp, cache=engine_cache) for fp in unique.fingerprints}
-    # The same cache for what a load compiles (Inductor); False where there is none (None: the default).
-    return assemble(plan, unique, engines, cache=False if engine_cache is None else engine_cache)
+    # The same cache for what a load compiles (Inductor).
+    return assemble(plan, unique, engines, cache=engine_cache)

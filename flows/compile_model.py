@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
 
-from compiler.accuracy.compare import precision_summary
 from compiler.accuracy.mixed import precision_warning
+from compiler.validation.report import precision_summary
 from flows import progress
 from flows.results import ModelResult, package_path
 from tasks.refs import EngineRef

@@ -18,7 +18,7 @@ from uuid import UUID
 
 import yaml
 
-from zoo.config import ZooConfigError
+from zoo.errors import ZooConfigError
 
 _ENV_TEMPLATE = re.compile(r"\{\{\s*\$(\w+)\s*\}\}")
 

@@ -15,13 +15,13 @@ _listeners: list[Listener] = []
 _lock = threading.Lock()
 
 
-def emit(event: str, model: str, target: str, detail: str) -> None:
+def emit(event: str, model: str, device: str, detail: str) -> None:
     """``event`` is ``model`` (a stage starts), ``done`` (status in ``detail``) or ``failed``."""
     with _lock:
         listeners = list(_listeners)
     for listener in listeners:
         with contextlib.suppress(Exception):
-            listener(event, model, target, detail)
+            listener(event, model, device, detail)
 
 
 @contextlib.contextmanager

@@ -55,14 +55,16 @@ def _entry(zoo_path: str, model: str) -> tuple[Zoo, ZooEntry]:
     return zoo, entries[0]
 
 
-def release_target(zoo_path: str, model: str, target: str | None, tracking_uri: str | None = None) -> str:
-    """The registered engine target a release of ``model`` is for: ``target`` (``--target``), else the
-    device the zoo entry lists (``devices: [cuda]``: ``cuda``), resolved by ``registry.targets`` (``cuda``
+def release_target(
+    zoo_path: str, model: str, engine_target: str | None, tracking_uri: str | None = None
+) -> str:
+    """The registered engine target a release of ``model`` is for: ``engine_target`` (``--target``), else
+    the device the zoo entry lists (``devices: [cuda]``: ``cuda``), resolved by ``registry.targets`` (``cuda``
     -> ``cuda_sm_90``). An entry listing several device families takes the one with registered versions;
     a ReleaseError naming ``--target`` when that is not exactly one."""
     registered = registered_targets(config.client(tracking_uri), model)
-    if target is not None:
-        return resolve_target(model, target, registered)
+    if engine_target is not None:
+        return resolve_target(model, engine_target, registered)
     _, entry = _entry(zoo_path, model)
     families = list(dict.fromkeys(device.split(":")[0] for device in entry.devices))
     if len(families) == 1:
@@ -83,14 +85,15 @@ def release_target(zoo_path: str, model: str, target: str | None, tracking_uri: 
     return next(iter(chosen.values()))
 
 
-def release_request(zoo_path: str, model: str, target: str) -> CompileRequest:
-    """The zoo file's request for ``model`` on the device family of ``target`` (trusted input)."""
+def release_request(zoo_path: str, model: str, engine_target: str) -> CompileRequest:
+    """The zoo file's request for ``model`` on the device family of ``engine_target`` (trusted input)."""
     zoo, entry = _entry(zoo_path, model)
-    family = target.split(":")[0].split("_")[0]
+    family = engine_target.split(":")[0].split("_")[0]
     requests = [r for r in zoo.requests(entry) if r.device.split(":")[0] == family]
     if not requests:
         raise ReleaseError(
-            f"{model} in {zoo_path} lists no {family} device; the registry target is {target!r}"
+            f"{model} in {zoo_path} lists no {family} device; the registered engine target is "
+            f"{engine_target!r}"
         )
     return requests[0]
 
@@ -99,7 +102,7 @@ def release_request(zoo_path: str, model: str, target: str) -> CompileRequest:
 def release(
     model: str,
     version: str | None = None,
-    target: str = "cpu",
+    engine_target: str = "cpu",
     zoo_path: str = "deploy/zoo.yaml",
     max_latency_ratio: float = DEFAULT_MAX_LATENCY_RATIO,
     rel_l2: float | None = None,
@@ -109,20 +112,20 @@ def release(
     force_replace_broken: bool = False,
     live: dict | None = None,
 ) -> dict:
-    """Release ``version`` (default: the newest open candidate) of ``kiln.<model>.<target>``.
+    """Release ``version`` (default: the newest open candidate) of ``kiln.<model>.<engine_target>``.
 
     ``max_latency_ratio``: the candidate's median latency may be at most this times the champion's.
     ``rel_l2``: accuracy tolerance vs the original model (default: the zoo entry's, by precision).
     ``zoo_path``: the zoo file whose entry builds the original model (never a registry tag).
     ``force_replace_broken``: release even when the champion fails verification (recorded on both).
     ``live``: a Triton server and repository that must serve the new champion before the aliases move
-    (``TritonRelease``'s arguments: url, repository, model, target, timeout); checked before anything
+    (``TritonRelease``'s arguments: url, repository, model, engine_target, timeout); checked before anything
     is measured, so a server that does not answer costs no measurement and moves nothing.
     Returns the outcome (``promoted``, ``champion``, ``previous``, ``reasons``, the measured report).
     """
     logger = get_run_logger()
     config.configure(tracking_uri)
-    name = resolved_model_name(config.client(tracking_uri), model, target)
+    name = resolved_model_name(config.client(tracking_uri), model, engine_target)
     if live:
         from serving.triton.live import triton_release
 
@@ -141,7 +144,7 @@ def release(
             "reasons": ["already the champion"],
             "report": {},
         }
-    request = release_request(zoo_path, model, target)
+    request = release_request(zoo_path, model, engine_target)
     tolerances = (
         request.tolerances if rel_l2 is None else dataclasses.replace(request.tolerances, rel_l2=rel_l2)
     )

@@ -17,7 +17,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks.concurrency import ensure_limits
-from zoo.config import ZooConfigError
+from zoo.errors import ZooConfigError
 from zoo.settings import ZooSettings
 
 

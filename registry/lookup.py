@@ -299,7 +299,7 @@ def lookup(
     shapes: Shapes | None = None,
     *,
     backend: str | None = None,
-    target: str = "cpu",
+    engine_target: str = "cpu",
     precision: str | None = None,
     version: str | None = None,
     source: str | None = None,
@@ -310,7 +310,8 @@ def lookup(
     policy: RetryPolicy | None = None,
     on_progress: ProgressCallback | None = None,
 ) -> LookupResult:
-    """The ``champion`` (else newest) version of ``kiln.<model>.<target>`` that fits; verified and loaded.
+    """The ``champion`` (else newest) version of ``kiln.<model>.<engine_target>`` that fits; verified and
+    loaded.
 
     ``shapes``: one shape for a single-input model (``(4, 64)``), a list in input order, or
     ``{"input_ids": (2, 16), ...}``. ``version`` pins a version (still checked against the filters).
@@ -324,7 +325,7 @@ def lookup(
     ``on_progress``: see :func:`fetch_version`.
     """
     mlclient = config.client(tracking_uri)
-    name = resolved_model_name(mlclient, model, target, policy)  # --target cuda: this host's GPU's
+    name = resolved_model_name(mlclient, model, engine_target, policy)  # --target cuda: this host's GPU's
     query = resolve_source(mlclient, source, policy) if source else None
     if query is not None and query.note:
         log.warning("%s", query.note)

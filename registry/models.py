@@ -62,6 +62,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from compiler import json_reader
+from compiler.validation.report import precision_summary
 from registry.config import RetryPolicy, call_with_retry
 
 if TYPE_CHECKING:  # the manifest's module imports torch; a registry listing never needs it
@@ -186,8 +187,6 @@ def lineage_tags(manifest: Manifest) -> dict[str, str]:
     if quantization:
         tags[TAG_CALIBRATION_DATA] = _clip(str(quantization.get("data_source") or quantization.get("mode")))
     if validation is not None and validation.precision_plan:
-        from compiler.accuracy.compare import precision_summary  # imports torch: only where a plan is tagged
-
         tags[TAG_PRECISION_PLAN] = _clip(precision_summary(validation.precision_plan))
     return {k: v for k, v in tags.items() if v != ""}
 

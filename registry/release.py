@@ -301,7 +301,7 @@ def champion_or_broken(
 
 def rollback(
     model: str,
-    target: str = "cpu",
+    engine_target: str = "cpu",
     *,
     to_version: str | None = None,
     tracking_uri: str | None = None,
@@ -317,7 +317,7 @@ def rollback(
     only if it named that version; this works with a broken champion and without a ``previous``.
     """
     mlclient = config.client(tracking_uri)
-    name = resolved_model_name(mlclient, model, target, policy)
+    name = resolved_model_name(mlclient, model, engine_target, policy)
     with registry_lock(mlclient, name), _live_hold(live):
         aliases = get_aliases(mlclient, name, policy)
         champion, previous = aliases.get(CHAMPION), aliases.get(PREVIOUS)

@@ -36,6 +36,7 @@ from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric, Param,
 from mlflow.models.model import Model
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
 
+from compiler.package.check import read_manifest
 from compiler.package.manifest import SIGNATURE, Manifest
 from compiler.package.report_map import SplitGraph, read_split_graph
 from compiler.package.report_page import render_report
@@ -133,14 +134,12 @@ def record_package(
     done and total (:class:`registry.transfer.Progress`); without it a terminal shows a progress bar.
     Either way ``kiln.registry`` logs the progress every 10 % or 5 s.
     """
-    import compiler.package.save_load as package
-
     package_dir = Path(package_dir).resolve()
     signer = Signer.from_env()  # a bad signing configuration fails before anything is recorded
     # Verify before touching MLflow: a corrupt package must never be registered. One this process is
     # about to sign need not be signed yet (its copy is verified again once signed). Its split graph
     # too (the report's map reads it): a malformed one is refused here, not in the middle of a run.
-    manifest = package.read_manifest(package_dir, signature=signer is None)
+    manifest = read_manifest(package_dir, signature=signer is None)
     split = read_split_graph(package_dir, manifest)
     request_json = payload.request_data(request)
     content_hash = manifest.content_hash
@@ -450,13 +449,11 @@ def _upload_logged_model(
                 metadata={"kiln_content_hash": manifest.content_hash, "kiln_model": model},
             )
             if signer is not None:
-                import compiler.package.save_load as package
-
                 copy = package_in(local)
                 sign_package(copy, signer)
                 # As a look-up will check it (where this process has a verification key: a key that
                 # does not match the signing one is found here, not by every later look-up).
-                package.read_manifest(copy)
+                read_manifest(copy)
             started = time.monotonic()
             size = upload_model_dir(
                 mlclient, logged.model_id, local, model, on_progress=on_progress, policy=policy

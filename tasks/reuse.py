@@ -34,7 +34,7 @@ class PublishedRecord:
     max_rel_l2: float | None = None
     latency_ratio: float | None = None
     tracking: dict[str, Any] | None = None  # the registry version it was recorded as, if it was
-    precision: str = ""  # compiler.accuracy.compare.precision_summary of its partitions (int8 compiles)
+    precision: str = ""  # compiler.validation.report.precision_summary of its partitions (int8 compiles)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

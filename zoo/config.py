@@ -31,7 +31,6 @@ from compiler.device_name import check_device
 from compiler.errors import KilnError
 from compiler.options import DEFAULT_REPAIR_SECONDS, ON_BUILD_FAILURE, Calibration, CompileOptions
 from compiler.validation.report import Tolerances
-from zoo.errors import ZooConfigError
 from zoo.generation import TASK as GENERATION_TASK
 from zoo.generation import GenerationOptions
 from zoo.request import CompileRequest, ValidationPlan
@@ -40,7 +39,7 @@ from zoo.sources import HF_TASKS, SOURCE_KINDS, source_for, source_kind
 from zoo.sources.factory import FACTORY_RE, FactoryPolicy
 from zoo.sources.hf_tasks import attention_problem
 
-__all__ = ["ZooConfigError", "ZooEntry"]
+__all__ = ["ZooEntry"]
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 # A name becomes a directory (<name>-<device>.kiln, run copies add a suffix) and a registered model name

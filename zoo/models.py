@@ -164,8 +164,35 @@ def tiny_llama_lm(
     over 2 key/value heads) with its LM head; ``pad=False``: a config without a pad token."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    return _grouped_query_lm(LlamaConfig, LlamaForCausalLM, seed, hidden, num_layers, positions, pad=pad)
+
+
+def tiny_qwen2_lm(seed: int = 0, hidden: int = 32, num_layers: int = 2, positions: int = 128) -> ModelCase:
+    """A Qwen2 decoder (a third family: Llama's layout with biases on the query, key and value
+    projections; grouped-query attention, 4 query heads over 2 key/value heads) with its LM head
+    (initializer_range 0.2, as tiny_gpt2_lm's)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _grouped_query_lm(
+        Qwen2Config, Qwen2ForCausalLM, seed, hidden, num_layers, positions, initializer_range=0.2
+    )
+
+
+def _grouped_query_lm(
+    config_class: type,
+    model_class: type,
+    seed: int,
+    hidden: int,
+    num_layers: int,
+    positions: int,
+    *,
+    pad: bool = True,
+    **extra: Any,
+) -> ModelCase:
+    """The layout Llama and Qwen2 share: vocabulary 512, an MLP twice as wide, 4 query heads over 2
+    key/value heads, SDPA attention; ``extra``: the family's own config fields."""
     _seeded(seed)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=512,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -177,31 +204,9 @@ def tiny_llama_lm(
         eos_token_id=2,
         pad_token_id=0 if pad else None,
         attn_implementation="sdpa",
+        **extra,
     )
-    return _lm_case(LlamaForCausalLM(config), config.vocab_size)
-
-
-def tiny_qwen2_lm(seed: int = 0, hidden: int = 32, num_layers: int = 2, positions: int = 128) -> ModelCase:
-    """A Qwen2 decoder (a third family: Llama's layout with biases on the query, key and value
-    projections; grouped-query attention, 4 query heads over 2 key/value heads) with its LM head."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    _seeded(seed)
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=positions,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        initializer_range=0.2,
-        attn_implementation="sdpa",
-    )
-    return _lm_case(Qwen2ForCausalLM(config), config.vocab_size)
+    return _lm_case(model_class(config), config.vocab_size)
 
 
 @torch.library.custom_op("kiln_zoo::soft_sign_clip", mutates_args=())

@@ -53,7 +53,7 @@ class ZooSettings(_Strict):
     dask: DaskSettings = Field(default_factory=DaskSettings)
     build_concurrency: dict[str, int] = Field(
         default_factory=lambda: {"cpu": 2, "cuda": 1},
-        description="concurrent engine builds per target ('cuda' covers every cuda:N)",
+        description="concurrent engine builds per device ('cuda' covers every cuda:N)",
     )
     build_retries: int = Field(default=2, ge=0)
     build_retry_backoff: float = Field(default=2.0, ge=0, description="seconds; doubles per retry")
@@ -67,14 +67,14 @@ class ZooSettings(_Strict):
     @field_validator("build_concurrency")
     @classmethod
     def _limits(cls, v: dict[str, int]) -> dict[str, int]:
-        for target, n in v.items():
-            if not DEVICE_RE.match(target) or n < 1:
-                raise ValueError(f"build_concurrency {target!r}: {n} needs a device key and a limit >= 1")
+        for device, n in v.items():
+            if not DEVICE_RE.match(device) or n < 1:
+                raise ValueError(f"build_concurrency {device!r}: {n} needs a device key and a limit >= 1")
         return v
 
-    def build_limit(self, target: str) -> int:
-        family = target.split(":")[0]
-        return self.build_concurrency.get(target, self.build_concurrency.get(family, 1))
+    def build_limit(self, device: str) -> int:
+        family = device.split(":")[0]
+        return self.build_concurrency.get(device, self.build_concurrency.get(family, 1))
 
     def with_overrides(self, overrides: dict[str, Any] | None) -> ZooSettings:
         """These settings with CLI flags or deployment parameters written over them (validated again)."""

@@ -92,19 +92,6 @@ class PartitionComparison:
         return cls(rows, float(data["total_ms"]), int(data["samples"]))
 
 
-def precision_summary(rows: Sequence[PartitionRow | dict]) -> str:
-    """``int8 x11; fp32: engine_2``: the precision most partitions got, with the others named."""
-    levels: dict[str, list[str]] = {}
-    for row in rows:
-        data = row.to_dict() if isinstance(row, PartitionRow) else row
-        levels.setdefault(str(data["precision"]), []).append(str(data["partition"]))
-    if not levels:
-        return ""
-    common = max(levels, key=lambda level: len(levels[level]))
-    others = [f"{level}: {', '.join(names)}" for level, names in sorted(levels.items()) if level != common]
-    return "; ".join([f"{common} x{len(levels[common])}", *others])
-
-
 def compare_partitions(
     compiled: CompiledModule,
     inputs: Sequence[torch.Tensor] | Sequence[Sequence[torch.Tensor]],

@@ -43,7 +43,7 @@ from compiler.accuracy.mixed import (
     search_lines,
 )
 from compiler.backends.base import QUANTIZED_PRECISIONS
-from compiler.cache.local import EngineCache, resolve_cache
+from compiler.cache.local import EngineCache, resolve_cache, resolve_setting
 from compiler.engine_build.engine import EngineArtifact, build_engine
 from compiler.errors import AccuracyError, PackageError
 from compiler.inputs.data import ValidationData
@@ -230,14 +230,14 @@ def rebuild(
     if changed:
         plan = quantize(plan, only=changed)
     unique = dedup(plan)
-    engine_cache = resolve_cache(cache)
+    engine_cache = resolve_setting(cache)  # False where there is none: None is the default cache
     new = {
         fp: build_engine(plan, unique, fp, cache=engine_cache)
         for fp in unique.fingerprints
         if fp not in compiled.engines
     }
     engines = {fp: compiled.engines.get(fp) or new[fp] for fp in unique.fingerprints}
-    rebuilt = assemble(plan, unique, engines, cache=False if engine_cache is None else engine_cache)
+    rebuilt = assemble(plan, unique, engines, cache=engine_cache)
     return rebuilt, list(new.values())
 
 

@@ -476,5 +476,12 @@ def resolve_cache(cache: CacheSetting) -> EngineCache | None:
     return cache if isinstance(cache, EngineCache) else EngineCache(choose(cache)[0])
 
 
+def resolve_setting(cache: CacheSetting) -> EngineCache | bool:
+    """:func:`resolve_cache` as a setting to hand on to another public function: the cache, or False
+    for none. Never None, which the function handed it reads as the default cache."""
+    resolved = resolve_cache(cache)
+    return False if resolved is None else resolved
+
+
 # What every public function's ``cache`` takes; None means the default cache everywhere.
 CacheSetting = EngineCache | str | os.PathLike | bool | None

@@ -33,8 +33,8 @@ from compiler.errors import PackageCorruptError, PackageJsonError
 from compiler.generation.module import GenerationModule
 from compiler.generation.spec import DECODE_DIR, GENERATION_FILE, GenerationSpec
 from compiler.package import save_load
-from compiler.package.check import MANIFEST, manifest_and_signature, read_verified
-from compiler.package.manifest import WEIGHTS, Manifest
+from compiler.package.check import manifest_and_signature, read_verified
+from compiler.package.manifest import MANIFEST_FILE, WEIGHTS, Manifest
 from compiler.package.save_load import PackageInfo, _load, save
 from compiler.runtime.module import CompiledModule
 
@@ -141,7 +141,7 @@ def with_decode(
 ) -> GenerationModule:
     """The loaded prefill program with its decode program (``compiler.load`` of a generation package)."""
     spec = read_spec(path, manifest)
-    read_verified(path, f"{DECODE_DIR}/{MANIFEST}", manifest)  # the bytes the outer hash covers
+    read_verified(path, f"{DECODE_DIR}/{MANIFEST_FILE}", manifest)  # the bytes the outer hash covers
     decode = load_inner(
         path / DECODE_DIR,
         prefill.weights,

@@ -21,8 +21,8 @@ from typing import Any
 from compiler import json_reader
 from compiler.errors import PackageCorruptError, PackageJsonError
 from compiler.generation.spec import DECODE_DIR, GENERATION_FILE, GenerationSpec
-from compiler.package.check import MANIFEST, manifest_and_signature, read_verified
-from compiler.package.manifest import GENERATION, SIGNATURE, Manifest
+from compiler.package.check import manifest_and_signature, read_verified
+from compiler.package.manifest import GENERATION, MANIFEST_FILE, SIGNATURE, Manifest
 from compiler.package.report_html import Markup, h, join
 from compiler.package.report_map import read_split_graph
 from compiler.package.report_page import _facts as facts
@@ -52,7 +52,7 @@ def read_generation(path: Path, manifest: Manifest) -> tuple[GenerationSpec, Man
         raise
     except (ValueError, KeyError, TypeError) as exc:
         raise PackageCorruptError(f"{where} is not a generation spec: {exc}") from exc
-    read_verified(path, f"{DECODE_DIR}/{MANIFEST}", manifest)  # the bytes the outer hash covers
+    read_verified(path, f"{DECODE_DIR}/{MANIFEST_FILE}", manifest)  # the bytes the outer hash covers
     decode, _ = manifest_and_signature(path / DECODE_DIR, verify=True, signature=False)
     if decode.content_hash != spec.decode_content_hash:
         raise PackageCorruptError(f"{path / DECODE_DIR}: not the decode package {GENERATION_FILE} names")

@@ -22,11 +22,9 @@ from typing import BinaryIO
 from compiler import json_reader
 from compiler.errors import PackageCorruptError, PackageJsonError, PackageVersionError
 from compiler.package.digest import content_hash
-from compiler.package.manifest import FORMAT_VERSION, PROGRAM, Manifest, check_layout
+from compiler.package.manifest import FORMAT_VERSION, MANIFEST_FILE, PROGRAM, Manifest, check_layout
 from compiler.package.signing import Trust, VerifiedSignature, verify_package, verify_signer
 from compiler.version import kiln_version
-
-MANIFEST = "manifest.json"
 
 
 def read_manifest(path: str | os.PathLike, *, verify: bool = True, signature: bool = True) -> Manifest:
@@ -63,11 +61,11 @@ def manifest_and_signature(
     none to make): a load runs it beside its file reads and waits for it before it acts on anything
     the package holds (model-signing hashes every file, as the load's own checks do: 1.1 s for 1 GB on
     the 2-core CPU here). The check verifies the very manifest bytes parsed here."""
-    manifest_path, signature_check = path / MANIFEST, None
+    manifest_path, signature_check = path / MANIFEST_FILE, None
     if manifest_path.is_symlink():
         raise PackageCorruptError(f"{manifest_path} is a symlink; a package holds plain files only")
     if not manifest_path.is_file():
-        raise PackageCorruptError(f"{path} is not a kiln package: {MANIFEST} is missing")
+        raise PackageCorruptError(f"{path} is not a kiln package: {MANIFEST_FILE} is missing")
     raw = _read_manifest_bytes(manifest_path)  # read once: these bytes are hashed, verified and parsed
     trust = (trust or Trust.from_env()) if verify and signature else None
     if trust is not None:

@@ -8,9 +8,10 @@ without running the package); format-1 manifests (kiln before the typed manifest
 the volatile ``created`` stamp is dropped and ``op_modules`` come from the program archive.
 
 Every value is typed at read: :meth:`Manifest.from_json` checks the whole manifest against
-:data:`MANIFEST` (and the report and validation against their own schemas) before it builds anything,
-so an integer field holding a string, a list where a number goes or a string where true/false goes is
-a :class:`PackageCorruptError` naming the field (``manifest.report.engines_built``), never coerced.
+:data:`MANIFEST_SCHEMA` (and the report and validation against their own schemas) before it builds
+anything, so an integer field holding a string, a list where a number goes or a string where true/false
+goes is a :class:`PackageCorruptError` naming the field (``manifest.report.engines_built``), never
+coerced.
 What the records mean (the plan replays, the dedup fits, the specs are valid) is checked by their
 decoders and at load.
 
@@ -39,6 +40,8 @@ from compiler.validation.report import ValidationReport
 
 # 3: output_specs (what a server is told the outputs are, recorded at compile); 2 still reads (none).
 FORMAT_VERSION = 3
+# File names in a package (MANIFEST_SCHEMA, below, is what the manifest file holds).
+MANIFEST_FILE = "manifest.json"
 PROGRAM = "program.pt2"
 WEIGHTS = "weights.safetensors"
 RUNTIME_GRAPH = "runtime_graph.json"  # optional: the split graph as data (partitioning/runtime_graph.py)
@@ -129,7 +132,7 @@ _SOURCE = Record(
     {"uri": str, "kind": str, "version": str, "identity": str, "run_id": Opt(str)},
     required=frozenset({"uri"}),
 )
-MANIFEST = Record(
+MANIFEST_SCHEMA = Record(
     {
         "format_version": int,
         "kiln_version": str,
@@ -187,7 +190,7 @@ class FileRecord:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> FileRecord:
-        check(data, MANIFEST.fields["files"].of, "file record")
+        check(data, MANIFEST_SCHEMA.fields["files"].of, "file record")
         return cls(sha256=data["sha256"], bytes=data["bytes"])
 
 
@@ -351,7 +354,7 @@ class Manifest:
 
     @classmethod
     def _from_json(cls, data: Mapping[str, Any]) -> Manifest:
-        check(data, MANIFEST, "manifest")
+        check(data, MANIFEST_SCHEMA, "manifest")
         version = data["format_version"]
         backend = data["backend"]
         # Format 1 called the engine target "target_device"; "device" now means where a model runs.

@@ -31,7 +31,7 @@ What loading guarantees (docs/security.md says why):
   with a verification key set, loads refuse a package whose signature is missing or wrong.
 
 The reading and checking (manifest, file checksums, symlinks) is :mod:`compiler.package.check`, which
-needs no torch: :func:`read_manifest` is its function, re-exported here.
+needs no torch: :func:`compiler.package.check.read_manifest` (``compiler.read_manifest``) is its function.
 
 Saving writes into a temporary directory beside the target and renames it into place, so a failed
 save leaves the previous package (or nothing) at the path, never half of one. Equal compiles give
@@ -64,16 +64,11 @@ from compiler.cache.local import CacheSetting
 from compiler.device import program_on, resolve, same
 from compiler.errors import KilnError, PackageCorruptError
 from compiler.package import reading
-from compiler.package.check import (
-    MANIFEST,
-    checked_manifest,
-    manifest_and_signature,
-    read_manifest,
-    read_verified,
-)
+from compiler.package.check import checked_manifest, manifest_and_signature, read_verified
 from compiler.package.digest import content_hash
 from compiler.package.manifest import (
     FORMAT_VERSION,
+    MANIFEST_FILE,
     PROGRAM,
     RUNTIME_GRAPH,
     WEIGHTS,
@@ -106,18 +101,7 @@ from compiler.runtime.module import CompiledModule, assemble
 from compiler.validation.report import ValidationReport
 from compiler.version import kiln_version
 
-__all__ = [
-    "FORMAT_VERSION",
-    "MANIFEST",
-    "PROGRAM",
-    "WEIGHTS",
-    "PackageInfo",
-    "content_hash",
-    "load",
-    "read_manifest",
-    "refit_package",
-    "save",
-]
+__all__ = ["PackageInfo", "load", "refit_package", "save"]
 
 
 @dataclass(frozen=True)
@@ -225,14 +209,14 @@ def save(
         digest = content_hash(data)
         manifest = dataclasses.replace(manifest, content_hash=digest)
         text = json.dumps(manifest.to_json(), indent=2, sort_keys=True)
-        write_bytes_atomic(tmp / MANIFEST, text.encode())
+        write_bytes_atomic(tmp / MANIFEST_FILE, text.encode())
         if signer is not None:  # signed before it is in place: a signed package appears whole
             sign_package(tmp, signer)
         swap_into_place(tmp, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     written = [f.bytes for rel, f in manifest.files.items() if not (external_weights and rel == WEIGHTS)]
-    return PackageInfo(path, manifest, sum(written) + (path / MANIFEST).stat().st_size)
+    return PackageInfo(path, manifest, sum(written) + (path / MANIFEST_FILE).stat().st_size)
 
 
 def load(

@@ -46,9 +46,9 @@ from compiler.errors import (
     SigningConfigError,
     UntrustedJsonError,
 )
-from compiler.package.manifest import SIGNATURE  # model-signing's own default name for the signature file
 
-MANIFEST = "manifest.json"
+# SIGNATURE: model-signing's own default name for the signature file
+from compiler.package.manifest import MANIFEST_FILE, SIGNATURE
 
 PRIVATE_KEY_ENV = "KILN_SIGNING_PRIVATE_KEY"
 CERTIFICATE_ENV = "KILN_SIGNING_CERTIFICATE"
@@ -246,7 +246,7 @@ def verify_package(
     config = trust.config()
     raw = _read_signature(path, trust)
     if manifest_bytes is None:
-        manifest_bytes = _read_plain(path / MANIFEST, path)
+        manifest_bytes = _read_plain(path / MANIFEST_FILE, path)
     # model-signing reads the signature from a path: hand it a private copy of the bytes parsed below,
     # so the signature it verifies is the one whose statement kiln then reads.
     with _private_copy(raw, path) as copy:
@@ -322,9 +322,9 @@ def _refusal(path: Path, trust: Trust, exc: Exception) -> PackageSignatureError:
 def _check_manifest_signed(files: dict[str, str], manifest_bytes: bytes, path: Path) -> None:
     # The manifest kiln uses must be the signed one: its checksums then bind every other file kiln
     # reads, even should the directory change after model-signing hashed it.
-    if files.get(MANIFEST) != hashlib.sha256(manifest_bytes).hexdigest():
+    if files.get(MANIFEST_FILE) != hashlib.sha256(manifest_bytes).hexdigest():
         raise PackageSignatureError(
-            f"{path}: the {MANIFEST} read is not the one its signature covers (edited after signing, "
+            f"{path}: the {MANIFEST_FILE} read is not the one its signature covers (edited after signing, "
             "changed during the load, or left out of the signature); refused"
         )
 

@@ -19,7 +19,7 @@ import torch
 
 from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.errors import PackageError
-from compiler.package.check import MANIFEST
+from compiler.package.manifest import MANIFEST_FILE
 from compiler.partitioning.partition import (
     weight_placeholders,
 )
@@ -72,7 +72,7 @@ def swap_into_place(tmp: Path, path: Path) -> None:
     if not path.exists():
         os.replace(tmp, path)
         return
-    if not (path / MANIFEST).exists() and any(path.iterdir()):
+    if not (path / MANIFEST_FILE).exists() and any(path.iterdir()):
         raise PackageError(f"{path} exists and is not a kiln package; refusing to replace it")
     old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
     os.replace(path, old)

@@ -280,6 +280,20 @@ VALIDATION = Record(
 )
 
 
+def precision_summary(rows: Sequence[Mapping[str, Any] | Any]) -> str:
+    """``int8 x11; fp32: engine_2``: the precision most partitions got, with the others named. ``rows``:
+    a report's ``precision_plan`` (dicts), or rows with ``to_dict()`` (compiler.accuracy.compare's)."""
+    levels: dict[str, list[str]] = {}
+    for row in rows:
+        data = row if isinstance(row, Mapping) else row.to_dict()
+        levels.setdefault(str(data["precision"]), []).append(str(data["partition"]))
+    if not levels:
+        return ""
+    common = max(levels, key=lambda level: len(levels[level]))
+    others = [f"{level}: {', '.join(names)}" for level, names in sorted(levels.items()) if level != common]
+    return "; ".join([f"{common} x{len(levels[common])}", *others])
+
+
 def nan_as_worst(value: float) -> float:
     """Sort key where nan counts as the worst (largest) value."""
     return math.inf if math.isnan(value) else value

@@ -23,10 +23,10 @@ from flows.cli.options import (
     CompileZooFile,
     CudaGraphs,
     DaskAddress,
-    DeprecatedDevice,
-    DeprecatedDevices,
     Device,
+    DeviceAsTarget,
     Devices,
+    DevicesAsTarget,
     EngineCacheDir,
     JsonOut,
     MinBlockSize,
@@ -80,7 +80,7 @@ def _check_environment() -> None:
     from compiler.cache.entry import resolve_max_bytes
     from compiler.errors import CacheError, ValidationDataError
     from compiler.inputs.files import data_max_bytes
-    from zoo.config import ZooConfigError
+    from zoo.errors import ZooConfigError
 
     try:
         resolve_max_bytes(None)
@@ -91,7 +91,7 @@ def _check_environment() -> None:
 
 def _check_writable(out_dir: str, workspace: str) -> None:
     """Where packages and stage outputs go must be writable: else exit 2 before any model is read."""
-    from zoo.config import ZooConfigError
+    from zoo.errors import ZooConfigError
     from zoo.preflight import check_out_dir, check_workspace
 
     try:
@@ -190,7 +190,7 @@ def zoo_cmd(
     out: OutDir = None,
     model: Model = None,
     device: Devices = None,
-    target: DeprecatedDevices = None,
+    device_as_target: DevicesAsTarget = None,
     task_runner: TaskRunner = None,
     dask_address: DaskAddress = None,
     workspace: Workspace = None,
@@ -201,7 +201,7 @@ def zoo_cmd(
     verbose: Verbose = False,
 ) -> None:
     quiet_prefect(verbose)
-    device = devices_with_deprecated_target("zoo", device, target)
+    device = devices_with_deprecated_target("zoo", device, device_as_target)
     from pydantic import ValidationError
 
     from zoo.errors import ZooConfigError
@@ -263,7 +263,7 @@ def _engine_cache_usable(location: str | None) -> None:
     """An object-store URL whose fsspec driver is missing (or a bad location) is unusable input."""
     from compiler.cache.local import EngineCache
     from compiler.errors import CacheError
-    from zoo.config import ZooConfigError
+    from zoo.errors import ZooConfigError
 
     if location and "://" in location:
         try:
@@ -281,7 +281,7 @@ def _check(
 ) -> int:
     """The flows' own preflight for every selected request, sizing the largest inputs, a probe of
     an object-store engine cache (reachable, credentials accepted, writable) and of the workspace."""
-    from zoo.config import ZooConfigError
+    from zoo.errors import ZooConfigError
     from zoo.preflight import check_workspace, preflight
 
     problems = [(bad.name, bad.error) for bad in zoo.invalid if not models or bad.name in models]
@@ -371,7 +371,7 @@ def compile_cmd(
     zoo_file: CompileZooFile = Path("deploy/zoo.yaml"),
     out: OutDir = None,
     device: Device = None,
-    target: DeprecatedDevice = None,
+    device_as_target: DeviceAsTarget = None,
     backend: Backend = None,
     precision: Precision = None,
     quantization: Quantization = None,
@@ -404,10 +404,11 @@ def compile_cmd(
     verbose: Verbose = False,
 ) -> None:
     quiet_prefect(verbose)
-    device = devices_with_deprecated_target("compile", device, target)
+    device = devices_with_deprecated_target("compile", device, device_as_target)
     from pydantic import ValidationError
 
-    from zoo.config import ZooConfigError, ZooEntry
+    from zoo.config import ZooEntry
+    from zoo.errors import ZooConfigError
     from zoo.zoo_file import format_errors as _format_errors
 
     flags = {

@@ -26,7 +26,7 @@ from flows.cli.options import (
     Port,
     PrefectFile,
     Repo,
-    ReportTarget,
+    ReportPackage,
     ReportTrackingUri,
     ReportVersion,
     RequestTimeout,
@@ -59,7 +59,7 @@ def deploy_cmd(
     from prefect.settings import PREFECT_API_URL
 
     from flows.deployments import register
-    from zoo.config import ZooConfigError
+    from zoo.errors import ZooConfigError
 
     if not PREFECT_API_URL.value():
         raise bad_input(
@@ -110,14 +110,14 @@ REPORT_HELP = (
     "Write what a compile decided as one self-contained HTML page: the partitioned graph (engines vs "
     "PyTorch fallback, fingerprint, precision, why a partition fell back), partitions, dedup map, "
     "accuracy repair, input specs and engine profiles, validation, stage times, lineage. Opens offline.\n\n"
-    "TARGET is a package directory, or a registered model name (its champion, else newest version, "
+    "PACKAGE is a package directory, or a registered model name (its champion, else newest version, "
     "is downloaded and verified).\n\n"
     "Example:  [bold]kiln report out/bert.kiln[/bold]    [bold]kiln report bert --version 3[/bold]"
 )
 
 
 def report_cmd(
-    target: ReportTarget,
+    package: ReportPackage,
     out: Out = None,
     engine_target: EngineTarget = "cpu",
     version: ReportVersion = None,
@@ -129,22 +129,27 @@ def report_cmd(
     from compiler.package.check import read_manifest
 
     try:
-        if Path(target).is_dir():
-            package, title = Path(target), Path(target).name
-            manifest = read_manifest(package)  # verified like compiler.load: a damaged package is refused
+        if Path(package).is_dir():
+            folder, title = Path(package), Path(package).name
+            manifest = read_manifest(folder)  # verified like compiler.load: a damaged package is refused
         else:
             from registry.lookup import lookup
 
             found = lookup(
-                target, None, target=engine_target, version=version, load=False, tracking_uri=tracking_uri
+                package,
+                None,
+                engine_target=engine_target,
+                version=version,
+                load=False,
+                tracking_uri=tracking_uri,
             )
             manifest, title = found.manifest, f"{found.name} version {found.version}"
-            package = found.package_dir
+            folder = found.package_dir
         # The map draws the whole dataflow from the split graph the package saved (checked first).
-        page = render_package_report(package, manifest, title)
+        page = render_package_report(folder, manifest, title)
     except KilnError as exc:
         raise bad_input(f"{type(exc).__name__}: {exc}") from None
-    path = out or Path(f"{Path(package).name.removesuffix('.kiln')}.report.html")
+    path = out or Path(f"{Path(folder).name.removesuffix('.kiln')}.report.html")
     write_bytes_atomic(path, page.encode())
     console.print(f"report: {path.resolve()}", soft_wrap=True)
 

@@ -1,7 +1,11 @@
 """Every option and argument of every ``kiln`` command, as one ``Annotated`` alias each (a command's
 parameter names the alias: its flags, help and type are read here), and the helpers the command modules
 share (quieting Prefect, the exit for bad input, parsing flags that carry structure, the deprecated
-device spelling ``--target`` on zoo and compile)."""
+device spelling ``--target`` on zoo and compile).
+
+Two words, one idea each: a **device** is where a model runs (``--device``; the ``Device`` and
+``Devices`` options), an **engine target** is what an engine is built for (``--target``; the
+``EngineTarget`` options). Parameters carry the same words (``device``, ``engine_target``)."""
 
 from __future__ import annotations
 
@@ -82,18 +86,18 @@ TARGET_AS_DEVICE = (
     "--target/-t on kiln {command} names the device, which is --device now (--target names the engine "
     "target on lookup, release, rollback and report); it still works here, for now"
 )
-DeprecatedDevices = Annotated[list[str] | None, typer.Option("--target", "-t", hidden=True)]
-DeprecatedDevice = Annotated[str | None, typer.Option("--target", "-t", hidden=True)]
+DevicesAsTarget = Annotated[list[str] | None, typer.Option("--target", "-t", hidden=True)]
+DeviceAsTarget = Annotated[str | None, typer.Option("--target", "-t", hidden=True)]
 
 
-def devices_with_deprecated_target(command: str, devices: Any, target: Any) -> Any:
+def devices_with_deprecated_target(command: str, devices: Any, device_as_target: Any) -> Any:
     """``--device`` plus what the deprecated ``--target``/``-t`` spelling gave (a list, or one device)."""
-    if not target:
+    if not device_as_target:
         return devices
     typer.echo(f"warning: {TARGET_AS_DEVICE.format(command=command)}", err=True)
-    if isinstance(target, list):
-        return [*(devices or []), *target]
-    return devices or target
+    if isinstance(device_as_target, list):
+        return [*(devices or []), *device_as_target]
+    return devices or device_as_target
 
 
 # ---- every option and argument of every command, by the name its commands use
@@ -366,8 +370,8 @@ AllowModule = Annotated[
     list[str] | None,
     typer.Option("--allow-module", help="a custom-op module the package may import (repeatable)"),
 ]
-ReportTarget = Annotated[
-    str, typer.Argument(help="a .kiln package directory, or a model name in the registry")
+ReportPackage = Annotated[
+    str, typer.Argument(help="a .kiln package directory, or a model name in the registry (its package)")
 ]
 Out = Annotated[
     Path | None, typer.Option("--out", "-o", help="the HTML file (default: <package name>.report.html)")
@@ -397,7 +401,6 @@ Repository = Annotated[
     Path, typer.Option("--repository", "-r", help="the Triton model repository (a directory)")
 ]
 Models = Annotated[list[str], typer.Argument(help="kiln model names (as in the zoo file), e.g. tiny_bert")]
-ExportTarget = EngineTarget  # flows/cli/serve.py's name for it
 QueueDelayUs = Annotated[
     int, typer.Option("--queue-delay-us", help="dynamic batching: how long a request may wait for others")
 ]

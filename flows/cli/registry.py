@@ -44,7 +44,7 @@ console = SafeConsole()  # shows tags and package fields with control characters
 
 def _live(
     model: str,
-    target: str,
+    engine_target: str,
     triton: str | None,
     repository: str | None,
     timeout: float,
@@ -59,7 +59,7 @@ def _live(
         "url": triton,
         "repository": repository,
         "model": model,
-        "target": target,
+        "engine_target": engine_target,
         "timeout": timeout,
         "tracking_uri": tracking_uri,
     }
@@ -101,7 +101,7 @@ def lookup_cmd(
     model: LookupModel,
     shape: Shape = None,
     backend: LookupBackend = None,
-    target: EngineTarget = "cpu",
+    engine_target: EngineTarget = "cpu",
     precision: LookupPrecision = None,
     version: Version = None,
     source: Source = None,
@@ -125,7 +125,7 @@ def lookup_cmd(
             model,
             shapes,
             backend=backend,
-            target=target,
+            engine_target=engine_target,
             precision=precision,
             version=version,
             source=source,
@@ -173,7 +173,7 @@ def _source_text(match: dict) -> str:
 def release_cmd(
     model: ReleaseModel,
     version: ReleaseVersion = None,
-    target: ReleaseEngineTarget = None,
+    engine_target: ReleaseEngineTarget = None,
     max_latency_ratio: MaxLatencyRatio = 1.10,
     rel_l2: RelL2 = None,
     runs: Runs = 30,
@@ -200,16 +200,16 @@ def release_cmd(
 
     try:  # checked before Prefect starts: a bad zoo file or target is one line, not a flow's traceback
         zoo_file = zoo_file_for(model, zoo_file)
-        target = release_target(zoo_file, model, target, tracking_uri)
+        engine_target = release_target(zoo_file, model, engine_target, tracking_uri)
     except KilnError as exc:
         raise _fail(f"{type(exc).__name__}: {exc}") from None
-    live = _live(model, target, triton, repository, triton_timeout, tracking_uri)
+    live = _live(model, engine_target, triton, repository, triton_timeout, tracking_uri)
     try:
         with prefect_api():  # a temporary API server that dies with this process, even by SIGKILL
             outcome = release(
                 model,
                 version=version,
-                target=target,
+                engine_target=engine_target,
                 max_latency_ratio=max_latency_ratio,
                 rel_l2=rel_l2,
                 runs=runs,
@@ -239,7 +239,7 @@ def release_cmd(
 
 def rollback_cmd(
     model: ReleaseModel,
-    target: EngineTarget = "cpu",
+    engine_target: EngineTarget = "cpu",
     to: To = None,
     tracking_uri: TrackingUri = None,
     triton: TritonUrl = None,
@@ -257,15 +257,15 @@ def rollback_cmd(
     from serving.triton.live import triton_release
 
     try:  # the server's repository is checked against the resolved registered name
-        target = resolve_engine_target(config.client(tracking_uri), model, target)
+        engine_target = resolve_engine_target(config.client(tracking_uri), model, engine_target)
     except KilnError as exc:
         raise _fail(f"{type(exc).__name__}: {exc}") from None
-    live = _live(model, target, triton, repository, triton_timeout, tracking_uri)
+    live = _live(model, engine_target, triton, repository, triton_timeout, tracking_uri)
     try:
-        target_server = triton_release(live)
-        if target_server is not None:
-            target_server.check()  # the server answers before anything moves
-        outcome = rollback(model, target, to_version=to, tracking_uri=tracking_uri, live=target_server)
+        server = triton_release(live)
+        if server is not None:
+            server.check()  # the server answers before anything moves
+        outcome = rollback(model, engine_target, to_version=to, tracking_uri=tracking_uri, live=server)
     except KilnError as exc:
         raise _fail(f"{type(exc).__name__}: {exc}") from None
     console.print(

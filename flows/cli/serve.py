@@ -16,8 +16,8 @@ from rich.markup import escape
 
 from flows.cli.options import (
     Address,
+    EngineTarget,
     ExportAllowOpModule,
-    ExportTarget,
     ExportTrackingUri,
     GrpcPort,
     HttpPort,
@@ -44,7 +44,7 @@ serve_app.add_typer(triton_app, name="triton")
 def export_cmd(
     models: Models,
     repository: Repository,
-    target: ExportTarget = "cpu",
+    engine_target: EngineTarget = "cpu",
     queue_delay_us: QueueDelayUs = 1000,
     instances: Instances = 1,
     threads: Threads = 0,
@@ -62,7 +62,7 @@ def export_cmd(
         results = export(
             models,
             repository,
-            target=target,
+            engine_target=engine_target,
             tracking_uri=tracking_uri,
             queue_delay_us=queue_delay_us,
             instances=instances,

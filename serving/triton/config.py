@@ -106,11 +106,6 @@ def triton_type(dtype: str, what: str) -> str:
         ) from None
 
 
-def wire_type(dtype: str, what: str) -> str:
-    """The inference protocol's datatype (``FP32``) for a kiln dtype."""
-    return triton_type(dtype, what).removeprefix("TYPE_")
-
-
 @dataclass(frozen=True)
 class TensorSig:
     """One input or output: name, kiln dtype, full shape with -1 for every dynamic axis (batch included);

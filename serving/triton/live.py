@@ -44,14 +44,14 @@ Step = tuple[str, Any, Any]
 
 
 class TritonRelease:
-    """Keep a Triton server on ``repository`` serving the champion of ``kiln.<model>.<target>``."""
+    """Keep a Triton server on ``repository`` serving the champion of ``kiln.<model>.<engine_target>``."""
 
     def __init__(
         self,
         url: str,
         repository: str | os.PathLike,
         model: str,
-        target: str = "cpu",
+        engine_target: str = "cpu",
         *,
         tracking_uri: str | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
@@ -65,7 +65,7 @@ class TritonRelease:
         self.model = model
         self.name = triton_model_name(model)
         self.model_dir = self.repository / self.name
-        self.registered = registered_model_name(model, target)
+        self.registered = registered_model_name(model, engine_target)
         self.tracking_uri = tracking_uri
         self.allowed_modules = allowed_modules
         # Seconds per step of the last release or rollback: "stage" (download, verify, write) and

@@ -427,7 +427,7 @@ def export(
     models: Sequence[str],
     repository: str | os.PathLike,
     *,
-    target: str = "cpu",
+    engine_target: str = "cpu",
     tracking_uri: str | None = None,
     queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
     instances: int = 1,
@@ -451,7 +451,7 @@ def export(
     for model in models:
         try:
             results.append(
-                export_model(mlclient, repo, model, target, settings, allowed_modules=allowed_modules)
+                export_model(mlclient, repo, model, engine_target, settings, allowed_modules=allowed_modules)
             )
         except KilnError as exc:
             results.append(ExportFailure(model, type(exc).__name__, str(exc)))
@@ -462,7 +462,7 @@ def export_model(
     mlclient: Any,
     repo: Path,
     model: str,
-    target: str,
+    engine_target: str,
     settings: dict[str, int],
     *,
     allowed_modules: Sequence[str] | None = None,
@@ -472,7 +472,7 @@ def export_model(
     as they were; a folder this call created is removed whole."""
     from registry.targets import resolved_model_name
 
-    registered = resolved_model_name(mlclient, model, target)  # --target cuda: registry.targets
+    registered = resolved_model_name(mlclient, model, engine_target)  # --target cuda: registry.targets
     champion, previous = champion_of(mlclient, registered)
     name = triton_model_name(model)
     model_dir = repo / name
@@ -488,7 +488,7 @@ def export_model(
                 )
                 if new:
                     created.append(version)
-            serving = ServingSettings(registered, model, target, **settings)
+            serving = ServingSettings(registered, model, engine_target, **settings)
             write_bytes_atomic(model_dir / SETTINGS_FILE, serving.to_json().encode())
             write_config(model_dir, config_for(model_dir, champion))
         except BaseException:

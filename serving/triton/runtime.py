@@ -302,11 +302,6 @@ def load_verified(package_dir: Path, device: str, served: ServedModel) -> tuple[
     return module, manifest.input_specs
 
 
-def served_record(version_dir: Path) -> ServedModel:
-    path = version_dir / SERVED_FILE
-    return ServedModel.from_json(path.read_text(), str(path))
-
-
 def example_inputs(specs: Sequence[Any], shapes: str) -> list:
     """One tensor per spec at its ``min_shape`` or ``max_shape``; integers inside the recorded range."""
     import torch

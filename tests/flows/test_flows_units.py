@@ -19,7 +19,8 @@ from flows.recompile_zoo import summary_markdown, summary_rows
 from flows.results import ModelResult, package_path
 from tasks.refs import EngineRef, PlanRef, ProgramRef, StagedRef, retry_condition
 from tasks.stages import build_key, build_tag, configured
-from zoo.config import ZooConfigError, ZooEntry
+from zoo.config import ZooEntry
+from zoo.errors import ZooConfigError
 from zoo.preflight import check_backend_available
 from zoo.settings import ZooSettings
 

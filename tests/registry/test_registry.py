@@ -651,7 +651,8 @@ def test_versions_with_the_old_content_hash_tag_still_match(mlflow_server, packa
 
 def _swap_program_for_a_payload(package: Path, marker: Path) -> None:
     """Issue 14.1's attack on a stored artifact: a program that unpickles a payload, checksums resealed."""
-    from tests.compiler.package.test_package import _evil_program, _reseal
+    from tests.compiler.package.test_package import _evil_program
+    from tests.compiler.package.untrusted_probe import _reseal
 
     program = package / "program.pt2"
     program.write_bytes(_evil_program(program.read_bytes(), "sample_inputs", marker))

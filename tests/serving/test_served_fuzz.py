@@ -1,4 +1,5 @@
-"""The format fuzzer's mutations (tests/fuzz_probe.py) on Triton's own files (issue 42): a mutated
+"""The format fuzzer's mutations (tests/compiler/package/
+fuzz_probe.py) on Triton's own files (issue 42): a mutated
 ``kiln.json`` or ``kiln-serving.json`` is refused with a typed error naming the file, or accepted and
 rendered into a ``config.pbtxt`` with exactly the lines kiln writes, with nothing opened, imported or
 run while it is read and rendered. The unmutated files are the positive control."""
@@ -17,7 +18,7 @@ import pytest
 from serving.triton.config import ServedModel, TensorSig, render_config
 from serving.triton.errors import RepositoryError, TritonConfigError
 from serving.triton.repository import SETTINGS_FILE, ServingSettings
-from tests.fuzz_probe import _mutate_json
+from tests.compiler.package.fuzz_probe import _mutate_json
 
 ROUNDS = 1500
 # Every line kiln writes starts with one of these (the comment's two lines, the keys, the tensor rows).

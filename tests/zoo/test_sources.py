@@ -754,7 +754,7 @@ def test_weights_and_programs_that_are_special_files_are_refused_not_read(tmp_pa
 
 
 def test_check_refuses_validation_data_that_would_expand_past_the_bound(tmp_path: Path) -> None:
-    from tests.compiler.inputs.test_validation_data import _npz_claiming
+    from tests.compiler.inputs.test_data import _npz_claiming
 
     _npz_claiming(tmp_path / "claims.npz", (1 << 30,))  # 4 GiB by its npy header, 16 bytes of data
     entry = {"name": "m", "factory": "zoo.models:mlp_with_fallback", "validation": {"data": "claims.npz"}}

@@ -98,7 +98,9 @@ def _fresh_load(package: Path, env: dict, device: str = "cpu") -> dict:
         ),
     ],
 )
-def test_aot_engine_loads_natively_where_trusted_and_never_where_not(device, tmp_path, monkeypatch):
+def test_aot_engine_loads_natively_where_trusted_and_never_where_not(
+    device, tmp_path, monkeypatch, failing_compiler
+):
     model, exported = _program(device)
     module = compiler.compile(
         exported, backend="inductor", device=device, backend_options={"aot": True}, cache=False
@@ -132,9 +134,7 @@ def test_aot_engine_loads_natively_where_trusted_and_never_where_not(device, tmp
     # says why in the cache's log, which `kiln cache ls` shows ...
     cache = tmp_path / "cache"
     env = {**env, "KILN_CACHE_DIR": str(cache)}
-    failed = _fresh_load(
-        tmp_path / "unsigned.kiln", {**env, "KILN_AOT_CXX": str(_failing_compiler(tmp_path))}, device
-    )
+    failed = _fresh_load(tmp_path / "unsigned.kiln", {**env, "KILN_AOT_CXX": str(failing_compiler)}, device)
     assert any("not trusted to run code" in w for w in failed["warnings"]), failed["warnings"]
     assert any("being built in the background" in w for w in failed["warnings"]), failed["warnings"]
     assert failed["native_builds"] == [1] and "aot" not in failed["dispatch"].values(), failed
@@ -168,25 +168,11 @@ def test_aot_engine_loads_natively_where_trusted_and_never_where_not(device, tmp
             torch.testing.assert_close(torch.tensor(got["outs"][str(batch)]), want, rtol=1e-5, atol=1e-5)
 
 
-def _failing_compiler(directory: Path) -> Path:
-    """A C++ compiler that names itself as g++ does and fails every compile."""
-    failing = directory / "failing-g++"
-    failing.write_text(
-        '#!/bin/sh\nfor a in "$@"; do [ "$a" = "--version" ] && exec g++ --version; done\nexit 1\n'
-    )
-    failing.chmod(0o755)
-    return failing
-
-
-@pytest.mark.xfail(
-    reason="passes alone, fails after this file's earlier compiles of the same program since the structure "
-    "pass (issue 43's engine-cache change, 996c785): the failing compiler is never asked, so no warning; "
-    "not found yet",
-    strict=False,
-)
-def test_aot_that_cannot_be_built_or_loaded_is_left_out_with_the_reason(program, tmp_path, monkeypatch):
+def test_aot_that_cannot_be_built_or_loaded_is_left_out_with_the_reason(
+    program, tmp_path, monkeypatch, failing_compiler
+):
     model, exported = program
-    monkeypatch.setenv("KILN_AOT_CXX", str(_failing_compiler(tmp_path)))
+    monkeypatch.setenv("KILN_AOT_CXX", str(failing_compiler))
     with pytest.warns(UserWarning, match="no AOTInductor package for partition .*failing-g\\+\\+"):
         module = compiler.compile(exported, backend="inductor", backend_options={"aot": True}, cache=False)
     files = _engine_files(module)

@@ -52,17 +52,6 @@ def compiled(blocks, tmp_path_factory):
     return compiler.compile(program, backend="inductor", cache=cache), cache
 
 
-def _failing_compiler(tmp_path: Path) -> str:
-    """A C++ compiler that answers Inductor's version probe and then refuses every compile: a real
-    toolchain failure, with no mock in kiln."""
-    script = tmp_path / "failing-g++"
-    script.write_text(
-        '#!/bin/sh\nfor a in "$@"; do [ "$a" = "--version" ] && exec g++ --version; done\nexit 1\n'
-    )
-    script.chmod(0o755)
-    return str(script)
-
-
 def test_inductor_engines_match_eager_with_one_build_per_structure(blocks, compiled):
     case, _ = blocks
     module, _ = compiled
@@ -322,10 +311,10 @@ def test_non_contiguous_inputs_are_answered_like_contiguous_ones(blocks, compile
     torch.testing.assert_close(module(x), case.model(x), rtol=1e-5, atol=1e-5)
 
 
-def test_a_failed_inductor_build_falls_back_and_caches_nothing(blocks, tmp_path):
+def test_a_failed_inductor_build_falls_back_and_caches_nothing(blocks, tmp_path, failing_compiler):
     case, program = blocks
     cache = compiler.EngineCache(tmp_path / "cache")
-    broken = {"compile_options": {"cpp.cxx": (_failing_compiler(tmp_path),)}}
+    broken = {"compile_options": {"cpp.cxx": (str(failing_compiler),)}}
     module = compiler.compile(program, backend="inductor", cache=cache, backend_options=broken)
     failures = module.report.build_failures
     failed = {f["fingerprint"] for f in failures}

@@ -368,7 +368,7 @@ def test_every_tampered_header_field_is_a_typed_refusal_before_tensorrt():
     """Issue 23's tamper pass for the TensorRT engine header (no GPU needed: these checks come first).
     Each field changed in turn (type, hostile string, dropped, huge): a KilnError, or the same plan and
     profiles as the original; never a crash (a targets string or an empty list was a ValueError)."""
-    from tests.untrusted_probe import MUTATIONS, _mutate, _paths
+    from tests.compiler.package.untrusted_probe import MUTATIONS, _mutate, _paths
 
     clean = _header(
         targets=["sm_86", "sm_120"],

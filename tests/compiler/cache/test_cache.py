@@ -351,6 +351,9 @@ def test_build_engine_reads_cache_none_as_the_default_like_compile(
     compiler.build_engine(plan, unique, fingerprint)  # None: the default cache, as compile() reads it
     assert len(EngineCache().entries()) == 1
     assert compiler.compile(program, cache=None).report.cache_hits == 1
+    # cache=False is no cache all the way down: compile hands build_engine False, not the None its own
+    # resolution gives (which build_engine reads as the default cache, holding this very engine).
+    assert compiler.compile(program, cache=False).report.cache_hits == 0
 
 
 # ---- concurrency ------------------------------------------------------------------------------------------

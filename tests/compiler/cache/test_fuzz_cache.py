@@ -1,4 +1,4 @@
-"""A cache fuzzer in CI (tests/cache_fuzz_probe.py, bounded): records and entries mutated as an attacker
+"""A cache fuzzer in CI (cache_fuzz_probe.py beside it, bounded): records and entries mutated as an attacker
 who can rewrite the cache (and recompute its hashes) would, field by field and file by file, read back
 the original engine bytes or are refused with a typed error, never crash or hang, and nothing outside
 the cache folder is opened, listed, written or deleted (an audit hook in a fresh process)."""
@@ -31,7 +31,7 @@ def test_fuzzed_cache_entries_read_back_or_are_refused_and_touch_nothing_outside
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "cache_fuzz_probe.py"), str(tmp_path / "config.json"),
+        [sys.executable, str(Path(__file__).with_name("cache_fuzz_probe.py")), str(tmp_path / "config.json"),
          str(tmp_path / "r.json")],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,

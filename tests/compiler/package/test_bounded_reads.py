@@ -5,10 +5,8 @@ TypeError."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -22,9 +20,7 @@ from compiler.errors import (
     PackageSignatureError,
     RuntimeGraphBoundError,
 )
-from compiler.package.digest import content_hash
 from compiler.package.signing import Signer, sign_package
-from tests.fixtures.signing_keys import ec_key_pair
 
 ROOT = Path(__file__).resolve().parents[3]
 FORMAT1 = ROOT / "tests" / "fixtures" / "packages" / "mlp-format1-2026-11.kiln"
@@ -58,46 +54,21 @@ def _opened_in(package: Path, call) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    root = tmp_path_factory.mktemp("keys")
-    return {"release": ec_key_pair(root, "release"), "other": ec_key_pair(root, "other")}
-
-
-@pytest.fixture(scope="module")
 def unsigned(tmp_path_factory) -> Path:
     """A small format-2 package, saved without a key (never changed by tests)."""
     module = compiler.load(FORMAT1, allowed_modules=["zoo"])
     return compiler.save(module, tmp_path_factory.mktemp("bounded") / "m.kiln").path
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    return Path(shutil.copytree(src, dst))
-
-
-def _reseal(path: Path, **files: tuple[int, str]) -> None:
-    """Make the manifest's checksums (``files``: rel -> (bytes, sha256), else the file's own) and content
-    hash agree with the files, as anyone who can write the package can."""
-    data = json.loads((path / "manifest.json").read_text())
-    for rel, record in data["files"].items():
-        if rel in files:
-            size, sha = files[rel]
-        else:
-            blob = (path / rel).read_bytes()
-            size, sha = len(blob), hashlib.sha256(blob).hexdigest()
-        record.update(sha256=sha, bytes=size)
-    data["content_hash"] = content_hash(data)
-    (path / "manifest.json").write_text(json.dumps(data))
-
-
 def test_an_unsigned_package_is_refused_having_opened_only_its_manifest(
-    unsigned, keys, tmp_path, monkeypatch
+    unsigned, keys, tmp_path, monkeypatch, copy_package, reseal
 ):
     """A 3 GiB sparse weights file, listed at its size: with a key set it is never opened (it once was
     read whole, and allocated, before the refusal), nor is any other file beside the manifest."""
-    huge = _copy(unsigned, tmp_path / "huge.kiln")
+    huge = copy_package(unsigned, tmp_path / "huge.kiln")
     size = 3 * 2**30
     os.truncate(huge / WEIGHTS, size)  # sparse: no disk, but a read would read 3 GiB of zeros
-    _reseal(huge, **{WEIGHTS: (size, "0" * 64)})
+    reseal(huge, **{WEIGHTS: (size, "0" * 64)})
     monkeypatch.setenv(PUBLIC, str(keys["release"].public))
     for call in (lambda: compiler.load(huge), lambda: compiler.read_manifest(huge)):
         refusal, opened = _opened_in(huge, call)
@@ -105,7 +76,7 @@ def test_an_unsigned_package_is_refused_having_opened_only_its_manifest(
         assert opened <= {"manifest.json"}, opened
 
     # Signed, but by another key: only model.sig is read besides the manifest.
-    foreign = _copy(unsigned, tmp_path / "foreign.kiln")
+    foreign = copy_package(unsigned, tmp_path / "foreign.kiln")
     sign_package(foreign, Signer(keys["other"].private))
     refusal, opened = _opened_in(foreign, lambda: compiler.load(foreign))
     assert isinstance(refusal, PackageSignatureError) and "does not verify" in str(refusal)
@@ -125,9 +96,9 @@ def test_the_audit_hook_sees_a_load_open_the_package_files(unsigned):
 
 
 def test_a_deeply_nested_manifest_is_a_typed_refusal_after_the_signature(
-    unsigned, keys, tmp_path, monkeypatch
+    unsigned, keys, tmp_path, monkeypatch, copy_package
 ):
-    deep = _copy(unsigned, tmp_path / "deep.kiln")
+    deep = copy_package(unsigned, tmp_path / "deep.kiln")
     (deep / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(PackageJsonError, match="100000 levels deep, more than the 64"):
         compiler.read_manifest(deep)
@@ -136,18 +107,20 @@ def test_a_deeply_nested_manifest_is_a_typed_refusal_after_the_signature(
         compiler.read_manifest(deep)
 
 
-def test_a_deeply_nested_weights_header_is_a_typed_refusal(unsigned, tmp_path):
-    deep = _copy(unsigned, tmp_path / "deep-weights.kiln")
+def test_a_deeply_nested_weights_header_is_a_typed_refusal(unsigned, tmp_path, copy_package, reseal):
+    deep = copy_package(unsigned, tmp_path / "deep-weights.kiln")
     header = b"[" * 100_000 + b"]" * 100_000
     (deep / WEIGHTS).write_bytes(len(header).to_bytes(8, "little") + header)
-    _reseal(deep)
+    reseal(deep)
     with pytest.raises(PackageCorruptError, match="levels deep"):
         compiler.load(deep)
 
 
-def test_a_zero_size_tensor_with_a_dimension_beyond_int64_is_refused(unsigned, tmp_path):
+def test_a_zero_size_tensor_with_a_dimension_beyond_int64_is_refused(
+    unsigned, tmp_path, copy_package, reseal
+):
     """``[0, 2**63]`` holds no bytes, so the byte count agrees; torch cannot make the shape (TypeError)."""
-    odd = _copy(unsigned, tmp_path / "odd.kiln")
+    odd = copy_package(unsigned, tmp_path / "odd.kiln")
     raw = (odd / WEIGHTS).read_bytes()
     length = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8 : 8 + length])
@@ -155,12 +128,12 @@ def test_a_zero_size_tensor_with_a_dimension_beyond_int64_is_refused(unsigned, t
     header["zero"] = {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [end, end]}
     text = json.dumps(header).encode()
     (odd / WEIGHTS).write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
-    _reseal(odd)
+    reseal(odd)
     with pytest.raises(PackageCorruptError, match=r"does not fit torch's 64-bit sizes"):
         compiler.load(odd)
 
 
-def _with_nodes_before_output(path: Path, nodes: list[dict]) -> None:
+def _with_nodes_before_output(path: Path, nodes: list[dict], reseal) -> None:
     """Add call nodes to the package's runtime graph just before its output (fx runs every node)."""
     graph = json.loads((path / "runtime_graph.json").read_text())
     entries = graph["graph"]["nodes"]
@@ -168,13 +141,15 @@ def _with_nodes_before_output(path: Path, nodes: list[dict]) -> None:
     entries.extend(nodes)
     entries.append(output)
     (path / "runtime_graph.json").write_text(json.dumps(graph, sort_keys=True, separators=(",", ":")))
-    _reseal(path)
+    reseal(path)
 
 
-def test_unbounded_integer_arithmetic_in_a_runtime_graph_is_refused_before_it_runs(unsigned, tmp_path):
+def test_unbounded_integer_arithmetic_in_a_runtime_graph_is_refused_before_it_runs(
+    unsigned, tmp_path, copy_package, reseal
+):
     """``operator.pow(7, 10**8)`` then squarings passed every check and the first call never finished:
     the graph's integer operators now take and give integers within +-2**63, or refuse typed."""
-    bomb = _copy(unsigned, tmp_path / "bomb.kiln")
+    bomb = copy_package(unsigned, tmp_path / "bomb.kiln")
     graph = json.loads((bomb / "runtime_graph.json").read_text())
     first = len(graph["graph"]["nodes"]) - 1  # the first added node's index (the output moves after it)
     call = {"op": "call_function", "kwargs": {}}
@@ -190,19 +165,21 @@ def test_unbounded_integer_arithmetic_in_a_runtime_graph_is_refused_before_it_ru
             }
             for i in range(1, 6)
         ],
+        reseal,
     )
     x = torch.randn(4, 64)
     with pytest.raises(RuntimeGraphBoundError, match=r"operator\.pow\(7, 100000000\)"):
         compiler.load(bomb)(x)
 
     # The same arithmetic within the bound runs, and the model answers as before.
-    fine = _copy(unsigned, tmp_path / "fine.kiln")
+    fine = copy_package(unsigned, tmp_path / "fine.kiln")
     _with_nodes_before_output(
         fine,
         [
             {**call, "name": "p0", "target": "operator.pow", "args": {"tuple": [2, 62]}},
             {**call, "name": "p1", "target": "operator.floordiv", "args": {"tuple": [{"node": first}, 3]}},
         ],
+        reseal,
     )
     torch.testing.assert_close(compiler.load(fine)(x), compiler.load(unsigned)(x))
 

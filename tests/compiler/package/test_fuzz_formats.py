@@ -1,6 +1,6 @@
 """A format fuzzer in CI: resealed mutations of a package's runtime graph, pytree specs and manifest
 load with the original answers or are refused with a typed error, and run, open, import and unpickle
-nothing (tests/fuzz_probe.py; benchmarks/fuzz_formats.py runs it longer)."""
+nothing (tests/compiler/package/fuzz_probe.py; benchmarks/fuzz_formats.py runs it longer)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def fuzz(tmp_path: Path, seconds: float, seed: int, max_rounds: int = 10**6) -> 
     done = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "tests" / "fuzz_probe.py"),
+            str(Path(__file__).with_name("fuzz_probe.py")),
             str(tmp_path / "config.json"),
             str(tmp_path / "r.json"),
         ],

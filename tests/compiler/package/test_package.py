@@ -1,4 +1,3 @@
-import hashlib
 import io
 import json
 import os
@@ -19,7 +18,6 @@ from compiler.errors import (
     PackageVersionError,
     UnsafeProgramError,
 )
-from compiler.package.digest import content_hash
 from compiler.package.manifest import Manifest, SourceRecord
 from compiler.validation.report import ValidationReport
 from zoo.models import mlp_with_fallback
@@ -50,25 +48,6 @@ def mlp_package(tmp_path_factory, compiled_zoo):
     source = SourceRecord("factory:zoo.models:mlp_with_fallback", "factory", "", "d" * 64)
     info = compiler.save(compiled, path, validation=report, source=source)
     return case, compiled, info
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    return Path(shutil.copytree(src, dst))
-
-
-def _reseal(path: Path, edit=None) -> dict:
-    """What an attacker with write access (and no signing key) can do: edit the manifest, then make
-    every checksum and the content hash agree again."""
-    data = json.loads((path / "manifest.json").read_text())
-    if edit is not None:
-        edit(data)
-    for rel, record in data["files"].items():
-        file = path / rel
-        if file.is_file() and not file.is_symlink():
-            record.update(sha256=hashlib.sha256(file.read_bytes()).hexdigest(), bytes=file.stat().st_size)
-    data["content_hash"] = content_hash(data)
-    (path / "manifest.json").write_text(json.dumps(data))
-    return data
 
 
 def _edit(path: Path, edit) -> None:
@@ -117,16 +96,16 @@ def test_manifest_json_codec_round_trips_exactly(mlp_package):
     assert "created" not in on_disk and "target_device" not in on_disk
 
 
-def test_malformed_manifest_names_the_field(mlp_package, tmp_path):
-    path = _copy(mlp_package[2].path, tmp_path / "m.kiln")
-    _reseal(path, lambda d: d.pop("engines"))
+def test_malformed_manifest_names_the_field(mlp_package, tmp_path, copy_package, reseal):
+    path = copy_package(mlp_package[2].path, tmp_path / "m.kiln")
+    reseal(path, lambda d: d.pop("engines"))
     with pytest.raises(PackageCorruptError, match=r"malformed.*engines"):
         compiler.read_manifest(path)
 
 
 @pytest.mark.parametrize("fixture", [FORMAT1, BEFORE_FALLBACK], ids=["format1-2026-11", "before-fallback"])
-def test_format1_packages_still_load(fixture, tmp_path):
-    path = _copy(fixture, tmp_path / "old.kiln")
+def test_format1_packages_still_load(fixture, tmp_path, copy_package):
+    path = copy_package(fixture, tmp_path / "old.kiln")
     manifest = compiler.read_manifest(path)
     assert manifest.format_version == 1 and manifest.engine_target == "cpu"
     assert manifest.op_modules == ("zoo.models",)  # read from the program archive, as data
@@ -209,9 +188,9 @@ EDITS = {
 
 
 @pytest.mark.parametrize("edit", list(EDITS), ids=list(EDITS))
-def test_every_manifest_field_is_covered_by_the_content_hash(mlp_package, tmp_path, edit):
+def test_every_manifest_field_is_covered_by_the_content_hash(mlp_package, tmp_path, edit, copy_package):
     """Defect 14.2: engine files, io, stripped and input_weights were outside the hash."""
-    path = _copy(mlp_package[2].path, tmp_path / "p.kiln")
+    path = copy_package(mlp_package[2].path, tmp_path / "p.kiln")
     _edit(path, EDITS[edit])
     with pytest.raises(PackageCorruptError, match="edited after saving"):
         compiler.load(path)
@@ -240,8 +219,10 @@ def test_content_hash_is_stable_for_equal_content(mlp_package, tmp_path):
     "bad",
     ["other-engine", "../outside.engine", "/tmp/abs.engine", "engines/../../x.engine", "engines//x.engine"],
 )
-def test_engine_paths_outside_the_package_are_refused_even_when_resealed(mlp_package, tmp_path, bad):
-    path = _copy(mlp_package[2].path, tmp_path / "p.kiln")
+def test_engine_paths_outside_the_package_are_refused_even_when_resealed(
+    mlp_package, tmp_path, bad, copy_package, reseal
+):
+    path = copy_package(mlp_package[2].path, tmp_path / "p.kiln")
 
     def edit(data: dict) -> None:
         first, second = sorted(data["engines"])
@@ -251,23 +232,23 @@ def test_engine_paths_outside_the_package_are_refused_even_when_resealed(mlp_pac
         if bad != "other-engine":
             data["files"][new] = data["files"].pop(old)
 
-    _reseal(path, edit)
+    reseal(path, edit)
     with pytest.raises(PackageCorruptError, match=r"outside the package|its file must be"):
         compiler.load(path)
 
 
-def test_a_format1_engine_pointing_at_another_engine_is_refused(tmp_path):
+def test_a_format1_engine_pointing_at_another_engine_is_refused(tmp_path, copy_package):
     """Format 1's hash never covered engines[fp].file: the structural check must catch it."""
-    path = _copy(FORMAT1, tmp_path / "old.kiln")
+    path = copy_package(FORMAT1, tmp_path / "old.kiln")
     _edit(path, _other_engine)
     compiler.read_manifest(path, verify=False)  # still readable for inspection
     with pytest.raises(PackageCorruptError, match="its file must be"):
         compiler.load(path, allowed_modules=["zoo"])
 
 
-def test_symlinks_are_refused(mlp_package, tmp_path):
+def test_symlinks_are_refused(mlp_package, tmp_path, copy_package):
     """A symlink to a byte-identical copy passes every checksum; it is still refused."""
-    path = _copy(mlp_package[2].path, tmp_path / "p.kiln")
+    path = copy_package(mlp_package[2].path, tmp_path / "p.kiln")
     outside = tmp_path / "elsewhere.safetensors"
     shutil.copy(path / "weights.safetensors", outside)
     (path / "weights.safetensors").unlink()
@@ -323,13 +304,15 @@ def _evil_program(program: bytes, where: str, marker: Path) -> bytes:
 
 @pytest.mark.parametrize("where", ["sample_inputs", "use_pickle"])
 @pytest.mark.parametrize("fixture", ["format2", "format1"])
-def test_a_program_with_a_pickled_payload_is_refused_and_never_runs(mlp_package, tmp_path, where, fixture):
+def test_a_program_with_a_pickled_payload_is_refused_and_never_runs(
+    mlp_package, tmp_path, where, fixture, copy_package, reseal
+):
     """Defect 14.1: program.pt2 swapped (checksums resealed) for one that unpickles a payload."""
     source = mlp_package[2].path if fixture == "format2" else FORMAT1
-    path = _copy(source, tmp_path / "p.kiln")
+    path = copy_package(source, tmp_path / "p.kiln")
     marker = tmp_path / "marker"
     (path / "program.pt2").write_bytes(_evil_program((path / "program.pt2").read_bytes(), where, marker))
-    _reseal(path)
+    reseal(path)
     with pytest.raises(UnsafeProgramError, match=r"pickled|not plain tensors") as refused:
         compiler.load(path, allowed_modules=["zoo"])
     assert isinstance(refused.value, PackageCorruptError)
@@ -386,17 +369,17 @@ def test_custom_op_package_loads_in_a_fresh_process_only_where_allowed(mlp_packa
         assert out.stdout.strip() == "torch.Size([3, 16])", how
 
 
-def test_a_module_named_by_a_package_is_never_imported_unless_allowed(tmp_path):
+def test_a_module_named_by_a_package_is_never_imported_unless_allowed(tmp_path, copy_package, reseal):
     """Defect 14.4 (package part): the archive's module list was imported, whatever it named."""
     modules = tmp_path / "site"
     modules.mkdir()
     marker = tmp_path / "imported"
     (modules / "kiln_evil_mod.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
-    path = _copy(FORMAT1, tmp_path / "old.kiln")
+    path = copy_package(FORMAT1, tmp_path / "old.kiln")
     program = (path / "program.pt2").read_bytes()
     listed = json.dumps(["kiln_evil_mod", "zoo.models"]).encode()
     (path / "program.pt2").write_bytes(_rewrite_archive(program, {"extra/kiln_import_modules.json": listed}))
-    _reseal(path)  # format 1 hashes no program bytes: only the file checksum needs updating
+    reseal(path)  # format 1 hashes no program bytes: only the file checksum needs updating
     env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{modules}", "KILN_ALLOWED_OP_MODULES": "zoo"}
     out = _run_fresh(
         f"""
@@ -499,9 +482,9 @@ def test_package_files_are_readable_by_other_users(mlp_package):
 # ---------------------------------------------------------------- the runtime graph (cold start)
 
 
-def _drop_runtime_graph(path: Path) -> None:
+def _drop_runtime_graph(path: Path, reseal) -> None:
     (path / "runtime_graph.json").unlink()
-    _reseal(path, lambda data: data["files"].pop("runtime_graph.json"))
+    reseal(path, lambda data: data["files"].pop("runtime_graph.json"))
 
 
 def test_a_load_runs_from_the_runtime_graph_and_reads_the_program_only_when_asked(mlp_package, tmp_path):
@@ -534,11 +517,13 @@ def test_a_load_runs_from_the_runtime_graph_and_reads_the_program_only_when_aske
 # tiny_gpt2: transformers' mask code calls aten.diff, which the op table once lacked (its packages then
 # loaded from the program: 3.8 s of a 4.7 s GPT-2 load on the H200)
 @pytest.mark.parametrize("model", ["mlp_with_fallback", "tiny_bert", "tiny_gpt2", "tiny_vit"])
-def test_runtime_graph_and_program_loads_give_the_same_outputs(compiled_zoo, tmp_path, model):
+def test_runtime_graph_and_program_loads_give_the_same_outputs(
+    compiled_zoo, tmp_path, model, copy_package, reseal
+):
     case, compiled = compiled_zoo[model]
     info = compiler.save(compiled, tmp_path / "light.kiln")
-    old = _copy(info.path, tmp_path / "program.kiln")
-    _drop_runtime_graph(old)  # as a package saved before the runtime graph existed
+    old = copy_package(info.path, tmp_path / "program.kiln")
+    _drop_runtime_graph(old, reseal)  # as a package saved before the runtime graph existed
     light, program = compiler.load(info.path), compiler.load(old)
     assert light.plan._program is None and program.plan._program is not None
     assert light.plan.signature == program.plan.signature
@@ -642,32 +627,36 @@ def _swap_inputs(data: dict) -> None:
         *("placeholder-keyword", "placeholder-self", "placeholder-torch", "user-outputs", "later-node"),
     ],
 )
-def test_a_tampered_runtime_graph_is_refused_with_a_typed_error(mlp_package, tmp_path, edit, error, match):
-    path = _copy(mlp_package[2].path, tmp_path / "p.kiln")
+def test_a_tampered_runtime_graph_is_refused_with_a_typed_error(
+    mlp_package, tmp_path, edit, error, match, copy_package, reseal
+):
+    path = copy_package(mlp_package[2].path, tmp_path / "p.kiln")
     data = json.loads((path / "runtime_graph.json").read_text())
     edit(data)
     (path / "runtime_graph.json").write_text(json.dumps(data))
-    _reseal(path)
+    reseal(path)
     with pytest.raises(error, match=match):
         compiler.load(path, allowed_modules=["zoo.models"])
 
 
-def test_a_runtime_graph_keyword_runs_no_code(mlp_package, tmp_path):
+def test_a_runtime_graph_keyword_runs_no_code(mlp_package, tmp_path, copy_package, reseal):
     """N1: fx pastes a call's keyword names into the forward it generates; a key that is Python ran it
     at the first call, and the model still answered correctly."""
-    path = _copy(mlp_package[2].path, tmp_path / "p.kiln")
+    path = copy_package(mlp_package[2].path, tmp_path / "p.kiln")
     marker = tmp_path / "ran"
     data = json.loads((path / "runtime_graph.json").read_text())
     key = f"*[__import__('os').system('touch {marker}')][:0]) if 1 else dict(zz"
     _aten(data)["kwargs"][key] = {"node": 0}
     (path / "runtime_graph.json").write_text(json.dumps(data))
-    _reseal(path)
+    reseal(path)
     with pytest.raises(PackageCorruptError, match="has no argument"):
         compiler.load(path, allowed_modules=["zoo.models"])
     assert not marker.exists()
 
 
-def test_runtime_graph_pytree_specs_import_nothing_and_take_only_builtin_factories(mlp_package, tmp_path):
+def test_runtime_graph_pytree_specs_import_nothing_and_take_only_builtin_factories(
+    mlp_package, tmp_path, copy_package, reseal
+):
     """N3: torch's treespec_loads imports the module a defaultdict factory names (``this`` was imported
     in strict mode); N4: a factory already imported (``os.abort``) passed the module rule and killed
     the process on a missing key. kiln decodes the specs itself: neither is taken."""
@@ -679,11 +668,11 @@ def test_runtime_graph_pytree_specs_import_nothing_and_take_only_builtin_factori
         return json.dumps([1, {"type": "collections.defaultdict", "context": context, "children_spec": []}])
 
     for module, name, match in [("this", "x", "defaultdict factory this.x"), ("os", "abort", "os.abort")]:
-        path = _copy(mlp_package[2].path, tmp_path / f"{module}.kiln")
+        path = copy_package(mlp_package[2].path, tmp_path / f"{module}.kiln")
         data = json.loads((path / "runtime_graph.json").read_text())
         data["out_spec"] = factory(module, name)
         (path / "runtime_graph.json").write_text(json.dumps(data))
-        _reseal(path)
+        reseal(path)
         with pytest.raises(PackageCorruptError, match=match):
             compiler.load(path, allowed_modules=["zoo.models"])
         # ... and in a program's text, which torch's own reader decodes: refused before it reads.

@@ -24,7 +24,7 @@ from compiler.errors import PackageCorruptError
 from compiler.package.report_page import MAX_DRAWN, MAX_ROWS, render_package_report, render_report
 from compiler.validation.report import ValidationReport
 from flows.cli import app
-from tests.untrusted_probe import _reseal_data
+from tests.compiler.package.untrusted_probe import _reseal_data
 
 ROOT = Path(__file__).resolve().parents[3]
 FORMAT1 = ROOT / "tests" / "fixtures" / "packages" / "mlp-format1-2026-11.kiln"

@@ -6,7 +6,6 @@ engines' code, an unsigned, tampered or foreign-signed one is refused where a ve
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import shutil
@@ -29,12 +28,6 @@ PRIVATE, PUBLIC = "KILN_SIGNING_PRIVATE_KEY", "KILN_SIGNING_PUBLIC_KEY"
 
 
 @pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    root = tmp_path_factory.mktemp("keys")
-    return {"release": ec_key_pair(root, "release"), "other": ec_key_pair(root, "other")}
-
-
-@pytest.fixture(scope="module")
 def module():
     """A small format-2 module without a compile: the format-1 fixture package, loaded."""
     return compiler.load(FORMAT1, allowed_modules=["zoo"])
@@ -51,20 +44,9 @@ def signed(module, keys, tmp_path_factory) -> Path:
     return root / "m.kiln"
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    return Path(shutil.copytree(src, dst))
-
-
-def _reseal(path: Path) -> None:
-    """What an attacker with write access and no private key can do: change a file and make every
-    checksum and the content hash agree again."""
+def _change_weights(path: Path) -> None:
+    """Change a file of the package (its last weight bytes); reseal() then makes it look unedited."""
     (path / "weights.safetensors").write_bytes((path / "weights.safetensors").read_bytes()[:-4] + b"\0\0\0\0")
-    data = json.loads((path / "manifest.json").read_text())
-    for rel, record in data["files"].items():
-        blob = (path / rel).read_bytes()
-        record.update(sha256=hashlib.sha256(blob).hexdigest(), bytes=len(blob))
-    data["content_hash"] = content_hash(data)
-    (path / "manifest.json").write_text(json.dumps(data))
 
 
 def test_a_signed_save_verifies_in_kiln_and_in_model_signing(signed, keys, monkeypatch):
@@ -103,18 +85,19 @@ def test_a_signed_save_verifies_in_kiln_and_in_model_signing(signed, keys, monke
 
 
 def test_unsigned_tampered_and_foreign_signatures_are_refused_where_a_key_is_set(
-    signed, keys, tmp_path, monkeypatch
+    signed, keys, tmp_path, monkeypatch, copy_package, reseal
 ):
     monkeypatch.setenv(PUBLIC, str(keys["release"].public))
     with pytest.raises(PackageSignatureError, match=r"is not signed \(model.sig is missing\)"):
         compiler.load(signed.parent / "unsigned.kiln")
 
-    resealed = _copy(signed, tmp_path / "resealed.kiln")
-    _reseal(resealed)
+    resealed = copy_package(signed, tmp_path / "resealed.kiln")
+    _change_weights(resealed)
+    reseal(resealed)
     # A resealed manifest is not the one signed: refused from model.sig alone, before any file is read.
     with pytest.raises(PackageSignatureError, match=r"manifest\.json read is not the one its signature"):
         compiler.load(resealed)
-    added = _copy(signed, tmp_path / "added.kiln")
+    added = copy_package(signed, tmp_path / "added.kiln")
     (added / "engines" / "extra.engine").write_bytes(b"x")  # never read by kiln, but not what was signed
     with pytest.raises(PackageSignatureError, match="Extra files"):
         compiler.read_manifest(added)
@@ -125,15 +108,16 @@ def test_unsigned_tampered_and_foreign_signatures_are_refused_where_a_key_is_set
     with pytest.raises(PackageSignatureError, match="does not verify against the public key"):
         compiler.load(signed)
     # A signature by another key, placed by whoever can write the package: refused under the release key.
-    foreign = _copy(signed, tmp_path / "foreign.kiln")
+    foreign = copy_package(signed, tmp_path / "foreign.kiln")
     sign_package(foreign, Signer(keys["other"].private))
     monkeypatch.setenv(PUBLIC, str(keys["release"].public))
     with pytest.raises(PackageSignatureError, match="does not verify"):
         compiler.load(foreign)
     # The release key's signature of another package does not sign this one.
-    moved = _copy(signed.parent / "unsigned.kiln", tmp_path / "moved.kiln")
-    resealed_sig = _copy(signed, tmp_path / "other-content.kiln")
-    _reseal(resealed_sig)
+    moved = copy_package(signed.parent / "unsigned.kiln", tmp_path / "moved.kiln")
+    resealed_sig = copy_package(signed, tmp_path / "other-content.kiln")
+    _change_weights(resealed_sig)
+    reseal(resealed_sig)
     sign_package(resealed_sig, Signer(keys["release"].private))
     shutil.copy(resealed_sig / SIGNATURE, moved / SIGNATURE)
     with pytest.raises(PackageSignatureError, match="is not the one its signature covers"):
@@ -141,7 +125,7 @@ def test_unsigned_tampered_and_foreign_signatures_are_refused_where_a_key_is_set
 
 
 def test_nothing_a_package_names_is_acted_on_before_its_signature_verified(
-    signed, keys, tmp_path, monkeypatch
+    signed, keys, tmp_path, monkeypatch, copy_package
 ):
     """The signature is verified beside the load's file reads (both hash every file), and the load waits
     for the verdict before it acts on anything the package holds: a resealed manifest that names a module
@@ -149,7 +133,7 @@ def test_nothing_a_package_names_is_acted_on_before_its_signature_verified(
     marker = tmp_path / "imported"
     (tmp_path / "kiln_sig_probe_mod.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    named = _copy(signed, tmp_path / "names-a-module.kiln")
+    named = copy_package(signed, tmp_path / "names-a-module.kiln")
     data = json.loads((named / "manifest.json").read_text())
     data["op_modules"] = ["kiln_sig_probe_mod"]
     data["content_hash"] = content_hash(data)
@@ -172,11 +156,13 @@ def test_the_manifest_used_is_the_one_signed(signed, keys, tmp_path):
         verify_package(signed, trust, manifest_bytes=raw + b" ")
 
 
-def test_only_a_verified_format2_signature_is_implicit_trust(signed, keys, tmp_path, monkeypatch):
+def test_only_a_verified_format2_signature_is_implicit_trust(
+    signed, keys, tmp_path, monkeypatch, copy_package
+):
     """A verified signature makes a format-2 package trusted for engine code; a signed format-1 package
     (whose hash leaves its program out) is not, explicit trust_engine_code=False wins, and a signature
     nothing verified (no key set) is no trust at all."""
-    old = _copy(FORMAT1, tmp_path / "old.kiln")
+    old = copy_package(FORMAT1, tmp_path / "old.kiln")
     sign_package(old, Signer(keys["release"].private))
     monkeypatch.setenv(PUBLIC, str(keys["release"].public))
     assert compiler.load(old, allowed_modules=["zoo"]).trust_engine_code is False

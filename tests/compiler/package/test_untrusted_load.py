@@ -1,7 +1,7 @@
 """An untrusted package runs nothing it brought and reads nothing outside itself (issue 23, items 1-3 and
 the field-by-field tamper pass).
 
-One fresh process (tests/untrusted_probe.py) loads, untrusted and under an audit hook, every tampered
+One fresh process (untrusted_probe.py) loads, untrusted and under an audit hook, every tampered
 variant of two tiny packages (ONNX Runtime and Inductor on the CPU): the issue's attacks first, then
 every manifest field and every Inductor header field changed in turn (type, hostile string, dropped,
 huge), with checksums and content hash recomputed as an attacker would. The tests below read its report.
@@ -75,7 +75,7 @@ def packages(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def probe(packages) -> dict:
-    """The probe's report: {"cases": [...], "control": {...}} (see tests/untrusted_probe.py)."""
+    """The probe's report: {"cases": [...], "control": {...}} (see untrusted_probe.py)."""
     root, config = packages["root"], packages["config"]
     cwd = root / "cwd"  # the loading process's working directory, with a secret beside it
     cwd.mkdir()
@@ -94,7 +94,7 @@ def probe(packages) -> dict:
     done = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "tests" / "untrusted_probe.py"),
+            str(Path(__file__).with_name("untrusted_probe.py")),
             str(root / "config.json"),
             "results.json",
         ],
@@ -134,7 +134,7 @@ def test_the_hook_tells_torch_probing_the_driver_from_a_library_a_package_brings
 import contextlib, ctypes, json, sys
 import torch
 import torch.cuda._utils
-from tests.untrusted_probe import Watch
+from tests.compiler.package.untrusted_probe import Watch
 
 loaded = []
 sys.addaudithook(lambda event, args: event == "ctypes.dlopen" and loaded.append(args[0]))

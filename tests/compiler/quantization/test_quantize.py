@@ -14,7 +14,6 @@ from safetensors.torch import save_file
 
 import compiler
 from benchmarks.quantization import sensitive_case
-from compiler.accuracy.compare import precision_summary
 from compiler.errors import (
     CalibrationError,
     CalibrationWarning,
@@ -26,6 +25,7 @@ from compiler.errors import (
 from compiler.inputs.data import sample_digest
 from compiler.partitioning.partition import QUANTIZED_PREFIX
 from compiler.quantization.quantize import calibration_samples, quantize
+from compiler.validation.report import precision_summary
 from compiler.validation.validate import validation_inputs
 
 HOT = 2

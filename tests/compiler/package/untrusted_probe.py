@@ -1,6 +1,6 @@
 """Load tampered packages untrusted, in this (fresh) process, under an audit hook; report what happened.
 
-Run by tests/compiler/package/test_untrusted_load.py as ``python tests/untrusted_probe.py CONFIG
+Run by tests/compiler/package/test_untrusted_load.py as ``python untrusted_probe.py CONFIG
 RESULTS``. CONFIG names clean packages (an ONNX Runtime one and an Inductor one), the input and the
 outputs their compiled modules gave, and the attacks to stage. Phase 1 stages every tampered package as an
 attacker with write access and no signing key would: edit a field of the manifest or of an engine header,

@@ -1,7 +1,7 @@
 """Fuzz the engine cache's records and entries as an attacker who can rewrite them (and recompute the
 hashes) would, in this fresh process, under an audit hook; report each round.
 
-Run by tests/compiler/cache/test_fuzz_cache.py as ``python tests/cache_fuzz_probe.py CONFIG RESULTS``.
+Run by tests/compiler/cache/test_fuzz_cache.py as ``python cache_fuzz_probe.py CONFIG RESULTS`` (this file).
 CONFIG gives a scratch folder, a seed and a time budget. Each round writes one clean entry to a fresh
 cache, either a local one (``<key>.bin``/``.json``) or a ``file://`` store read through an empty local
 layer (``blobs/<sha256>``, ``entries/<key>.json``), applies one to three mutations (every field of the
@@ -13,7 +13,8 @@ a folder or a hard link; a store folder replaced by a link out of the store. The
 ``same`` (the original engine bytes), ``refused`` (a miss or a KilnError), or a failure: ``different``
 bytes, ``crashed`` (any other exception), ``hung`` (over its alarm), or violations: a file opened, listed,
 written or deleted outside the cache's folder (``sys.addaudithook``, in the spirit of
-tests/untrusted_probe.py's Watch) other than Python's own reads, or any change to the files kept outside
+tests/compiler/package/untrusted_probe.py's
+Watch) other than Python's own reads, or any change to the files kept outside
 the cache (contents, times, names). A positive control proves the hook sees a violation.
 """
 

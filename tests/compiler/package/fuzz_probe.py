@@ -1,13 +1,13 @@
 """Fuzz a package's formats as an attacker who can rewrite it (and recompute every hash) would.
 
 Run by tests/compiler/package/test_fuzz_formats.py (bounded, in CI) and benchmarks/fuzz_formats.py (longer) as
-``python tests/fuzz_probe.py CONFIG RESULTS``. CONFIG names a clean package, its input and output, a
+``python fuzz_probe.py CONFIG RESULTS``. CONFIG names a clean package, its input and output, a
 seed and a time budget. Each round copies the package, applies one to three structured mutations to
 ``runtime_graph.json`` (nodes, call targets, keyword names, constants, the call signature), its two
 pytree specs (types, enum and defaultdict contexts), ``manifest.json`` (any field) or the weights file's
 safetensors header (any field, hostile shapes and offsets, nesting past the bound), recomputes the
-checksums and the content hash (tests/untrusted_probe.py's reseal), loads it untrusted and calls it,
-under the audit hook of tests/untrusted_probe.py (no process, no open or library load outside the
+checksums and the content hash (untrusted_probe.py's reseal), loads it untrusted and calls it,
+under the audit hook of untrusted_probe.py (no process, no open or library load outside the
 package and Python's own directories) plus: no import of a module this process had not imported, no
 code compiled that carries the attack token, nothing unpickled. Each round's outcome: ``same`` (the
 original answers), ``different`` (a resealed package computes something else: what signing is for),
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from untrusted_probe import HOSTILE, TOKEN, Watch, _reseal_data
+from tests.compiler.package.untrusted_probe import HOSTILE, TOKEN, Watch, _reseal_data
 
 # What a mutation may put in place of a value: payloads, wrong types, sizes, names fx would paste.
 PALETTE: list[Any] = [
