@@ -498,7 +498,7 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=None, help="default: all but in_process "
                         "on the CPU (it contends with the servers for 2 cores), all on CUDA")  # fmt: skip
     parser.add_argument("--queue-delay-us", type=int, default=DEFAULT_QUEUE_DELAY_US, help="export's setting")
-    parser.add_argument("--instances", type=int, default=1, help="export's setting")
+    parser.add_argument("--instances", type=int, default=0, help="export's setting (0: automatic)")
     parser.add_argument("--threads", type=int, default=0, help="export's setting (0: kiln's automatic)")
     parser.add_argument("--no-release", action="store_true", help="skip the release under load")
     parser.add_argument(

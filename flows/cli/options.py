@@ -404,7 +404,9 @@ Models = Annotated[list[str], typer.Argument(help="kiln model names (as in the z
 QueueDelayUs = Annotated[
     int, typer.Option("--queue-delay-us", help="dynamic batching: how long a request may wait for others")
 ]
-Instances = Annotated[int, typer.Option("--instances", help="model instances per server")]
+Instances = Annotated[
+    int, typer.Option("--instances", help="model instances per server (0: two per GPU, one on the CPU)")
+]
 Threads = Annotated[
     int,
     typer.Option(

@@ -46,7 +46,7 @@ def export_cmd(
     repository: Repository,
     engine_target: EngineTarget = "cpu",
     queue_delay_us: QueueDelayUs = 1000,
-    instances: Instances = 1,
+    instances: Instances = 0,
     threads: Threads = 0,
     allow_op_module: ExportAllowOpModule = None,
     tracking_uri: ExportTrackingUri = None,

@@ -50,6 +50,7 @@ from compiler.atomic import write_bytes_atomic
 from compiler.package.manifest import GENERATION
 from serving.triton.config import (
     BACKEND_FILE,
+    DEFAULT_INSTANCES,
     DEFAULT_QUEUE_DELAY_US,
     DEFAULT_THREADS,
     PACKAGE_DIR,
@@ -146,7 +147,7 @@ class ServingSettings:
     model: str
     target: str
     queue_delay_us: int = DEFAULT_QUEUE_DELAY_US
-    instances: int = 1
+    instances: int = DEFAULT_INSTANCES
     threads: int = DEFAULT_THREADS
 
     def to_json(self) -> str:
@@ -157,7 +158,7 @@ class ServingSettings:
         checked_name(self.model, f"{SETTINGS_FILE}: model")
         checked_target(self.target, f"{SETTINGS_FILE}: target")
         checked_int(self.queue_delay_us, f"{SETTINGS_FILE}: queue_delay_us", minimum=0)
-        checked_int(self.instances, f"{SETTINGS_FILE}: instances", minimum=1)
+        checked_int(self.instances, f"{SETTINGS_FILE}: instances", minimum=0)
         checked_int(self.threads, f"{SETTINGS_FILE}: threads", minimum=0)
 
     @classmethod
@@ -430,7 +431,7 @@ def export(
     engine_target: str = "cpu",
     tracking_uri: str | None = None,
     queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
-    instances: int = 1,
+    instances: int = DEFAULT_INSTANCES,
     threads: int = DEFAULT_THREADS,
     allowed_modules: Sequence[str] | None = None,
 ) -> list[ExportResult | ExportFailure]:
@@ -441,7 +442,7 @@ def export(
     from compiler.errors import KilnError
     from registry import config
 
-    checked_int(instances, "instances", minimum=1)
+    checked_int(instances, "instances (0: automatic)", minimum=0)
     checked_int(queue_delay_us, "the queue delay in microseconds", minimum=0)
     checked_int(threads, "threads (0: automatic)", minimum=0)
     repo = check_repository(repository, write=True, create=True)

@@ -164,7 +164,8 @@ def test_cuda_versions_export_on_a_cpu_only_host_from_what_their_packages_record
     )
     assert sorted(p.name for p in repository.iterdir()) == ["bert"]  # nothing of mlp, not even a folder
     config_text = (repository / "bert" / "config.pbtxt").read_text()
-    assert "kind: KIND_GPU" in config_text and "max_batch_size: 8" in config_text
+    # automatic instances: two on a GPU (serving.triton.config.instance_count)
+    assert "kind: KIND_GPU count: 2" in config_text and "max_batch_size: 8" in config_text
     served = json.loads((repository / "bert" / "1" / "kiln.json").read_text())
     assert [i["name"] for i in served["inputs"]] == ["input_ids", "attention_mask"]  # keyword inputs
     assert [o["name"] for o in served["outputs"]] == ["last_hidden_state", "pooler_output"]
