@@ -23,13 +23,23 @@ from compiler.partitioning import runtime_graph
 from compiler.program.export import import_allowed_modules
 
 
-def import_recorded_modules(path: Path, manifest: Manifest, allowed_modules: Sequence[str] | None) -> None:
+def import_recorded_modules(
+    path: Path, manifest: Manifest, allowed_modules: Sequence[str] | None, reads: Mapping[str, Future[bytes]]
+) -> tuple[str, ...]:
     """The modules the package records (its custom ops, its input and output types), imported where this
     process allows them (else OpModuleNotAllowedError naming them), before the program's own check: a
-    load imports them while its workers read the files (``transformers`` alone is 1-2 s where a process
-    has not imported it yet). :func:`read_runtime_graph` then imports only what the program adds."""
+    load imports them while its workers read the files. Those only the output spec's types need
+    (``transformers`` for a ModelOutput: 1.4-2 s where a process has not imported it) are checked now
+    and imported on the first ``forward`` (``DeferredSpec``): a caller of ``run_flat`` (a serving
+    backend) never pays for them. Returns those. :func:`read_runtime_graph` then imports only what the
+    program adds."""
     recorded = list(manifest.op_modules)
-    import_allowed_modules(recorded, str(path / PROGRAM), allowed=allowed_modules, recorded=recorded)
+    deferred = runtime_graph.output_only_modules(
+        reads[RUNTIME_GRAPH].result(), str(path / RUNTIME_GRAPH), recorded
+    )
+    where = str(path / PROGRAM)
+    import_allowed_modules(recorded, where, allowed=allowed_modules, recorded=recorded, defer=deferred)
+    return deferred
 
 
 def read_runtime_graph(
@@ -39,19 +49,23 @@ def read_runtime_graph(
     program_modules: Sequence[str],
     moved: torch.device | None,
     allowed_modules: Sequence[str] | None,
+    deferred: Sequence[str] = (),
 ) -> Any:
     """The package's runtime graph, read; the program is checked now as a read of it would be (what
     torch would unpickle, the modules its text names, ``program_modules``): a package whose program
-    would be refused is refused at load, as ever."""
+    would be refused is refused at load, as ever. ``deferred``: :func:`import_recorded_modules`'."""
     recorded = list(manifest.op_modules)
     modules = sorted(set(recorded) | set(program_modules))
-    import_allowed_modules(modules, str(path / PROGRAM), allowed=allowed_modules, recorded=recorded)
+    defer = [m for m in deferred if m not in program_modules]  # the program's text needs those now
+    where = str(path / PROGRAM)
+    import_allowed_modules(modules, where, allowed=allowed_modules, recorded=recorded, defer=defer)
     return runtime_graph.read(
         reads[RUNTIME_GRAPH].result(),
         str(path / RUNTIME_GRAPH),
         moved,
         allowed_modules=allowed_modules,
         recorded_modules=recorded,
+        deferred=defer,
     )
 
 

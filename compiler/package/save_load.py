@@ -338,10 +338,10 @@ def _load(
         warm_inductor_imports()  # while the workers hash
     lap("imports")
     if light:
-        # The modules the package records (custom ops, output types such as transformers' ModelOutput:
-        # a fixed 1-2 s where transformers is not imported yet) are imported while the workers read, hash
-        # and copy the files, not after the program's check.
-        reading.import_recorded_modules(path, manifest, allowed_modules)
+        # The modules the package records (custom ops, input types) are imported while the workers read,
+        # hash and copy the files; those only its output types need (transformers' ModelOutput, 1-2 s)
+        # are checked now and imported on the first forward: run_flat never pays for them.
+        deferred = reading.import_recorded_modules(path, manifest, allowed_modules, reads)
         lap("modules")
 
     def read_program() -> torch.export.ExportedProgram:
@@ -358,7 +358,7 @@ def _load(
         moved = None if same(target, resolve(recorded_device)) else target
         modules = checked_program.result()
         lap("program_check")
-        graph = reading.read_runtime_graph(path, manifest, reads, modules, moved, allowed_modules)
+        graph = reading.read_runtime_graph(path, manifest, reads, modules, moved, allowed_modules, deferred)
         own = set(graph.signature.weight_keys())
         lap("runtime_graph")
     else:

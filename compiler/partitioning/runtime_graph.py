@@ -68,7 +68,7 @@ class CallSignature:
     """
 
     in_spec: pytree.TreeSpec
-    out_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec | treespec.DeferredSpec  # deferred: decoded on first use (read's note)
     inputs: tuple[str | None, ...]
     user_outputs: tuple[int, ...]
 
@@ -106,7 +106,7 @@ def write(
             "format": FORMAT,
             "graph": _graph(graph_module),
             "in_spec": pytree.treespec_dumps(signature.in_spec),
-            "out_spec": pytree.treespec_dumps(signature.out_spec),
+            "out_spec": pytree.treespec_dumps(treespec.resolved(signature.out_spec)),
             "inputs": list(signature.inputs),
             "user_outputs": list(signature.user_outputs),
             "symbols": {k: list(v) for k, v in symbols.items()},
@@ -128,23 +128,29 @@ def read(
     *,
     allowed_modules: Sequence[str] | None = None,
     recorded_modules: Sequence[str] | None = None,
+    deferred: Sequence[str] = (),
 ) -> RuntimeGraph:
     """Decode :func:`write`'s bytes (checked by the caller's manifest hash, and here for shape).
 
     ``device``: where the model runs, when that is not where it was compiled: every device an op names
     becomes it (as torch.export's ``move_to_device_pass`` does for a program). ``allowed_modules`` and
     ``recorded_modules``: the op-module rule's allow list and the package's modules, for enum types in
-    the pytree specs. Malformed data is a :class:`PackageCorruptError` naming ``where``."""
+    the pytree specs. ``deferred``: modules only the output spec needs (:func:`output_only_modules`),
+    not imported yet: the output spec is then a ``DeferredSpec``, decoded (its modules imported) on
+    first use. Malformed data is a :class:`PackageCorruptError` naming ``where``."""
     try:
         raw = _dict(json_reader.loads(data, where, error=PackageJsonError))
         if raw.get("format") != FORMAT:
             raise ValueError(f"format {raw.get('format')!r:.40}")
-        specs = [
-            treespec.loads(_str(raw[key]), where, allowed=allowed_modules, recorded=recorded_modules)
-            for key in ("in_spec", "out_spec")
-        ]
+        rule = {"allowed": allowed_modules, "recorded": recorded_modules}
+        out_spec = (
+            treespec.DeferredSpec(_str(raw["out_spec"]), where, deferred, **rule)
+            if deferred
+            else treespec.loads(_str(raw["out_spec"]), where, **rule)
+        )
         signature = CallSignature(
-            *specs,
+            treespec.loads(_str(raw["in_spec"]), where, **rule),
+            out_spec,
             tuple(None if k is None else _str(k) for k in _list(raw["inputs"])),
             tuple(_int(i) for i in _list(raw["user_outputs"])),
         )
@@ -168,6 +174,36 @@ def read(
     ) as exc:
         raise PackageCorruptError(f"{where} is malformed: {exc!r:.300}") from exc
     return RuntimeGraph(graph_module, signature, symbols)
+
+
+def output_only_modules(data: bytes, where: str, recorded: Sequence[str]) -> tuple[str, ...]:
+    """The recorded modules only the output spec's types come from (transformers' ModelOutput): a
+    load need not import them until a caller asks for the output type. None where the graph calls an
+    op outside ATen and prims (its module may be one of them) or the data is malformed (:func:`read`
+    says how)."""
+    try:
+        raw = _dict(json_reader.loads(data, where, error=PackageJsonError))
+        outputs = treespec.type_names(_str(raw["out_spec"]), where)
+        inputs = treespec.type_names(_str(raw["in_spec"]), where)
+        if _calls_custom_ops(raw["graph"], 0):
+            return ()
+    except (KilnError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return ()
+
+    def names(module: str, types: set[str]) -> bool:
+        return any(t.startswith(module + ".") for t in types)
+
+    return tuple(m for m in recorded if names(m, outputs) and not names(m, inputs))
+
+
+def _calls_custom_ops(graph: Any, depth: int) -> bool:
+    if depth > 16 or not isinstance(graph, dict):
+        return True  # not a graph this reader takes: nothing deferred (read refuses it)
+    for node in graph.get("nodes") or ():
+        target = node.get("target") if isinstance(node, dict) else None
+        if isinstance(target, str) and "::" in target and target.split("::", 1)[0] not in ("aten", "prims"):
+            return True
+    return any(_calls_custom_ops(sub, depth + 1) for sub in (graph.get("submodules") or {}).values())
 
 
 def _check_signature(graph_module: torch.fx.GraphModule, signature: CallSignature) -> None:

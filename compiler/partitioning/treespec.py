@@ -115,3 +115,87 @@ def _enum_member(
     if not (isinstance(cls, type) and issubclass(cls, enum.Enum)) or name not in cls.__members__:
         raise ValueError(f"pytree enum {fqn}.{name:.40} is not a member of an enum class")
     return cls[name]
+
+
+class DeferredSpec:
+    """An output spec checked at load and decoded on first use: the modules its types come from
+    (``modules``: transformers' ModelOutput, a 1.4-2 s import) are imported only when a caller asks for
+    the model's own output type (``forward``), never for ``run_flat`` (a serving backend's path, issue
+    45). The op-module rule held them at load; it holds the import again when it happens."""
+
+    def __init__(
+        self,
+        text: str,
+        where: str,
+        modules: Sequence[str],
+        *,
+        allowed: Sequence[str] | None = None,
+        recorded: Sequence[str] | None = None,
+    ):
+        protocol, schema = json_reader.loads(text, f"{where} pytree spec", max_depth=2 * _MAX_DEPTH + 3)
+        if protocol != 1:
+            raise ValueError(f"pytree spec protocol {protocol!r:.20}")
+        self.num_leaves = _leaves(schema, 0)  # the shape checked now: a load refuses a malformed spec
+        self.text, self.where, self.modules = text, where, tuple(modules)
+        self._allowed, self._recorded = allowed, recorded
+        self._spec: pytree.TreeSpec | None = None
+
+    def resolve(self) -> pytree.TreeSpec:
+        """The spec, its modules imported (by the op-module rule) the first time."""
+        if self._spec is None:
+            from compiler.errors import PackageCorruptError
+            from compiler.program.export import import_allowed_modules
+
+            import_allowed_modules(self.modules, self.where, allowed=self._allowed, recorded=self._recorded)
+            try:
+                self._spec = loads(self.text, self.where, allowed=self._allowed, recorded=self._recorded)
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                raise PackageCorruptError(f"{self.where} is malformed: {exc!r:.300}") from exc
+        return self._spec
+
+    def __eq__(self, other: object) -> bool:  # a comparison asks for the type: decoded for it
+        if isinstance(other, DeferredSpec | pytree.TreeSpec):
+            return self.resolve() == resolved(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.resolve())
+
+
+def resolved(spec: pytree.TreeSpec | DeferredSpec) -> pytree.TreeSpec:
+    return spec.resolve() if isinstance(spec, DeferredSpec) else spec
+
+
+def type_names(text: str, where: str) -> set[str]:
+    """The serialized type names a spec's nodes carry (data: nothing resolved or imported)."""
+    _, schema = json_reader.loads(text, f"{where} pytree spec", max_depth=2 * _MAX_DEPTH + 3)
+    names: set[str] = set()
+
+    def walk(node: Any, depth: int) -> None:
+        if depth > _MAX_DEPTH or not isinstance(node, dict):
+            raise ValueError("a pytree spec node is not {type, context, children_spec}")
+        if isinstance(node.get("type"), str):
+            names.add(node["type"])
+        for child in node.get("children_spec") or ():
+            walk(child, depth + 1)
+
+    walk(schema, 0)
+    return names
+
+
+def _leaves(schema: Any, depth: int) -> int:
+    """How many leaves a spec has, its node structure checked as :func:`_spec` checks it."""
+    if depth > _MAX_DEPTH:
+        raise ValueError("a pytree spec nests too deep")
+    if not isinstance(schema, dict) or set(schema) != {"type", "context", "children_spec"}:
+        raise ValueError("a pytree spec node is not {type, context, children_spec}")
+    kind, context, children = schema["type"], schema["context"], schema["children_spec"]
+    if not isinstance(children, list):
+        raise ValueError("a pytree spec's children are not a list")
+    if kind is None:
+        if context is not None or children:
+            raise ValueError("a pytree leaf with a context or children")
+        return 1
+    if not isinstance(kind, str):
+        raise ValueError(f"pytree type {kind!r:.80}")
+    return sum(_leaves(child, depth + 1) for child in children)

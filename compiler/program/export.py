@@ -21,7 +21,7 @@ import sys
 import types
 import typing
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -358,9 +358,11 @@ def import_allowed_modules(
     *,
     allowed: Sequence[str] | None = None,
     recorded: Sequence[str] | None = None,
+    defer: Collection[str] = (),
 ) -> None:
     """Import ``modules`` where this process allows it (already imported, or allowed by prefix);
-    else raise :class:`OpModuleNotAllowedError` naming them and how to allow them."""
+    else raise :class:`OpModuleNotAllowedError` naming them and how to allow them. ``defer``: checked
+    the same, imported later by whoever needs them (a load's output types: ``DeferredSpec``)."""
     prefixes = allowed_module_prefixes(allowed)
     bad_names = [m for m in modules if not _MODULE_NAME.match(m)]
     needed = [
@@ -378,7 +380,7 @@ def import_allowed_modules(
             recorded=listed,
         )
     for module in modules:
-        if module in sys.modules:
+        if module in sys.modules or module in defer:
             continue
         try:
             importlib.import_module(module)

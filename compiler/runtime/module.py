@@ -33,6 +33,7 @@ from compiler.engine_build.lower import engine_weights
 from compiler.errors import CudaGraphError, InputSpecError, RefitError
 from compiler.inputs.profiles import fixed_profiles, is_fixed, profile_inputs, profile_shapes
 from compiler.inputs.specs import InputSpec, check_inputs
+from compiler.partitioning import treespec
 from compiler.partitioning.dedup import DedupPlan
 from compiler.partitioning.partition import PartitionPlan
 from compiler.program.tracing import custom_op_lock
@@ -87,7 +88,8 @@ class CompiledModule(torch.nn.Module):
         # Where inputs, engines, fallback ops and outputs live (CompileOptions.device).
         self.device = resolve(plan.options.device)
         signature = plan.signature
-        self._in_spec, self._out_spec = signature.in_spec, signature.out_spec
+        # The output spec may be deferred (a package's output types' modules imported on first forward).
+        self._in_spec, self._out_source = signature.in_spec, signature.out_spec
         self._leaf_call = _leaf_call(self._in_spec)
         # The weight tensors are fixed for the module's life (refit in place copies into them): resolved once.
         weights = plan.weights()
@@ -108,6 +110,10 @@ class CompiledModule(torch.nn.Module):
         )
         # Profiles a call may be padded up to (pad_to_profile "auto", as the compile-time check allowed).
         self._pad_targets = pad_targets(plan.specs, plan.options.profiles, report.profiles)
+
+    @property
+    def _out_spec(self) -> pytree.TreeSpec:
+        return treespec.resolved(self._out_source)
 
     @property
     def input_specs(self) -> tuple[InputSpec, ...]:

@@ -1,0 +1,124 @@
+"""A package whose outputs are a transformers ModelOutput: a load imports ``transformers`` only when a
+caller asks for that type (``forward``), never for ``run_flat``, a serving backend's path (issue 45:
+the import is 1.4-2 s of a 2-2.5 s load). The op-module rule still decides at load, and again when the
+import happens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch.export import Dim
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+import compiler
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> BaseModelOutputWithPooling:
+        hidden = torch.tanh(self.proj(x))
+        return BaseModelOutputWithPooling(last_hidden_state=hidden, pooler_output=hidden.mean(1))
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    x = torch.randn(2, 5, 8)
+    program = compiler.export(model, (x,), dynamic_shapes=({0: Dim("batch", min=1, max=8)},))
+    module = compiler.compile(program, backend="onnxruntime", cache=False)
+    path = tmp_path_factory.mktemp("deferred") / "encoder.kiln"
+    compiler.save(module, path)
+    with torch.no_grad():
+        out = model(x)
+    torch.save({"x": x, "hidden": out.last_hidden_state, "pooled": out.pooler_output}, path.parent / "io.pt")
+    return path
+
+
+def _fresh(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k != "KILN_ALLOWED_OP_MODULES"}
+    full.update({"PYTHONPATH": str(ROOT), **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full, timeout=300
+    )
+
+
+def test_run_flat_leaves_transformers_unimported_and_forward_returns_the_model_output(package):
+    done = _fresh(f"""
+        import json, sys, torch, compiler
+        data = torch.load({str(package.parent / "io.pt")!r})
+        module = compiler.load({str(package)!r})
+        after_load = "transformers" in sys.modules
+        flat = module.run_flat([data["x"]])
+        after_flat = "transformers" in sys.modules
+        out = module(data["x"])
+        print(json.dumps({{
+            "after_load": after_load, "after_flat": after_flat,
+            "after_forward": "transformers" in sys.modules,
+            "flat_close": [
+                torch.allclose(a, b, atol=1e-5) for a, b in zip(flat, [data["hidden"], data["pooled"]])
+            ],
+            "type": f"{{type(out).__module__}}.{{type(out).__name__}}",
+            "forward_close": torch.allclose(out.last_hidden_state, data["hidden"], atol=1e-5)
+            and torch.allclose(out.pooler_output, data["pooled"], atol=1e-5),
+        }}))
+        """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["after_load"] is False and result["after_flat"] is False, result
+    assert result["flat_close"] == [True, True], result
+    assert result["after_forward"] is True, result
+    assert result["type"] == "transformers.modeling_outputs.BaseModelOutputWithPooling", result
+    assert result["forward_close"] is True, result
+
+
+def test_a_module_the_rule_refuses_is_refused_at_load_not_at_first_forward(package):
+    # Strict mode: nothing imported on the package's word, so the output type's module is refused by
+    # the load itself, before anything runs; allowed by the caller, the load succeeds and defers it.
+    done = _fresh(
+        f"""
+        import sys, compiler
+        from compiler.errors import OpModuleNotAllowedError
+        try:
+            compiler.load({str(package)!r})
+        except OpModuleNotAllowedError as exc:
+            print("REFUSED", exc.needed)
+        module = compiler.load({str(package)!r}, allowed_modules=["transformers.modeling_outputs"])
+        print("LOADED", "transformers" in sys.modules)
+        """,
+        {"KILN_ALLOWED_OP_MODULES": ""},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines == ["REFUSED ['transformers.modeling_outputs']", "LOADED False"], done.stdout
+
+
+def test_the_import_on_first_forward_is_held_to_the_rule_then(package):
+    # Allowed at load (the default list), then the process's rule turns strict before the first forward:
+    # the deferred import is checked again when it happens, and refused.
+    done = _fresh(f"""
+        import os, sys, torch, compiler
+        from compiler.errors import OpModuleNotAllowedError
+        data = torch.load({str(package.parent / "io.pt")!r})
+        module = compiler.load({str(package)!r})
+        os.environ["KILN_ALLOWED_OP_MODULES"] = ""
+        try:
+            module(data["x"])
+        except OpModuleNotAllowedError as exc:
+            print("REFUSED", exc.needed, "transformers" in sys.modules)
+        """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last == "REFUSED ['transformers.modeling_outputs'] False", done.stdout
