@@ -109,6 +109,7 @@ def load(
     trust_engine_code: bool | None = None,
     cuda_graphs: str | None = None,
     cache: Any = None,
+    defer_output_types: bool = False,
 ) -> CompiledModule | GenerationModule:
     """``compiler.load``: any package (:func:`compiler.package.save_load.load` says what a load checks
     and what each argument means); a generation package's decode program joins its prefill program.
@@ -121,6 +122,7 @@ def load(
         trust_engine_code=trust_engine_code,
         cuda_graphs=cuda_graphs,
         cache=cache,
+        defer_output_types=defer_output_types,
     )
     if GENERATION_FILE not in prefill.manifest.files:
         return prefill

@@ -24,18 +24,26 @@ from compiler.program.export import import_allowed_modules
 
 
 def import_recorded_modules(
-    path: Path, manifest: Manifest, allowed_modules: Sequence[str] | None, reads: Mapping[str, Future[bytes]]
+    path: Path,
+    manifest: Manifest,
+    allowed_modules: Sequence[str] | None,
+    reads: Mapping[str, Future[bytes]],
+    defer_output_types: bool = False,
 ) -> tuple[str, ...]:
     """The modules the package records (its custom ops, its input and output types), imported where this
     process allows them (else OpModuleNotAllowedError naming them), before the program's own check: a
     load imports them while its workers read the files. Those only the output spec's types need
     (``transformers`` for a ModelOutput: 1.4-2 s where a process has not imported it) are checked now
-    and imported on the first ``forward`` (``DeferredSpec``): a caller of ``run_flat`` (a serving
-    backend) never pays for them. Returns those. :func:`read_runtime_graph` then imports only what the
-    program adds."""
+    and imported on the first ``forward`` (``DeferredSpec``) where ``defer_output_types`` asks: a
+    caller of ``run_flat`` alone (a serving backend) never pays for them. Returns those.
+    :func:`read_runtime_graph` then imports only what the program adds."""
     recorded = list(manifest.op_modules)
-    deferred = runtime_graph.output_only_modules(
-        reads[RUNTIME_GRAPH].result(), str(path / RUNTIME_GRAPH), recorded
+    # Deferred only where the caller asked: imported here they overlap the workers' reads (on the H100
+    # a forward's first answer came 0.6 s later when transformers was imported at the first call).
+    deferred = (
+        runtime_graph.output_only_modules(reads[RUNTIME_GRAPH].result(), str(path / RUNTIME_GRAPH), recorded)
+        if defer_output_types
+        else ()
     )
     where = str(path / PROGRAM)
     import_allowed_modules(recorded, where, allowed=allowed_modules, recorded=recorded, defer=deferred)

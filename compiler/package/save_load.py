@@ -227,6 +227,7 @@ def load(
     trust_engine_code: bool | None = None,
     cuda_graphs: str | None = None,
     cache: CacheSetting = None,
+    defer_output_types: bool = False,
 ) -> CompiledModule:
     """Load a package: verify, re-create the split graph from the saved plan, refit engines, ready to call.
 
@@ -249,6 +250,10 @@ def load(
 
     ``cache``: the engine cache, as everywhere (None: the default, False: none), where engines that are
     compiled here (Inductor's, untrusted or built elsewhere) are kept for the next load.
+
+    ``defer_output_types``: for callers of ``run_flat`` alone (a serving backend): the modules only the
+    outputs' types come from (transformers' ModelOutput, 1.4-2 s to import) are checked now and imported
+    on the first ``forward``, if one comes. By default they are imported during the load.
     """
     path = Path(path)
     start = time.perf_counter()
@@ -270,8 +275,9 @@ def load(
     signed = verifier.submit(signature_check) if signature_check is not None else None
     try:
         compiled = _load(
-            path, manifest, pool, signed, allowed_modules, device, trust_engine_code, cuda_graphs, cache=cache
-        )
+            path, manifest, pool, signed, allowed_modules, device, trust_engine_code, cuda_graphs,
+            cache=cache, defer_output_types=defer_output_types,
+        )  # fmt: skip
         compiled.load_seconds = {"manifest": round(manifest_s, 4), **compiled.load_seconds}
         # A generation package's decode program is joined above this stage (compiler.generation.package.load).
         compiled.manifest = manifest
@@ -294,6 +300,7 @@ def _load(
     shared_weights: Mapping[str, torch.Tensor] | None = None,
     *,
     cache: CacheSetting = None,
+    defer_output_types: bool = False,
 ) -> CompiledModule:
     try:
         options = manifest.plan["options"]
@@ -341,7 +348,7 @@ def _load(
         # The modules the package records (custom ops, input types) are imported while the workers read,
         # hash and copy the files; those only its output types need (transformers' ModelOutput, 1-2 s)
         # are checked now and imported on the first forward: run_flat never pays for them.
-        deferred = reading.import_recorded_modules(path, manifest, allowed_modules, reads)
+        deferred = reading.import_recorded_modules(path, manifest, allowed_modules, reads, defer_output_types)
         lap("modules")
 
     def read_program() -> torch.export.ExportedProgram:

@@ -292,7 +292,8 @@ def load_verified(package_dir: Path, device: str, served: ServedModel) -> tuple[
     import compiler
     from compiler.errors import PackageCorruptError
 
-    module = compiler.load(package_dir, device=device)
+    # run_flat alone serves here: the outputs' types (transformers' for an HF model) are never imported
+    module = compiler.load(package_dir, device=device, defer_output_types=True)
     manifest = compiler.read_manifest(package_dir)
     if manifest.content_hash != served.content_hash:
         raise PackageCorruptError(
