@@ -218,6 +218,7 @@ def graph_flops(graph: bytes, feed: Mapping[str, np.ndarray]) -> dict[str, int]:
     nodes = [n for n in model.graph.node if n.op_type in COMPUTE_OPS and n.name]
     if not nodes:
         return {}
+    _zero_stripped(model)
     known = {o.name for o in model.graph.output}
     inits = {i.name: list(i.dims) for i in model.graph.initializer}
     wanted = []
@@ -250,6 +251,15 @@ def graph_flops(graph: bytes, feed: Mapping[str, np.ndarray]) -> dict[str, int]:
             continue
         result[node.name] = 2 * int(np.prod(out)) * int(k)
     return result
+
+
+def _zero_stripped(model: onnx.ModelProto) -> None:
+    """Weights stripped from an engine (refit at load) as zeros of their shape and type: FLOPs need
+    only the shapes, and ONNX Runtime will not run a tensor whose bytes are nowhere."""
+    for init in model.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+            init.CopyFrom(onnx.numpy_helper.from_array(np.zeros(tuple(init.dims), dtype), init.name))
 
 
 def _weight_inputs(model: onnx.ModelProto, weight_names: Mapping[str, str]) -> dict[str, tuple[str, str]]:
