@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
 
-from compiler.accuracy.mixed import precision_warning
+from compiler.accuracy.mixed import ended_precision, precision_warning
 from compiler.validation.report import precision_summary
 from flows import progress
 from flows.results import ModelResult, package_path
@@ -109,7 +109,11 @@ def compile_model(
 
     # A model left at another precision than asked (layers or partitions raised by repair) is a
     # warning in the summary and the log, not only a number in the report.
-    asked = precision_warning(validated.staged.report.accuracy_repair, request.options.precision)
+    repaired = validated.staged.report.accuracy_repair
+    ended = ended_precision(
+        precision_summary(validation.precision_plan) or request.options.precision, repaired
+    )
+    asked = precision_warning(repaired, request.options.precision, ended)
     mixed = [asked] if asked else []
     if asked:
         logger.warning("%s: %s", name, asked)
@@ -138,7 +142,7 @@ def compile_model(
         build_workers=sorted({e.worker for e in engines}),
         engine_cache=engine_cache,
         warnings=sorted({w for e in engines for w in e.warnings}) + mixed,
-        precision=precision_summary(validation.precision_plan) or request.options.precision,
+        precision=ended,
     )
     remember(
         request,

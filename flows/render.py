@@ -60,16 +60,20 @@ def progress_bar() -> Progress:
 
 
 NOT_MEASURED = "-"
+LAYERS_MARK = "*"  # a precision cell's mark: repair kept some layers of its partitions in float
 
 
 def _summary_table(summary: dict[str, Any]) -> Table:
     unmeasured = any(m.get("max_rel_l2") is None or m.get("latency_ratio") is None for m in summary["models"])
+    layered = any("layer" in (m.get("precision") or "").split(";")[0] for m in summary["models"])
+    notes = [f"{NOT_MEASURED}: not measured (failed, or not validated)"] if unmeasured else []
+    notes += [f"{LAYERS_MARK}: some layers kept in fp32 (see the warnings)"] if layered else []
     table = Table(
         title=f"kiln: {summary['ok']} ok, {summary['failed']} failed, {summary['seconds']}s",
         # Columns apart by one space, no rules: nine columns and a whole model name fit 80 columns.
         box=box.SIMPLE_HEAD,
         padding=0,
-        caption=f"{NOT_MEASURED}: not measured (failed, or not validated)" if unmeasured else None,
+        caption="; ".join(notes) or None,
     )
     # Short headers: the table must fit 80 columns (CI logs, pipes).
     table.add_column(
@@ -108,7 +112,8 @@ def _precision_cell(summary: str) -> str:
     common, _, rest = summary.partition(";")
     others = sum(len(part.split(":", 1)[1].split(",")) for part in rest.split(";") if ":" in part)
     level = common.split(" x")[0].strip() or "-"
-    return f"{level}+{others}" if others else level
+    layers = LAYERS_MARK if "layer" in common else ""  # "int8 x1 (56 layers fp32, ...)": layers raised
+    return f"{level}+{others}{layers}" if others else f"{level}{layers}"
 
 
 def _first_line(text: str | None, limit: int = 400) -> str:

@@ -8,9 +8,14 @@ Runtime and TensorRT engines):
 1. each layer's sensitivity: the partition's own output error (vs its float graph) with only that layer
    quantized, on the validation samples' activations at its inputs, quantized from one calibration
    (:class:`~compiler.quantization.layers.LayerProbe`), most sensitive first;
-2. the fewest of them kept in float until the *model* meets the tolerances: the top 1, 2, 4, ...
-   rebuilt (quantized again with ``CompileOptions.float_layers``, the engine through the engine cache)
-   and validated, then a bisection between the last miss and the first hit.
+2. the fewest of them kept in float until the *model* meets the tolerances. Where a rel L2 tolerance
+   is set, the probe first guesses the count: the partition's own error with the top k in float
+   (quantized from the cached ranges, no rebuild), scaled by the model's error over the partition's at
+   k = 0, bisected for the fewest k whose guess meets the tolerance. That count is rebuilt (quantized
+   again with ``CompileOptions.float_layers``, the engine through the engine cache) and validated;
+   when it passes, one fewer is the guess's miss. When it misses (or without a guess: from 1), the
+   count doubles, rebuilt and validated each time, then a bisection between the last miss and the
+   first hit. A rebuild is what costs (a quantization, a build, a validation): the guess saves most.
 
 Both stop at the deadline (``CompileOptions.repair_seconds``): layers not measured by then rank after
 the measured ones, and a search with no passing set by then gives up, and repair raises the partition
@@ -75,10 +80,14 @@ def search(
     *,
     rebuild: Callable[[CompiledModule, Mapping[str, tuple[str, ...]]], CompiledModule],
     accuracy: Callable[[CompiledModule], Any],
+    model_error: float | None = None,
+    tolerance: float | None = None,
 ) -> tuple[LayerSearch, CompiledModule | None, Any]:
     """Search ``partition``'s layers (see the module docstring). ``rebuild(compiled, float_layers)``
     gives the module with those layers in float; ``accuracy(module)`` its :class:`ModelAccuracy`.
-    Returns the search, and the passing module and its accuracy (None, None when none passed)."""
+    ``model_error``/``tolerance``: the model's rel L2 now and the one to meet, for the probe's guess
+    (None: no guess). Returns the search, and the passing module and its accuracy (None, None when none
+    passed)."""
     from compiler.engine_build.lower import lower_float
     from compiler.partitioning.dedup import canonical_weights
     from compiler.quantization.quantize import _captured, calibration_samples
@@ -136,11 +145,34 @@ def search(
         tried[count] = (module, accuracy(module))
         return not tried[count][1].failures
 
+    guessing = bool(model_error and tolerance and math.isfinite(model_error) and probe.full_error > 0)
+
+    def guess(low: int) -> tuple[int, int]:
+        """(the fewest top layers in float whose guessed model error meets the tolerance, the most
+        guessed to miss); (all of ``ranked``, the same) when even that is guessed to miss."""
+        scale = model_error / probe.full_error
+
+        def meets(count: int) -> bool:
+            kept = probe.quantized(exclude=[r.layer.name for r in ranked[:count]])
+            return scale * probe.error(kept) <= tolerance
+
+        miss, hit = low, len(ranked)
+        if not meets(hit):
+            return hit, hit
+        while hit - miss > 1 and time.perf_counter() < deadline:
+            middle = (miss + hit) // 2
+            if meets(middle):
+                hit = middle
+            else:
+                miss = middle
+        return hit, miss
+
     # Free layers first (elementwise ops and norms: no int8 weights, no GEMM FLOPs), then the costly
     # ones, each tier most sensitive first: the prefix that passes keeps the most of int8's gains.
     low, high = 0, None  # the most layers known to miss, the fewest known to pass
     try:
-        for tier in ([x for x in probe.layers if not x.costly], [x for x in probe.layers if x.costly]):
+        tiers = [[x for x in probe.layers if not x.costly], [x for x in probe.layers if x.costly]]
+        for number, tier in enumerate(tiers):
             if high is not None or not tier:
                 continue
             found = []
@@ -152,11 +184,17 @@ def search(
             seen = {m.layer.name for m in found}
             ranked += sorted((m for m in found if m.rel_l2 > 0), key=lambda m: -_worst(m.rel_l2))
             ranked += [LayerSensitivity(x, math.nan) for x in tier if x.name not in seen]
-            count = max(1, low)
+            count, floor = max(1, low), low
+            if guessing and time.perf_counter() < deadline:
+                count, floor = guess(low)
+                if floor == count and number + 1 < len(tiers) and tiers[number + 1]:
+                    low = count  # guessed to miss with this whole tier in float: on to the next
+                    continue
             while high is None and low < len(ranked) and time.perf_counter() < deadline:
                 count = min(max(count, low + 1), len(ranked))
                 if verify(count):
                     high = count
+                    low = max(low, min(floor, high - 1))  # the guess's miss, below the first hit
                 else:
                     low = count
                     count *= 2

@@ -3,7 +3,11 @@ lines and the warning that say so, and the repair's decision kept in the engine 
 
 ``kept``: of the partitions compiled at int8, the share of weight elements stored as int8 and of
 GEMM/convolution FLOPs run at int8 (at the first validation sample's shapes; ops that run in PyTorch
-between engines are not counted), after repair, with the totals.
+between engines are not counted), after repair, with the totals. It is counted from the graphs the
+engines were built from: the plan's quantized graphs where it holds them (a compile in this process),
+else the engines' own bytes where they are ONNX (ONNX Runtime engines: a module read back from a
+workspace or a package, as every ``kiln zoo`` compile is). Engines of other formats (TensorRT plans,
+Inductor programs) with no quantized graph in the plan leave the count out.
 
 The decision (the repaired ``partition_precision`` and ``float_layers`` with its record) is an engine
 cache entry keyed by what decides it: the compile's engines, options and weights, the tolerances and
@@ -35,21 +39,9 @@ def kept_fractions(
     initial: CompiledModule, final: CompiledModule, dataset: ValidationData
 ) -> dict[str, Any] | None:
     """Weights and FLOPs kept at int8 (see the module docstring): ``{"precision", "weights", "flops",
-    "weights_int8", "weights_total", "flops_int8", "flops_total"}``; None where a module's plan holds
-    no quantized graph to count from (a module read back from a package or a workspace: its engines
-    hold them), so the repair's record says nothing rather than fail the compile."""
-    from compiler.errors import LoweringError
-
-    try:
-        return _kept_fractions(initial, final, dataset)
-    except LoweringError:
-        return None
-
-
-def _kept_fractions(
-    initial: CompiledModule, final: CompiledModule, dataset: ValidationData
-) -> dict[str, Any]:
-    from compiler.engine_build.lower import _quantized_graph
+    "weights_int8", "weights_total", "flops_int8", "flops_total"}``; None where a partition's graph
+    cannot be had (neither a quantized graph in the plan nor an ONNX engine), so the repair's record
+    says nothing rather than fail the compile."""
     from compiler.quantization.layers import GraphAccount, account
     from compiler.quantization.quantize import _captured
 
@@ -61,26 +53,49 @@ def _kept_fractions(
     feeds = _captured(initial.plan, dataset.samples[:1], asked) if asked and dataset.samples else {}
     total = GraphAccount()
     seen: dict[tuple[int, str], GraphAccount] = {}
+
+    def counted(side: int, module: CompiledModule, fp: str, feed: Mapping[str, Any]) -> GraphAccount | None:
+        if (side, fp) not in seen:
+            graph = counted_graph(module, fp)
+            if graph is None:
+                return None
+            seen[(side, fp)] = account(graph, feed)
+        return seen[(side, fp)]
+
     for name in asked:
         if not feeds.get(name):
             continue
         feed = feeds[name][0]
-        fp = initial.dedup.instance(name).fingerprint
-        if (0, fp) not in seen:
-            seen[(0, fp)] = account(_quantized_graph(initial.plan, initial.dedup, fp), feed)
         if final.plan.options.precision_of(name) in QUANTIZED_PRECISIONS:
-            now = final.dedup.instance(name).fingerprint
-            if (1, now) not in seen:
-                seen[(1, now)] = account(_quantized_graph(final.plan, final.dedup, now), feed)
-            total = total + seen[(1, now)]
-        else:
-            total = total + seen[(0, fp)].float_only()
+            part = counted(1, final, final.dedup.instance(name).fingerprint, feed)
+        else:  # raised whole: its int8 graph's totals, nothing of them at int8
+            part = counted(0, initial, initial.dedup.instance(name).fingerprint, feed)
+            part = part and part.float_only()
+        if part is None:
+            return None
+        total = total + part
     return {
         "precision": initial.plan.options.precision,
         "weights": _share(total.weights_int8, total.weights_total),
         "flops": _share(total.flops_int8, total.flops_total),
         **asdict(total),
     }
+
+
+def counted_graph(module: CompiledModule, fp: str) -> bytes | None:
+    """The ONNX graph of int8 engine ``fp`` as built: the plan's quantized graph when it holds one, else
+    the engine itself when it is an ONNX model (ONNX Runtime); None for any other engine format."""
+    from compiler.engine_build.lower import _quantized_graph
+    from compiler.errors import LoweringError
+
+    try:
+        return _quantized_graph(module.plan, module.dedup, fp)
+    except LoweringError:  # a plan read back from a workspace or a package: its engines hold the graphs
+        pass
+    artifact = module.engines.get(fp)
+    if artifact is None or artifact.backend != "onnxruntime" or not artifact.engine:
+        return None
+    return artifact.engine
 
 
 def kept_line(kept: Mapping[str, Any]) -> str:
@@ -106,12 +121,36 @@ def search_lines(search: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def precision_warning(repair: Mapping[str, Any] | None, asked: str) -> str | None:
+def layers_raised(repair: Mapping[str, Any] | None) -> int:
+    """How many layers repair's passing searches kept in float."""
+    searches = (repair or {}).get("searches", ())
+    return sum(len(s.get("raised", ())) for s in searches if s.get("passed"))
+
+
+def ended_precision(summary: str, repair: Mapping[str, Any] | None) -> str:
+    """The precision a model ended at: its partitions' summary (``int8 x11; fp32: engine_2``, from
+    :func:`compiler.accuracy.compare.precision_summary`) with the layers repair kept in float inside
+    them: ``int8 x1 (56 layers fp32, 99.8% of weights int8)``."""
+    layers = layers_raised(repair)
+    if not layers or not summary:
+        return summary
+    common, sep, rest = summary.partition(";")
+    kept = (repair or {}).get("kept") or {}
+    share = kept.get("weights")
+    inside = f"{layers} layer{'s' if layers != 1 else ''} fp32"
+    if isinstance(share, int | float):
+        inside += f", {_percent(share)} of weights {kept.get('precision', 'int8')}"
+    return f"{common} ({inside}){sep}{rest}"
+
+
+def precision_warning(repair: Mapping[str, Any] | None, asked: str, ended: str | None = None) -> str | None:
     """A warning when repair left the model at another precision than ``asked``: layers or partitions
-    raised (with the share of weights and FLOPs still at ``asked``); None when nothing was raised."""
+    raised (with the share of weights and FLOPs still at ``asked``); None when nothing was raised.
+    ``ended``: the partitions' precision summary, which names a model left wholly at another precision
+    (``fp32 x1`` for an int8 compile) as that, not as mixed."""
     if not repair:
         return None
-    layers = sum(len(s.get("raised", ())) for s in repair.get("searches", ()) if s.get("passed"))
+    layers = layers_raised(repair)
     partitions = [f"{s['partition']} -> {s['precision_after']}" for s in repair.get("steps", ())]
     if not layers and not partitions:
         return None
@@ -122,7 +161,12 @@ def precision_warning(repair: Mapping[str, Any] | None, asked: str) -> str | Non
         parts.append(f"partitions raised: {', '.join(partitions)}")
     kept = repair.get("kept")
     share = f"; {kept_line(kept)}" if kept else ""
-    return f"asked for {asked}, got mixed precision to meet the tolerances: {'; '.join(parts)}{share}"
+    level = (ended or "").split(";")[0].split(" x")[0].strip()
+    if ";" not in (ended or "") and level and level != asked:  # every partition at one other level
+        got = f"got {level} (every partition raised) to meet the tolerances"
+    else:
+        got = "got mixed precision to meet the tolerances"
+    return f"asked for {asked}, {got}: {'; '.join(parts)}{share}"
 
 
 def decision_key(compiled: CompiledModule, gate: Tolerances, dataset: ValidationData) -> str | None:

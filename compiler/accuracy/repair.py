@@ -319,6 +319,8 @@ def repair(
                 deadline,
                 rebuild=lambda m, layers: rebuilt(m, m.plan.options.partition_precision, layers),
                 accuracy=lambda m: _accuracy(original, m, dataset, gate),
+                model_error=current.max_rel_l2,
+                tolerance=gate.rel_l2,
             )
             searches.append(found)
             if module is not None:

@@ -133,6 +133,12 @@ class LayerProbe:
             if node.name in touched and node.op_type not in MOVING_OPS
         ]
         self.full_error = self.error(full)
+        self._alone = None
+        if self.settings.get("mode") != "dynamic":  # QDQ graphs: one layer's copied from the full one
+            from compiler.quantization.onnxruntime import quantized_ops
+            from compiler.quantization.single_layer import SingleLayerGraphs
+
+            self._alone = SingleLayerGraphs(onnx.load(self.source), full, quantized_ops(self.settings))
 
     def quantized(self, *, exclude: Sequence[str] = (), only: Sequence[str] = ()) -> onnx.ModelProto:
         with self._quiet():
@@ -149,7 +155,9 @@ class LayerProbe:
     def error(self, model: onnx.ModelProto, samples: int | None = None) -> float:
         """The partition's relative L2 error vs its float graph over the evaluation feeds (every output;
         the first ``samples``)."""
-        outputs = _run(model.SerializeToString(), self.evaluation[:samples])
+        return self._compare(_run(model.SerializeToString(), self.evaluation[:samples]))
+
+    def _compare(self, outputs: Sequence[Sequence[np.ndarray]]) -> float:
         num = den = 0.0
         for got, want in zip(outputs, self.reference, strict=False):
             for a, b in zip(got, want, strict=True):
@@ -159,7 +167,15 @@ class LayerProbe:
         return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
 
     def sensitivity(self, layer: Layer) -> LayerSensitivity:
-        """The error ``layer`` adds alone: only it quantized."""
+        """The error ``layer`` adds alone: only it quantized (its graph built from the full one,
+        :mod:`compiler.quantization.single_layer`; asked of the quantizer where that cannot be)."""
+        if self._alone is not None:
+            try:
+                graph = self._alone.graph(layer.name)
+                outputs = _run_session(self._alone.session(graph), self.evaluation[:RANKING_SAMPLES])
+                return LayerSensitivity(layer, self._compare(outputs))
+            except Exception:  # a graph this copy does not handle: the quantizer's own, slower
+                pass
         return LayerSensitivity(layer, self.error(self.quantized(only=[layer.name]), RANKING_SAMPLES))
 
     def close(self) -> None:
@@ -218,6 +234,7 @@ def graph_flops(graph: bytes, feed: Mapping[str, np.ndarray]) -> dict[str, int]:
     nodes = [n for n in model.graph.node if n.op_type in COMPUTE_OPS and n.name]
     if not nodes:
         return {}
+    _zero_stripped(model)
     known = {o.name for o in model.graph.output}
     inits = {i.name: list(i.dims) for i in model.graph.initializer}
     wanted = []
@@ -252,6 +269,15 @@ def graph_flops(graph: bytes, feed: Mapping[str, np.ndarray]) -> dict[str, int]:
     return result
 
 
+def _zero_stripped(model: onnx.ModelProto) -> None:
+    """Weights stripped from an engine (refit at load) as zeros of their shape and type: FLOPs need
+    only the shapes, and ONNX Runtime will not run a tensor whose bytes are nowhere."""
+    for init in model.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+            init.CopyFrom(onnx.numpy_helper.from_array(np.zeros(tuple(init.dims), dtype), init.name))
+
+
 def _weight_inputs(model: onnx.ModelProto, weight_names: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     """Node name -> (canonical weight, weight key) of the largest parameter it reads, directly or
     through a ``Transpose`` (what folding turns into a transposed weight)."""
@@ -277,6 +303,11 @@ def _quantized_nodes(model: onnx.ModelProto) -> set[str]:
     }
 
 
+def _run_session(session: Any, feeds: Sequence[Mapping[str, np.ndarray]]) -> list[list]:
+    names = {i.name for i in session.get_inputs()}
+    return [session.run(None, {k: v for k, v in feed.items() if k in names}) for feed in feeds]
+
+
 def _run(graph: bytes, feeds: Sequence[Mapping[str, np.ndarray]], *, typed: bool = True) -> list[list]:
     import onnxruntime as ort
 
@@ -284,9 +315,7 @@ def _run(graph: bytes, feeds: Sequence[Mapping[str, np.ndarray]], *, typed: bool
     options.log_severity_level = 3
     if not typed:  # outputs added without shapes: no optimizer may fuse them away
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
-    names = {i.name for i in session.get_inputs()}
-    return [session.run(None, {k: v for k, v in feed.items() if k in names}) for feed in feeds]
+    return _run_session(ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"]), feeds)
 
 
 def _finite(value: float) -> float | str:

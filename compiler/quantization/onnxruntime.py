@@ -185,7 +185,7 @@ def run_static(
     # scale) is refused ("Quantized constant is only allowed before DQ"), and ONNX Runtime's
     # float8 calibrator fails on a Softmax's [0, 1] range ("Attributes 'avg' and/or 'std'
     # missing") and on zero biases (scale 0: "Initializer has nan").
-    ops = None if settings["types"] == "u8s8" else ["MatMul", "Gemm", "Conv"]
+    ops = quantized_ops(settings)
     if ops and not any(node.op_type in ops for node in onnx.load(source).graph.node):
         raise QuantizationError(f"no {', '.join(ops)} to quantize (TensorRT's are in GEMMs)")
     quantize_static(
@@ -204,6 +204,12 @@ def run_static(
         calibration_cache_path=ranges,
     )
     return onnx.load(target)
+
+
+def quantized_ops(settings: Mapping[str, Any]) -> list[str] | None:
+    """The op types the quantizer is given (``op_types_to_quantize``): None (its default: every op it
+    knows) for ONNX Runtime's u8s8, GEMMs and convolutions only for TensorRT's types (see run_static)."""
+    return None if settings["types"] == "u8s8" else ["MatMul", "Gemm", "Conv"]
 
 
 _SYMMETRIC = {"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False}

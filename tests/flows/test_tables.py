@@ -76,3 +76,33 @@ def test_summary_table_keeps_model_names_whole_and_explains_unmeasured_cells():
     lines = _render(_summary_table({"ok": 2, "failed": 1, "seconds": 3.0, "models": models}))
     _assert_names_whole_or_ellipsized(lines, "device", [m["name"] for m in models])
     assert any("-: not measured" in line for line in lines)
+
+
+def test_the_precision_cell_marks_layers_kept_in_fp32_and_the_caption_says_so():
+    from compiler.accuracy.mixed import ended_precision, precision_warning
+
+    repair = {
+        "searches": [
+            {"partition": "engine_0", "passed": True, "raised": [{"name": f"n{i}"} for i in range(56)]}
+        ],
+        "steps": [],
+        "kept": {"precision": "int8", "weights": 0.998, "flops": 1.0},
+    }
+    ended = ended_precision("int8 x1", repair)
+    assert ended == "int8 x1 (56 layers fp32, 99.8% of weights int8)"
+    assert "56 layers raised to fp32" in precision_warning(repair, "int8", ended)
+    raised_whole = {"searches": [], "steps": [{"partition": "engine_0", "precision_after": "fp32"}]}
+    assert precision_warning(raised_whole, "int8", "fp32 x1").startswith("asked for int8, got fp32")
+    assert ended_precision("int8 x1", None) == "int8 x1"  # nothing raised: as it was
+    common = {"device": "cpu", "status": "ok", "partitions": 1, "engines_built": 1, "engines_reused": 0}
+    common |= {"max_rel_l2": 0.07, "latency_ratio": 0.5, "seconds": 1.0}
+    models = [
+        {**common, "name": "bert", "precision": ended},
+        {**common, "name": "mlp", "precision": "int8 x4; fp32: engine_2"},
+    ]
+    lines = _render(_summary_table({"ok": 2, "failed": 0, "seconds": 2.0, "models": models}))
+    assert all(len(line) <= 80 for line in lines)
+    bert = next(line for line in lines if line.strip().startswith("bert"))
+    mlp = next(line for line in lines if line.strip().startswith("mlp"))
+    assert " int8* " in bert and " int8+1 " in mlp, lines
+    assert any("*: some layers kept in fp32" in line for line in lines), lines

@@ -157,6 +157,23 @@ def test_the_gate_raises_only_the_sensitive_block_and_records_the_plan(case, int
     assert result.compiled.plan.options.partition_precision[f"engine_{HOT}"] == "int8"
 
 
+def test_a_package_read_back_counts_what_repair_kept_at_int8_from_its_engines(case, int8, tmp_path):
+    """A module read back (a package here, a workspace in kiln zoo) holds no quantized graphs: the
+    kept-at-int8 count reads the engines' own ONNX graphs (issue 46)."""
+    model, _, data = case
+    compiled, cache = int8
+    compiler.save(compiled, tmp_path / "staged.kiln")  # float weights kept: repair may raise a block
+    loaded = compiler.load(tmp_path / "staged.kiln")
+    assert not loaded.plan.quantized_graphs
+    record = compiler.repair(model, loaded, INT8, data=data, cache=cache).record
+    assert [s.partition for s in record.steps] == [f"engine_{HOT}"]  # raised whole: no layer set passed
+    kept = record.kept
+    assert kept is not None and kept["precision"] == "int8", record.lines()
+    # Four blocks of one size and a head: the raised block's weights are about a quarter of them.
+    assert 0.6 < kept["weights"] < 0.8 and 0.6 < kept["flops"] < 0.8, kept
+    assert kept["weights_int8"] < kept["weights_total"] and kept["flops_total"] > 0
+
+
 def test_calibration_and_validation_never_share_a_sample(case, int8):
     _, _, data = case
     compiled, _ = int8

@@ -1,0 +1,161 @@
+"""One layer quantized alone, without running the quantizer again: the partition's float graph with the
+Q/DQ nodes ONNX Runtime's quantizer puts on that one node's tensors, copied from the fully quantized graph.
+
+Accuracy repair's layer search ranks every layer of a partition by the error it adds alone
+(:class:`compiler.quantization.layers.LayerProbe`). Asking the quantizer for each (``nodes_to_quantize``)
+costs a shape inference, a calibration-cache read and two serializations of the whole model per layer:
+about 1.6 s for a 4-layer BERT on 2 cores, 3 minutes for its ~110 layers. Built here instead, a layer's
+graph costs a copy of the weight-free graph and a session whose float weights come from memory.
+
+What the quantizer does for one node (``onnxruntime.quantization``'s QDQ quantizer, static mode), and so
+what is copied: the node's inputs and outputs that the full graph quantizes, each tensor's one Q/DQ pair
+read by *every* consumer of the tensor (the quantizer shares one pair per tensor); nothing for ops it does
+not quantize (``Gelu``, ``Tanh``) or for a ``Gather`` of an activation (quantized only after its input).
+Scales are the full graph's: where the full graph shares a scale along a chain (a ``Gather``'s output
+takes its table's), the quantizer alone would calibrate the tensor's own; the error is then a little
+different (within 2x on BERT), which only ranks layers: every set kept in float is rebuilt and validated.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+# A float initializer larger than this is supplied from memory at session creation, not copied per layer.
+INLINE_ELEMENTS = 64
+QDQ = ("QuantizeLinear", "DequantizeLinear")
+
+
+def quantized_alone(node_op: str, ops: Sequence[str] | None) -> bool:
+    """Whether the quantizer quantizes a node of this op when it is the only node asked for (``ops``:
+    the recipe's ``op_types_to_quantize``, None for its default)."""
+    if ops is not None:
+        return node_op in ops
+    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+
+    return node_op in QDQRegistry or node_op in QLinearOpsRegistry
+
+
+class SingleLayerGraphs:
+    """Graphs of ``source`` (the float graph the quantizer read) with one node's tensors quantized as in
+    ``full`` (the quantizer's graph of every layer), and sessions that run them."""
+
+    def __init__(self, source: onnx.ModelProto, full: onnx.ModelProto, ops: Sequence[str] | None) -> None:
+        self.ops = ops
+        self.full = full
+        self.weights = {
+            init.name: numpy_helper.to_array(init)
+            for init in source.graph.initializer
+            if init.data_type == onnx.TensorProto.FLOAT and int(np.prod(init.dims)) > INLINE_ELEMENTS
+        }
+        self.skeleton = copy.deepcopy(source)
+        for init in self.skeleton.graph.initializer:
+            if init.name in self.weights:
+                for attr in ("raw_data", "float_data"):
+                    init.ClearField(attr)
+                init.data_location = onnx.TensorProto.EXTERNAL
+        self.source_inits = {init.name for init in source.graph.initializer}
+        self.nodes = {n.name: n for n in full.graph.node}
+        self.producer = {o: n for n in full.graph.node for o in n.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in full.graph.node:
+            for name in node.input:
+                self.consumers.setdefault(name, []).append(node)
+        self.full_inits = {init.name: init for init in full.graph.initializer}
+
+    def graph(self, name: str) -> onnx.ModelProto:
+        """``source`` with only node ``name``'s tensors quantized (see the module docstring)."""
+        node = self.nodes[name]
+        model = copy.deepcopy(self.skeleton)
+        own = next(n for n in model.graph.node if n.name == name)
+        found = self._tensors(node, own)
+        chains = [self._chain(t) for t in found]
+        added: dict[str, onnx.NodeProto] = {}
+        redirect: dict[str, str] = {}
+        for dq_out, chain in zip(found, chains, strict=True):
+            for step in chain:
+                added.setdefault(step.output[0], step)
+            if chain[0].op_type == "QuantizeLinear":  # an activation: every reader takes its DQ
+                redirect[chain[0].input[0]] = dq_out
+        for k, dq_out in enumerate(node.input):  # a weight: the float one it replaces, every reader
+            if dq_out in added and own.input[k] != dq_out:
+                redirect.setdefault(own.input[k], dq_out)
+        for k, out in enumerate(node.output):  # a graph output quantized: its producer feeds the Q
+            if out != own.output[k] and any(step.input[0] == out for step in added.values()):
+                own.output[k] = out
+        kept = [i for i in model.graph.initializer if i.name not in added]  # a DQ may output its name
+        names = {i.name for i in kept}
+        for step in added.values():
+            kept += [
+                self.full_inits[i] for i in step.input if i in self.full_inits and i not in names and i != ""
+            ]
+            names.update(step.input)
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+        for other in model.graph.node:
+            other.input[:] = [redirect.get(i, i) for i in other.input]
+        model.graph.node.extend(added.values())
+        _sort(model.graph)
+        return model
+
+    def session(self, model: onnx.ModelProto):
+        """An ONNX Runtime session of ``model`` (a :meth:`graph` or the skeleton), its large float
+        weights given from memory."""
+        import onnxruntime as ort
+
+        used = {i for n in model.graph.node for i in n.input}
+        present = {i.name for i in model.graph.initializer}
+        names = [n for n in self.weights if n in used and n in present]
+        keep = [i for i in model.graph.initializer if i.name in names or i.name not in self.weights]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(keep)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.add_external_initializers(
+            names, [ort.OrtValue.ortvalue_from_numpy(self.weights[n]) for n in names]
+        )
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    def _tensors(self, node: onnx.NodeProto, own: onnx.NodeProto) -> list[str]:
+        """The DQ outputs in ``full`` that quantizing only ``node`` makes."""
+        if not quantized_alone(node.op_type, self.ops):
+            return []
+        if node.op_type in ("Gather", "GatherElements") and own.input[0] not in self.source_inits:
+            return []  # quantized only once its input is: never alone
+        found = [t for t in node.input if self._chain(t)]
+        for out in node.output:
+            for q in self.consumers.get(out, ()):
+                if q.op_type == "QuantizeLinear":
+                    found += [d.output[0] for d in self.consumers.get(q.output[0], ()) if d.op_type == QDQ[1]]
+        return list(dict.fromkeys(found))
+
+    def _chain(self, name: str) -> list[onnx.NodeProto]:
+        """The Q (for an activation) and DQ nodes of ``full`` that make ``name``; [] if none."""
+        dq = self.producer.get(name)
+        if dq is None or dq.op_type != "DequantizeLinear":
+            return []
+        q = self.producer.get(dq.input[0])
+        return [q, dq] if q is not None and q.op_type == "QuantizeLinear" else [dq]
+
+
+def _sort(graph: onnx.GraphProto) -> None:
+    """The graph's nodes in an order where each reads only what is defined before it."""
+    ready = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    pending, ordered = list(graph.node), []
+    while pending:
+        left = []
+        for node in pending:
+            if all(i in ready for i in node.input):
+                ordered.append(node)
+                ready.update(node.output)
+            else:
+                left.append(node)
+        if len(left) == len(pending):
+            raise ValueError(f"a layer's graph has a cycle or an undefined input at {left[0].name}")
+        pending = left
+    del graph.node[:]
+    graph.node.extend(ordered)
