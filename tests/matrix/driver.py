@@ -18,10 +18,8 @@ command is in the matrix without an edit here.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tests.fixtures.triton_server import kiln_triton
 
 # How each per-model command runs in the matrix (the command path -> argument lists); a command not
 # named here runs as `kiln <command> <model>`. "compile" recompiles what `kiln zoo` just compiled.
@@ -145,14 +145,15 @@ def infer(url: str, model: str, feeds: dict[str, Any]) -> tuple[dict[str, Any], 
     """tritonclient over HTTP: every output by name, and the version that answered."""
     import tritonclient.http as http
 
-    client = http.InferenceServerClient(url)
     wire = {"float32": "FP32", "int64": "INT64", "int32": "INT32", "bool": "BOOL", "float16": "FP16"}
     inputs = []
     for name, value in feeds.items():
         item = http.InferInput(name, list(value.shape), wire[str(value.dtype)])
         item.set_data_from_numpy(value)
         inputs.append(item)
-    answer = client.infer(model, inputs)
+    # Closed after each request: a kept-alive connection holds the server's exit for its 10 s timeout.
+    with http.InferenceServerClient(url) as client:
+        answer = client.infer(model, inputs)
     outputs = {o["name"]: answer.as_numpy(o["name"]) for o in answer.get_response()["outputs"]}
     return outputs, answer.get_response()["model_version"]
 
@@ -206,29 +207,6 @@ def step(results: dict, model: str, name: str, action: Callable[[], dict[str, An
         }
 
 
-def serve(root: Path, repository: Path) -> tuple[subprocess.Popen, str]:
-    """``kiln serve triton run`` in its own process group, as an operator runs it; ready or raises."""
-    from serving.triton.control import TritonControl
-    from serving.triton.errors import ServerUnavailableError
-    from tests.fixtures.server_process import free_port
-
-    http, grpc = free_port(), free_port()
-    log = open(root / "serve.log", "wb")  # noqa: SIM115 - the child's
-    command = [sys.executable, "-m", "flows.cli", "serve", "triton", "run", "--repository", str(repository)]
-    command += ["--http-port", str(http), "--grpc-port", str(grpc), "--allow-op-module", *ALLOW]
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    control = TritonControl(f"127.0.0.1:{http}", timeout=2)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        with contextlib.suppress(ServerUnavailableError):
-            control.ready()
-            return proc, f"127.0.0.1:{http}"
-        time.sleep(0.3)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    raise RuntimeError(f"kiln serve triton run did not come up:\n{(root / 'serve.log').read_text()[-4000:]}")
-
-
 def main(root: Path) -> None:
     os.chdir(root)  # the registry is ROOT's ./mlflow.db, as after `kiln zoo` run there
     models = [m["name"] for m in yaml.safe_load((root / "zoo.yaml").read_text())["models"]]
@@ -253,52 +231,49 @@ def main(root: Path) -> None:
         lambda: kiln(["serve", "triton", "export", *models, "--repository", str(repository)]),
     )
     (root / "matrix.json").write_text(json.dumps(results, indent=1, default=str))
-    proc, url = serve(root, repository)
-    try:
-        for model in models:
-            feeds = inputs_for(
-                json.loads((root / "out" / f"{model}.kiln" / "manifest.json").read_text())["input_specs"]
-            )
-            step(
-                results,
-                model,
-                "triton infer",
-                lambda m=model, f=feeds: compare(url, m, repository, _served(repository, m), f),
-            )
-            step(
-                results,
-                model,
-                "second version",
-                lambda m=model: {"exit": 0, "version": second_version(root, m)},
-            )
-            version = results[model]["second version"].get("version")
-            live = ["--triton", f"http://{url}", "--repository", str(repository)]
-            step(
-                results,
-                model,
-                "release --triton",
-                lambda m=model, v=version, t=live: kiln(
-                    ["release", m, "--version", str(v), "--zoo", "zoo.yaml", *RELEASE_GATES, *t]
-                ),
-            )
-            step(
-                results,
-                model,
-                "triton infer after release",
-                lambda m=model, f=feeds: compare(url, m, repository, _served(repository, m), f),
-            )
-            step(results, model, "rollback --triton", lambda m=model, t=live: kiln(["rollback", m, *t]))
-            step(
-                results,
-                model,
-                "triton infer after rollback",
-                lambda m=model, f=feeds: compare(url, m, repository, _served(repository, m), f),
-            )
+    try:  # the results so far are written whatever happens
+        with kiln_triton(root, repository, allow_op_modules=ALLOW) as server:
+            url = server.http
+            for model in models:
+                feeds = inputs_for(
+                    json.loads((root / "out" / f"{model}.kiln" / "manifest.json").read_text())["input_specs"]
+                )
+                step(
+                    results,
+                    model,
+                    "triton infer",
+                    lambda m=model, f=feeds: compare(url, m, repository, _served(repository, m), f),
+                )
+                step(
+                    results,
+                    model,
+                    "second version",
+                    lambda m=model: {"exit": 0, "version": second_version(root, m)},
+                )
+                version = results[model]["second version"].get("version")
+                live = ["--triton", f"http://{url}", "--repository", str(repository)]
+                step(
+                    results,
+                    model,
+                    "release --triton",
+                    lambda m=model, v=version, t=live: kiln(
+                        ["release", m, "--version", str(v), "--zoo", "zoo.yaml", *RELEASE_GATES, *t]
+                    ),
+                )
+                step(
+                    results,
+                    model,
+                    "triton infer after release",
+                    lambda m=model, f=feeds: compare(url, m, repository, _served(repository, m), f),
+                )
+                step(results, model, "rollback --triton", lambda m=model, t=live: kiln(["rollback", m, *t]))
+                step(
+                    results,
+                    model,
+                    "triton infer after rollback",
+                    lambda m=model, f=feeds: compare(url, m, repository, _served(repository, m), f),
+                )
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
         (root / "matrix.json").write_text(json.dumps(results, indent=1, default=str))
 
 

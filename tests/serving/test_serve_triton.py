@@ -47,6 +47,7 @@ from serving.triton.live import TritonRelease
 from serving.triton.repository import backend_bytes, export, repository_lock
 from serving.triton.server import TritonServer
 from tests.fixtures.server_process import free_port
+from tests.fixtures.triton_server import kiln_triton
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "kiln.tiny.cpu"
@@ -110,67 +111,34 @@ def repository(store: dict) -> Path:
 @pytest.fixture(scope="module")
 def server(store: dict, repository: Path):
     """``kiln serve triton run`` in the foreground of its own process group, as an operator runs it."""
-    http, grpc = free_port(), free_port()
-    log = open(store["root"] / "serve.log", "wb")  # noqa: SIM115 - the child's
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flows.cli",
-            "serve",
-            "triton",
-            "run",
-            "--repository",
-            str(repository),
-            "--http-port",
-            str(http),
-            "--grpc-port",
-            str(grpc),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        cwd=ROOT,
-    )
-    control = TritonControl(f"127.0.0.1:{http}", timeout=2)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        with contextlib.suppress(ServerUnavailableError):
-            control.ready()
-            break
-        time.sleep(0.2)
-    if proc.poll() is not None or time.monotonic() >= deadline:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(
-            f"kiln serve triton run did not come up:\n{(store['root'] / 'serve.log').read_text()[-4000:]}"
-        )
-    yield {"http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}", "proc": proc, "control": control}
-    proc.terminate()  # the command stops its server, which stops its stubs
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    log.close()
+    with kiln_triton(store["root"], repository, start_timeout=180) as run:
+        yield {
+            "http": run.http,
+            "grpc": run.grpc,
+            "pid": run.pid,
+            "control": run.control,
+            "log": run.log_path,
+        }
 
 
 def _infer_http(url: str, x: np.ndarray) -> tuple[np.ndarray, str]:
     import tritonclient.http as http
 
-    client = http.InferenceServerClient(url)
     tensor = http.InferInput("x", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)
-    result = client.infer("tiny", [tensor])
+    # Closed after each request: a kept-alive connection holds the server's exit for its 10 s timeout.
+    with http.InferenceServerClient(url) as client:
+        result = client.infer("tiny", [tensor])
     return result.as_numpy("output_0"), result.get_response()["model_version"]
 
 
 def _infer_grpc(url: str, x: np.ndarray) -> tuple[np.ndarray, str]:
     import tritonclient.grpc as grpc
 
-    client = grpc.InferenceServerClient(url)
     tensor = grpc.InferInput("x", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)
-    result = client.infer("tiny", [tensor])
+    with grpc.InferenceServerClient(url) as client:
+        result = client.infer("tiny", [tensor])
     return result.as_numpy("output_0"), result.get_response().model_version
 
 
@@ -214,7 +182,7 @@ def test_export_writes_a_repository_triton_loads_from_the_registry(store, reposi
     loaded = re.search(
         r"kiln: tiny version 1 ready in [0-9.]+ s \(torch [0-9.]+ s, verify and load [0-9.]+ s, "
         r"warm-up [0-9.]+ s; (\d+) intra-op threads\)",
-        (store["root"] / "serve.log").read_text(),
+        server["log"].read_text(),
     )
     assert loaded and int(loaded.group(1)) == instance_threads(0, 1, available_cores())
     assert (model_dir / "1" / "model.py").read_bytes() == backend_bytes()
@@ -462,7 +430,7 @@ def _wait_stopped(pid: int, within: float = 10.0) -> None:
 
 
 def test_a_server_that_does_not_answer_is_named_with_its_timeout_and_nothing_moves(store, server, repository):
-    triton_pid = _tritonserver_child(server["proc"].pid)
+    triton_pid = _tritonserver_child(server["pid"])
     before = _aliases(store)
     config_before = (repository / "tiny" / "config.pbtxt").read_text()
     folders = sorted(p.name for p in (repository / "tiny").iterdir())

@@ -13,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,15 +22,12 @@ import pytest
 import torch
 
 import compiler
-from serving.triton.control import TritonControl
-from serving.triton.errors import ServerUnavailableError
 from tests.fixtures.generation import compile_generation
-from tests.fixtures.server_process import free_port
+from tests.fixtures.triton_server import kiln_triton
 from zoo.models import tiny_llama_lm
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "llama-gen"
-SERVE = [sys.executable, "-m", "flows.cli", "serve", "triton", "run"]
 LIMITS = {"max_batch": 4, "max_cache_len": 32, "prompt_min": 1, "prompt_max": 12}
 
 
@@ -78,35 +73,8 @@ def repository(store: dict) -> Path:
 @pytest.fixture(scope="module")
 def server(store: dict, repository: Path):
     """``kiln serve triton run`` in its own process group, as an operator runs it."""
-    http, grpc = free_port(), free_port()
-    log_path = store["root"] / "serve.log"
-    log = open(log_path, "wb")  # noqa: SIM115 - the child's
-    proc = subprocess.Popen(
-        [*SERVE, "--repository", str(repository), "--http-port", str(http), "--grpc-port", str(grpc)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    control = TritonControl(f"127.0.0.1:{http}", timeout=2)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        with contextlib.suppress(ServerUnavailableError):
-            control.ready()
-            break
-        time.sleep(0.3)
-    if proc.poll() is not None or time.monotonic() >= deadline:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"kiln serve triton run did not come up:\n{log_path.read_text()[-4000:]}")
-    yield {"http": f"127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}"}
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    log.close()
+    with kiln_triton(store["root"], repository) as run:
+        yield {"http": run.http, "grpc": run.grpc}
 
 
 WIRE = {"int64": "INT64", "float32": "FP32", "bool": "BOOL"}
@@ -117,13 +85,14 @@ def _infer(protocol: str, url: str, feeds: dict[str, np.ndarray]) -> dict[str, n
         import tritonclient.http as client_lib
     else:
         import tritonclient.grpc as client_lib
-    client = client_lib.InferenceServerClient(url)
     inputs = []
     for name, value in feeds.items():
         item = client_lib.InferInput(name, list(value.shape), WIRE[str(value.dtype)])
         item.set_data_from_numpy(value)
         inputs.append(item)
-    answer = client.infer(MODEL, inputs)
+    # Closed after each request: a kept-alive connection holds the server's exit for its 10 s timeout.
+    with client_lib.InferenceServerClient(url) as client:
+        answer = client.infer(MODEL, inputs)
     return {name: answer.as_numpy(name) for name in ("output_ids", "generated_ids")}
 
 
