@@ -58,7 +58,7 @@ class ServerStartError(KilnError):
     """The temporary Prefect API server did not come up."""
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # Runs in the child between fork and exec.
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -99,7 +99,7 @@ def prefect_api() -> Iterator[str]:
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         env=env,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     previous = signal.signal(signal.SIGTERM, _sigterm_exits)
     try:
