@@ -47,16 +47,8 @@ def loads(
 def _spec(
     schema: Any, where: str, allowed: Sequence[str] | None, recorded: Sequence[str] | None, depth: int
 ) -> pytree.TreeSpec:
-    if depth > _MAX_DEPTH:
-        raise ValueError("a pytree spec nests too deep")
-    if not isinstance(schema, dict) or set(schema) != {"type", "context", "children_spec"}:
-        raise ValueError("a pytree spec node is not {type, context, children_spec}")
-    kind, context, children = schema["type"], schema["context"], schema["children_spec"]
-    if not isinstance(children, list):
-        raise ValueError("a pytree spec's children are not a list")
+    kind, context, children = _node(schema, depth)
     if kind is None:
-        if context is not None or children:
-            raise ValueError("a pytree leaf with a context or children")
         return pytree.treespec_leaf()
     if not isinstance(kind, str) or kind not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
         raise ValueError(f"pytree type {kind!r:.80} is not registered in this process")
@@ -183,8 +175,8 @@ def type_names(text: str, where: str) -> set[str]:
     return names
 
 
-def _leaves(schema: Any, depth: int) -> int:
-    """How many leaves a spec has, its node structure checked as :func:`_spec` checks it."""
+def _node(schema: Any, depth: int) -> tuple[Any, Any, list]:
+    """One spec node's (type, context, children), its structure checked (a leaf: type None, no more)."""
     if depth > _MAX_DEPTH:
         raise ValueError("a pytree spec nests too deep")
     if not isinstance(schema, dict) or set(schema) != {"type", "context", "children_spec"}:
@@ -192,9 +184,15 @@ def _leaves(schema: Any, depth: int) -> int:
     kind, context, children = schema["type"], schema["context"], schema["children_spec"]
     if not isinstance(children, list):
         raise ValueError("a pytree spec's children are not a list")
+    if kind is None and (context is not None or children):
+        raise ValueError("a pytree leaf with a context or children")
+    return kind, context, children
+
+
+def _leaves(schema: Any, depth: int) -> int:
+    """How many leaves a spec has, its node structure checked as :func:`_spec` checks it."""
+    kind, _, children = _node(schema, depth)
     if kind is None:
-        if context is not None or children:
-            raise ValueError("a pytree leaf with a context or children")
         return 1
     if not isinstance(kind, str):
         raise ValueError(f"pytree type {kind!r:.80}")
