@@ -122,3 +122,41 @@ def test_the_import_on_first_forward_is_held_to_the_rule_then(package):
     assert done.returncode == 0, done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     assert last == "REFUSED ['transformers.modeling_outputs'] False", done.stdout
+
+
+def test_a_rewritten_output_spec_is_refused_at_load_or_at_first_forward(
+    package, tmp_path, copy_package, reseal
+):
+    # An attacker's runtime graph, checksums and content hash recomputed: a malformed spec is refused by
+    # the load itself, and so is a type no module registered (nothing is imported for it).
+    def rewrite(name: str, edit) -> Path:
+        path = copy_package(package, tmp_path / name)
+        graph = json.loads((path / "runtime_graph.json").read_text())
+        protocol, schema = json.loads(graph["out_spec"])
+        edit(schema)
+        graph["out_spec"] = json.dumps([protocol, schema])
+        (path / "runtime_graph.json").write_text(json.dumps(graph))
+        reseal(path)
+        return path
+
+    malformed = rewrite("malformed", lambda schema: schema.update(children_spec="not a list"))
+    foreign = rewrite("foreign", lambda schema: schema.update(type="os.system"))
+    done = _fresh(f"""
+        import torch, compiler
+        from compiler.errors import PackageCorruptError
+        data = torch.load({str(package.parent / "io.pt")!r})
+        try:
+            compiler.load({str(malformed)!r}, defer_output_types=True)
+            print("MALFORMED LOADED")
+        except PackageCorruptError:
+            print("MALFORMED REFUSED AT LOAD")
+        try:  # a type no recorded module names: nothing is deferred, the load decodes and refuses it
+            compiler.load({str(foreign)!r}, defer_output_types=True)(data["x"])
+            print("FOREIGN RAN")
+        except PackageCorruptError as exc:
+            print("FOREIGN REFUSED", "os.system" in str(exc))
+        """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-2:] == ["MALFORMED REFUSED AT LOAD", "FOREIGN REFUSED True"], (
+        done.stdout
+    )
