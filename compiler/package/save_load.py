@@ -347,7 +347,8 @@ def _load(
     if light:
         # The modules the package records (custom ops, input types) are imported while the workers read,
         # hash and copy the files; those only its output types need (transformers' ModelOutput, 1-2 s)
-        # are checked now and imported on the first forward: run_flat never pays for them.
+        # are checked now and imported on a thread of their own beside the rest of the load (or, with
+        # defer_output_types, on the first forward): the first forward decodes its output type.
         deferred = reading.import_recorded_modules(path, manifest, allowed_modules, reads, defer_output_types)
         lap("modules")
 
