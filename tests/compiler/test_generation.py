@@ -181,6 +181,27 @@ def test_eos_ends_rows_and_pads_them(loaded: GenerationModule) -> None:
     assert all(t == 0 for t in row[row.index(stop) + 1 :])
 
 
+def test_on_token_sees_each_step_as_generate_returns_it(loaded: GenerationModule) -> None:
+    """What streaming sends: each step's tokens, in order, the last call flagged, whether the run ends
+    at max_new_tokens or when every row has met eos (then the ended rows' pad tokens are included)."""
+    ids, mask = _padded_batch()
+    free = loaded.generate(ids, mask, max_new_tokens=7, eos_token_id=[])
+    stop = int(free[1, 10])  # row 1's second new token: with it as eos, the rows end at other steps
+    for eos, new in (([], 7), (stop, 40 - 9), (free[:, 9].tolist(), 7)):
+        calls: list[tuple[list[int], bool]] = []
+        record = calls.append
+        out = loaded.generate(
+            ids,
+            mask,
+            max_new_tokens=new,
+            eos_token_id=eos,
+            on_token=lambda t, last, record=record: record((t.tolist(), last)),
+        )
+        assert [c[1] for c in calls] == [False] * (len(calls) - 1) + [True]
+        assert torch.tensor([c[0] for c in calls]).T.tolist() == out[:, 9:].tolist()
+    assert len(calls) == 1  # every row's first token is an eos: one call, the last
+
+
 @pytest.mark.parametrize(
     ("shape", "new", "field"),
     [
