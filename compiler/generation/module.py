@@ -22,6 +22,7 @@ import torch
 from compiler.errors import GenerationError
 from compiler.generation.decoding import StaticDecode
 from compiler.generation.spec import GenerationSpec
+from compiler.generation.step import write_slot
 
 Program = Callable[..., Any]
 
@@ -173,13 +174,19 @@ class GenerationModule(torch.nn.Module):
                         cache_mask[:, :length] = mask
                     position = length + step
                     cache_mask[:, position] = 1
-                    logits, keys, values = self.decode(
+                    at = torch.tensor([position], device=ids.device)
+                    step_out = self.decode(
                         input_ids=token[:, None],
                         attention_mask=cache_mask,
-                        cache_position=torch.tensor([position], device=ids.device),
+                        cache_position=at,
                         keys=list(keys),
                         values=list(values),
                     )
+                    if len(step_out) == 2:  # the step's keys and values, written here
+                        logits, new = step_out
+                        keys, values = write_slot(list(keys), list(values), new, at)
+                    else:  # an earlier kiln's decode program: the updated caches
+                        logits, keys, values = step_out
                     last = logits[:, -1]
                 token = _pick(last, do_sample, temperature, top_k, top_p, generator)
                 timer.mark()
