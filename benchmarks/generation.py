@@ -181,7 +181,8 @@ def compile_kiln(lm: torch.nn.Module, args: argparse.Namespace, settings: dict) 
     options = {"aot": False} if args.no_aot else None
     for program in ("prefill", "decode"):
         wrapper, kwargs, shapes = program_case(lm, spec, program)
-        exported = compiler.export(wrapper, (), kwargs, dynamic_shapes=shapes)
+        with torch.no_grad():  # as kiln zoo exports generation programs (tasks/stages.py)
+            exported = compiler.export(wrapper, (), kwargs, dynamic_shapes=shapes)
         programs[program] = compiler.compile(
             exported,
             backend=args.backend,

@@ -415,6 +415,14 @@ Threads = Annotated[
         "instances)",
     ),
 ]
+StreamTokens = Annotated[
+    bool,
+    typer.Option(
+        "--stream-tokens",
+        help="generation versions answer with one response per generated token (Triton's decoupled "
+        "mode: gRPC streaming clients only); a model that is not a generation version fails to export",
+    ),
+]
 ExportAllowOpModule = Annotated[
     list[str] | None,
     typer.Option(

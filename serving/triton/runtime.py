@@ -57,6 +57,7 @@ class ServedRuntime:
         self.device = device
         self.pb = pb_utils
         self.batched = served.max_batch_size > 0
+        self.decoupled = False  # config.pbtxt's decoupled policy: a generation version streaming tokens
 
     @classmethod
     def from_triton_args(cls, args: dict, pb_utils: Any, load: Loader | None = None) -> ServedRuntime:
@@ -78,6 +79,7 @@ class ServedRuntime:
         if served.method == "generate":  # a generation package: token ids in, token ids out
             from serving.triton.generation import GenerationRuntime as kind
         runtime = kind(module, served, specs, device, pb_utils)
+        runtime.decoupled = decoupled(args.get("model_config"), served)
         runtime.warm_up()
         # Everything imported and loaded so far lives as long as the stub: out of the collector's
         # generations, so a full collection during execute walks only what requests allocate (with
@@ -250,6 +252,20 @@ def available_cores() -> int:
     if quota is not None:
         cores = min(cores, max(1, math.ceil(quota)))
     return max(1, cores)
+
+
+def decoupled(model_config: Any, served: ServedModel) -> bool:
+    """Whether the config says the decoupled transaction policy (``render_config``'s ``stream``), which
+    only a generation version is served with."""
+    config = json.loads(model_config) if isinstance(model_config, str) else dict(model_config or {})
+    policy = bool((config.get("model_transaction_policy") or {}).get("decoupled", False))
+    if policy and served.method != "generate":
+        raise TritonConfigError(
+            f"{served.registered_model} version {served.version}: config.pbtxt sets the decoupled "
+            "transaction policy, which only a generation version streams with; export the model again "
+            "without --stream-tokens"
+        )
+    return policy
 
 
 def apply_threads(model_config: Any, device: str) -> int:
