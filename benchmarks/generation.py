@@ -41,6 +41,7 @@ import compiler
 from benchmarks.machine import cpu_model, gpu_machine
 from compiler.generation.module import GenerationModule
 from compiler.generation.package import save_generation
+from compiler.generation.spec import program_backend_options
 from compiler.generation.step import generation_spec, program_case
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -178,8 +179,10 @@ def compile_kiln(lm: torch.nn.Module, args: argparse.Namespace, settings: dict) 
         prompt_max=max(settings["prompts"]),
     )
     programs, reports = {}, {}
-    options = {"aot": False} if args.no_aot else None
     for program in ("prefill", "decode"):
+        options = program_backend_options(
+            program, args.backend, settings["device"], {"aot": False} if args.no_aot else {}
+        )
         wrapper, kwargs, shapes = program_case(lm, spec, program)
         with torch.no_grad():  # as kiln zoo exports generation programs (tasks/stages.py)
             exported = compiler.export(wrapper, (), kwargs, dynamic_shapes=shapes)
@@ -195,6 +198,7 @@ def compile_kiln(lm: torch.nn.Module, args: argparse.Namespace, settings: dict) 
         reports[program] = {
             "partitions": len(programs[program].plan.partitions),
             "fallback_ops": dict(programs[program].plan.fallback_ops),
+            "backend_options": options,
             "cuda_graph_check": report.cuda_graphs,
         }
     module = GenerationModule(programs["prefill"], programs["decode"], spec)

@@ -93,6 +93,9 @@ class BackendRecord:
     # A chooser, not a library ("auto"): device kind -> the backends to try, in order (the first that
     # builds here and whose engines run here; the last one as it is).
     choices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Device kind -> backend_options a bandwidth-bound program (a generation's decode step, which reads
+    # every weight once per token) is built with where the operator's backend_options do not name them.
+    decode_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.build_profiles not in PROFILE_POLICIES:
@@ -252,6 +255,10 @@ _RECORDS: dict[str, BackendRecord] = {
             quantization_modes={"static": ("cpu",), "dynamic": ("cuda",)},
             check_quantizing=_inductor_rules,
             quantization_settings=_inductor_quantization,
+            # Decode GEMMs at batch 1-8 are matrix-vector products: on the H100 Inductor's autotuned
+            # Triton templates read a 1.5B Llama's weights at 83% of copy bandwidth at batch 1 (68% at
+            # 8), cuBLAS at 53% (benchmarks/probes/probe_decode_gemm.h100.json).
+            decode_options={"cuda": {"mode": "max-autotune-no-cudagraphs"}},
         ),
         # Not a library: get_backend picks TensorRT on CUDA where one runs, else Inductor, and ONNX
         # Runtime on the CPU. Its options are checked as TensorRT's (its first choice on CUDA), and it

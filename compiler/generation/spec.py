@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from compiler.backends.capabilities import capabilities
 from compiler.errors import GenerationError, PackageCorruptError, PackageVersionError
 from compiler.typed_json import ANY, ListOf, Opt, Record, check
 
@@ -143,3 +144,16 @@ class GenerationSpec:
             return cls(**values)
         except GenerationError as exc:  # limits no compile writes: the file is not what kiln wrote
             raise PackageCorruptError(f"{GENERATION_FILE}: {exc}") from None
+
+
+def program_backend_options(
+    program: str, backend: str, device: str, backend_options: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The ``backend_options`` one generation program is built with: the operator's, and for the decode
+    program its backend's defaults for bandwidth-bound programs on this device kind where the operator
+    named none of them (its record's ``decode_options``: Inductor autotunes its GEMMs on CUDA)."""
+    options = dict(backend_options)
+    if program == "decode":
+        defaults = capabilities(backend).decode_options.get(device.split(":")[0], {})
+        options.update({key: value for key, value in defaults.items() if key not in options})
+    return options
