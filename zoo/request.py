@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from compiler.generation.spec import program_backend_options
+from compiler.generation.spec import program_options
 from compiler.options import CompileOptions
 from compiler.quantization.torchao_guard import keep_torchao_out_of_transformers
 from compiler.validation.report import Tolerances
@@ -89,9 +89,10 @@ class CompileRequest:
     def for_program(self, program: str) -> CompileRequest:
         """The request for one program of a generation entry (``prefill`` or ``decode``)."""
         options = self.options
-        chosen = program_backend_options(program, options.backend, options.device, options.backend_options)
-        if chosen != dict(options.backend_options):
-            options = dataclasses.replace(options, backend_options=chosen)
+        given = {"backend_options": options.backend_options, "profiles": options.profiles}
+        chosen = program_options(program, options.backend, options.device, given)
+        if chosen != {"backend_options": dict(options.backend_options), "profiles": tuple(options.profiles)}:
+            options = dataclasses.replace(options, **chosen)
         return dataclasses.replace(
             self, options=options, generation=dataclasses.replace(self.generation, program=program)
         )

@@ -28,7 +28,7 @@ import compiler  # noqa: E402
 from benchmarks.generation import LLAMA_1B, TINY  # noqa: E402
 from benchmarks.machine import gpu_machine  # noqa: E402
 from compiler.generation.decoding import StaticDecode  # noqa: E402
-from compiler.generation.module import GenerationModule  # noqa: E402
+from compiler.generation.spec import program_options  # noqa: E402
 from compiler.generation.step import generation_spec, program_case  # noqa: E402
 
 
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--aot", action="store_true")
+    parser.add_argument("--decode-only", action="store_true", help="compile and profile decode alone")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU: tests the probe")
     args = parser.parse_args()
     result: dict = {"machine": {} if args.smoke else gpu_machine(), "layers": args.layers}
@@ -90,9 +91,10 @@ def main() -> None:
     lm = build(args.layers, dev, args.smoke)
     spec = generation_spec(lm, max_batch=8, max_cache_len=1024, prompt_min=1, prompt_max=512)
     programs, start = {}, time.perf_counter()
-    for name in ("prefill", "decode"):
+    for name in ("decode",) if args.decode_only else ("prefill", "decode"):
         wrapper, kwargs, shapes = program_case(lm, spec, name)
-        exported = compiler.export(wrapper, (), kwargs, dynamic_shapes=shapes)
+        with torch.no_grad():  # as kiln zoo exports generation programs
+            exported = compiler.export(wrapper, (), kwargs, dynamic_shapes=shapes)
         if name == "decode":
             ops = (
                 collections.Counter(
@@ -107,8 +109,8 @@ def main() -> None:
             backend="inductor",
             strip_weights=True,
             device=dev,
-            precision="fp16",
-            **({} if args.aot else {"backend_options": {"aot": False}}),
+            precision="fp32" if args.smoke else "fp16",
+            **program_options(name, "inductor", dev, {"backend_options": {} if args.aot else {"aot": False}}),
         )
     result["compile_s"] = time.perf_counter() - start
     plan = programs["decode"].plan
@@ -116,19 +118,30 @@ def main() -> None:
         {"nodes": len(getattr(p, "nodes", []) or []), "repr": repr(p)[:300]} for p in plan.partitions
     ]
     result["decode_fallback_ops"] = dict(plan.fallback_ops)
-    module = GenerationModule(programs["prefill"], programs["decode"], spec)
-    ids = torch.randint(3, spec.vocab_size, (1, 128), device=dev)
-    module.generate(ids, max_new_tokens=8, eos_token_id=[])  # captures
-    static = module.static_decode()
-    result["graphed"], result["reason"] = static.graphed, static.reason
-
-    # Graph replays: the step time as the benchmark sees it, and the kernels the profiler sees in them.
     steps = 64
-    for _ in range(2):
-        module.generate(ids, max_new_tokens=steps + 1, eos_token_id=[])
-    result["graphed_step_device_ms"] = statistics.median(module.last_times.decode) * 1e3
+    token = torch.tensor([5], device=dev)
+    # Graph replays (a whole step captured, as generate runs it): the step time and the kernels in it.
+    static = StaticDecode(programs["decode"], spec, torch.device(dev))
+    result["graphed"], result["reason"] = static.graphed, static.reason
+    bucket = static._bucket(1)  # captures where graphed
+    times = []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        static.step(bucket, token)
+        sync(dev)
+        times.append(time.perf_counter() - begin)
+    result["graphed_step_wall_ms"] = statistics.median(times) * 1e3
+    if dev == "cuda":
+        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_event.record()
+        for _ in range(steps):
+            static.step(bucket, token)
+        end_event.record()
+        sync(dev)
+        result["graphed_step_device_ms"] = start_event.elapsed_time(end_event) / steps
     with torch.profiler.profile(activities=[activity]) as prof:
-        module.generate(ids, max_new_tokens=steps + 1, eos_token_id=[])
+        for _ in range(steps):
+            static.step(bucket, token)
         sync(dev)
     result["graphed_kernels"] = kernel_table(prof, steps)[:60]
     result["graphed_kernels_per_step"] = sum(r["count_per_step"] for r in result["graphed_kernels"])
@@ -137,7 +150,6 @@ def main() -> None:
     plain = StaticDecode(programs["decode"], spec, torch.device(dev))
     plain.graphed = plain.pad_to_buckets = False
     bucket = plain._bucket(1)
-    token = torch.tensor([5], device=dev)
     for _ in range(5):
         plain.step(bucket, token)
     sync(dev)

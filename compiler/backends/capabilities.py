@@ -93,8 +93,9 @@ class BackendRecord:
     # A chooser, not a library ("auto"): device kind -> the backends to try, in order (the first that
     # builds here and whose engines run here; the last one as it is).
     choices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    # Device kind -> backend_options a bandwidth-bound program (a generation's decode step, which reads
-    # every weight once per token) is built with where the operator's backend_options do not name them.
+    # Device kind -> what a bandwidth-bound program (a generation's decode step, which reads every
+    # weight once per token) is built with where the operator did not set it: ``backend_options`` keys
+    # and ``profiles`` (CompileOptions fields).
     decode_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -257,8 +258,15 @@ _RECORDS: dict[str, BackendRecord] = {
             quantization_settings=_inductor_quantization,
             # Decode GEMMs at batch 1-8 are matrix-vector products: on the H100 Inductor's autotuned
             # Triton templates read a 1.5B Llama's weights at 83% of copy bandwidth at batch 1 (68% at
-            # 8), cuBLAS at 53% (benchmarks/probes/probe_decode_gemm.h100.json).
-            decode_options={"cuda": {"mode": "max-autotune-no-cudagraphs"}},
+            # 8), cuBLAS at 53% (benchmarks/probes/probe_decode_gemm.h100.json); but tuned for a dynamic
+            # batch they read them at 51% at batch 1 (probe_decode_profile2.h100.json), so batch 1 gets
+            # its own static-shape engine.
+            decode_options={
+                "cuda": {
+                    "backend_options": {"mode": "max-autotune-no-cudagraphs"},
+                    "profiles": ({"batch": 1},),
+                }
+            },
         ),
         # Not a library: get_backend picks TensorRT on CUDA where one runs, else Inductor, and ONNX
         # Runtime on the CPU. Its options are checked as TensorRT's (its first choice on CUDA), and it

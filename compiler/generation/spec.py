@@ -146,14 +146,18 @@ class GenerationSpec:
             raise PackageCorruptError(f"{GENERATION_FILE}: {exc}") from None
 
 
-def program_backend_options(
-    program: str, backend: str, device: str, backend_options: Mapping[str, Any]
-) -> dict[str, Any]:
-    """The ``backend_options`` one generation program is built with: the operator's, and for the decode
-    program its backend's defaults for bandwidth-bound programs on this device kind where the operator
-    named none of them (its record's ``decode_options``: Inductor autotunes its GEMMs on CUDA)."""
-    options = dict(backend_options)
+def program_options(program: str, backend: str, device: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The compile options one generation program is built with (``backend_options`` and ``profiles``
+    of :class:`compiler.options.CompileOptions`): the operator's ``options``, and for the decode program
+    its backend's settings for bandwidth-bound programs on this device kind where the operator set none
+    (its record's ``decode_options``: Inductor autotunes its GEMMs on CUDA, batch 1 specialized)."""
+    chosen = {
+        "backend_options": dict(options.get("backend_options") or {}),
+        "profiles": options.get("profiles") or (),
+    }
     if program == "decode":
         defaults = capabilities(backend).decode_options.get(device.split(":")[0], {})
-        options.update({key: value for key, value in defaults.items() if key not in options})
-    return options
+        given = chosen["backend_options"]
+        given.update({k: v for k, v in defaults.get("backend_options", {}).items() if k not in given})
+        chosen["profiles"] = tuple(chosen["profiles"]) or tuple(defaults.get("profiles", ()))
+    return chosen

@@ -440,7 +440,8 @@ def test_a_generation_entry_is_one_request_with_its_plan(tmp_path: Path) -> None
 
 def test_the_decode_program_takes_its_backends_bandwidth_bound_options(tmp_path: Path) -> None:
     """Inductor's record autotunes a CUDA decode program's GEMMs (matrix-vector products that read every
-    weight per token); the prefill program, the CPU and an operator's own mode are left as they are."""
+    weight per token) and gives batch 1 its own static engine; the prefill program, the CPU and what an
+    operator set are left as they are."""
 
     def programs(**fields) -> dict[str, CompileOptions]:
         entry = ZooEntry(
@@ -455,8 +456,12 @@ def test_the_decode_program_takes_its_backends_bandwidth_bound_options(tmp_path:
 
     cuda = programs(backend="inductor", devices=["cuda"], backend_options={"aot": False})
     assert dict(cuda["decode"].backend_options) == {"aot": False, "mode": "max-autotune-no-cudagraphs"}
-    assert dict(cuda["prefill"].backend_options) == {"aot": False}
-    assert not programs(backend="inductor")["decode"].backend_options  # the CPU: no autotuning
+    assert cuda["decode"].profiles == ({"batch": 1},)
+    assert dict(cuda["prefill"].backend_options) == {"aot": False} and cuda["prefill"].profiles == ()
+    cpu = programs(backend="inductor")["decode"]
+    assert not cpu.backend_options and not cpu.profiles  # the CPU: no autotuning, no specialization
     assert not programs(backend="onnxruntime", devices=["cuda"])["decode"].backend_options
-    own = programs(backend="inductor", devices=["cuda"], backend_options={"mode": "default"})
-    assert dict(own["decode"].backend_options) == {"mode": "default"}
+    own = programs(
+        backend="inductor", devices=["cuda"], backend_options={"mode": "default"}, profiles=[{"batch": 2}]
+    )["decode"]
+    assert dict(own.backend_options) == {"mode": "default"} and own.profiles == ({"batch": 2},)
