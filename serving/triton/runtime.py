@@ -254,10 +254,15 @@ def available_cores() -> int:
     return max(1, cores)
 
 
+def model_config_dict(model_config: Any) -> dict:
+    """The model's config as Triton hands it to the stub: its JSON of the config.pbtxt kiln wrote."""
+    return json.loads(model_config) if isinstance(model_config, str) else dict(model_config or {})
+
+
 def decoupled(model_config: Any, served: ServedModel) -> bool:
     """Whether the config says the decoupled transaction policy (``render_config``'s ``stream``), which
     only a generation version is served with."""
-    config = json.loads(model_config) if isinstance(model_config, str) else dict(model_config or {})
+    config = model_config_dict(model_config)
     policy = bool((config.get("model_transaction_policy") or {}).get("decoupled", False))
     if policy and served.method != "generate":
         raise TritonConfigError(
@@ -274,7 +279,7 @@ def apply_threads(model_config: Any, device: str) -> int:
     server's environment wins over the default) and torch's. The count set, or 0 on a GPU (left alone)."""
     import torch
 
-    config = json.loads(model_config) if isinstance(model_config, str) else dict(model_config or {})
+    config = model_config_dict(model_config)
     raw = (config.get("parameters") or {}).get(THREADS_PARAMETER, {}).get("string_value", "0")
     try:
         configured = int(raw)
