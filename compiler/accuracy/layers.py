@@ -5,7 +5,8 @@ For the partition repair picked (:mod:`compiler.accuracy.repair`), when its reci
 exclusions (:func:`compiler.quantization.layers.supports_layers`: ONNX Runtime's quantizer, for ONNX
 Runtime and TensorRT engines):
 
-1. each layer's sensitivity: the error it adds on top of every other layer at int8, i.e. the partition's
+1. each layer's sensitivity (int8; fp16/bf16: :class:`~compiler.accuracy.ops.OpProbe`, the error an op
+   adds alone): the error it adds on top of every other layer at int8, i.e. the partition's
    own output error (vs its float graph) fully quantized less that error with only this layer kept in
    float, on the validation samples' activations at its inputs, quantized from one calibration
    (:meth:`~compiler.quantization.layers.LayerProbe.gain`), largest first. Not each layer quantized
@@ -44,6 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from compiler.accuracy.ops import REDUCED_FLOATS, OpProbe
 from compiler.inputs.data import ValidationData
 from compiler.quantization.layers import Layer, LayerProbe, LayerSensitivity, supports_layers
 from compiler.runtime.module import CompiledModule
@@ -65,6 +67,7 @@ class LayerSearch:
     passed: bool
     seconds: float
     note: str = ""
+    precision: str = "int8"  # what the partition computes in, the layers kept in float aside
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -76,7 +79,7 @@ class LayerSearch:
         if not self.passed:
             return [f"{self.partition}: no set of its layers in float met the tolerances ({self.note})"]
         return [
-            f"{self.partition}/{r.layer.label()}: int8 -> {FLOAT}, "
+            f"{self.partition}/{r.layer.label()}: {self.precision} -> {FLOAT}, "
             f"{'alone ' if r.alone else ''}it added rel L2 {r.rel_l2:.1e}"
             for r in self.raised
         ]
@@ -107,7 +110,7 @@ def search(
     recipe = plan.options.partition_quantization(partition, plan.options.precision_of(partition))
     by_name = {p.name: p for p in plan.partitions}
 
-    def done(note: str, probe: LayerProbe | None = None, **found: Any) -> LayerSearch:
+    def done(note: str, probe: LayerProbe | OpProbe | None = None, **found: Any) -> LayerSearch:
         return LayerSearch(
             partition,
             tuple(found.get("raised", ())),
@@ -118,27 +121,33 @@ def search(
             bool(found.get("passed")),
             round(time.perf_counter() - start, 4),
             note,
+            plan.options.precision_of(partition),
         )
 
-    if not supports_layers(recipe):
+    precision = plan.options.precision_of(partition)
+    if not supports_layers(recipe) and precision not in REDUCED_FLOATS:
         return (
             done(f"its recipe ({recipe and recipe.get('graph')}) keeps no single layer in float"),
             None,
             None,
         )
     try:
-        calibration = ()
-        if recipe["mode"] != "dynamic":
-            calibration = calibration_samples(plan)[0].samples
-        feeds = _captured(plan, [*calibration, *dataset.samples], [partition])[partition]
-        own = lower_float(plan, by_name[partition], FLOAT).onnx
-        probe = LayerProbe(
-            own,
-            canonical_weights(by_name[partition]),
-            recipe,
-            feeds[: len(calibration)],
-            feeds[len(calibration) :],
-        )
+        if precision in REDUCED_FLOATS:  # ops of its torch graph kept in fp32, on every backend
+            feeds = _captured(plan, dataset.samples, [partition])[partition]
+            probe: LayerProbe | OpProbe = OpProbe(plan, partition, feeds)
+        else:
+            calibration = ()
+            if recipe["mode"] != "dynamic":
+                calibration = calibration_samples(plan)[0].samples
+            feeds = _captured(plan, [*calibration, *dataset.samples], [partition])[partition]
+            own = lower_float(plan, by_name[partition], FLOAT).onnx
+            probe = LayerProbe(
+                own,
+                canonical_weights(by_name[partition]),
+                recipe,
+                feeds[: len(calibration)],
+                feeds[len(calibration) :],
+            )
     except Exception as exc:  # calibration data gone, a quantizer failure: the partition is raised whole
         return (
             done(f"could not measure its layers: {type(exc).__name__}: {exc}".splitlines()[0][:300]),
@@ -193,10 +202,17 @@ def search(
         measured = len(found)
         seen = {m.layer.name for m in found}
         ranked += sorted((m for m in found if m.rel_l2 > 0), key=lambda m: (-m.rel_l2, _cost(m.layer)))
+        if isinstance(probe, OpProbe):  # in float, ops help in runs (fp32 between them): none left out
+            ranked += sorted((m for m in found if not m.rel_l2 > 0), key=lambda m: _cost(m.layer))
         count, floor = 1, 0
         if guessing and time.perf_counter() < deadline:
             count, floor = guess(0)
-        if guessing and floor == len(ranked) and time.perf_counter() < deadline:
+        if (
+            isinstance(probe, LayerProbe)
+            and guessing
+            and floor == len(ranked)
+            and time.perf_counter() < deadline
+        ):
             # Guessed to miss with every layer that adds error on its own in float: the error is added
             # by layers together (a ViT's: no layer kept in float alone moved it). Ranked instead by the
             # error each adds quantized alone, the free ones (no weights, no GEMM FLOPs) first: on the
@@ -261,7 +277,7 @@ def _cost(layer: Layer) -> tuple[int, int]:
 
 def _relowered(
     raised: list[LayerSensitivity],
-    probe: LayerProbe,
+    probe: LayerProbe | OpProbe,
     scale: float,
     tolerance: float,
     deadline: float,
