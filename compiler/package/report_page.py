@@ -184,7 +184,7 @@ def _repair_section(manifest: Manifest) -> Markup:
         for layer in search.get("raised") or ()
     ]
     if layers:
-        header = ["partition", "layer", "op", "parameter", "sensitivity (rel L2 alone)", "weights", "FLOPs"]
+        header = ["partition", "layer", "op", "parameter", "rel L2 it added", "weights", "FLOPs"]
         table = join([_table("raised-layers", header, layers), table])
     return h("<section><h2>Accuracy repair</h2><ul>{lines}</ul>{table}</section>", lines=lines, table=table)
 
