@@ -80,7 +80,13 @@ from compiler.package.manifest import (
 )
 from compiler.package.signing import Signer, Trust, sign_package
 from compiler.package.weights_file import read_weights
-from compiler.package.writing import as_validation_report, hollow_program, int8_only_weights, swap_into_place
+from compiler.package.writing import (
+    as_validation_report,
+    hollow_program,
+    int8_only_weights,
+    packaged_engine,
+    swap_into_place,
+)
 from compiler.partitioning import runtime_graph
 from compiler.partitioning.dedup import DedupPlan
 from compiler.partitioning.partition import (
@@ -159,7 +165,8 @@ def save(
         }
         files[WEIGHTS] = safetensors.torch.save(weights)
         engines = {}
-        for fp, artifact in sorted(compiled.engines.items()):
+        for fp, built in sorted(compiled.engines.items()):
+            artifact = packaged_engine(built)  # its weights are in weights.safetensors: not twice
             rel = engine_file(fp) if artifact.is_engine else None
             if rel is not None:
                 files[rel] = artifact.engine
