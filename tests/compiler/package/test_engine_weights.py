@@ -11,6 +11,7 @@ import json
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -171,3 +172,25 @@ def test_a_backend_without_package_strip_keeps_its_engines_as_built(ort_models):
     kept = dataclasses.replace(artifact, backend="tensorrt")
     assert packaged_engine(kept) is kept  # TensorRT: its plan is stripped only by TensorRT on its GPU
     assert packaged_engine(artifact).stripped and len(packaged_engine(artifact).engine) < artifact.bytes
+
+
+def test_quantized_packages_hold_their_int8_tensors_once(tmp_path):
+    """int8 engines (ONNX Runtime) read their quantized weights and scales from the package's own
+    ``kiln.int8/...`` tensors: stored stripped of them, the package (int8 float weights left out too)
+    answers exactly as the full compile did."""
+    from benchmarks.quantization import sensitive_case
+
+    _, program, data = sensitive_case(width=32, blocks=2, hot=0, batch=4, samples=8)
+    recorded = tmp_path / "recorded.npz"
+    np.savez(recorded, x=data["x"].numpy())
+    options = compiler.CompileOptions(
+        precision="int8", split_modules=("OutlierBlock",), calibration={"samples": 8, "data": str(recorded)}
+    )
+    compiled = compiler.compile(program, options, cache=False)
+    assert not any(a.stripped for a in compiled.engines.values())
+    info = compiler.save(compiled, tmp_path / "int8.kiln", int8_weights_only=True)
+    for data_bytes in _engine_files(info.path).values():
+        weights = _onnx_weights(data_bytes)
+        assert weights and not any(weights.values()), weights
+    x = data["x"][0]
+    assert torch.equal(compiler.load(info.path)(x), compiled(x))
