@@ -112,6 +112,13 @@ class CompileOptions:
     class names (e.g. ``("BertLayer",)``) whose instances each become their own engine, so build time
     grows with the number of unique blocks, not with depth.
 
+    ``strip_weights``: build engines without their weights (names, shapes and dtypes kept; a load puts
+    them in, as a refit). A build setting: the engine cache holds what it asked for and the compiled
+    module runs those engines. A package (``compiler.save``) holds each weight once, in its weights
+    file, whatever it says for ONNX Runtime and Inductor engines: they are stored stripped (a package
+    load passes every engine its weights and never read an engine's own copy); TensorRT engines are
+    stored as built (a built plan is stripped only by TensorRT on its GPU; its load refits either way).
+
     ``on_build_failure``: what a partition whose engine build fails (``EngineBuildError``) becomes:
     ``"torch"`` (its original submodule runs eagerly in PyTorch, in the model's own precision),
     ``"onnxruntime"`` (the same lowered ONNX is built with ONNX Runtime; if that fails too, PyTorch) or

@@ -7,8 +7,10 @@
     runtime_graph.json       the split graph as data, what a load runs (partitioning/runtime_graph.py); the
                              program is read only when asked for (absent where the graph holds
                              anything that form cannot: such packages load from the program)
-    engines/<fp>.engine      one engine per unique fingerprint (weight-stripped or full); none for a
-                             fingerprint whose build fell back to PyTorch (the program runs it)
+    engines/<fp>.engine      one engine per unique fingerprint (weight-stripped where its backend's load
+                             takes the weights from weights.safetensors, whatever strip_weights built:
+                             writing.packaged_engine); none for a fingerprint whose build fell back to
+                             PyTorch (the program runs it)
     model.sig                optional: the model-signing signature of every other file (never listed
                              in the manifest, which it signs; compiler/package/signing.py)
 

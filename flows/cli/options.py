@@ -189,7 +189,12 @@ CalibrationMethod = Annotated[
 ]
 StripWeights = Annotated[
     bool | None,
-    typer.Option("--strip-weights/--keep-weights", help="weight-stripped engines, refitted at load"),
+    typer.Option(
+        "--strip-weights/--keep-weights",
+        help="build weight-stripped engines (refitted at load). Packages store ONNX Runtime and Inductor "
+        "engines stripped either way (their weights are in the package once); this decides TensorRT's "
+        "and the engine cache's",
+    ),
 ]
 MinBlockSize = Annotated[int | None, typer.Option("--min-block-size", help="smallest engine (ops)")]
 TorchExecutedOp = Annotated[
