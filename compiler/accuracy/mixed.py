@@ -167,7 +167,7 @@ def sensitivity(layer: Mapping[str, Any], level: str) -> str:
         return "its sensitivity was not recorded"
     if math.isinf(rel_l2):
         if alone:
-            return f"at {level} alone it made the partition's output non-finite (inf/nan)"
+            return f"at {level} alone it made the partition's output non-finite"
         return f"the partition's output is non-finite unless it leaves {level}"
     return f"{'alone ' if alone else ''}it added rel L2 {rel_l2:.1e}"
 

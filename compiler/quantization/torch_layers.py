@@ -57,7 +57,7 @@ def graph_layers(
             index += 1
     flops: dict[str, int] = {}
     if activations is not None:
-        device = torch.device(plan.options.device)
+        device = weights_device(plan)
         acts = iter(a.to(device) for a in activations)
         tensors = iter(w.detach().to(device) for w in weights)
         kinds = [i.kind for i in partition.inputs]
@@ -79,6 +79,11 @@ def graph_layers(
             )
         )
     return layers
+
+
+def weights_device(plan: PartitionPlan) -> torch.device:
+    """Where the plan holds its weights (the device its program was exported on): what a probe runs on."""
+    return next((t.device for t in plan.weights().values()), torch.device(plan.options.device))
 
 
 def quantized_layers(plan: PartitionPlan, name: str) -> list[str]:
@@ -194,7 +199,7 @@ class _RowwiseModel:
         self.plan, self.name = plan, name
         self.recipe = RECIPES[plan.options.precision_of(name)]
         self.names = layers(plan, name)
-        self.device = torch.device(plan.options.device)
+        self.device = weights_device(plan)
 
     def _bound(self, precision: str, rewritten: Any, weights: Sequence[torch.Tensor]) -> Callable[..., Any]:
         from compiler.engine_build.lower import _engine_module, engine_io
