@@ -264,8 +264,9 @@ def partition_program(program: ProgramRef, options: CompileOptions, workspace: s
         ws = Workspace(workspace)
         plan_path, plan_sha = ws.put_json("plans", plan.to_dict())
         dedup_path, dedup_sha = ws.put_json("plans", unique.to_dict())
+        packed = plan.quantized or plan.quantized_graphs  # Inductor's int8 CPU programs: graphs only
         quantized_path, quantized_sha = (
-            ws.put_blob("plans", pack_quantized(plan), ".safetensors") if plan.quantized else ("", "")
+            ws.put_blob("plans", pack_quantized(plan), ".safetensors") if packed else ("", "")
         )
     get_run_logger().info(
         "%s: %d engine partitions, %d unique structures, fallback %s",

@@ -10,126 +10,51 @@ as it was) and a bounded layer search (``repair_seconds``).
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
-import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.fixtures.mixed_precision import bert, eager_logits, record, relative, zoo
+
 CALIBRATION = 16  # recorded samples calibrated on; as many more are validated on
 BUDGET = 300  # seconds the layer search may take (repair_seconds: the default)
-
-READ = textwrap.dedent(
-    """
-    import json, sys
-    import numpy as np, torch
-    import compiler
-
-    manifest = compiler.read_manifest(sys.argv[1])
-    loaded = compiler.load(sys.argv[1])
-    with np.load(sys.argv[2]) as data:
-        ids, mask = torch.from_numpy(data["input_ids"][-1]), torch.from_numpy(data["attention_mask"][-1])
-        types = torch.from_numpy(data["token_type_ids"][-1])
-    out = loaded(input_ids=ids, attention_mask=mask, token_type_ids=types)
-    logits = out.logits if hasattr(out, "logits") else out[0]
-    repair = manifest.report.accuracy_repair or {}
-    print(json.dumps({"repair": repair, "logits": logits.tolist(),
-                      "precision": manifest.report.precision}))
-    """
-)
-
-
-def _bert(folder: Path) -> torch.nn.Module:
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(2)
-    config = BertConfig(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=1024,
-        num_labels=2,
-        attn_implementation="eager",
-    )
-    model = BertForSequenceClassification(config).eval()
-    model.save_pretrained(folder)
-    return model
-
-
-def _zoo(root: Path, run: str) -> dict:
-    settings = {
-        "out_dir": f"out-{run}",
-        "workspace": f"ws-{run}",  # a fresh workspace: only the engine cache is shared
-        "engine_cache": str(root / "engines"),
-        "tracking": True,
-        "validation": {"samples": 8, "warmup": 0, "runs": 2},
-    }
-    entry = {
-        "name": "bert",
-        "source": "hf:./bert",
-        "task": "sequence-classification",
-        "precision": "int8",
-        "tolerances": {"rel_l2": 0.1},
-        "calibration": {"data": "recorded.npz", "samples": CALIBRATION},
-        "validation": {"data": "recorded.npz"},
-        "on_accuracy_failure": "repair",
-        "repair_seconds": BUDGET,
-    }
-    (root / f"zoo-{run}.yaml").write_text(yaml.safe_dump({"settings": settings, "models": [entry]}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "zoo", f"zoo-{run}.yaml", "--out", f"out-{run}", "--json"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
-    summary = json.loads((root / f"out-{run}" / "summary.json").read_text())
-    read = subprocess.run(
-        [sys.executable, "-c", READ, str(root / f"out-{run}" / "bert.kiln"), str(root / "recorded.npz")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert read.returncode == 0, read.stderr[-3000:]
-    return {
-        "summary": summary,
-        "package": json.loads(read.stdout.strip().splitlines()[-1]),
-        "log": done.stderr,
-    }
+ENTRY = {
+    "task": "sequence-classification",
+    "precision": "int8",
+    "tolerances": {"rel_l2": 0.1},
+    "calibration": {"data": "recorded.npz", "samples": CALIBRATION},
+    "validation": {"data": "recorded.npz"},
+    "on_accuracy_failure": "repair",
+    "repair_seconds": BUDGET,
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, mlflow_server) -> dict:
     root = tmp_path_factory.mktemp("mixed")
-    model = _bert(root / "bert")
-    torch.manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (2 * CALIBRATION, 2, 32))
-    np.savez(  # as a BERT tokenizer writes one segment: ids, mask, token types (all segment A)
-        root / "recorded.npz",
-        input_ids=ids.numpy(),
-        attention_mask=np.ones(ids.shape, np.int64),
-        token_type_ids=np.zeros(ids.shape, np.int64),
+    model = bert(
+        root / "bert",
+        2,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        num_labels=2,
     )
-    with torch.no_grad():
-        eager = model(input_ids=ids[-1], attention_mask=torch.ones_like(ids[-1])).logits
-    return {"first": _zoo(root, "first"), "again": _zoo(root, "again"), "eager": eager}
+    ids = record(root, model, 2 * CALIBRATION, 2, 32, seed=0)
+    # a fresh workspace each run: only the engine cache is shared
+    settings = {"engine_cache": str(root / "engines"), "validation": {"samples": 8, "warmup": 0, "runs": 2}}
+    return {
+        "first": zoo(root, "first", {"bert": ENTRY}, settings),
+        # what the second run reused is in its package's record: no need to load its engines
+        "again": zoo(root, "again", {"bert": ENTRY}, settings, load=False),
+        "eager": eager_logits(model, ids),
+    }
 
 
 def test_the_bert_case_stays_mostly_int8_meets_the_tolerance_and_names_its_raised_layers(runs):
     first = runs["first"]
-    repair = first["package"]["repair"]
+    repair = first["packages"]["bert"]["repair"]
     assert repair["passed"] and repair["after"]["max_rel_l2"] <= 0.1, repair["lines"]
     assert repair["before"]["max_rel_l2"] > 0.1  # all-int8 missed: that is what repair was for
     assert not repair["steps"], repair["lines"]  # no partition left int8 whole
@@ -138,10 +63,9 @@ def test_the_bert_case_stays_mostly_int8_meets_the_tolerance_and_names_its_raise
     assert all(layer["name"] in repair["float_layers"][search["partition"]] for layer in search["raised"])
     assert repair["kept"]["weights"] > 0.5 and repair["kept"]["flops"] > 0.5, repair["kept"]
     assert repair["budget_seconds"] == BUDGET and repair["seconds"] > 0
-    assert first["package"]["precision"] == "int8"  # asked for, and every partition still is
-    got = torch.tensor(first["package"]["logits"])
-    rel = float((got - runs["eager"]).norm() / runs["eager"].norm())
-    assert rel < 0.2, rel  # the package read back answers close to eager on a recorded sample
+    assert first["packages"]["bert"]["precision"] == "int8"  # asked for, and every partition still is
+    # the package read back answers close to eager on a recorded sample
+    assert relative(first["packages"]["bert"]["logits"], runs["eager"]) < 0.2
 
 
 def test_the_summary_and_the_run_warn_that_the_model_is_not_all_int8(runs):
@@ -161,7 +85,7 @@ def test_the_summary_and_the_run_warn_that_the_model_is_not_all_int8(runs):
 
 def test_a_second_run_reuses_the_repair_and_builds_nothing(runs):
     again = runs["again"]
-    repair = again["package"]["repair"]
+    repair = again["packages"]["bert"]["repair"]
     assert repair["reused"] and repair["engines_built"] == 0, repair
     assert again["summary"]["engines_built"] == 0
-    assert repair["float_layers"] == runs["first"]["package"]["repair"]["float_layers"]
+    assert repair["float_layers"] == runs["first"]["packages"]["bert"]["repair"]["float_layers"]

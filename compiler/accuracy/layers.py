@@ -3,7 +3,8 @@ sensitive layers in float instead of leaving int8 whole.
 
 For the partition repair picked (:mod:`compiler.accuracy.repair`), when its recipe takes per-layer
 exclusions (:func:`compiler.quantization.layers.supports_layers`: ONNX Runtime's quantizer, for ONNX
-Runtime and TensorRT engines):
+Runtime and TensorRT engines, measured by :class:`~compiler.quantization.layers.LayerProbe`; Inductor's
+PT2E and rowwise recipes, by :class:`~compiler.quantization.torch_layers.TorchLayerProbe`):
 
 1. each layer's sensitivity (int8; fp16/bf16: :class:`~compiler.accuracy.ops.OpProbe`, the error an op
    adds alone): the error it adds on top of every other layer at int8, i.e. the partition's
@@ -48,9 +49,11 @@ from typing import Any
 from compiler.accuracy.ops import REDUCED_FLOATS, OpProbe
 from compiler.inputs.data import ValidationData
 from compiler.quantization.layers import Layer, LayerProbe, LayerSensitivity, supports_layers
+from compiler.quantization.torch_layers import TorchLayerProbe, is_torch_graph
 from compiler.runtime.module import CompiledModule
 
 FLOAT = "fp32"  # what a layer kept out of int8 computes in (ONNX Runtime's QDQ graphs are fp32 around it)
+Probe = LayerProbe | OpProbe | TorchLayerProbe
 
 
 @dataclass(frozen=True)
@@ -74,15 +77,6 @@ class LayerSearch:
         data["raised"] = [r.to_dict() for r in self.raised]
         data["partition_rel_l2"] = _finite(self.partition_rel_l2)
         return data
-
-    def lines(self) -> list[str]:
-        if not self.passed:
-            return [f"{self.partition}: no set of its layers in float met the tolerances ({self.note})"]
-        return [
-            f"{self.partition}/{r.layer.label()}: {self.precision} -> {FLOAT}, "
-            f"{'alone ' if r.alone else ''}it added rel L2 {r.rel_l2:.1e}"
-            for r in self.raised
-        ]
 
 
 def search(
@@ -110,7 +104,7 @@ def search(
     recipe = plan.options.partition_quantization(partition, plan.options.precision_of(partition))
     by_name = {p.name: p for p in plan.partitions}
 
-    def done(note: str, probe: LayerProbe | OpProbe | None = None, **found: Any) -> LayerSearch:
+    def done(note: str, probe: Probe | None = None, **found: Any) -> LayerSearch:
         return LayerSearch(
             partition,
             tuple(found.get("raised", ())),
@@ -134,20 +128,20 @@ def search(
     try:
         if precision in REDUCED_FLOATS:  # ops of its torch graph kept in fp32, on every backend
             feeds = _captured(plan, dataset.samples, [partition])[partition]
-            probe: LayerProbe | OpProbe = OpProbe(plan, partition, feeds)
+            probe: Probe = OpProbe(plan, partition, feeds)
         else:
             calibration = ()
             if recipe["mode"] != "dynamic":
                 calibration = calibration_samples(plan)[0].samples
             feeds = _captured(plan, [*calibration, *dataset.samples], [partition])[partition]
-            own = lower_float(plan, by_name[partition], FLOAT).onnx
-            probe = LayerProbe(
-                own,
-                canonical_weights(by_name[partition]),
-                recipe,
-                feeds[: len(calibration)],
-                feeds[len(calibration) :],
-            )
+            calibrating, evaluating = feeds[: len(calibration)], feeds[len(calibration) :]
+            if is_torch_graph(recipe):  # Inductor: quantized in its torch graph, run in PyTorch
+                probe = TorchLayerProbe(plan, partition, calibrating, evaluating)
+            else:
+                own = lower_float(plan, by_name[partition], FLOAT).onnx
+                probe = LayerProbe(
+                    own, canonical_weights(by_name[partition]), recipe, calibrating, evaluating
+                )
     except Exception as exc:  # calibration data gone, a quantizer failure: the partition is raised whole
         return (
             done(f"could not measure its layers: {type(exc).__name__}: {exc}".splitlines()[0][:300]),
@@ -208,7 +202,7 @@ def search(
         if guessing and time.perf_counter() < deadline:
             count, floor = guess(0)
         if (
-            isinstance(probe, LayerProbe)
+            not isinstance(probe, OpProbe)
             and guessing
             and floor == len(ranked)
             and time.perf_counter() < deadline
@@ -231,7 +225,8 @@ def search(
             seen = {m.layer.name for m in alone}
             if time.perf_counter() < deadline:
                 count, floor = guess(0)
-        ranked += [LayerSensitivity(x, math.nan) for x in probe.layers if x.name not in seen]
+        # Not measured by the deadline: ranked last, recorded as not measured (None), never nan.
+        ranked += [LayerSensitivity(x, None) for x in probe.layers if x.name not in seen]
         while high is None and low < len(ranked) and time.perf_counter() < deadline:
             count = min(max(count, low + 1), len(ranked))
             if verify(count):
@@ -277,7 +272,7 @@ def _cost(layer: Layer) -> tuple[int, int]:
 
 def _relowered(
     raised: list[LayerSensitivity],
-    probe: LayerProbe | OpProbe,
+    probe: Probe,
     scale: float,
     tolerance: float,
     deadline: float,

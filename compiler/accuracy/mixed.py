@@ -57,6 +57,7 @@ def kept_fractions(
     says nothing rather than fail the compile."""
     from compiler.quantization.layers import GraphAccount, account
     from compiler.quantization.quantize import _captured
+    from compiler.quantization.torch_layers import is_torch_graph
 
     asked = [
         p.name
@@ -67,12 +68,18 @@ def kept_fractions(
     total = GraphAccount()
     seen: dict[tuple[int, str], GraphAccount] = {}
 
-    def counted(side: int, module: CompiledModule, fp: str, feed: Mapping[str, Any]) -> GraphAccount | None:
+    def counted(side: int, module: CompiledModule, name: str, feed: Mapping[str, Any]) -> GraphAccount | None:
+        fp = module.dedup.instance(name).fingerprint
         if (side, fp) not in seen:
-            graph = counted_graph(module, fp)
-            if graph is None:
+            level = module.plan.options.precision_of(name)
+            if is_torch_graph(module.plan.options.partition_quantization(name, level)):
+                found = counted_torch(module, name, feed)
+            else:
+                graph = counted_graph(module, fp)
+                found = None if graph is None else account(graph, feed)
+            if found is None:
                 return None
-            seen[(side, fp)] = account(graph, feed)
+            seen[(side, fp)] = found
         return seen[(side, fp)]
 
     for name in asked:
@@ -80,9 +87,9 @@ def kept_fractions(
             continue
         feed = feeds[name][0]
         if final.plan.options.precision_of(name) in QUANTIZED_PRECISIONS:
-            part = counted(1, final, final.dedup.instance(name).fingerprint, feed)
+            part = counted(1, final, name, feed)
         else:  # raised whole: its int8 graph's totals, nothing of them at int8
-            part = counted(0, initial, initial.dedup.instance(name).fingerprint, feed)
+            part = counted(0, initial, name, feed)
             part = part and part.float_only()
         if part is None:
             return None
@@ -93,6 +100,22 @@ def kept_fractions(
         "flops": _share(total.flops_int8, total.flops_total),
         **asdict(total),
     }
+
+
+def counted_torch(module: CompiledModule, name: str, feed: Mapping[str, Any]) -> Any:
+    """What an Inductor int8/fp8 partition (quantized in its torch graph) holds at low precision, counted
+    from its graph and the layers kept in float (:func:`compiler.quantization.torch_layers.torch_account`);
+    None when its graph cannot be had."""
+    import numpy as np
+    import torch
+
+    from compiler.quantization.torch_layers import torch_account
+
+    activations = [torch.from_numpy(np.asarray(feed[f"x{k}"])) for k in range(len(feed))]
+    try:
+        return torch_account(module.plan, name, activations, module.plan.options.float_layers.get(name, ()))
+    except Exception:  # a plan without its graphs or weights: the record says nothing rather than fail
+        return None
 
 
 def counted_graph(module: CompiledModule, fp: str) -> bytes | None:
@@ -123,18 +146,30 @@ def search_lines(search: Mapping[str, Any]) -> list[str]:
     name = search["partition"]
     if not search.get("passed"):
         return [f"{name}: no set of its layers in float met the tolerances ({search.get('note') or 'none'})"]
+    level = search.get("precision", "int8")
     lines = []
     for layer in search.get("raised", ()):
         weight = f" ({layer['weight']})" if layer.get("weight") else ""
-        rel_l2 = float(layer["rel_l2"])
-        sensitivity = (
-            f"{'alone ' if layer.get('alone') else ''}it added rel L2 {rel_l2:.1e}"
-            if not math.isnan(rel_l2)
-            else "sensitivity not measured"
-        )
-        level = search.get("precision", "int8")
-        lines.append(f"{name}/{layer['name']} {layer['op']}{weight}: {level} -> fp32, {sensitivity}")
+        measured = sensitivity(layer, level)
+        lines.append(f"{name}/{layer['name']} {layer['op']}{weight}: {level} -> fp32, {measured}")
     return lines
+
+
+def sensitivity(layer: Mapping[str, Any], level: str) -> str:
+    """What a raised layer's measurement says: the error it added (alone: quantized with every other
+    layer in float; else on top of the others), that it made the output non-finite, or why there is none."""
+    value = layer.get("rel_l2")
+    alone = bool(layer.get("alone"))
+    if value is None:
+        return "not measured: the search's deadline (repair_seconds) came first"
+    rel_l2 = float(value)
+    if math.isnan(rel_l2):  # a record written before non-finite errors were recorded as inf
+        return "its sensitivity was not recorded"
+    if math.isinf(rel_l2):
+        if alone:
+            return f"at {level} alone it made the partition's output non-finite"
+        return f"the partition's output is non-finite unless it leaves {level}"
+    return f"{'alone ' if alone else ''}it added rel L2 {rel_l2:.1e}"
 
 
 def layers_raised(repair: Mapping[str, Any] | None) -> int:

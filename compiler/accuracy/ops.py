@@ -11,7 +11,6 @@ bounds: they rank ops and guess counts; each set chosen is rebuilt by the backen
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,7 +20,8 @@ import torch
 from compiler.engine_build.float_ops import candidates, fp32_weights, op_flops
 from compiler.engine_build.lower import PRECISION_DTYPES, _EngineGraph, engine_io
 from compiler.partitioning.partition import PartitionPlan
-from compiler.quantization.layers import Layer, LayerSensitivity
+from compiler.quantization.layers import Layer, LayerSensitivity, relative_error
+from compiler.quantization.torch_layers import graph_layers
 
 REDUCED_FLOATS = ("fp16", "bf16")
 
@@ -45,34 +45,10 @@ class OpProbe:
             [torch.from_numpy(np.asarray(f[f"x{k}"])).to(self.device) for k in range(len(f))] for f in feeds
         ]
         self.reference = self._outputs(self._module((), "fp32"))
-        nodes = candidates(self.sub)
-        flops = op_flops(self.sub, self._arguments(0)) if self.feeds else {}
-        placeholders = [n for n in self.sub.graph.nodes if n.op == "placeholder"]
-        weight_of = {}
-        index = 0
-        for node, kind in zip(placeholders, self.kinds, strict=True):
-            if kind == "weight":
-                weight_of[node] = (self.partition.weight_keys[index], self.weights[index].numel())
-                index += 1
-        self.layers = []
-        for name_, node in nodes:
-            read = [weight_of[a] for a in node.all_input_nodes if a in weight_of]
-            self.layers.append(
-                Layer(
-                    name_,
-                    str(node.target).replace("aten.", "").removesuffix(".default"),
-                    max(read, key=lambda r: r[1])[0] if read else "",
-                    sum(r[1] for r in read),
-                    flops.get(name_, 0),
-                )
-            )
+        first = self.feeds[0] if self.feeds else None
+        self.layers = graph_layers(plan, name, [n for n, _ in candidates(self.sub)], first)
         self.full_error = self.error_without(())
         self._names: list[str] | None = None
-
-    def _arguments(self, sample: int) -> tuple[torch.Tensor, ...]:
-        """The partition graph's own inputs (fp32), activations and weights in its order."""
-        acts, weights = iter(self.feeds[sample]), iter(self.weights)
-        return tuple(next(acts) if kind == "activation" else next(weights) for kind in self.kinds)
 
     def _module(self, names: Sequence[str], precision: str | None = None) -> tuple[Any, list]:
         precision = precision or self.precision
@@ -93,14 +69,9 @@ class OpProbe:
             ]
 
     def error_without(self, names: Sequence[str]) -> float:
-        """The partition's relative L2 error vs fp32 with the ops ``names`` kept in fp32."""
-        num = den = 0.0
-        for got, want in zip(self._outputs(self._module(names)), self.reference, strict=True):
-            for a, b in zip(got, want, strict=True):
-                a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-                num += float(((a - b) ** 2).sum())
-                den += float((b**2).sum())
-        return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+        """The partition's relative L2 error vs fp32 with the ops ``names`` kept in fp32 (``inf`` where
+        an output is not finite: an overflow)."""
+        return relative_error(self._outputs(self._module(names)), self.reference)
 
     def gain(self, layer: Layer) -> LayerSensitivity:
         """The error ``layer`` adds alone: the partition's error with every other op in fp32. Not, as

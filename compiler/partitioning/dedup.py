@@ -8,7 +8,9 @@ shared engine is refitted per instance.
 from __future__ import annotations
 
 import hashlib
+import io
 import time
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -80,8 +82,23 @@ def partition_fingerprint(plan: PartitionPlan, partition: Partition) -> str:
     graph = plan.quantized_graphs.get(partition.name)
     if graph is not None and (settings.get("quantization") or {}).get("scales") == "graph":
         # Its scales are compiled into its engine (TensorRT): the graph that holds them is its structure.
-        settings["quantized_graph"] = hashlib.sha256(graph).hexdigest()
+        settings["quantized_graph"] = graph_digest(graph)
     return fingerprint(plan.submodule(partition.name).graph, kinds, plan.symbols, settings)
+
+
+def graph_digest(graph: bytes) -> str:
+    """sha256 of a quantized graph: ONNX bytes as they are; a saved program (a zip: Inductor's int8) by
+    its records, less the random id torch.export.save writes into each, so the same program has the
+    same digest in every process (and its engine is found in the engine cache)."""
+    if not graph.startswith(b"PK"):
+        return hashlib.sha256(graph).hexdigest()
+    digest = hashlib.sha256()
+    with zipfile.ZipFile(io.BytesIO(graph)) as archive:
+        for name in sorted(archive.namelist()):
+            if not name.endswith(".data/serialization_id"):
+                digest.update(name.encode())
+                digest.update(hashlib.sha256(archive.read(name)).digest())
+    return digest.hexdigest()
 
 
 def dedup(plan: PartitionPlan, *, share: bool = True) -> DedupPlan:

@@ -7,9 +7,9 @@ lowering, so it names the same node in every instance of one fingerprint and in 
 same model; it is what the quantizer's ``nodes_to_exclude`` takes. Each is described by its op and the
 parameter it reads (``m.bert.encoder.layer.3.output.dense.weight``), so a report names it as a user would.
 
-Only graphs made by ONNX Runtime's quantizer (ONNX Runtime and TensorRT engines) have layers here; a
-recipe without per-layer exclusion (Inductor's PT2E and rowwise flows) is raised whole instead
-(:func:`supports_layers`).
+Graphs made by ONNX Runtime's quantizer (ONNX Runtime and TensorRT engines) have their layers here;
+Inductor's, quantized in the partition's torch graph (PT2E, rowwise), have theirs in
+:mod:`compiler.quantization.torch_layers`, named by node position in that graph (:func:`supports_layers`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from compiler.backends.capabilities import QUANTIZED_GRAPH
+from compiler.backends.capabilities import PT2E_GRAPH, QUANTIZED_GRAPH, ROWWISE_GRAPHS
 
 # The ops whose work is counted as FLOPs (the GEMMs and convolutions, where int8 kernels pay off).
 COMPUTE_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose")
@@ -56,8 +56,33 @@ INTEGER_TYPES = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
 
 def supports_layers(recipe: Mapping[str, Any] | None) -> bool:
     """Whether a partition of this recipe (``CompileOptions.partition_quantization``) can keep single
-    layers in float: graphs of ONNX Runtime's quantizer take ``nodes_to_exclude``."""
-    return bool(recipe) and recipe.get("graph") == QUANTIZED_GRAPH
+    layers in float: graphs of ONNX Runtime's quantizer take ``nodes_to_exclude``; Inductor's PT2E
+    quantizer takes a module name with no config, and its rowwise rewrite a set of linears to skip."""
+    return bool(recipe) and recipe.get("graph") in (QUANTIZED_GRAPH, PT2E_GRAPH, *ROWWISE_GRAPHS.values())
+
+
+def relative_error(outputs: Sequence[Sequence[Any]], reference: Sequence[Sequence[Any]]) -> float:
+    """The relative L2 error of ``outputs`` vs ``reference`` (per sample, per output: arrays), over all
+    of them. A non-finite output is the worst error there is: ``inf``, never ``nan`` (which would rank
+    anywhere and read as "not measured")."""
+    num = den = 0.0
+    for got, want in zip(outputs, reference, strict=False):
+        for a, b in zip(got, want, strict=True):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            num += float(((a - b) ** 2).sum())
+            den += float((b**2).sum())
+    error = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+    return math.inf if math.isnan(error) else error
+
+
+def added_error(full: float, without: float) -> float:
+    """The error one layer adds on top of the others: the error with every layer quantized (``full``)
+    less the error with that layer kept in float (``without``). Where its float copy makes the output
+    finite again it adds ``inf`` (the worst); where the output stays non-finite without it, what it
+    adds cannot be seen: 0."""
+    if not math.isfinite(without):
+        return 0.0
+    return full - without
 
 
 @dataclass(frozen=True)
@@ -74,7 +99,8 @@ class Layer:
     def costly(self) -> bool:
         """Whether keeping it in float costs what int8 is for: int8 weights (a GEMM's, a convolution's, an
         embedding table's) or GEMM/convolution FLOPs. Elementwise ops and norms cost neither."""
-        return self.op in COMPUTE_OPS or (self.op == "Gather" and self.params > 0) or self.flops > 0
+        table = self.op in ("Gather", "embedding") and self.params > 0  # ONNX's op, or a torch graph's
+        return self.op in COMPUTE_OPS or table or self.flops > 0
 
     def label(self) -> str:
         return f"{self.name} {self.op}" + (f" ({self.weight})" if self.weight else "")
@@ -84,14 +110,17 @@ class Layer:
 class LayerSensitivity:
     """A layer and its sensitivity: the partition's output error (relative L2 vs its float graph) with
     only it quantized (:meth:`LayerProbe.sensitivity`), or the error it adds on top of every other layer
-    at int8 (:meth:`LayerProbe.gain`, what accuracy repair ranks and records)."""
+    at int8 (:meth:`LayerProbe.gain`, what accuracy repair ranks and records). ``inf`` where it made the
+    output non-finite (:func:`relative_error`); None where it was not measured (the search's deadline
+    came first), written ``null``."""
 
     layer: Layer
-    rel_l2: float
+    rel_l2: float | None
     alone: bool = False  # measured quantized alone (sensitivity), not on top of the others (gain)
 
     def to_dict(self) -> dict:
-        return {**asdict(self.layer), "rel_l2": _finite(self.rel_l2), "alone": self.alone}
+        rel_l2 = None if self.rel_l2 is None else _finite(self.rel_l2)
+        return {**asdict(self.layer), "rel_l2": rel_l2, "alone": self.alone}
 
 
 class LayerProbe:
@@ -170,13 +199,7 @@ class LayerProbe:
         return self._compare(_run(model.SerializeToString(), self.evaluation[:samples]))
 
     def _compare(self, outputs: Sequence[Sequence[np.ndarray]]) -> float:
-        num = den = 0.0
-        for got, want in zip(outputs, self.reference, strict=False):
-            for a, b in zip(got, want, strict=True):
-                a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-                num += float(((a - b) ** 2).sum())
-                den += float((b**2).sum())
-        return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+        return relative_error(outputs, self.reference)
 
     def sensitivity(self, layer: Layer) -> LayerSensitivity:
         """The error ``layer`` adds alone: only it quantized (its graph built from the full one,
@@ -203,11 +226,11 @@ class LayerProbe:
                 if graph is None:
                     return LayerSensitivity(layer, 0.0)
                 outputs = _run_session(self._alone.session(graph), self.evaluation[:GAIN_SAMPLES])
-                return LayerSensitivity(layer, self._full_ranked - self._compare(outputs))
+                return LayerSensitivity(layer, added_error(self._full_ranked, self._compare(outputs)))
             except Exception:  # a graph this copy does not handle: the quantizer's own, slower
                 pass
         without = self.error(self.quantized(exclude=[layer.name]), GAIN_SAMPLES)
-        return LayerSensitivity(layer, self._full_ranked - without)
+        return LayerSensitivity(layer, added_error(self._full_ranked, without))
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -14,21 +14,28 @@ Inductor (``CompileOptions.quantization_settings``: scales and weights "frozen")
 4. The converted graph is exported again, symbolic in the same dynamic dims, and saved
    (``torch.export.save``): the engine's program, int8 weights and scales inside it.
 
+Layers accuracy repair keeps in float (``CompileOptions.float_layers``, canonical node names of the
+partition's graph: :class:`Exported`) are left out of step 2 by the quantizer's own switch
+(``set_module_name_qconfig(name, None)``) and out of step 3.
+
 Each instance is therefore its own program and engine (its graph's digest is in its fingerprint),
 like TensorRT's compiled-in scales; nothing of it is refit, and stripping leaves nothing out.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from compiler.engine_build.lower import export_partition
+from compiler.engine_build.float_ops import named
+from compiler.engine_build.lower import ExportedPartition, export_partition
 from compiler.errors import QuantizationError
 from compiler.partitioning.dedup import canonical_weights
 from compiler.partitioning.partition import PartitionPlan
@@ -45,6 +52,17 @@ _SOURCES = {
     torch.ops.aten.conv1d.default: torch.nn.functional.conv1d,
     torch.ops.aten.conv2d.default: torch.nn.functional.conv2d,
 }
+# The ops whose nodes may be layers: those the x86 recipe quantizes (its anchors: their inputs get Q/DQ)
+# and the lookups kiln stores int8. Which of them are is the quantizer's call (Exported.layers).
+LAYER_OPS = (
+    *_SOURCES,
+    torch.ops.aten.matmul.default,
+    torch.ops.aten.mul.Tensor,
+    torch.ops.aten.embedding.default,
+)
+FLOAT_MODULE = "kiln.float"  # the module name accuracy repair's float layers are tagged with
+ANNOTATION = "quantization_annotation"  # torchao's node.meta key (QUANT_ANNOTATION_KEY)
+INT8_TABLE = "kiln_int8_table"  # node.meta key of a lookup _int8_embeddings rewrote
 
 
 def pt2e_available() -> str | None:
@@ -58,78 +76,173 @@ def pt2e_available() -> str | None:
 
 def quantize_fingerprint(call: RecipeCall) -> tuple[bytes, dict[str, torch.Tensor]]:
     """The entry point every recipe module shares (:mod:`compiler.quantization.recipe`): the program of
-    the first of the call's partitions quantized (:func:`quantize_program`); its weights are frozen in,
-    so it has no tensors of its own. Scales are compiled in: each instance is quantized on its own."""
+    the first of the call's partitions quantized (:func:`quantize_program`), the layers its recipe names
+    (``float_layers``: accuracy repair's choice) left in float; its weights are frozen in, so it has no
+    tensors of its own. Scales are compiled in: each instance is quantized on its own."""
     name = call.parts[0]
-    return quantize_program(call.plan, name, call.feeds.get(name, [])), {}
+    layers = call.recipe.get("float_layers", ())
+    return quantize_program(call.plan, name, call.feeds.get(name, []), float_layers=layers), {}
 
 
-def quantize_program(plan: PartitionPlan, name: str, feeds: Sequence[Mapping[str, np.ndarray]]) -> bytes:
+def quantize_program(
+    plan: PartitionPlan,
+    name: str,
+    feeds: Sequence[Mapping[str, np.ndarray]],
+    *,
+    float_layers: Collection[str] = (),
+) -> bytes:
     """The saved program of partition ``name`` quantized to int8 with its own weights frozen in,
-    calibrated on ``feeds`` (its captured activations, ``x0..xk`` per sample). :class:`QuantizationError`
+    calibrated on ``feeds`` (its captured activations, ``x0..xk`` per sample), the layers
+    ``float_layers`` (canonical names, :class:`Exported`) left in float. :class:`QuantizationError`
     where torchao is missing, nothing in it is quantizable, or no feed is given."""
-    partition = next(p for p in plan.partitions if p.name == name)
-    missing = pt2e_available()
-    if missing is not None:
-        raise QuantizationError(f"{partition.name}: {missing}")
-    if not feeds:
-        raise QuantizationError(f"{partition.name}: no calibration samples reached this partition")
-    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as x86
-    from torchao.quantization.pt2e import MinMaxObserver
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    every = plan.weights()
-    weights = {k: every[key].detach() for k, key in canonical_weights(partition).items()}
-    exported = export_partition(plan, partition, weights, bind_weights=True)
-    module = exported.program.module()
-    for node in module.graph.nodes:
-        if node.op == "call_function" and node.target in _SOURCES:
-            node.meta["source_fn_stack"] = [(node.name, _SOURCES[node.target])]
-    config = x86.get_default_x86_inductor_quantization_config()
-    # minmax, the calibration method kiln's options name (the default recipe's is a histogram)
-    activations = dataclasses.replace(
-        config.input_activation, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12)
-    )
-    config = dataclasses.replace(config, input_activation=activations)
-    quantizer = x86.X86InductorQuantizer().set_global(config)
-    device = next((t.device for t in exported.examples), torch.device("cpu"))
+    base = Exported.of(plan, name)
+    converted = base.converted(feeds, float_layers)
+    if not any(
+        getattr(n.target, "namespace", None) == "quantized_decomposed" or n.meta.get(INT8_TABLE)
+        for n in converted.graph.nodes
+    ):
+        raise QuantizationError(
+            f"{name}: torchao's x86 quantizer found no linear or convolution to quantize, "
+            "and it holds no embedding table"
+            + (" (accuracy repair keeps the rest in float)" if float_layers else "")
+        )
+    exported = base.exported
     with quiet_trace(), torch.no_grad():
-        prepared = prepare_pt2e(module, quantizer)
-        for feed in feeds:
-            prepared(*(torch.from_numpy(feed[f"x{k}"]).to(device) for k in range(len(feed))))
-        converted = convert_pt2e(prepared)
-        tables = _int8_embeddings(converted)
-        if not tables and not any(
-            getattr(n.target, "namespace", None) == "quantized_decomposed" for n in converted.graph.nodes
-        ):
-            raise QuantizationError(
-                f"{partition.name}: torchao's x86 quantizer found no linear or convolution to quantize, "
-                "and it holds no embedding table"
-            )
         program = torch.export.export(
             converted, exported.examples, dynamic_shapes=exported.dynamic_shapes, strict=False
         )
     program._example_inputs = None  # torch.export.save would pickle them
+    for node in program.graph.nodes:  # provenance naming Python object ids: the same program, other bytes
+        node.meta.pop("from_node", None)
     buffer = io.BytesIO()
     torch.export.save(program, buffer)
     return buffer.getvalue()
 
 
-def _int8_embeddings(module: torch.fx.GraphModule) -> int:
+@dataclass(frozen=True)
+class Exported:
+    """One partition exported for the x86 quantizer, its weights bound, with each node the recipe can
+    quantize named canonically: by its position in the partition's own graph (``n42``,
+    :func:`compiler.engine_build.float_ops.named`), the name ``CompileOptions.float_layers`` uses for
+    every Inductor partition (int8 here and rowwise on CUDA, fp16/bf16 ops). The program's nodes of
+    one op come in the partition graph's order (it is traced from that graph), so the k-th linear is
+    the k-th linear of each."""
+
+    exported: ExportedPartition
+    module: torch.fx.GraphModule
+    canonical: Mapping[str, str]  # the module's node name -> canonical name (layer ops only)
+    device: torch.device
+
+    @classmethod
+    def of(cls, plan: PartitionPlan, name: str) -> Exported:
+        partition = next(p for p in plan.partitions if p.name == name)
+        missing = pt2e_available()
+        if missing is not None:
+            raise QuantizationError(f"{name}: {missing}")
+        every = plan.weights()
+        weights = {k: every[key].detach() for k, key in canonical_weights(partition).items()}
+        exported = export_partition(plan, partition, weights, bind_weights=True)
+        module = exported.program.module()
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target in _SOURCES:
+                node.meta["source_fn_stack"] = [(node.name, _SOURCES[node.target])]
+        own: dict[Any, list[str]] = {}
+        for canonical, node in named(plan.submodule(name)):
+            if node.op == "call_function" and node.target in LAYER_OPS:
+                own.setdefault(node.target, []).append(canonical)
+        found: dict[Any, list[str]] = {}
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target in LAYER_OPS:
+                found.setdefault(node.target, []).append(node.name)
+        if any(len(own.get(op, ())) != len(found.get(op, ())) for op in LAYER_OPS):
+            raise QuantizationError(f"{name}: its exported program's layers do not match its graph's")
+        canonical = {n: c for op in found for n, c in zip(found[op], own[op], strict=True)}
+        device = next((t.device for t in exported.examples), torch.device("cpu"))
+        return cls(exported, module, canonical, device)
+
+    def layers(self) -> list[str]:
+        """The canonical names of the nodes the recipe quantizes: those the x86 quantizer annotates
+        (the linears, convolutions, matmuls, same-shape products) and the embedding lookups of float
+        tables (:func:`_int8_embeddings`), in graph order."""
+        module = copy.deepcopy(self.module)
+        _quantizer(module, ()).annotate(module)
+        names = []
+        for node in module.graph.nodes:
+            annotation = node.meta.get(ANNOTATION)
+            quantized = annotation is not None and bool(getattr(annotation, "input_qspec_map", None))
+            if node.name in self.canonical and (quantized or _float_lookup(module, node)):
+                names.append(self.canonical[node.name])
+        return names
+
+    def converted(
+        self, feeds: Sequence[Mapping[str, np.ndarray]], float_layers: Collection[str] = ()
+    ) -> torch.fx.GraphModule:
+        """The module quantized and calibrated on ``feeds``, ``float_layers`` left in float: the x86
+        quantizer is told to leave them (``set_module_name_qconfig(name, None)``, its own way), and
+        their embedding tables stay float."""
+        if not feeds:
+            raise QuantizationError("no calibration samples reached this partition")
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+        module = copy.deepcopy(self.module)
+        kept = {n for n, c in self.canonical.items() if c in set(float_layers)}
+        quantizer = _quantizer(module, kept)
+        with quiet_trace(), torch.no_grad():
+            prepared = prepare_pt2e(module, quantizer)
+            for feed in feeds:
+                prepared(*(torch.from_numpy(feed[f"x{k}"]).to(self.device) for k in range(len(feed))))
+            converted = convert_pt2e(prepared)
+        _int8_embeddings(converted, kept)
+        return converted
+
+
+def _quantizer(module: torch.fx.GraphModule, kept: Collection[str]) -> Any:
+    """The x86 quantizer kiln's recipe uses, the nodes named ``kept`` tagged as one module that it is
+    told to leave in float. A kept linear in a fused pattern (linear + GELU) is left too: the pattern's
+    other node is not tagged, so the quantizer annotates the linear alone, as float, first."""
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as x86
+    from torchao.quantization.pt2e import MinMaxObserver
+
+    config = x86.get_default_x86_inductor_quantization_config()
+    # minmax, the calibration method kiln's options name (the default recipe's is a histogram)
+    activations = dataclasses.replace(
+        config.input_activation, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12)
+    )
+    quantizer = x86.X86InductorQuantizer().set_global(
+        dataclasses.replace(config, input_activation=activations)
+    )
+    if kept:
+        for node in module.graph.nodes:
+            if node.name in kept:
+                stack = dict(node.meta.get("nn_module_stack") or {})
+                node.meta["nn_module_stack"] = {**stack, "kiln_float": (FLOAT_MODULE, "kiln")}
+        quantizer.set_module_name_qconfig(FLOAT_MODULE, None)
+    return quantizer
+
+
+def _float_lookup(module: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether ``node`` looks up a float 2-D table the module holds (what :func:`_int8_embeddings`
+    stores int8)."""
+    if node.target is not torch.ops.aten.embedding.default or node.args[0].op != "get_attr":
+        return False
+    table = _attribute(module, node.args[0].target)
+    return table.is_floating_point() and table.dim() == 2
+
+
+def _int8_embeddings(module: torch.fx.GraphModule, kept: Collection[str] = ()) -> int:
     """Every embedding lookup of a float table the module holds, rewritten to look up an int8 table and
     its per-row scales (symmetric, ``amax(|row|) / 127``) and multiply: weight-only int8, as ONNX
     Runtime's quantizer does for Gather. The x86 recipe leaves embeddings in fp32, and BERT-base's
-    word embeddings (94 MB) are a third of its fp32 bytes. Returns how many tables were rewritten."""
+    word embeddings (94 MB) are a third of its fp32 bytes. Lookups named in ``kept`` (accuracy repair's
+    float layers) read the float table. Returns how many lookups were rewritten."""
     rewritten: set[str] = set()  # tables already stored int8 (one table may be looked up twice)
     count = 0
     graph = module.graph
     for node in list(graph.nodes):
-        if node.target is not torch.ops.aten.embedding.default or node.args[0].op != "get_attr":
+        if node.name in kept or not _float_lookup(module, node):
             continue
         table_node, indices = node.args[0], node.args[1]
         table = _attribute(module, table_node.target)
-        if not table.is_floating_point() or table.dim() != 2:
-            continue
         name = table_node.target.replace(".", "_")
         if table_node.target not in rewritten:
             rewritten.add(table_node.target)
@@ -146,7 +259,7 @@ def _int8_embeddings(module: torch.fx.GraphModule) -> int:
             )
             floats = graph.call_function(torch.ops.aten.to.dtype, (rows, table.dtype))
             lookup = graph.call_function(torch.ops.aten.mul.Tensor, (floats, scales))
-        lookup.meta = dict(node.meta)
+        lookup.meta = {**node.meta, INT8_TABLE: True}
         node.replace_all_uses_with(lookup)
         graph.erase_node(node)
         if not table_node.users:  # the float table is not saved with the program

@@ -21,19 +21,22 @@ What stays as with float engines: weights are engine inputs. Each eligible weigh
 tensors (its quantized values, its row scales), so identical blocks still build one engine, each
 instance passes its own values (``PartitionPlan.quantized``), and stripped engines take them at load.
 Dynamic: no calibration data. A linear is eligible when its weight is a weight input used only as
-linear weights, 2-D, with both sizes multiples of the recipe's alignment; others stay in float.
+linear weights, 2-D, with both sizes multiples of the recipe's alignment; others stay in float, and so
+do the linears accuracy repair keeps in float (``CompileOptions.float_layers``: canonical node names of
+the partition's graph, the unit every Inductor partition's layers are named in).
 """
 
 from __future__ import annotations
 
 import copy
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from compiler.engine_build.float_ops import named
 from compiler.engine_build.lower import PRECISION_DTYPES, export_partition
 from compiler.errors import QuantizationError
 from compiler.partitioning.dedup import canonical_weights
@@ -130,31 +133,23 @@ RECIPES = {
 def quantize_fingerprint(call: RecipeCall) -> tuple[bytes, dict[str, torch.Tensor]]:
     """(the saved program, each instance's tensors) for the call's partitions, of one fingerprint: the
     graph rewritten once, each instance's eligible weights quantized with their scales, by the recipe of
-    the partitions' precision (dynamic: no feeds needed). :class:`QuantizationError` where no linear is
+    the partitions' precision (dynamic: no feeds needed). The linears the recipe's ``float_layers``
+    names (accuracy repair's choice) are left in float. :class:`QuantizationError` where no linear is
     eligible."""
     plan, parts = call.plan, call.parts
-    by_name = {p.name: p for p in plan.partitions}
-    partition = by_name[parts[0]]
+    partition = next(p for p in plan.partitions if p.name == parts[0])
     precision = plan.options.precision_of(parts[0])
     recipe = RECIPES[precision]
-    graph, kinds, eligible = _rewritten(plan, parts[0], recipe)
+    graph, kinds, eligible = _rewritten(plan, parts[0], recipe, call.recipe.get("float_layers", ()))
     if not eligible:
         raise QuantizationError(
             f"{parts[0]}: no linear whose weight is 2-D with sizes multiples of {recipe.align} "
-            f"({precision} GEMM)"
+            f"({precision} GEMM)" + (" left out of float_layers" if call.recipe.get("float_layers") else "")
         )
-    every = plan.weights()
-    rest = PRECISION_DTYPES[plan.options.compute_precision(parts[0])]
     tensors: dict[str, torch.Tensor] = {}
     representative: list[torch.Tensor] = []
     for name in parts:
-        own: list[torch.Tensor] = []
-        for k, key in sorted(canonical_weights(by_name[name]).items(), key=lambda item: int(item[0][1:])):
-            tensor = every[key].detach()
-            if int(k[1:]) in eligible:
-                own.extend(recipe.weight(tensor))
-            else:  # in the precision the rest of the graph computes in
-                own.append((tensor.to(rest) if tensor.is_floating_point() else tensor).contiguous())
+        own = instance_tensors(plan, name, recipe, eligible)
         tensors.update({f"{QUANTIZED_PREFIX}{name}/w{j}": t for j, t in enumerate(own)})
         representative = representative or own
     weights = {f"w{j}": t for j, t in enumerate(representative)}
@@ -164,13 +159,45 @@ def quantize_fingerprint(call: RecipeCall) -> tuple[bytes, dict[str, torch.Tenso
     return buffer.getvalue(), tensors
 
 
+def instance_tensors(
+    plan: PartitionPlan, name: str, recipe: RowwiseRecipe, eligible: Collection[int]
+) -> list[torch.Tensor]:
+    """Partition ``name``'s weights as its rewritten graph takes them: each eligible one (canonical
+    index) quantized and followed by its row scales, the others in the precision the rest computes in."""
+    partition = next(p for p in plan.partitions if p.name == name)
+    every = plan.weights()
+    rest = PRECISION_DTYPES[plan.options.compute_precision(name)]
+    own: list[torch.Tensor] = []
+    for k, key in sorted(canonical_weights(partition).items(), key=lambda item: int(item[0][1:])):
+        tensor = every[key].detach()
+        if int(k[1:]) in eligible:
+            own.extend(recipe.weight(tensor))
+        else:  # in the precision the rest of the graph computes in
+            own.append((tensor.to(rest) if tensor.is_floating_point() else tensor).contiguous())
+    return own
+
+
+def layers(plan: PartitionPlan, name: str) -> list[str]:
+    """The canonical names (:func:`compiler.engine_build.float_ops.named`) of the linears the recipe of
+    partition ``name``'s precision rewrites: what accuracy repair may keep in float."""
+    recipe = RECIPES[plan.options.precision_of(name)]
+    sub = plan.submodule(name)
+    linears = {
+        user for node in sub.graph.nodes if _is_linear_weight(node, recipe.align) for user in node.users
+    }
+    return [canonical for canonical, node in named(sub) if node in linears]
+
+
 def _rewritten(
-    plan: PartitionPlan, name: str, recipe: RowwiseRecipe
+    plan: PartitionPlan, name: str, recipe: RowwiseRecipe, float_layers: Collection[str] = ()
 ) -> tuple[torch.fx.GraphModule, list[str], set[int]]:
     """The partition's graph with every eligible ``aten.linear`` calling the recipe's GEMM, a scale
-    input after each of their weights; its input kinds; the canonical indices of those weights."""
+    input after each of their weights; its input kinds; the canonical indices of those weights. A
+    weight read by a linear named in ``float_layers`` stays float for all its linears (one weight is
+    stored once, either way)."""
     partition = next(p for p in plan.partitions if p.name == name)
     graph = copy.deepcopy(plan.submodule(name))
+    kept = {node for canonical, node in named(graph) if canonical in set(float_layers)}
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     on_cuda = plan.options.device.startswith("cuda")
     kinds: list[str] = []
@@ -181,7 +208,7 @@ def _rewritten(
         if source.kind != "weight":
             continue
         index, weight_index = weight_index, weight_index + 1
-        if not _is_linear_weight(node, recipe.align):
+        if not _is_linear_weight(node, recipe.align) or kept & set(node.users):
             continue
         eligible.add(index)
         kinds.append("weight")

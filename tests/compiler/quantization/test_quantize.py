@@ -134,6 +134,12 @@ def test_the_gate_raises_only_the_sensitive_blocks_layer_and_records_the_plan(ca
     assert record["steps"] == []
     [search] = record["searches"]
     assert search["partition"] == f"engine_{HOT}" and search["passed"], search
+    # Every raised layer has its measurement: the outlier's scale Mul quantized alone makes the block's
+    # output non-finite (the Div sharing its dequantized scale divides by entries rounded to zero):
+    # recorded as inf, the worst, and said so; never nan or "not measured".
+    assert all(r["rel_l2"] is not None and r["rel_l2"] != "nan" for r in search["raised"]), search
+    assert "nan" not in json.dumps(record) and "not measured" not in json.dumps(record)
+    assert any("non-finite" in line or "added rel L2" in line for line in record["lines"]), record["lines"]
     assert record["engines_built"] == search["verifications"]
     assert record["before"]["max_rel_l2"] > INT8.rel_l2 >= report.max_rel_l2
     # Validation never saw a calibration sample: 24 recorded, 16 calibrated on, 8 held out.

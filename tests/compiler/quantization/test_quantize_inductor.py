@@ -13,11 +13,16 @@ import compiler
 from benchmarks.quantization import sensitive_case
 from compiler.backends.inductor.format import AOT, COMPILED, ENGINE_PROGRAM, read_engine
 from compiler.errors import PartitionError
+from compiler.partitioning.dedup import graph_digest
+from compiler.quantization.pt2e import Exported, quantize_program
+from compiler.quantization.quantize import _captured
+from compiler.quantization.torch_layers import TorchLayerProbe
 
 pytest.importorskip("torchao", reason="Inductor int8 needs torchao (pip install 'kiln[int8-inductor]')")
 import torch.ao.quantization.fx._decomposed  # registers the quantized_decomposed ops
 
 QUANTIZE = torch.ops.quantized_decomposed.quantize_per_tensor.default
+DEQUANTIZE_WEIGHT = torch.ops.quantized_decomposed.dequantize_per_channel.default
 
 HOT = 2
 
@@ -170,3 +175,25 @@ def test_with_aot_an_int8_engine_loads_its_native_package_instead_of_compiling(t
 def test_what_inductor_int8_cannot_do_is_refused_by_name(settings, match):
     with pytest.raises(PartitionError, match=match):
         compiler.CompileOptions(backend="inductor", precision="int8", **settings)
+
+
+def test_layers_kept_in_float_are_left_out_by_the_quantizer_and_the_program_is_stable(int8):
+    """Accuracy repair's layers on the CPU (issue 46): float_layers (canonical node names of the
+    partition's graph) are left unquantized by the x86 quantizer's own switch; the program saved is the
+    same bytes' digest in every call (its fingerprint and engine-cache key)."""
+    _, data, compiled = int8
+    plan, name = compiled.plan, f"engine_{HOT}"
+    names = Exported.of(plan, name).layers()
+    assert len(names) == 2  # the block's two linears
+    feeds = _captured(plan, [(x,) for x in data["x"][:8]], [name])[name]
+    program = quantize_program(plan, name, feeds, float_layers=names[:1])
+    graph = torch.export.load(io.BytesIO(program)).graph
+    weights = [n.args[1] for n in graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert [w.target == DEQUANTIZE_WEIGHT for w in weights] == [False, True]  # the first kept float
+    again = quantize_program(plan, name, feeds, float_layers=names[:1])
+    assert graph_digest(again) == graph_digest(program)  # torch.export.save's random id aside
+    probe = TorchLayerProbe(
+        plan, name, feeds, _captured(plan, [(x,) for x in data["x"][16:20]], [name])[name]
+    )
+    assert sorted(x.name for x in probe.layers) == sorted(names)
+    assert probe.error_without(names) < 1e-6 < probe.full_error  # every layer in float: the float graph

@@ -13,11 +13,20 @@ import torch
 
 import compiler
 from benchmarks.quantization import sensitive_case
+from compiler.engine_build.float_ops import named
 from compiler.errors import PartitionError
 from compiler.partitioning.dedup import canonical_weights
 from compiler.partitioning.partition import QUANTIZED_PREFIX
 from compiler.quantization.recipe import RecipeCall
-from compiler.quantization.rowwise import int8_linear, int8_weight, quantize_fingerprint
+from compiler.quantization.rowwise import (
+    RECIPES,
+    _rewritten,
+    int8_linear,
+    int8_weight,
+    layers,
+    quantize_fingerprint,
+)
+from compiler.quantization.torch_layers import TorchLayerProbe
 
 BLOCKS = [f"engine_{i}" for i in range(4)]
 GEMMS = {
@@ -135,3 +144,24 @@ def test_inductor_cuda_settings_keep_dedup_need_no_calibration_and_name_their_ge
     assert int8["scales"] == fp8["scales"] == "refit" and int8["mode"] == fp8["mode"] == "dynamic"
     assert int8["graph"] != fp8["graph"]  # different graphs, so different fingerprints
     assert options.compute_precision("engine_0") == options.compute_precision("engine_1") == "bf16"
+
+
+def test_linears_kept_in_float_stay_float_and_the_probe_measures_each():
+    """Accuracy repair's layers on CUDA (issue 46): the linears named in float_layers (canonical node
+    names of the partition's graph) are left out of the rewrite, weight and GEMM."""
+    plan, name = _plan("int8"), BLOCKS[2]
+    names = layers(plan, name)
+    assert len(names) == 2  # the block's two linears
+    graph, _, _ = _rewritten(plan, name, RECIPES["int8"], names[:1])
+    kept = [canonical for canonical, node in named(graph) if node.target is torch.ops.aten.linear.default]
+    assert kept == names[:1] and sum(n.target is int8_linear for n in graph.graph.nodes) == 1
+    recipe = {**plan.options.partition_quantization(name, "int8"), "float_layers": names[:1]}
+    _, tensors = quantize_fingerprint(RecipeCall(plan, [name], settings=recipe))
+    assert [t.dtype for t in _instance(tensors, name)].count(torch.int8) == 1  # one weight int8, one not
+    # The probe runs the recipe's module in PyTorch (here on the CPU, where the plan's weights are).
+    generator = torch.Generator().manual_seed(1)
+    feeds = [{"x0": torch.randn(4, 32, generator=generator).numpy()} for _ in range(3)]
+    probe = TorchLayerProbe(plan, name, [], feeds)
+    assert sorted(x.name for x in probe.layers) == sorted(names) and all(x.flops > 0 for x in probe.layers)
+    assert probe.error_without(names) < probe.full_error  # both in float: only the bf16 around them
+    assert all(probe.gain(x).rel_l2 != 0 for x in probe.layers)
