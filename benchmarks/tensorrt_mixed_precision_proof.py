@@ -98,8 +98,14 @@ def _onnx_check(precision: str, lowered: bytes, kept: tuple[str, ...]) -> dict:
     out = {"onnx_nodes": len(model.graph.node), "onnx_op_input_types": dict(sorted(ops.items()))}
     if precision == "int8":
         named = {n.name: n for n in model.graph.node}
+        # A kept GEMM may still read a quantized activation (dequantized for another consumer): it
+        # computes in float as long as its weight operand is not dequantized int8 (TensorRT fuses a
+        # GEMM into int8 only where both operands come through DequantizeLinear).
         out["kept_gemms_read_no_dequantize"] = {
-            name: not any(i in dq for i in named[name].input) for name in kept if name in named
+            name: not any(i in dq for i in named[name].input[1:]) for name in kept if name in named
+        }
+        out["kept_gemms_inputs_dequantized"] = {
+            name: [i in dq for i in named[name].input] for name in kept if name in named
         }
     return out
 

@@ -203,7 +203,41 @@ def run_static(
         nodes_to_quantize=list(only),
         calibration_cache_path=ranges,
     )
-    return onnx.load(target)
+    model = onnx.load(target)
+    float_inputs(model.graph, exclude)
+    return model
+
+
+def float_inputs(graph: onnx.GraphProto, kept: Sequence[str]) -> None:
+    """Layers ``kept`` in float read their activations as float. The quantizer leaves them out, but an
+    activation it quantizes for another consumer reaches them through that consumer's Quantize/
+    Dequantize pair: ONNX Runtime then computes them on rounded inputs, and TensorRT, which builds an
+    int8 GEMM wherever both operands come through DequantizeLinear, in int8 (its H100 build of a kept
+    attention MatMul did, benchmarks/tensorrt_mixed_precision_proof.py). Each such input is wired to the
+    float tensor the pair rounds; pairs nothing reads any more are removed."""
+    if not kept:
+        return
+    producer = {out: node for node in graph.node for out in node.output}
+    names = set(kept)
+    for node in graph.node:
+        if node.name not in names:
+            continue
+        for i, tensor in enumerate(node.input):
+            dq = producer.get(tensor)
+            q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
+            if q is not None and q.op_type == "QuantizeLinear":
+                node.input[i] = q.input[0]
+    while True:  # drop pairs left without readers (a Dequantize first, then its Quantize)
+        read = {t for node in graph.node for t in node.input} | {o.name for o in graph.output}
+        dead = [
+            n
+            for n in graph.node
+            if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.output[0] not in read
+        ]
+        if not dead:
+            return
+        for n in dead:
+            graph.node.remove(n)
 
 
 def quantized_ops(settings: Mapping[str, Any]) -> list[str] | None:

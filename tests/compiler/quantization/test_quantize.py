@@ -446,3 +446,48 @@ def test_batchnorm_is_fused_into_its_convolution_before_quantizing():
     x = data["input"][0]
     with torch.no_grad():
         assert torch.allclose(compiled(x), model(x), atol=0.1, rtol=0.1)
+
+
+@pytest.mark.parametrize("types", ["u8s8", "s8s8-symmetric"])
+def test_a_layer_kept_in_float_reads_the_float_activation_not_another_layers_dequantized_copy(
+    types, tmp_path
+):
+    """An activation quantized for one consumer reached a kept one through the same Q/DQ pair: TensorRT
+    then built the kept MatMul in int8 (both operands dequantized; its H100 build, issue 46) and ONNX
+    Runtime computed it on rounded inputs. The kept layer reads the float tensor; the other keeps its pair."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from compiler.quantization.onnxruntime import run_static
+
+    rng = np.random.default_rng(0)
+    weights = [
+        numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"w{i}") for i in (1, 2)
+    ]
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w1"], ["m1"], name="keep"),
+            helper.make_node("MatMul", ["x", "w2"], ["m2"], name="quant"),
+            helper.make_node("Add", ["m1", "m2"], ["y"], name="add"),
+        ],
+        "two_readers",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+        initializer=weights,
+    )
+    source = tmp_path / "float.onnx"
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source)
+    feeds = [{"x": rng.standard_normal((4, 8)).astype(np.float32)} for _ in range(8)]
+    settings = {"mode": "static", "method": "minmax", "types": types, "per_channel": False}
+    model = run_static(source, tmp_path, feeds, settings, exclude=["keep"])
+    produced = {out: node.op_type for node in model.graph.node for out in node.output}
+    keep = next(n for n in model.graph.node if n.name == "keep")
+    quant = next(n for n in model.graph.node if n.name.startswith("quant") and n.op_type == "MatMul")
+    assert list(keep.input) == ["x", "w1"]  # the graph's own float input and float weight
+    assert all(produced.get(t) == "DequantizeLinear" for t in quant.input)
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = feeds[0]["x"]
+    exact = x @ numpy_helper.to_array(weights[0]) + x @ numpy_helper.to_array(weights[1])
+    assert np.abs(session.run(None, {"x": x})[0] - exact).max() < 0.5
