@@ -298,11 +298,18 @@ def run_model(name: str, case, args: argparse.Namespace, out: Path) -> list[dict
     return rows
 
 
-def missed(rows: list[dict]) -> list[str]:
-    """Each issue-46 target the layer-repaired package misses, and partition repair that did not give fp32."""
+def in_scope(rows: list[dict]) -> set[str]:
+    """The models the issue's targets are stated for: those whose partition-level repair gave fp32."""
+    return {
+        r["model"] for r in rows if r["variant"] == "partition repair" and r["precision"].startswith("fp32")
+    }
+
+
+def missed(rows: list[dict], only: set[str] | None = None) -> list[str]:
+    """Each issue-46 target the layer-repaired package misses (of the models ``only`` where given)."""
     lines = []
     for row in rows:
-        if row["variant"] != "layer repair":
+        if row["variant"] != "layer repair" or (only is not None and row["model"] not in only):
             continue
         if not row["meets_tolerance"]:
             lines.append(f"{row['model']}: rel L2 {row['rel_l2']:.3f} > {TOLERANCE} after layer repair")
@@ -389,11 +396,15 @@ def main() -> None:
             report(rows, cpu_info())  # after each model: a run cut short keeps what it measured
     cpu = cpu_info()
     misses = missed(rows)
+    scope = in_scope(rows)
+    # The issue states its targets where partition repair gives fp32; the others are measured all the same.
+    misses_in_scope = missed(rows, scope)
     repaired = [r for r in rows if r["variant"] == "layer repair"]
     worst = {key: max(((r[key], r["model"]) for r in repaired), default=None) for key in (*TARGETS, "rel_l2")}
     print(f"worst after layer repair: {worst}")
     for line in misses:
-        print(f"missed: {line}")
+        scoped = "" if line in misses_in_scope else " (partition repair kept int8: outside the issue's scope)"
+        print(f"missed{scoped}: {line}")
     import onnxruntime
 
     write_json(
@@ -404,6 +415,8 @@ def main() -> None:
             "tolerance_rel_l2": TOLERANCE,
             "targets": TARGETS,
             "missed": misses,
+            "partition_repair_gave_fp32": sorted(scope),
+            "missed_where_partition_repair_gave_fp32": misses_in_scope,
             "worst": worst,
             "seconds": round(time.perf_counter() - start, 1),
             "settings": vars(args),
