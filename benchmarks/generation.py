@@ -116,12 +116,15 @@ class Report:
         os.replace(scratch, self.path)
 
 
-def build_model(tiny: bool, dtype: torch.dtype, device: str) -> torch.nn.Module:
+def build_model(tiny: bool, dtype: torch.dtype, device: str, layers: int | None = None) -> torch.nn.Module:
+    """The benchmark's Llama (``layers``: fewer decoder layers than LLAMA_1B's, for probes; the tiny
+    config keeps its own)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    sizes = TINY if tiny else {**LLAMA_1B, **({"num_hidden_layers": layers} if layers else {})}
     config = LlamaConfig(
-        **(TINY if tiny else LLAMA_1B),
+        **sizes,
         max_position_embeddings=4096,
         bos_token_id=1,
         eos_token_id=2,

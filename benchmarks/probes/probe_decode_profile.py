@@ -25,31 +25,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import compiler  # noqa: E402
-from benchmarks.generation import LLAMA_1B, TINY  # noqa: E402
+from benchmarks.generation import build_model  # noqa: E402
 from benchmarks.machine import gpu_machine  # noqa: E402
 from compiler.generation.decoding import StaticDecode  # noqa: E402
 from compiler.generation.spec import program_options  # noqa: E402
 from compiler.generation.step import generation_spec, program_case  # noqa: E402
-
-
-def build(layers: int, device: str, tiny: bool) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        **{**LLAMA_1B, "num_hidden_layers": layers, **(TINY if tiny else {})},
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    with torch.device(device):
-        lm = LlamaForCausalLM(config)
-    lm = (lm.half() if device == "cuda" else lm).eval()
-    lm.generation_config.eos_token_id = None
-    return lm
 
 
 def sync(device: str) -> None:
@@ -88,7 +68,7 @@ def main() -> None:
     result: dict = {"machine": {} if args.smoke else gpu_machine(), "layers": args.layers}
     dev = "cpu" if args.smoke else "cuda"
     activity = torch.profiler.ProfilerActivity.CPU if args.smoke else torch.profiler.ProfilerActivity.CUDA
-    lm = build(args.layers, dev, args.smoke)
+    lm = build_model(args.smoke, torch.float32 if args.smoke else torch.float16, dev, layers=args.layers)
     spec = generation_spec(lm, max_batch=8, max_cache_len=1024, prompt_min=1, prompt_max=512)
     programs, start = {}, time.perf_counter()
     for name in ("decode",) if args.decode_only else ("prefill", "decode"):
