@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import stat
-import subprocess
-import sys
 import textwrap
 import tracemalloc
 import warnings
@@ -47,26 +44,6 @@ ENGINE = b"engine bytes " * 100
 
 def key(tag: str = "a"):
     return EngineCache.key(**{**FIELDS, "fingerprint": f"fp-{tag}"})
-
-
-def _limited() -> None:  # in the child: a runaway read fails at 1 GiB instead of taking the machine
-    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-
-
-def _child(args: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
-    """A fresh process (the console writes to stderr: ``out`` is both streams)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
-    done = subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        preexec_fn=_limited,
-    )
-    done.out = done.stdout + done.stderr
-    return done
 
 
 # ---- N14: deletion outside the cache ------------------------------------------------------------------
@@ -156,28 +133,30 @@ GET_CHILD = """
     ],
     ids=["dev-zero-link", "fifo"],
 )
-def test_special_payload_is_refused_with_the_reason_never_read(tmp_path: Path, make, kind: str) -> None:
+def test_special_payload_is_refused_with_the_reason_never_read(
+    tmp_path: Path, make, kind: str, bounded_python
+) -> None:
     directory = tmp_path / "cache"
     k = _replace_payload(directory, make)
-    verify = _child(["-m", "flows.cli", "cache", "verify", str(directory)])
+    verify = bounded_python(["-m", "flows.cli", "cache", "verify", str(directory)])
     assert verify.returncode == 1 and "1 bad" in verify.out and kind in verify.out, verify.out[-3000:]
-    listed = _child(["-m", "flows.cli", "cache", "ls", str(directory), "--json"])
+    listed = bounded_python(["-m", "flows.cli", "cache", "ls", str(directory), "--json"])
     assert listed.returncode == 0, listed.stderr[-2000:]
-    got = _child(["-c", textwrap.dedent(GET_CHILD), str(directory), k])
+    got = bounded_python(["-c", textwrap.dedent(GET_CHILD), str(directory), k])
     assert got.returncode == 0, got.stderr[-2000:]
     assert "corrupt" in got.stdout and kind in got.stdout, got.stdout
     assert Path("/dev/zero").exists()  # the link went, not what it named
 
 
-def test_special_record_file_is_refused_without_blocking(tmp_path: Path) -> None:
+def test_special_record_file_is_refused_without_blocking(tmp_path: Path, bounded_python) -> None:
     directory = tmp_path / "cache"
     k = key()
     EngineCache(directory).put(k, ENGINE)
     (directory / f"{k}.json").unlink()
     os.mkfifo(directory / f"{k}.json")
-    listed = _child(["-m", "flows.cli", "cache", "ls", str(directory)])
+    listed = bounded_python(["-m", "flows.cli", "cache", "ls", str(directory)])
     assert listed.returncode == 0, listed.stderr[-2000:]
-    verify = _child(["-m", "flows.cli", "cache", "verify", str(directory)])
+    verify = bounded_python(["-m", "flows.cli", "cache", "verify", str(directory)])
     assert verify.returncode == 1 and "FIFO" in verify.out, verify.out[-3000:]
 
 
@@ -296,7 +275,9 @@ def test_a_workspace_others_can_write_is_refused_before_any_model(tmp_path: Path
 
 
 # ---- what a cache holds reaches the terminal as text, never as terminal control ------------------------
-def test_cache_ls_shows_the_native_build_log_with_control_characters_escaped(tmp_path: Path) -> None:
+def test_cache_ls_shows_the_native_build_log_with_control_characters_escaped(
+    tmp_path: Path, bounded_python
+) -> None:
     """native-builds.log is written by the cache's users: clear screen, window title, a link and a fake
     line in it are shown as escapes (``\\x1b``), never sent to the terminal as they are."""
     directory = tmp_path / "cache"
@@ -309,7 +290,7 @@ def test_cache_ls_shows_the_native_build_log_with_control_characters_escaped(tmp
         "why": "ok\r\nkiln: all entries verified \u202eexe.txt",
     }
     (directory / "native-builds.log").write_text(json.dumps(hostile) + "\n")
-    listed = _child(["-m", "flows.cli", "cache", "ls", str(directory)])
+    listed = bounded_python(["-m", "flows.cli", "cache", "ls", str(directory)])
     assert listed.returncode == 0, listed.out[-2000:]
     assert not any(c in listed.out for c in "\x1b\x07\r\u202e"), repr(listed.out[-2000:])
     assert "built\\x1b[2J\\x1b[H" in listed.out and "\\u202e" in listed.out  # shown, as escapes

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -17,11 +14,9 @@ ROOT = Path(__file__).resolve().parents[3]
 SECONDS = 8  # random rounds stop here (the sweep of single mutations always completes, within 12 s)
 
 
-def _limited() -> None:  # a runaway read fails at 2 GiB in the child instead of taking the machine
-    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
-
-
-def test_fuzzed_cache_entries_read_back_or_are_refused_and_touch_nothing_outside(tmp_path: Path) -> None:
+def test_fuzzed_cache_entries_read_back_or_are_refused_and_touch_nothing_outside(
+    tmp_path: Path, bounded_python
+) -> None:
     config = {
         "scratch": str(tmp_path),
         "root": str(ROOT),
@@ -30,15 +25,16 @@ def test_fuzzed_cache_entries_read_back_or_are_refused_and_touch_nothing_outside
         "max_rounds": 10**6,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("cache_fuzz_probe.py")), str(tmp_path / "config.json"),
-         str(tmp_path / "r.json")],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
+    # a runaway read fails at 2 GiB in the child instead of taking the machine
+    done = bounded_python(
+        [
+            str(Path(__file__).with_name("cache_fuzz_probe.py")),
+            str(tmp_path / "config.json"),
+            str(tmp_path / "r.json"),
+        ],
+        limit_bytes=2 << 30,
         timeout=SECONDS + 60,
-        preexec_fn=_limited,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "r.json").read_text())
     rounds = report["rounds"]
