@@ -29,6 +29,7 @@ import torch
 import yaml
 
 from compiler.cache.local import LOCAL_DIR_ENV
+from tests.fixtures import preloaded
 from tests.fixtures.s3_server import BUCKET
 from tests.fixtures.signing_keys import ec_key_pair
 from zoo.models import sensitive_blocks
@@ -212,7 +213,7 @@ def zoo_run(tmp_path_factory, s3_server, mlflow_server) -> dict:
     (root / "zoo.yaml").write_text(yaml.safe_dump({"settings": settings, "models": entries}))
     # The fleet cache's local tier is this run's own, so the engines really go through the store.
     env = {**os.environ, "PYTHONPATH": str(ROOT), LOCAL_DIR_ENV: str(root / "near-cache")}
-    done = subprocess.run(
+    done = preloaded.run(
         [sys.executable, "-m", "flows.cli", "zoo", "zoo.yaml", "--out", "out", "--json"],
         cwd=root,
         env={**env, "KILN_SIGNING_PRIVATE_KEY": str(signing.private)},  # a release team signs

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fixtures import preloaded
+
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_PACKAGE = ROOT / "tests" / "fixtures" / "packages" / "mlp-cuda-inductor.kiln"
 
@@ -32,7 +34,7 @@ def _kiln(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedPr
     """``kiln ARGS`` in ``cwd``: its own Prefect API, the default MLflow store (``cwd/mlflow.db``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
     env.update({"PYTHONPATH": str(ROOT), "COLUMNS": "200", "HF_HUB_OFFLINE": "1"})
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, "-m", "flows.cli", *args],
         cwd=cwd,
         env=env,

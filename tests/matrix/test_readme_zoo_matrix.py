@@ -22,6 +22,7 @@ import pytest
 import torch
 import yaml
 
+from tests.fixtures import preloaded
 from tests.matrix.driver import SKIPPED, per_model_commands
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, prefect_server) -> dict:
     }
     env.pop("MLFLOW_TRACKING_URI", None)
     env.update(prefect_server.env)
-    compiled = subprocess.run(
+    compiled = preloaded.run(
         [sys.executable, "-m", "flows.cli", "zoo", "zoo.yaml", "--out", "out"],
         cwd=root, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
