@@ -41,6 +41,7 @@ import compiler
 from benchmarks.machine import cpu_model, gpu_machine
 from compiler.generation.module import GenerationModule
 from compiler.generation.package import save_generation
+from compiler.generation.spec import program_options
 from compiler.generation.step import generation_spec, program_case
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -178,22 +179,29 @@ def compile_kiln(lm: torch.nn.Module, args: argparse.Namespace, settings: dict) 
         prompt_max=max(settings["prompts"]),
     )
     programs, reports = {}, {}
-    options = {"aot": False} if args.no_aot else None
     for program in ("prefill", "decode"):
+        options = program_options(
+            program,
+            args.backend,
+            settings["device"],
+            {"backend_options": {"aot": False} if args.no_aot else {}},
+        )
         wrapper, kwargs, shapes = program_case(lm, spec, program)
-        exported = compiler.export(wrapper, (), kwargs, dynamic_shapes=shapes)
+        with torch.no_grad():  # as kiln zoo exports generation programs (tasks/stages.py)
+            exported = compiler.export(wrapper, (), kwargs, dynamic_shapes=shapes)
         programs[program] = compiler.compile(
             exported,
             backend=args.backend,
             strip_weights=True,
             device=settings["device"],
             precision=settings["precision"],
-            **({"backend_options": options} if options else {}),
+            **options,
         )
         report = programs[program].report
         reports[program] = {
             "partitions": len(programs[program].plan.partitions),
             "fallback_ops": dict(programs[program].plan.fallback_ops),
+            **options,
             "cuda_graph_check": report.cuda_graphs,
         }
     module = GenerationModule(programs["prefill"], programs["decode"], spec)

@@ -112,6 +112,13 @@ class CompileOptions:
     class names (e.g. ``("BertLayer",)``) whose instances each become their own engine, so build time
     grows with the number of unique blocks, not with depth.
 
+    ``strip_weights``: build engines without their weights (names, shapes and dtypes kept; a load puts
+    them in, as a refit). A build setting: the engine cache holds what it asked for and the compiled
+    module runs those engines. A package (``compiler.save``) holds each weight once, in its weights
+    file, whatever it says for ONNX Runtime and Inductor engines: they are stored stripped (a package
+    load passes every engine its weights and never read an engine's own copy); TensorRT engines are
+    stored as built (a built plan is stripped only by TensorRT on its GPU; its load refits either way).
+
     ``on_build_failure``: what a partition whose engine build fails (``EngineBuildError``) becomes:
     ``"torch"`` (its original submodule runs eagerly in PyTorch, in the model's own precision),
     ``"onnxruntime"`` (the same lowered ONNX is built with ONNX Runtime; if that fails too, PyTorch) or
@@ -170,8 +177,9 @@ class CompileOptions:
     quantization: str = "static"
     calibration: Calibration = field(default_factory=Calibration)
     pad_to_profile: str = "off"
-    # partition -> layers (nodes of its quantizer's float graph, "n42") kept in float inside its int8
-    # graph: what accuracy repair chose (compiler.accuracy.layers). Only those partitions' keys change.
+    # partition -> layers kept in float inside it: what accuracy repair chose (compiler.accuracy.layers).
+    # int8/fp8: nodes of its quantizer's float graph ("n42"); fp16/bf16: ops of its torch graph ("n57",
+    # compiler.engine_build.float_ops). Only those partitions' keys change.
     float_layers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # How long accuracy repair may search for the fewest layers to raise before it raises whole
     # partitions instead (seconds). Not a build setting.
@@ -281,6 +289,7 @@ class CompileOptions:
             options=dict(self.backend_options),
             quantization=self.partition_quantization(partition, precision),
             profiles=self.build_profiles(),
+            float_ops=self.float_ops(partition) if partition is not None else (),
         )
 
     def build_profiles(self) -> tuple[Mapping[str, Size], ...]:
@@ -304,6 +313,13 @@ class CompileOptions:
         if partition is not None and self.float_layers.get(partition):
             recipe["float_layers"] = list(self.float_layers[partition])
         return recipe
+
+    def float_ops(self, partition: str) -> tuple[str, ...]:
+        """The ops of an fp16/bf16 partition kept in fp32 (``float_layers``: accuracy repair's choice,
+        compiler.engine_build.float_ops); () for any other."""
+        if self.precision_of(partition) not in ("fp16", "bf16"):
+            return ()
+        return tuple(self.float_layers.get(partition, ()))
 
     @property
     def quantized(self) -> bool:

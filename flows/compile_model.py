@@ -71,7 +71,8 @@ def compile_model(
         from flows.generation import compile_generation
 
         done = compile_generation(request, stages, workspace, engine_cache, out_dir)
-        plan, engines, validation, package = done.plan, done.engines, done.validated.report, done.package
+        plan, engines, validated, package = done.plan, done.engines, done.validated, done.package
+        validation = validated.report
     else:
         progress.emit("model", name, device, "export")
         key = stages.resolve_source(request)

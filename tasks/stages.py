@@ -215,6 +215,19 @@ def resolve_source(request: CompileRequest) -> str:
     return compile_key(request)
 
 
+def _export(case: Any, *, generation: bool) -> Any:
+    """``compiler.export`` of a loaded case. A generation program is traced with gradients off: a
+    ``torch.no_grad`` block inside the model (transformers 5.17's rotary embedding) is then inlined
+    instead of kept as a ``wrap_with_set_grad_enabled`` op, which no engine takes and which split the
+    H100 decode program into two partitions around it."""
+    import contextlib
+
+    import torch
+
+    with torch.no_grad() if generation else contextlib.nullcontext():
+        return compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+
+
 @task(name="export", cache_policy=NO_CACHE, persist_result=False)
 def export_program(request: CompileRequest, key: str, workspace: str) -> ProgramRef:
     """torch.export the model with its input specs captured once; the program lands in the workspace."""
@@ -223,7 +236,7 @@ def export_program(request: CompileRequest, key: str, workspace: str) -> Program
         return found
     with torch_lock():
         case = request.load_case()
-        program = compiler.export(case.model, case.args, case.kwargs, dynamic_shapes=case.dynamic_shapes)
+        program = _export(case, generation=request.generation is not None)
         specs = compiler.input_specs(program)
         check_memory(request.name, spec_sizes(specs))  # before anything is built for absurd ranges
         path = compiler.save_program(program, Workspace(workspace).program_path(key))

@@ -18,7 +18,7 @@ APPROVED = {
     ("compiler/package/save_load.py", "save"): "the manifest it is writing, through JSON to hash it",
     ("registry/payload.py", "request_data"): "its own json.dumps of a value, back to plain data",
     ("registry/release.py", "_compact_json"): "its own json.dumps of the report, to shrink it",
-    ("serving/triton/runtime.py", "apply_threads"): "Triton's own JSON of the config.pbtxt kiln wrote",
+    ("serving/triton/runtime.py", "model_config_dict"): "Triton's own JSON of the config.pbtxt kiln wrote",
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,7 +25,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION = 16  # recorded samples calibrated on; as many more are validated on
-BUDGET = 120  # seconds the layer search may take (repair_seconds)
+BUDGET = 300  # seconds the layer search may take (repair_seconds: the default)
 
 READ = textwrap.dedent(
     """
@@ -146,10 +147,10 @@ def test_the_bert_case_stays_mostly_int8_meets_the_tolerance_and_names_its_raise
 def test_the_summary_and_the_run_warn_that_the_model_is_not_all_int8(runs):
     summary = runs["first"]["summary"]
     warned = [w for w in summary["warnings"] if "asked for int8" in w]
-    assert warned and "layers raised to fp32" in warned[0], summary["warnings"]
+    assert warned and re.search(r"\d+ layers? raised to fp32", warned[0]), summary["warnings"]
     [row] = summary["models"]
     # The precision it ended at: its one partition int8, with the layers repair kept in fp32.
-    assert row["precision"].startswith("int8 x1 (") and "layers fp32" in row["precision"], row
+    assert re.match(r"int8 x1 \(\d+ layers? fp32", row["precision"]), row
     assert row["tracking"], row  # recorded in MLflow
     import mlflow
 

@@ -59,10 +59,14 @@ CHECKS = textwrap.dedent(
         result["pad_targets"] = [t.batch for t in loaded._pad_targets if t.allowed]
         result["engines"] = len(loaded.engines)
         # What a plan read back from disk must support, as a compiled one does:
-        # (an int8 package holds no float weights for its int8 partitions: rebuild a raised one)
+        # (an int8 package holds no float weights for its int8 partitions: rebuild a raised one, or
+        # pin at int8 the one whose layers repair raised)
         raised = [p for p, v in loaded.plan.options.partition_precision.items() if v == "fp32"]
-        last = raised[0] if name == "int8" else loaded.plan.partitions[-1].name
-        rebuilt, built = compiler.rebuild(loaded, {last: "torch"})
+        result["float_layers"] = {p: list(v) for p, v in loaded.plan.options.float_layers.items()}
+        last, level = loaded.plan.partitions[-1].name, "torch"
+        if name == "int8":
+            last, level = (raised[0], "torch") if raised else (next(iter(result["float_layers"])), "int8")
+        rebuilt, built = compiler.rebuild(loaded, {last: level})
         result["rebuilt_rel_l2"] = float((rebuilt(x) - want).norm() / want.norm())
         try:  # an int8 package leaves out the float weights a comparison runs: a typed refusal
             comparison = compiler.compare_partitions(loaded, [x], runs=0)
@@ -272,7 +276,8 @@ def test_every_package_read_back_runs_rebuilds_refits_compares_and_resaves(zoo_r
         if name in ("vit", "registered"):
             continue
         assert not result["described"] or name == "int8", name  # a load runs from the runtime graph
-        assert result["rebuilt_rel_l2"] < 5e-2, (name, result)  # rebuilt with its last partition in torch
+        # rebuilt with its last partition in torch (int8: at the gate's own tolerance, 0.1)
+        assert result["rebuilt_rel_l2"] < (1e-1 if name == "int8" else 5e-2), (name, result)
         assert result["compared"] and ("int8_weights_only" in result["compared"]) == (name == "int8"), name
         assert result["refit_equal"] and result["resaved_equal"], (name, result)
 
@@ -285,8 +290,11 @@ def test_repair_through_the_zoo_raised_the_overflowing_block_alone(zoo_run):
 
 def test_the_int8_gate_through_the_zoo_raised_the_sensitive_block(zoo_run):
     result = zoo_run["results"]["int8"]
-    assert "fp32" in result["precisions"].values(), result
-    assert result["rel_l2"] < 5e-2
+    # Layers first (issue 46): the sensitive block stays int8 with layers of it alone in fp32, or, where
+    # no set of its layers passes, it is raised whole.
+    raised = [p for p, v in result["precisions"].items() if v == "fp32"]
+    assert len(result["float_layers"]) + len(raised) == 1, result
+    assert result["rel_l2"] < 1e-1  # the int8 gate's tolerance
 
 
 def test_split_blocks_share_engines_and_fallback_runs_between_engines(zoo_run):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from compiler.generation.spec import program_options
 from compiler.options import CompileOptions
 from compiler.quantization.torchao_guard import keep_torchao_out_of_transformers
 from compiler.validation.report import Tolerances
@@ -87,7 +88,14 @@ class CompileRequest:
 
     def for_program(self, program: str) -> CompileRequest:
         """The request for one program of a generation entry (``prefill`` or ``decode``)."""
-        return dataclasses.replace(self, generation=dataclasses.replace(self.generation, program=program))
+        options = self.options
+        given = {"backend_options": options.backend_options, "profiles": options.profiles}
+        chosen = program_options(program, options.backend, options.device, given)
+        if chosen != {"backend_options": dict(options.backend_options), "profiles": tuple(options.profiles)}:
+            options = dataclasses.replace(options, **chosen)
+        return dataclasses.replace(
+            self, options=options, generation=dataclasses.replace(self.generation, program=program)
+        )
 
     def load_model(self) -> Any:
         """The source's model itself (eval mode, on the CPU): for generation, the causal LM."""

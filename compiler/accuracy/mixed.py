@@ -35,6 +35,19 @@ from compiler.version import kiln_version
 DECISION_BACKEND = "kiln-accuracy-repair"  # the cache key's backend field: no engine is ever keyed so
 
 
+def kept_shares(initial: CompiledModule, final: CompiledModule, dataset: ValidationData) -> dict | None:
+    """The share of weights and FLOPs left at the precision asked: int8/fp8 (:func:`kept_fractions`),
+    fp16/bf16 (:func:`compiler.accuracy.ops.float_kept`); None for another."""
+    from compiler.accuracy.ops import REDUCED_FLOATS, float_kept
+
+    asked = initial.plan.options.precision
+    if initial.plan.options.quantized:
+        return kept_fractions(initial, final, dataset)
+    if asked in REDUCED_FLOATS:
+        return float_kept(initial, final, dataset, asked)
+    return None
+
+
 def kept_fractions(
     initial: CompiledModule, final: CompiledModule, dataset: ValidationData
 ) -> dict[str, Any] | None:
@@ -115,9 +128,12 @@ def search_lines(search: Mapping[str, Any]) -> list[str]:
         weight = f" ({layer['weight']})" if layer.get("weight") else ""
         rel_l2 = float(layer["rel_l2"])
         sensitivity = (
-            f"sensitivity rel L2 {rel_l2:.1e}" if not math.isnan(rel_l2) else "sensitivity not measured"
+            f"{'alone ' if layer.get('alone') else ''}it added rel L2 {rel_l2:.1e}"
+            if not math.isnan(rel_l2)
+            else "sensitivity not measured"
         )
-        lines.append(f"{name}/{layer['name']} {layer['op']}{weight}: int8 -> fp32, {sensitivity}")
+        level = search.get("precision", "int8")
+        lines.append(f"{name}/{layer['name']} {layer['op']}{weight}: {level} -> fp32, {sensitivity}")
     return lines
 
 
@@ -161,7 +177,7 @@ def precision_warning(repair: Mapping[str, Any] | None, asked: str, ended: str |
         parts.append(f"partitions raised: {', '.join(partitions)}")
     kept = repair.get("kept")
     share = f"; {kept_line(kept)}" if kept else ""
-    level = (ended or "").split(";")[0].split(" x")[0].strip()
+    level = (ended or "").split(";")[0].split(" (")[0].split(" x")[0].strip()
     if ";" not in (ended or "") and level and level != asked:  # every partition at one other level
         got = f"got {level} (every partition raised) to meet the tolerances"
     else:

@@ -36,12 +36,13 @@ from compiler.accuracy.compare import PartitionComparison, PartitionRow, compare
 from compiler.accuracy.layers import LayerSearch, search
 from compiler.accuracy.mixed import (
     decision_key,
-    kept_fractions,
     kept_line,
+    kept_shares,
     recalled_decision,
     remember_decision,
     search_lines,
 )
+from compiler.accuracy.ops import REDUCED_FLOATS
 from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.cache.local import EngineCache, resolve_cache, resolve_setting
 from compiler.engine_build.engine import EngineArtifact, build_engine
@@ -59,6 +60,7 @@ from compiler.validation.validate import measure_accuracy, validate, validation_
 # through casts and would only cost one more rebuild (see step_up).
 STEP_UP = {"int8": "fp16", "fp8": "fp16", "fp16": "fp32", "bf16": "fp32", "fp32": "torch"}
 REDUCED = ("fp16", "bf16", "int8", "fp8")
+LAYERED = (*QUANTIZED_PRECISIONS, *REDUCED_FLOATS)  # repaired a layer or an op at a time first
 
 
 def step_up(precision: str, device: str) -> str:
@@ -201,9 +203,7 @@ def rebuild(
     before = compiled.plan.options
     layers = before.float_layers if float_layers is None else float_layers
     levels = dict(partition_precision)
-    layers = {
-        k: tuple(v) for k, v in layers.items() if levels.get(k, before.precision) in QUANTIZED_PRECISIONS
-    }
+    layers = {k: tuple(v) for k, v in layers.items() if levels.get(k, before.precision) in LAYERED}
     options = dataclasses.replace(before, partition_precision=levels, float_layers=layers)
     raised = [
         p.name for p in compiled.plan.partitions if options.precision_of(p.name) not in QUANTIZED_PRECISIONS
@@ -310,7 +310,9 @@ def repair(
         rounds += 1
         # Layer granularity first: the worst int8 partition keeps its fewest sensitive layers in float.
         searched = {s.partition for s in searches}
-        layered = [r for r in picks if r.precision in QUANTIZED_PRECISIONS and r.partition not in searched]
+        # fp16/bf16 ops are searched where the error is finite: an overflow raises the partition whole.
+        finite = [r for r in picks if r.precision in QUANTIZED_PRECISIONS or math.isfinite(r.rel_l2)]
+        layered = [r for r in finite if r.precision in LAYERED and r.partition not in searched]
         if layered and time.perf_counter() < deadline:
             found, module, reached = search(
                 compiled,
@@ -362,9 +364,7 @@ def repair(
         note,
         searches=tuple(s.to_dict() for s in searches),
         float_layers=dict(compiled.plan.options.float_layers),
-        kept=kept_fractions(initial, compiled, dataset)
-        if changed and initial.plan.options.quantized
-        else None,
+        kept=kept_shares(initial, compiled, dataset) if changed else None,
         budget_seconds=compiled.plan.options.repair_seconds,
     )
     if changed or searches:

@@ -77,6 +77,9 @@ class BuildSettings:
     # (Inductor: one static-shape compile per fixed profile; TensorRT: one optimization profile each);
     # empty for backends that build one dynamic engine.
     profiles: tuple[Mapping[str, Any], ...] = ()
+    # fp16/bf16 partitions only: the ops kept in fp32 (compiler.engine_build.float_ops). Left out of
+    # to_dict when empty, so every other engine keeps its key.
+    float_ops: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         data = {
@@ -93,6 +96,8 @@ class BuildSettings:
                 {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(p.items())}
                 for p in self.profiles
             ]
+        if self.float_ops:
+            data["float_ops"] = list(self.float_ops)
         return data
 
 

@@ -93,6 +93,22 @@ class BackendRecord:
     # A chooser, not a library ("auto"): device kind -> the backends to try, in order (the first that
     # builds here and whose engines run here; the last one as it is).
     choices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Device kind -> what a bandwidth-bound program (a generation's decode step, which reads every
+    # weight once per token) is built with where the operator did not set it: ``backend_options`` keys
+    # and ``profiles`` (CompileOptions fields).
+    decode_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # "module:function" (engine bytes -> the same engine weight-stripped) where a package stores its
+    # engines stripped whatever ``strip_weights`` built: a package load passes every engine its weights
+    # from the package's weights file and reads none of the engine's own, so that copy would be bytes
+    # written, hashed and shipped for nothing. None: a package keeps the engine as built.
+    package_strip: str | None = None
+
+    def strip_for_package(self, engine: bytes) -> bytes | None:
+        """``engine`` weight-stripped for a package (see ``package_strip``); None where it stays as built."""
+        if self.package_strip is None:
+            return None
+        module, _, function = self.package_strip.partition(":")
+        return getattr(importlib.import_module(module), function)(engine)
 
     def __post_init__(self) -> None:
         if self.build_profiles not in PROFILE_POLICIES:
@@ -206,6 +222,9 @@ _ORT_STREAMS = "ONNX Runtime runs its engines on its own streams, outside a PyTo
 
 
 def _tensorrt(name: str, summary: str) -> BackendRecord:
+    # No package_strip: a built plan is stripped only by TensorRT on its GPU (serialized again without
+    # its weights). Its package load refits every engine from the package's weights either way, so a
+    # full engine costs its bytes, not a refit: strip_weights=True builds them stripped.
     return BackendRecord(
         name=name,
         summary=summary,
@@ -237,6 +256,8 @@ _RECORDS: dict[str, BackendRecord] = {
             refusals={"fp8": "ONNX Runtime has no fp8 kernels on the CPU"},
             quantization_modes={"static": CPU_AND_CUDA, "dynamic": CPU_AND_CUDA},
             quantization_settings=_onnxruntime_quantization,
+            # Its load supplies every weight initializer from memory (stripping a full engine's first).
+            package_strip="compiler.backends.onnxruntime:strip_engine",
         ),
         _tensorrt("tensorrt", "NVIDIA TensorRT 10/11 (CUDA; pip install kiln[tensorrt])"),
         _tensorrt("tensorrt-rtx", "TensorRT for RTX (CUDA; pip install kiln[tensorrt-rtx])"),
@@ -252,6 +273,18 @@ _RECORDS: dict[str, BackendRecord] = {
             quantization_modes={"static": ("cpu",), "dynamic": ("cuda",)},
             check_quantizing=_inductor_rules,
             quantization_settings=_inductor_quantization,
+            # Decode GEMMs at batch 1-8 are matrix-vector products: on the H100 Inductor's autotuned
+            # Triton templates read a 1.5B Llama's weights at 83% of copy bandwidth at batch 1 (68% at
+            # 8), cuBLAS at 53% (benchmarks/probes/probe_decode_gemm.h100.json); but tuned for a dynamic
+            # batch they read them at 51% at batch 1 (probe_decode_profile2.h100.json), so batch 1 gets
+            # its own static-shape engine.
+            decode_options={
+                "cuda": {
+                    "backend_options": {"mode": "max-autotune-no-cudagraphs"},
+                    "profiles": ({"batch": 1},),
+                }
+            },
+            package_strip="compiler.backends.inductor.format:strip_engine",  # weights are graph inputs
         ),
         # Not a library: get_backend picks TensorRT on CUDA where one runs, else Inductor, and ONNX
         # Runtime on the CPU. Its options are checked as TensorRT's (its first choice on CUDA), and it

@@ -233,6 +233,16 @@ def _strip(init: onnx.TensorProto) -> None:
     del init.external_data[:]
 
 
+def strip_engine(engine: bytes) -> bytes:
+    """The engine without its weights' bytes (names, shapes and dtypes kept), as a weight-stripped build
+    makes it: what a package stores, whose load passes every engine its weights (capabilities'
+    ``package_strip``)."""
+    model = _parse(engine)
+    for init in _weights(model):
+        _strip(init)
+    return model.SerializeToString()
+
+
 def _is_stripped(model: onnx.ModelProto) -> bool:
     return any(init.data_location == onnx.TensorProto.EXTERNAL for init in _weights(model))
 

@@ -24,6 +24,7 @@ from onnx import numpy_helper
 from torch.export import Dim
 
 from compiler.backends.base import EngineIO, pack_torch_graph, to_numpy
+from compiler.engine_build.float_ops import fp32_weights, raised
 from compiler.errors import LoweringError
 from compiler.inputs.specs import InputSpec, dtype_name
 from compiler.partitioning.dedup import DedupPlan, EngineInstance, canonical_weights
@@ -75,15 +76,31 @@ def engine_weights(plan: PartitionPlan, instance: EngineInstance) -> dict[str, t
     weights = plan.weights()
     # Quantized partitions' tensors (int8 weights, float scales) are stored as the engine takes them.
     target = PRECISION_DTYPES.get(plan.options.precision_of(instance.partition))
+    kept = _fp32_weights(plan, instance.partition)
     # Canonical order (w0, w1, ..., w10), whatever order the mapping arrived in (JSON may sort keys):
     # the engine graph takes its weight inputs by position.
     ordered = sorted(instance.weights.items(), key=lambda item: int(item[0][1:]))
     return {
-        name: (weights[key].to(target) if target and weights[key].is_floating_point() else weights[key])
-        .detach()
-        .contiguous()
+        name: _typed(weights[key], torch.float32 if int(name[1:]) in kept else target)
         for name, key in ordered
     }
+
+
+def _typed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(dtype)
+    return tensor.detach().contiguous()
+
+
+def _fp32_weights(plan: PartitionPlan, name: str) -> set[int]:
+    """The weights of float partition ``name`` that only ops kept in fp32 read (stored in fp32)."""
+    ops = plan.options.float_ops(name)
+    if not ops:
+        return set()
+    partition = next(p for p in plan.partitions if p.name == name)
+    # Only which nodes read which weights is needed, which the runtime graph of a package read back
+    # holds too (the same nodes): plan.submodule would read the package's program, at a load's cost.
+    return fp32_weights(getattr(plan.graph_module, name), [i.kind for i in partition.inputs], ops)
 
 
 def lower(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
@@ -124,10 +141,14 @@ def lower_float(plan: PartitionPlan, partition: Partition, precision: str, fp: s
     io_spec = engine_io(plan, partition)
     every = plan.weights()
     dtype = PRECISION_DTYPES[precision]
+    kept = (
+        _fp32_weights(plan, partition.name)
+        if precision == plan.options.precision_of(partition.name)
+        else set()
+    )
     ordered = sorted(canonical_weights(partition).items(), key=lambda item: int(item[0][1:]))
     weights = {
-        name: (every[key].to(dtype) if every[key].is_floating_point() else every[key]).detach().contiguous()
-        for name, key in ordered
+        name: _typed(every[key], torch.float32 if int(name[1:]) in kept else dtype) for name, key in ordered
     }
     module, examples, act_shapes = _engine_module(plan, partition, precision, io_spec)
     args = examples + tuple(weights.values())
@@ -230,7 +251,12 @@ def _engine_module(
     sub = plan.submodule(partition.name)
     kinds = [i.kind for i in partition.inputs]
     graph, graph_kinds = rewritten if rewritten is not None else (sub, kinds)
-    module = _EngineGraph(graph, graph_kinds, precision, io_spec.output_dtypes)
+    ops = (
+        plan.options.float_ops(partition.name)
+        if precision == plan.options.precision_of(partition.name)
+        else ()
+    )
+    module = _EngineGraph(graph, graph_kinds, precision, io_spec.output_dtypes, ops)
     act_nodes = [n for n, kind in zip(_placeholders(sub), kinds, strict=True) if kind == "activation"]
     examples = tuple(_example(n.meta["val"], plan.symbols) for n in act_nodes)
     dims: dict[str, Dim] = {}
@@ -261,10 +287,16 @@ class _EngineGraph(torch.nn.Module):
     """The partition as a module taking (activations..., weights...), precision cast in the graph."""
 
     def __init__(
-        self, sub: torch.fx.GraphModule, kinds: list[str], precision: str, out_dtypes: tuple[str, ...]
+        self,
+        sub: torch.fx.GraphModule,
+        kinds: list[str],
+        precision: str,
+        out_dtypes: tuple[str, ...],
+        float_ops: tuple[str, ...] = (),
     ):
         super().__init__()
-        self.sub = _retyped(sub, PRECISION_DTYPES[precision])
+        # Ops kept in fp32 (compiler.engine_build.float_ops), after the retyping that lowers the rest.
+        self.sub = raised(_retyped(sub, PRECISION_DTYPES[precision]), float_ops, PRECISION_DTYPES[precision])
         self.kinds = kinds
         self.dtype = PRECISION_DTYPES[precision]
         self.out_dtypes = [getattr(torch, d) for d in out_dtypes]

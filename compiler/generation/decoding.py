@@ -1,14 +1,16 @@
 """The decode loop's device state: a static key/value cache updated in place, and on CUDA one captured
 graph per batch bucket.
 
-The decode program is functional (it takes the cache and returns the updated one), which every stage of
-the pipeline needs. Run as it is, each step would allocate a new cache and pass it to the next. Here
-the cache lives in preallocated buffers (``max_batch`` rows, allocated once per module); each step runs
-the program on them and copies its result back into them, in place: only the slot it wrote
-(``index_copy_``, two small kernels per layer and tensor), or, where the whole cache is small, all of it
-in one multi-tensor copy (``_foreach_copy_``: fewer launches for a few more bytes). The
-token, the attention mask and the position are device buffers too, advanced on the device, so a step
-reads nothing from the host.
+The decode program mutates nothing (every stage of the pipeline needs that): it reads the cache it is
+given and returns the step's own keys and values (``compiler.generation.step``). Here the cache lives
+in preallocated buffers: one tensor ``[2 * layers, max_batch, kv_heads, max_cache_len, head_dim]``
+allocated once per module, each layer's keys and values a view of it; each step runs the program on
+the views and writes what it returned at the step's position with one ``index_copy_`` (one kernel for
+every layer). A decode program written before (package from an earlier kiln) returns whole updated
+caches instead: those are copied back, the slot alone (``index_copy_``, two small kernels per layer
+and tensor) or, where the whole cache is small, all of it in one multi-tensor copy. The token, the
+attention mask and the position are device buffers too, advanced on the device, so a step reads
+nothing from the host.
 
 On CUDA, where the decode program's own CUDA-graph policy allows it
 (:func:`compiler.runtime.cudagraph_policy.decide`: its mode, its engines on PyTorch's stream, its
@@ -53,7 +55,8 @@ class _Bucket:
     rows: int
     ids: torch.Tensor  # [rows, 1]
     mask: torch.Tensor  # [rows, max_cache_len]
-    keys: list[torch.Tensor]  # per layer [rows, kv_heads, max_cache_len, head_dim]
+    cache: torch.Tensor  # [2 * layers, rows, kv_heads, max_cache_len, head_dim]
+    keys: list[torch.Tensor]  # per layer [rows, kv_heads, max_cache_len, head_dim]: views of cache
     values: list[torch.Tensor]
     graph: Any = None
     logits: torch.Tensor | None = None  # the captured step's output: last-position logits [rows, vocab]
@@ -79,8 +82,9 @@ class StaticDecode:
             decode.cuda_graphs.reason = "generate captures whole decode steps (compiler.generation.decoding)"
         dtype = getattr(torch, spec.cache_dtype)
         shape = spec.cache_shape(spec.max_batch)
-        self._keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.layers)]
-        self._values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.layers)]
+        self._cache = torch.zeros(2 * spec.layers, *shape, dtype=dtype, device=self.device)
+        self._keys = list(self._cache[: spec.layers].unbind(0))
+        self._values = list(self._cache[spec.layers :].unbind(0))
         self._ids = torch.zeros(spec.max_batch, 1, dtype=torch.long, device=self.device)
         self._mask = torch.zeros(spec.max_batch, spec.max_cache_len, dtype=torch.long, device=self.device)
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -127,14 +131,20 @@ class StaticDecode:
     def _body(self, bucket: _Bucket) -> torch.Tensor:
         position = self.position
         bucket.mask.index_fill_(1, position, 1)
-        logits, keys, values = self.decode(
+        out = self.decode(
             input_ids=bucket.ids,
             attention_mask=bucket.mask,
             cache_position=position,
             keys=bucket.keys,
             values=bucket.values,
         )
-        # The program returns whole updated caches; the buffers take them (or only the slot written).
+        if len(out) == 2:  # logits and the step's keys and values: written at the position, one kernel
+            logits, new = out
+            bucket.cache.index_copy_(3, position, new)
+            position.add_(1)
+            return logits[:, -1]
+        # An earlier kiln's program returns whole updated caches: the buffers take them (or the slot).
+        logits, keys, values = out
         statics, fresh = bucket.keys + bucket.values, list(keys) + list(values)
         if self.spec.cache_bytes(bucket.rows) <= self.full_copy_max_bytes:  # read when captured
             torch._foreach_copy_(statics, fresh)
@@ -151,6 +161,7 @@ class StaticDecode:
                 rows,
                 self._ids[:rows],
                 self._mask[:rows],
+                self._cache[:, :rows],
                 [k[:rows] for k in self._keys],
                 [v[:rows] for v in self._values],
             )

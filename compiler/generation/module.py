@@ -22,6 +22,7 @@ import torch
 from compiler.errors import GenerationError
 from compiler.generation.decoding import StaticDecode
 from compiler.generation.spec import GenerationSpec
+from compiler.generation.step import write_slot
 
 Program = Callable[..., Any]
 
@@ -101,13 +102,16 @@ class GenerationModule(torch.nn.Module):
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         output_logits: bool = False,
+        on_token: Callable[[torch.Tensor, bool], Any] | None = None,
     ) -> torch.Tensor:
         """Token ids ``[batch, prompt + new]``: the (left-padded) prompts, then up to ``max_new_tokens``
         tokens each, greedy unless ``do_sample`` (``temperature``, then ``top_k``, then ``top_p``, drawn
         with a generator seeded by ``seed``). ``eos_token_id`` (default: the model's) ends a row; rows
         that ended early and prompts shorter than the compiled minimum are filled with ``pad_token_id``
         (default: the model's). ``output_logits``: each step's last-position logits are kept in
-        ``module.last_logits`` (validation compares them with eager ones)."""
+        ``module.last_logits`` (validation compares them with eager ones). ``on_token(tokens, last)``: called
+        as each step's tokens are picked, before the next step runs (what streaming sends): ``tokens``
+        [batch] on the device (a row that ended holds the pad token), ``last`` True on the final call."""
         spec = self.spec
         ids, mask = self._prompt(input_ids, attention_mask)
         batch, length = ids.shape
@@ -152,11 +156,13 @@ class GenerationModule(torch.nn.Module):
                 if eos_ids is not None:
                     token = torch.where(done, torch.full_like(token, pad), token)
                 out.append(token[:, None])
+                ended = step == max_new_tokens - 1
                 if eos_ids is not None:
                     done |= torch.isin(token, eos_ids)
-                    if bool(done.all()):
-                        break
-                if step == max_new_tokens - 1:
+                    ended = ended or bool(done.all())
+                if on_token is not None:
+                    on_token(token, ended)
+                if ended:
                     break
                 if static is not None:
                     if bucket is None:
@@ -168,13 +174,19 @@ class GenerationModule(torch.nn.Module):
                         cache_mask[:, :length] = mask
                     position = length + step
                     cache_mask[:, position] = 1
-                    logits, keys, values = self.decode(
+                    at = torch.tensor([position], device=ids.device)
+                    step_out = self.decode(
                         input_ids=token[:, None],
                         attention_mask=cache_mask,
-                        cache_position=torch.tensor([position], device=ids.device),
+                        cache_position=at,
                         keys=list(keys),
                         values=list(values),
                     )
+                    if len(step_out) == 2:  # the step's keys and values, written here
+                        logits, new = step_out
+                        keys, values = write_slot(list(keys), list(values), new, at)
+                    else:  # an earlier kiln's decode program: the updated caches
+                        logits, keys, values = step_out
                     last = logits[:, -1]
                 token = _pick(last, do_sample, temperature, top_k, top_p, generator)
                 timer.mark()

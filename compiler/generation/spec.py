@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from compiler.backends.capabilities import capabilities
 from compiler.errors import GenerationError, PackageCorruptError, PackageVersionError
 from compiler.typed_json import ANY, ListOf, Opt, Record, check
 
@@ -143,3 +144,20 @@ class GenerationSpec:
             return cls(**values)
         except GenerationError as exc:  # limits no compile writes: the file is not what kiln wrote
             raise PackageCorruptError(f"{GENERATION_FILE}: {exc}") from None
+
+
+def program_options(program: str, backend: str, device: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The compile options one generation program is built with (``backend_options`` and ``profiles``
+    of :class:`compiler.options.CompileOptions`): the operator's ``options``, and for the decode program
+    its backend's settings for bandwidth-bound programs on this device kind where the operator set none
+    (its record's ``decode_options``: Inductor autotunes its GEMMs on CUDA, batch 1 specialized)."""
+    chosen = {
+        "backend_options": dict(options.get("backend_options") or {}),
+        "profiles": options.get("profiles") or (),
+    }
+    if program == "decode":
+        defaults = capabilities(backend).decode_options.get(device.split(":")[0], {})
+        given = chosen["backend_options"]
+        given.update({k: v for k, v in defaults.get("backend_options", {}).items() if k not in given})
+        chosen["profiles"] = tuple(chosen["profiles"]) or tuple(defaults.get("profiles", ()))
+    return chosen

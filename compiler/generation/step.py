@@ -5,10 +5,16 @@
 value tensor per layer, positions ``0..T-1`` filled. :class:`Decode` runs one token per row against the
 cache: ``input_ids [B, 1]``, ``attention_mask [B, max_cache_len]`` (1 where a position holds a real
 token, the current one included), ``cache_position [1]`` (where the token's key and value go) and the
-cache -> ``logits [B, 1, V]`` and the updated cache.
+cache -> ``logits [B, 1, V]`` and the step's own keys and values, ``[2 * layers, B, kv_heads, 1,
+head_dim]`` (every layer's keys, then every layer's values), which the caller writes at
+``cache_position`` (:func:`write_slot`).
 
-The cache is functional (passed in, returned, written with ``index_copy``, never mutated in place), so
-both are ordinary graphs for every stage of the pipeline, and both wrap the same module: their weights
+Nothing is mutated in place: the decode program reads the cache it is given and never copies it. Its
+attention (:func:`_decode_attention`, an attention implementation registered with transformers and
+used by this program alone) scores the new token against the cache's earlier positions and against its
+own key, which the cache does not hold yet; so a step moves the cache once (the attention's read), where
+a program returning the updated cache wrote all of it per layer. Both programs are ordinary graphs for
+every stage of the pipeline, and both wrap the same module: their weights
 are the same tensors under the same names, which is what lets a package store them once. The
 attention mask is built here as the 4-D additive mask transformers takes as given (causal over cache
 positions, padding masked out), so no model's own mask code runs under export. Position ids count a
@@ -17,7 +23,9 @@ row's real tokens (left padding starts each row at 0), as transformers' ``genera
 
 from __future__ import annotations
 
+import contextvars
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -66,6 +74,92 @@ class _Layer:
         return 0
 
 
+class _Slot(_Layer):
+    """Decode: the cache as given (read, never written) and the step's own keys and values, kept for
+    :func:`_decode_attention`."""
+
+    new_keys: torch.Tensor
+    new_values: torch.Tensor
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        self.new_keys, self.new_values = key_states, value_states
+        return self.keys, self.values
+
+
+ATTENTION = "kiln_decode"  # the attention implementation name Decode runs the model with
+# The running Decode's layers and the model's own attention implementation (trace time only).
+_DECODING: contextvars.ContextVar[tuple[list[_Slot], str] | None] = contextvars.ContextVar(
+    "kiln_decoding", default=None
+)
+
+
+def _decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """One new token per row attending to the cache (``key``/``value``: positions before it, as the mask
+    allows) and to its own key and value (not in the cache yet): softmax over both, so no cache is
+    copied. Grouped query heads share their key head by a reshape (no repeated keys). What this does
+    not cover (softcapping, sliding windows, a position bias) runs the model's own attention on the
+    cache with the new slot written, as before."""
+    layers, original = _DECODING.get() or ((), "sdpa")
+    layer = layers[module.layer_idx]
+    new_k, new_v = layer.new_keys, layer.new_values
+    b, heads, length, d = query.shape
+    kv_heads = key.shape[1]
+    special = any(kwargs.get(k) is not None for k in ("softcap", "sliding_window", "position_bias"))
+    if special or length != 1 or heads % kv_heads:
+        keys = key.index_copy(2, layer.position, new_k)
+        values = value.index_copy(2, layer.position, new_v)
+        if attention_mask is not None:  # the new token's own position, masked for the cache, allowed
+            attention_mask = attention_mask.index_fill(-1, layer.position, 0.0)
+        return _implementation(module, original)(
+            module, query, keys, values, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    scale = d**-0.5 if scaling is None else scaling
+    q = query.reshape(b, kv_heads, heads // kv_heads, d)  # q head h reads kv head h // groups
+    scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [b, kv_heads, groups, cache]
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    own = (q * new_k).sum(-1, keepdim=True) * scale  # [b, kv_heads, groups, 1]
+    probs = torch.cat([scores, own], dim=-1).softmax(-1, dtype=torch.float32).to(value.dtype)
+    out = torch.matmul(probs[..., :-1], value) + probs[..., -1:] * new_v
+    return out.reshape(b, heads, 1, d).transpose(1, 2), None
+
+
+def _implementation(module: torch.nn.Module, name: str) -> Any:
+    """The attention function the model runs as ``name`` (its own module's for ``eager``)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _register_attention() -> None:
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, _decode_attention)
+
+
+def write_slot(
+    keys: list[torch.Tensor], values: list[torch.Tensor], new: torch.Tensor, position: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The caches with a decode step's keys and values (``new``, [2 * layers, B, kv_heads, 1, head_dim])
+    at ``position``, as new tensors (the functional loop; decoding.py writes its buffers in place)."""
+    layers = len(keys)
+    return (
+        [k.index_copy(2, position, n) for k, n in zip(keys, new[:layers], strict=True)],
+        [v.index_copy(2, position, n) for v, n in zip(values, new[layers:], strict=True)],
+    )
+
+
 def _cache(layers: list[_Layer]) -> Any:
     from transformers.cache_utils import Cache
 
@@ -95,11 +189,13 @@ class _Step(torch.nn.Module):
         position_ids: torch.Tensor,
         cache_position: torch.Tensor,
         layers: list[_Layer],
+        own: bool = True,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         positions = torch.arange(self.max_cache_len, device=input_ids.device)
-        allowed = (positions[None, None, None, :] <= cache_position[None, None, :, None]) & mask[
-            :, None, None, :
-        ].bool()
+        # own=False (decode): the token's own position is not in the cache it attends to
+        at, current = positions[None, None, None, :], cache_position[None, None, :, None]
+        causal = at <= current if own else at < current
+        allowed = causal & mask[:, None, None, :].bool()
         dtype = next(self.lm.parameters()).dtype
         additive = torch.where(
             allowed, torch.zeros((), dtype=dtype), torch.full((), torch.finfo(dtype).min, dtype=dtype)
@@ -140,10 +236,23 @@ class Decode(_Step):
         cache_position: torch.Tensor,
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
-    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         position_ids = (attention_mask.sum(-1, keepdim=True) - 1).clamp(min=0)
-        layers = [_Layer(k, v, cache_position, self.max_cache_len) for k, v in zip(keys, values, strict=True)]
-        return self._run(input_ids, attention_mask, position_ids, cache_position, layers)
+        layers = [_Slot(k, v, cache_position, self.max_cache_len) for k, v in zip(keys, values, strict=True)]
+        config = self.lm.config
+        original = config._attn_implementation or "sdpa"
+        _register_attention()
+        token = _DECODING.set((layers, original))
+        config._attn_implementation = ATTENTION
+        try:
+            logits, _, _ = self._run(
+                input_ids, attention_mask, position_ids, cache_position, layers, own=False
+            )
+        finally:
+            config._attn_implementation = original
+            _DECODING.reset(token)
+        new = torch.stack([la.new_keys for la in layers] + [la.new_values for la in layers])
+        return logits, new.to(keys[0].dtype)
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ from compiler.errors import EngineCompatibilityError
 from compiler.package.manifest import PROGRAM, RUNTIME_GRAPH, Manifest
 from compiler.partitioning import runtime_graph
 from compiler.program.export import import_allowed_modules
+from compiler.program.module_policy import import_in_background
 
 
 def import_recorded_modules(
@@ -33,20 +34,22 @@ def import_recorded_modules(
     """The modules the package records (its custom ops, its input and output types), imported where this
     process allows them (else OpModuleNotAllowedError naming them), before the program's own check: a
     load imports them while its workers read the files. Those only the output spec's types need
-    (``transformers`` for a ModelOutput: 1.4-2 s where a process has not imported it) are checked now
-    and imported on the first ``forward`` (``DeferredSpec``) where ``defer_output_types`` asks: a
-    caller of ``run_flat`` alone (a serving backend) never pays for them. Returns those.
-    :func:`read_runtime_graph` then imports only what the program adds."""
+    (``transformers`` for a ModelOutput: 1.4-2.2 s where a process has not imported it) are checked now
+    and decoded on the first ``forward`` (``DeferredSpec``): imported meanwhile on a thread of their own
+    (the rest of the load and the first call's engines run beside it), or, where
+    ``defer_output_types`` asks, only then: a caller of ``run_flat`` alone (a serving backend) never
+    pays for them. Returns those. :func:`read_runtime_graph` then imports only what the program adds."""
     recorded = list(manifest.op_modules)
-    # Deferred only where the caller asked: imported here they overlap the workers' reads (on the H100
-    # a forward's first answer came 0.6 s later when transformers was imported at the first call).
-    deferred = (
-        runtime_graph.output_only_modules(reads[RUNTIME_GRAPH].result(), str(path / RUNTIME_GRAPH), recorded)
-        if defer_output_types
-        else ()
+    deferred = runtime_graph.output_only_modules(
+        reads[RUNTIME_GRAPH].result(), str(path / RUNTIME_GRAPH), recorded
     )
     where = str(path / PROGRAM)
     import_allowed_modules(recorded, where, allowed=allowed_modules, recorded=recorded, defer=deferred)
+    if not defer_output_types:
+        # On the H100 transformers imported on this thread took 1.6-2.2 s of a 2.2-2.4 s load (the
+        # weights' read, hash and copy on the workers were done long before); imported at the first call
+        # instead, the first answer came 0.6 s later. Beside the load, it overlaps the rest of it.
+        import_in_background(deferred)
     return deferred
 
 

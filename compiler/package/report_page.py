@@ -184,7 +184,7 @@ def _repair_section(manifest: Manifest) -> Markup:
         for layer in search.get("raised") or ()
     ]
     if layers:
-        header = ["partition", "layer", "op", "parameter", "sensitivity (rel L2 alone)", "weights", "FLOPs"]
+        header = ["partition", "layer", "op", "parameter", "rel L2 it added", "weights", "FLOPs"]
         table = join([_table("raised-layers", header, layers), table])
     return h("<section><h2>Accuracy repair</h2><ul>{lines}</ul>{table}</section>", lines=lines, table=table)
 
@@ -282,7 +282,7 @@ def _overview(manifest: Manifest, title: str) -> Markup:
         ("backend", f"{manifest.backend} {manifest.backend_version}"),
         ("engine target", manifest.engine_target),
         ("precision", manifest.precision),
-        ("weights stripped", "yes" if manifest.strip_weights else "no"),
+        ("engines weight-stripped", _stripped(manifest)),
         ("partitions", str(len(manifest.report.partitions))),
         ("unique engines", str(len(manifest.engines))),
         ("max rel L2", _num(validation.max_rel_l2) if validation else "not recorded"),
@@ -291,6 +291,19 @@ def _overview(manifest: Manifest, title: str) -> Markup:
     return h(
         '<h1>{title}</h1><table class="facts" id="overview">{items}</table>', title=title, items=_facts(facts)
     )
+
+
+def _stripped(manifest: Manifest) -> str:
+    """Whether the package's engines hold their weights, and how they were built where a package stores
+    them otherwise (ONNX Runtime and Inductor engines are stored stripped whatever strip_weights built)."""
+    filed = [r for r in manifest.engines.values() if r.file is not None]
+    stripped = sum(r.stripped for r in filed)
+    text = f"{stripped} of {len(filed)}"
+    if stripped in (0, len(filed)):
+        text = "yes" if stripped else "no"
+    if stripped and not manifest.strip_weights:
+        text += " (built with their weights, strip_weights false: the package holds each weight once)"
+    return text
 
 
 def _signed(signed: bool | None, manifest: Manifest) -> str:

@@ -7,8 +7,10 @@
     runtime_graph.json       the split graph as data, what a load runs (partitioning/runtime_graph.py); the
                              program is read only when asked for (absent where the graph holds
                              anything that form cannot: such packages load from the program)
-    engines/<fp>.engine      one engine per unique fingerprint (weight-stripped or full); none for a
-                             fingerprint whose build fell back to PyTorch (the program runs it)
+    engines/<fp>.engine      one engine per unique fingerprint (weight-stripped where its backend's load
+                             takes the weights from weights.safetensors, whatever strip_weights built:
+                             writing.packaged_engine); none for a fingerprint whose build fell back to
+                             PyTorch (the program runs it)
     model.sig                optional: the model-signing signature of every other file (never listed
                              in the manifest, which it signs; compiler/package/signing.py)
 
@@ -80,7 +82,13 @@ from compiler.package.manifest import (
 )
 from compiler.package.signing import Signer, Trust, sign_package
 from compiler.package.weights_file import read_weights
-from compiler.package.writing import as_validation_report, hollow_program, int8_only_weights, swap_into_place
+from compiler.package.writing import (
+    as_validation_report,
+    hollow_program,
+    int8_only_weights,
+    packaged_engine,
+    swap_into_place,
+)
 from compiler.partitioning import runtime_graph
 from compiler.partitioning.dedup import DedupPlan
 from compiler.partitioning.partition import (
@@ -159,7 +167,8 @@ def save(
         }
         files[WEIGHTS] = safetensors.torch.save(weights)
         engines = {}
-        for fp, artifact in sorted(compiled.engines.items()):
+        for fp, built in sorted(compiled.engines.items()):
+            artifact = packaged_engine(built)  # its weights are in weights.safetensors: not twice
             rel = engine_file(fp) if artifact.is_engine else None
             if rel is not None:
                 files[rel] = artifact.engine
@@ -347,7 +356,8 @@ def _load(
     if light:
         # The modules the package records (custom ops, input types) are imported while the workers read,
         # hash and copy the files; those only its output types need (transformers' ModelOutput, 1-2 s)
-        # are checked now and imported on the first forward: run_flat never pays for them.
+        # are checked now and imported on a thread of their own beside the rest of the load (or, with
+        # defer_output_types, on the first forward): the first forward decodes its output type.
         deferred = reading.import_recorded_modules(path, manifest, allowed_modules, reads, defer_output_types)
         lap("modules")
 

@@ -1,13 +1,15 @@
 """Writing a package: what :func:`compiler.package.save_load.save` puts in it, apart from the manifest.
 
-The program saved hollow (its weights live once, in weights.safetensors), the float weights only int8
-engines read (left out by ``save(int8_weights_only=True)``), the validation report as its typed record,
-and the swap of a finished package into place (an old package replaced atomically, anything else refused).
+The program saved hollow (its weights live once, in weights.safetensors), engines stripped of the
+weights the package holds (:func:`packaged_engine`), the float weights only int8 engines read (left
+out by ``save(int8_weights_only=True)``), the validation report as its typed record, and the swap of a
+finished package into place (an old package replaced atomically, anything else refused).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 import uuid
@@ -18,6 +20,8 @@ from typing import Any
 import torch
 
 from compiler.backends.base import QUANTIZED_PRECISIONS
+from compiler.backends.capabilities import capabilities, is_backend
+from compiler.engine_build.engine import EngineArtifact
 from compiler.errors import PackageError
 from compiler.package.manifest import MANIFEST_FILE
 from compiler.partitioning.partition import (
@@ -46,6 +50,17 @@ def int8_only_weights(compiled: CompiledModule) -> set[str]:
         and node.users
         and all(user.op == "call_module" and user.target in int8 for user in node.users)
     }
+
+
+def packaged_engine(artifact: EngineArtifact) -> EngineArtifact:
+    """The engine as a package stores it: weight-stripped where its backend's package load passes every
+    engine its weights from the package (capabilities' ``package_strip``: ONNX Runtime, Inductor), so
+    the weights live once, in weights.safetensors, whatever ``strip_weights`` built; else as built
+    (TensorRT). The engine cache and the compiled module keep what was built."""
+    if artifact.stripped or not artifact.is_engine or not is_backend(artifact.backend):
+        return artifact
+    stripped = capabilities(artifact.backend).strip_for_package(artifact.engine)
+    return artifact if stripped is None else dataclasses.replace(artifact, engine=stripped, stripped=True)
 
 
 def hollow_program(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -32,6 +32,7 @@ from compiler import json_reader
 from compiler.atomic import write_bytes_atomic
 from compiler.errors import ExportError, InputSpecError, OpModuleNotAllowedError, UnsafeProgramError
 from compiler.inputs.specs import InputSpec, dtype_name, specs_from_json, specs_to_json
+from compiler.program import module_policy
 from compiler.program.module_policy import ALLOWED_MODULES_ENV, allowed_module_prefixes, is_allowed_module
 from compiler.program.module_policy import MODULE_NAME as _MODULE_NAME
 from compiler.program.outputs import index_bounds
@@ -379,8 +380,9 @@ def import_allowed_modules(
             needed=needed,
             recorded=listed,
         )
-    for module in modules:
-        if module in sys.modules or module in defer:
+    for module in (m for m in modules if m not in defer):
+        module_policy.wait_for_background_import(module)  # imported there, or failed there: tried here
+        if module in sys.modules:
             continue
         try:
             importlib.import_module(module)

@@ -102,6 +102,81 @@ class SingleLayerGraphs:
         _sort(model.graph)
         return model
 
+    def without(self, name: str) -> onnx.ModelProto | None:
+        """``full`` with only node ``name`` kept in float, as the quantizer's ``nodes_to_exclude`` makes
+        it: a tensor of the node's keeps its Q/DQ pair only where another node beside it (its producer,
+        another reader) is one the quantizer quantizes, which marks it too; the others go, the node
+        reading the float activation (or ``source``'s float weight) and writing its output unquantized.
+        An elementwise op between quantized neighbours then changes nothing (every tensor of it stays
+        quantized), and a graph's last GEMM loses the Q/DQ on the logits. None when nothing would
+        change (the graph is ``full``: keeping the node in float adds no accuracy, only Q/DQ boundaries)."""
+        if not self._changes(name):
+            return None
+        model = copy.deepcopy(self.full)
+        nodes = {n.name: n for n in model.graph.node}
+        own = nodes[name]
+        source = next(n for n in self.skeleton.graph.node if n.name == name)
+        skeleton_inits = {i.name: i for i in self.skeleton.graph.initializer}
+        present = {i.name for i in model.graph.initializer}
+        outputs = {o.name for o in model.graph.output}
+        rename: dict[str, str] = {}
+        for k, tensor in enumerate(own.input):
+            chain = self._chain(tensor)
+            if not chain or self._marked_elsewhere(chain, name):
+                continue
+            if chain[0].op_type == "QuantizeLinear":
+                own.input[k] = chain[0].input[0]
+                continue
+            original = source.input[k]
+            if original in skeleton_inits and original not in present:
+                model.graph.initializer.append(skeleton_inits[original])
+                present.add(original)
+            own.input[k] = original
+        for k, out in enumerate(own.output):
+            for q in self.consumers.get(out, ()):
+                if q.op_type != "QuantizeLinear":
+                    continue
+                for dq in self.consumers.get(q.output[0], ()):
+                    if dq.op_type != "DequantizeLinear" or self._marked_elsewhere([q, dq], name):
+                        continue
+                    if dq.output[0] in outputs:  # a graph output keeps its name: the node writes it
+                        own.output[k] = dq.output[0]
+                        rename[out] = dq.output[0]
+                    else:
+                        rename[dq.output[0]] = out
+        for node in model.graph.node:
+            node.input[:] = [rename.get(i, i) for i in node.input]
+        # Q/DQ nodes no node reads now, and the initializers only they read, go.
+        for _ in range(2):
+            used = {i for n in model.graph.node for i in n.input} | outputs
+            kept = [n for n in model.graph.node if n.name == name or any(o in used for o in n.output)]
+            del model.graph.node[:]
+            model.graph.node.extend(kept)
+        used = {i for n in model.graph.node for i in n.input}
+        inits = [i for i in model.graph.initializer if i.name in used]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(inits)
+        return model
+
+    def _changes(self, name: str) -> bool:
+        node = self.nodes[name]
+        chains = [c for c in (self._chain(t) for t in node.input) if c]
+        for out in node.output:
+            for q in self.consumers.get(out, ()):
+                if q.op_type == "QuantizeLinear":
+                    chains += [[q, d] for d in self.consumers.get(q.output[0], ()) if d.op_type == QDQ[1]]
+        return any(not self._marked_elsewhere(c, name) for c in chains)
+
+    def _marked_elsewhere(self, chain: Sequence[onnx.NodeProto], name: str) -> bool:
+        """Whether a node other than ``name`` that the quantizer quantizes touches the tensor of this
+        Q/DQ ``chain``: its producer, or another reader of the dequantized value."""
+        near = [n for n in self.consumers.get(chain[-1].output[0], ()) if n.name != name]
+        if chain[0].op_type == "QuantizeLinear":
+            producer = self.producer.get(chain[0].input[0])
+            if producer is not None and producer.name != name:
+                near.append(producer)
+        return any(n.op_type not in QDQ and quantized_alone(n.op_type, self.ops) for n in near)
+
     def session(self, model: onnx.ModelProto):
         """An ONNX Runtime session of ``model`` (a :meth:`graph` or the skeleton), its large float
         weights given from memory."""

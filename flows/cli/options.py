@@ -189,7 +189,12 @@ CalibrationMethod = Annotated[
 ]
 StripWeights = Annotated[
     bool | None,
-    typer.Option("--strip-weights/--keep-weights", help="weight-stripped engines, refitted at load"),
+    typer.Option(
+        "--strip-weights/--keep-weights",
+        help="build weight-stripped engines (refitted at load). Packages store ONNX Runtime and Inductor "
+        "engines stripped either way (their weights are in the package once); this decides TensorRT's "
+        "and the engine cache's",
+    ),
 ]
 MinBlockSize = Annotated[int | None, typer.Option("--min-block-size", help="smallest engine (ops)")]
 TorchExecutedOp = Annotated[
@@ -413,6 +418,14 @@ Threads = Annotated[
         "--threads",
         help="intra-op threads per instance (0: the serving machine's cores less one, shared by the "
         "instances)",
+    ),
+]
+StreamTokens = Annotated[
+    bool,
+    typer.Option(
+        "--stream-tokens",
+        help="generation versions answer with one response per generated token (Triton's decoupled "
+        "mode: gRPC streaming clients only); a model that is not a generation version fails to export",
     ),
 ]
 ExportAllowOpModule = Annotated[

@@ -28,6 +28,7 @@ from flows.cli.options import (
     QueueDelayUs,
     Repository,
     ServeAllowOpModule,
+    StreamTokens,
     Threads,
     bad_input,
 )
@@ -48,6 +49,7 @@ def export_cmd(
     queue_delay_us: QueueDelayUs = 1000,
     instances: Instances = 0,
     threads: Threads = 0,
+    stream_tokens: StreamTokens = False,
     allow_op_module: ExportAllowOpModule = None,
     tracking_uri: ExportTrackingUri = None,
     as_json: JsonOut = False,
@@ -67,6 +69,7 @@ def export_cmd(
             queue_delay_us=queue_delay_us,
             instances=instances,
             threads=threads,
+            stream=stream_tokens,
             allowed_modules=allow_op_module or None,
         )
     except KilnError as exc:

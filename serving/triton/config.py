@@ -293,9 +293,20 @@ def render_config(
     queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
     instances: int = DEFAULT_INSTANCES,
     threads: int = DEFAULT_THREADS,
+    stream: bool = False,
 ) -> str:
-    """``config.pbtxt`` serving exactly ``served.version`` (the champion) of ``served.name``."""
+    """``config.pbtxt`` serving exactly ``served.version`` (the champion) of ``served.name``. ``stream``:
+    a generation version answers each request with one response per generated token (Triton's
+    decoupled transaction policy; serving/triton/generation.py), for gRPC streaming clients."""
     instances = instance_count(instances, served.kind)
+    if not isinstance(stream, bool):
+        raise TritonConfigError(f"stream is {stream!r:.40}; expected true or false")
+    if stream and served.method != "generate":
+        raise TritonConfigError(
+            f"{served.registered_model} version {served.version} is not a generation version (it is served "
+            "by its forward pass, one answer per request): streaming tokens (--stream-tokens) needs a "
+            "package compiled with task: text-generation; export it without --stream-tokens"
+        )
     checked_int(threads, "threads (0: automatic)", minimum=0)
     checked_int(queue_delay_us, "the queue delay in microseconds", minimum=0)
     batched = served.max_batch_size > 0
@@ -323,6 +334,8 @@ def render_config(
         f"instance_group [ {{ kind: {served.kind} count: {instances} }} ]",
         f'parameters: {{ key: "{THREADS_PARAMETER}" value: {{ string_value: "{threads}" }} }}',
     ]
+    if stream:  # several responses per request, the last flagged final: gRPC streaming only
+        lines.append("model_transaction_policy { decoupled: true }")
     if batched:
         sizes = served.preferred_batch_sizes if served.kind == "KIND_GPU" else ()
         preferred = ", ".join(str(b) for b in sizes)

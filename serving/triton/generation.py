@@ -18,6 +18,13 @@ weights) is served by its ``generate``, not by its forward pass, so its served s
     output_ids      INT64 [batch, length]   what ``generate`` returns: the prompts, then the new tokens
     generated_ids   INT64 [batch, new]      the new tokens alone
 
+Streaming (``kiln serve triton export --stream-tokens``: the decoupled transaction policy, for gRPC
+streaming clients): a request is answered as it is generated, one response per step holding
+``generated_ids`` [batch, 1] (that step's token of every row; a row that ended holds the pad token),
+the last one flagged final (``TRITONSERVER_RESPONSE_COMPLETE_FINAL``); the tokens are the ones
+``generated_ids`` holds unstreamed. An error ends the stream with a final response carrying it; a
+request the client cancelled stops generating at the next token.
+
 Each request is one ``generate`` call over its own rows, so the answer equals ``compiler.load(package)
 .generate(...)`` of the same arguments. Triton does not batch requests together (``max_batch_size``
 0): prompts of other lengths and other sampling parameters would change each other's tokens (padding
@@ -93,7 +100,11 @@ class GenerationRuntime(ServedRuntime):
             new = min(2, spec.max_cache_len - length)
             self.module.generate(ids, max_new_tokens=new, eos_token_id=[])
 
-    def execute(self, requests: list) -> list:
+    def execute(self, requests: list) -> list | None:
+        if self.decoupled:  # each request answered through its sender, as its tokens come
+            for request in requests:
+                self._stream(request)
+            return None
         responses = []
         for request in requests:
             try:
@@ -101,6 +112,32 @@ class GenerationRuntime(ServedRuntime):
             except Exception as exc:  # that request's answer, not the others'
                 responses.append(self._error(exc))
         return responses
+
+    def _stream(self, request: Any) -> None:
+        """One generate whose every step's tokens go out as a response (the module docstring)."""
+        import torch
+        from torch.utils import dlpack
+
+        sender = request.get_response_sender()
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        ended = False
+
+        def send(tokens: torch.Tensor, last: bool) -> None:
+            nonlocal ended
+            if sender.is_cancelled():
+                raise _Cancelled
+            value = tokens.detach().to("cpu", torch.int64).reshape(-1, 1).contiguous()
+            tensor = self.pb.Tensor.from_dlpack(OUTPUTS[1], dlpack.to_dlpack(value))
+            sender.send(self.pb.InferenceResponse(output_tensors=[tensor]), flags=final if last else 0)
+            ended = last
+
+        try:
+            self._call_generate(request, send)
+        except _Cancelled:
+            sender.send(flags=final)  # Triton needs the final flag even for a cancelled request
+        except Exception as exc:  # that request's answer, not the others'
+            if not ended:
+                sender.send(self._error(exc), flags=final)
 
     def _tensor(self, request: Any, name: str, dtype: str) -> Any:
         """The request's input ``name`` as a CPU tensor of kiln dtype ``dtype``, or None when left out."""
@@ -128,6 +165,19 @@ class GenerationRuntime(ServedRuntime):
         import torch
         from torch.utils import dlpack
 
+        ids, out = self._call_generate(request)
+        # generate left-pads a prompt shorter than the compiled minimum: the new tokens follow that
+        prompt = max(ids.shape[1], self.module.prompt_floor)
+        tensors = []
+        for name, value in zip(OUTPUTS, (out, out[:, prompt:]), strict=True):
+            value = value.detach().to("cpu", torch.int64).contiguous()
+            tensors.append(self.pb.Tensor.from_dlpack(name, dlpack.to_dlpack(value)))
+        return tensors
+
+    def _call_generate(self, request: Any, on_token: Any = None) -> tuple[Any, Any]:
+        """(the request's input_ids, what ``generate`` returned) for the request's inputs."""
+        import torch
+
         ids = self._tensor(request, "input_ids", "int64")
         if ids is None:
             raise ValueError("input 'input_ids' is missing")
@@ -148,14 +198,13 @@ class GenerationRuntime(ServedRuntime):
                 seed=None if seed is None else int(seed),
                 eos_token_id=None if eos is None else [int(v) for v in eos.reshape(-1).tolist()],
                 pad_token_id=self._scalar(request, "pad_token_id", "int64"),
+                on_token=on_token,
             )
-        # generate left-pads a prompt shorter than the compiled minimum: the new tokens follow that
-        prompt = max(ids.shape[1], self.module.prompt_floor)
-        tensors = []
-        for name, value in zip(OUTPUTS, (out, out[:, prompt:]), strict=True):
-            value = value.detach().to("cpu", torch.int64).contiguous()
-            tensors.append(self.pb.Tensor.from_dlpack(name, dlpack.to_dlpack(value)))
-        return tensors
+        return ids, out
+
+
+class _Cancelled(Exception):
+    """The client cancelled a streamed request: generation stops at the next token."""
 
 
 def _or(value: Any, default: float) -> float:

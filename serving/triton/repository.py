@@ -149,6 +149,7 @@ class ServingSettings:
     queue_delay_us: int = DEFAULT_QUEUE_DELAY_US
     instances: int = DEFAULT_INSTANCES
     threads: int = DEFAULT_THREADS
+    stream: bool = False  # a generation version streams its tokens (decoupled; export --stream-tokens)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)
@@ -160,6 +161,8 @@ class ServingSettings:
         checked_int(self.queue_delay_us, f"{SETTINGS_FILE}: queue_delay_us", minimum=0)
         checked_int(self.instances, f"{SETTINGS_FILE}: instances", minimum=0)
         checked_int(self.threads, f"{SETTINGS_FILE}: threads", minimum=0)
+        if not isinstance(self.stream, bool):
+            raise TritonConfigError(f"{SETTINGS_FILE}: stream is {self.stream!r:.40}; expected true or false")
 
     @classmethod
     def read(cls, model_dir: Path) -> ServingSettings:
@@ -170,7 +173,11 @@ class ServingSettings:
             if not isinstance(data, dict):
                 raise TypeError(f"expected an object, got {type(data).__name__}")
             fields = ("registered_model", "model", "target", "queue_delay_us", "instances")
-            return cls(**{k: data[k] for k in fields}, threads=data.get("threads", DEFAULT_THREADS))
+            return cls(
+                **{k: data[k] for k in fields},
+                threads=data.get("threads", DEFAULT_THREADS),
+                stream=data.get("stream", False),  # written before streaming: not streamed
+            )
         except FileNotFoundError:
             raise RepositoryError(
                 f"{model_dir} has no {SETTINGS_FILE}: kiln did not write this model folder; export it "
@@ -211,7 +218,11 @@ def config_for(model_dir: Path, version: str) -> str:
             f"version {version} of {settings.registered_model} is not staged in {model_dir}"
         )
     return render_config(
-        served, queue_delay_us=settings.queue_delay_us, instances=settings.instances, threads=settings.threads
+        served,
+        queue_delay_us=settings.queue_delay_us,
+        instances=settings.instances,
+        threads=settings.threads,
+        stream=settings.stream,
     )
 
 
@@ -433,9 +444,12 @@ def export(
     queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
     instances: int = DEFAULT_INSTANCES,
     threads: int = DEFAULT_THREADS,
+    stream: bool = False,
     allowed_modules: Sequence[str] | None = None,
 ) -> list[ExportResult | ExportFailure]:
     """Write (or bring up to date) each model's folder in ``repository`` from its champion and previous.
+    ``stream``: generation versions stream their tokens (``render_config``); a model that is not one
+    fails to export, by name.
 
     Each model is all or nothing (:func:`export_model`); every model is tried, and the result lists
     each one's outcome in order. Bad options or an unusable repository raise before anything is written."""
@@ -447,7 +461,12 @@ def export(
     checked_int(threads, "threads (0: automatic)", minimum=0)
     repo = check_repository(repository, write=True, create=True)
     mlclient = config.client(tracking_uri)
-    settings = {"queue_delay_us": queue_delay_us, "instances": instances, "threads": threads}
+    settings = {
+        "queue_delay_us": queue_delay_us,
+        "instances": instances,
+        "threads": threads,
+        "stream": stream,
+    }
     results: list[ExportResult | ExportFailure] = []
     for model in models:
         try:
@@ -464,7 +483,7 @@ def export_model(
     repo: Path,
     model: str,
     engine_target: str,
-    settings: dict[str, int],
+    settings: dict[str, Any],
     *,
     allowed_modules: Sequence[str] | None = None,
 ) -> ExportResult:

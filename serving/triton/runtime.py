@@ -57,6 +57,7 @@ class ServedRuntime:
         self.device = device
         self.pb = pb_utils
         self.batched = served.max_batch_size > 0
+        self.decoupled = False  # config.pbtxt's decoupled policy: a generation version streaming tokens
 
     @classmethod
     def from_triton_args(cls, args: dict, pb_utils: Any, load: Loader | None = None) -> ServedRuntime:
@@ -78,6 +79,7 @@ class ServedRuntime:
         if served.method == "generate":  # a generation package: token ids in, token ids out
             from serving.triton.generation import GenerationRuntime as kind
         runtime = kind(module, served, specs, device, pb_utils)
+        runtime.decoupled = decoupled(args.get("model_config"), served)
         runtime.warm_up()
         # Everything imported and loaded so far lives as long as the stub: out of the collector's
         # generations, so a full collection during execute walks only what requests allocate (with
@@ -252,13 +254,32 @@ def available_cores() -> int:
     return max(1, cores)
 
 
+def model_config_dict(model_config: Any) -> dict:
+    """The model's config as Triton hands it to the stub: its JSON of the config.pbtxt kiln wrote."""
+    return json.loads(model_config) if isinstance(model_config, str) else dict(model_config or {})
+
+
+def decoupled(model_config: Any, served: ServedModel) -> bool:
+    """Whether the config says the decoupled transaction policy (``render_config``'s ``stream``), which
+    only a generation version is served with."""
+    config = model_config_dict(model_config)
+    policy = bool((config.get("model_transaction_policy") or {}).get("decoupled", False))
+    if policy and served.method != "generate":
+        raise TritonConfigError(
+            f"{served.registered_model} version {served.version}: config.pbtxt sets the decoupled "
+            "transaction policy, which only a generation version streams with; export the model again "
+            "without --stream-tokens"
+        )
+    return policy
+
+
 def apply_threads(model_config: Any, device: str) -> int:
     """Set this stub's intra-op threads from the model config (``kiln_threads``) before anything is
     loaded: ``$KILN_ORT_THREADS`` for ONNX Runtime's sessions (an operator's own setting of it in the
     server's environment wins over the default) and torch's. The count set, or 0 on a GPU (left alone)."""
     import torch
 
-    config = json.loads(model_config) if isinstance(model_config, str) else dict(model_config or {})
+    config = model_config_dict(model_config)
     raw = (config.get("parameters") or {}).get(THREADS_PARAMETER, {}).get("string_value", "0")
     try:
         configured = int(raw)

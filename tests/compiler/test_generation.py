@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import compiler
 from compiler.errors import GenerationError, PackageCorruptError
 from compiler.generation.module import GenerationModule
 from compiler.generation.package import save_generation
-from compiler.generation.step import check_causal_lm, generation_spec, program_case
+from compiler.generation.step import check_causal_lm, generation_spec, program_case, write_slot
 from compiler.generation.validate import check_agreement, random_prompts
 from compiler.package.manifest import WEIGHTS
 from zoo.models import tiny_gpt2_lm, tiny_llama_lm, tiny_qwen2_lm
@@ -127,23 +128,45 @@ def test_validation_agrees_and_reports(loaded: GenerationModule, llama: torch.nn
     assert len(report["step_logits_error"]) == 8
 
 
+class _WholeCaches(torch.nn.Module):
+    """A decode program as kiln wrote it before decode steps returned their slot alone: the updated
+    caches, whole (packages already in registries hold such programs)."""
+
+    def __init__(self, decode: Any):
+        super().__init__()
+        self.decode = decode
+
+    def forward(self, *, keys: list, values: list, cache_position: torch.Tensor, **kwargs: Any) -> tuple:
+        logits, new = self.decode(keys=keys, values=values, cache_position=cache_position, **kwargs)
+        return (logits, *write_slot(keys, values, new, cache_position))
+
+
 def test_static_cache_steps_match_the_functional_loop_and_write_in_place(loaded: GenerationModule) -> None:
-    """Decode on the preallocated cache (updated in place, what CUDA graphs capture) gives the tokens
-    and logits of the functional loop (a new cache each step), padded into a batch bucket too; the
-    buffers are never replaced and end up holding every position's keys."""
+    """Decode on the preallocated cache (the step's slot written in place, what CUDA graphs capture)
+    gives the tokens and logits of the functional loop (a new cache each step), padded into a batch
+    bucket too, and so does an earlier kiln's decode program that returns whole caches; the buffers
+    are never replaced and end up holding every position's keys."""
     ids, mask = _padded_batch()
     runs = {}
-    cases = (("functional", False, False, 0), ("slot", True, False, 0), ("whole", True, False, 1 << 40))
-    for name, static, pad, full_copy in (*cases, ("bucket", True, True, 0)):
+    program = loaded.decode
+    cases = (("functional", False, False, 0), ("slot", True, False, 0), ("bucket", True, True, 0))
+    old = (
+        ("old-slot", True, False, 0),
+        ("old-whole", True, False, 1 << 40),
+        ("old-functional", False, False, 0),
+    )
+    for name, static, pad, full_copy in (*cases, *old):
+        loaded.decode = _WholeCaches(program) if name.startswith("old") else program
         loaded.static_cache = static
         if static:
-            # on CUDA: padded with graphs; a whole-cache copy back where the cache is small
+            # on CUDA: padded with graphs; an old program's whole cache copied back where it is small
             loaded.static_decode().pad_to_buckets = pad
             loaded.static_decode().full_copy_max_bytes = full_copy
         tokens = loaded.generate(ids, mask, max_new_tokens=6, eos_token_id=[], output_logits=True)
         runs[name] = tokens, [t.clone() for t in loaded.last_logits]
+    loaded.decode = program
     loaded.static_cache, loaded.static_decode().pad_to_buckets = True, False
-    for name in ("slot", "whole", "bucket"):
+    for name in ("slot", "bucket", "old-slot", "old-whole", "old-functional"):
         assert torch.equal(runs[name][0], runs["functional"][0]), name
         for got, want in zip(runs[name][1], runs["functional"][1], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -179,6 +202,27 @@ def test_eos_ends_rows_and_pads_them(loaded: GenerationModule) -> None:
     row = out[0, 9:].tolist()
     assert row[: row.index(stop) + 1] == free[0, 9 : 9 + row.index(stop) + 1].tolist()
     assert all(t == 0 for t in row[row.index(stop) + 1 :])
+
+
+def test_on_token_sees_each_step_as_generate_returns_it(loaded: GenerationModule) -> None:
+    """What streaming sends: each step's tokens, in order, the last call flagged, whether the run ends
+    at max_new_tokens or when every row has met eos (then the ended rows' pad tokens are included)."""
+    ids, mask = _padded_batch()
+    free = loaded.generate(ids, mask, max_new_tokens=7, eos_token_id=[])
+    stop = int(free[1, 10])  # row 1's second new token: with it as eos, the rows end at other steps
+    for eos, new in (([], 7), (stop, 40 - 9), (free[:, 9].tolist(), 7)):
+        calls: list[tuple[list[int], bool]] = []
+        record = calls.append
+        out = loaded.generate(
+            ids,
+            mask,
+            max_new_tokens=new,
+            eos_token_id=eos,
+            on_token=lambda t, last, record=record: record((t.tolist(), last)),
+        )
+        assert [c[1] for c in calls] == [False] * (len(calls) - 1) + [True]
+        assert torch.tensor([c[0] for c in calls]).T.tolist() == out[:, 9:].tolist()
+    assert len(calls) == 1  # every row's first token is an eos: one call, the last
 
 
 @pytest.mark.parametrize(

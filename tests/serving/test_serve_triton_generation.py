@@ -5,7 +5,8 @@ embedded registry and made champion; ``kiln serve triton export`` writes the rep
 serve triton run`` serves it, both through the CLI in processes of their own. Every answer is held to
 ``compiler.load(package).generate(...)`` with the same arguments: greedy over HTTP on a left-padded
 batch, sampling over gRPC, the defaults on a one-token prompt, and each limit refused by name while
-the server keeps answering.
+the server keeps answering. The same package registered under a second name is exported with
+``--stream-tokens`` into the same repository and streamed token by token to a gRPC streaming client.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from zoo.models import tiny_llama_lm
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "llama-gen"
+STREAMED = "llama-gen-stream"  # the same package, exported with --stream-tokens
 LIMITS = {"max_batch": 4, "max_cache_len": 32, "prompt_min": 1, "prompt_max": 12}
 
 
@@ -54,8 +56,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> dict:
     uri = f"sqlite:///{root / 'mlflow.db'}"
     package = compile_generation(tiny_llama_lm(seed=5, hidden=32).model, root / f"{MODEL}.kiln", **LIMITS)
     with contextlib.chdir(root):  # the embedded store keeps artifacts under the working folder
-        assert record_package(package, MODEL, {"name": MODEL}, tracking_uri=uri).version == "1"
-    set_alias(config.client(uri), f"kiln.{MODEL}.cpu", CHAMPION, "1")
+        for name in (MODEL, STREAMED):
+            assert record_package(package, name, {"name": name}, tracking_uri=uri).version == "1"
+            set_alias(config.client(uri), f"kiln.{name}.cpu", CHAMPION, "1")
     return {"root": root, "uri": uri, "package": package, "loaded": compiler.load(package)}
 
 
@@ -66,6 +69,9 @@ def repository(store: dict) -> Path:
         ["serve", "triton", "export", MODEL, "--repository", str(repo), "--tracking-uri", store["uri"]],
         store["root"],
     )
+    assert done.returncode == 0, done.stdout + done.stderr
+    streamed = ["serve", "triton", "export", STREAMED, "--stream-tokens", "--repository", str(repo)]
+    done = _kiln([*streamed, "--tracking-uri", store["uri"]], store["root"])
     assert done.returncode == 0, done.stdout + done.stderr
     return repo
 
@@ -118,6 +124,10 @@ def test_export_writes_the_generate_signature(repository: Path) -> None:
     assert '{ name: "max_new_tokens" data_type: TYPE_INT64 dims: [ 1 ] optional: true }' in config
     assert '{ name: "do_sample" data_type: TYPE_BOOL dims: [ 1 ] optional: true }' in config
     assert [o["name"] for o in served["outputs"]] == ["output_ids", "generated_ids"]
+    assert "model_transaction_policy" not in config  # one response per request, unless asked
+    streamed = (repository / STREAMED / "config.pbtxt").read_text()
+    assert "model_transaction_policy { decoupled: true }" in streamed
+    assert json.loads((repository / STREAMED / "kiln-serving.json").read_text())["stream"] is True
 
 
 def test_greedy_padded_batch_over_http_equals_generate(store: dict, server: dict) -> None:
@@ -206,3 +216,86 @@ def test_limits_are_refused_by_name_and_the_server_keeps_answering(
     ids = np.array([[5, 6, 7]], dtype=np.int64)
     got = _infer("http", server["http"], {"input_ids": ids, "max_new_tokens": np.array([3], np.int64)})
     assert got["output_ids"].tolist() == _generate(store, ids, max_new_tokens=3).tolist()
+
+
+def _stream(url: str, feeds: dict[str, np.ndarray], timeout: float = 120.0) -> list[tuple[np.ndarray, bool]]:
+    """Every response of one streamed request: (generated_ids, whether flagged final), until the final
+    one; an error response raises it."""
+    import queue
+
+    import tritonclient.grpc as grpc
+
+    inputs = []
+    for name, value in feeds.items():
+        item = grpc.InferInput(name, list(value.shape), WIRE[str(value.dtype)])
+        item.set_data_from_numpy(value)
+        inputs.append(item)
+    answers: queue.Queue = queue.Queue()
+    got: list[tuple[np.ndarray, bool]] = []
+    with grpc.InferenceServerClient(url) as client:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        try:
+            client.async_stream_infer(STREAMED, inputs, enable_empty_final_response=True)
+            while not (got and got[-1][1]):
+                result, error = answers.get(timeout=timeout)
+                if error is not None:
+                    raise error
+                final = result.get_response().parameters["triton_final_response"].bool_param
+                got.append((result.as_numpy("generated_ids"), final))
+        finally:
+            client.stop_stream()
+    return got
+
+
+def test_streamed_tokens_over_grpc_equal_generate(store: dict, server: dict) -> None:
+    """One response per generated token, in order, the last flagged final, the tokens those the
+    unstreamed generate returns: a padded batch greedy, and one row sampled ending at its eos."""
+    ids, mask = _padded_batch()
+    feeds = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": np.array([10], dtype=np.int64)}
+    got = _stream(server["grpc"], feeds)
+    want = _generate(store, ids, mask, max_new_tokens=10)[:, ids.shape[1] :]
+    assert [final for _, final in got] == [False] * (len(got) - 1) + [True]
+    assert all(tokens.shape == (3, 1) for tokens, _ in got)
+    assert np.concatenate([tokens for tokens, _ in got], axis=1).tolist() == want.tolist()
+    row = ids[:1, 4:]
+    sampled = _generate(store, row, max_new_tokens=12, do_sample=True, seed=3, eos_token_id=[])[0, 5:]
+    stop = int(sampled[4])  # the fifth sampled token as eos: the stream ends there
+    feeds = {
+        "input_ids": row,
+        "max_new_tokens": np.array([12], dtype=np.int64),
+        "do_sample": np.array([True]),
+        "seed": np.array([3], dtype=np.int64),
+        "eos_token_id": np.array([stop], dtype=np.int64),
+    }
+    got = _stream(server["grpc"], feeds)
+    want = _generate(store, row, max_new_tokens=12, do_sample=True, seed=3, eos_token_id=[stop])[0, 5:]
+    assert [int(tokens[0, 0]) for tokens, _ in got] == want.tolist()
+    assert len(got) == sampled.tolist().index(stop) + 1 and got[-1][1]
+
+
+def test_a_streamed_request_over_a_limit_gets_one_final_error(server: dict) -> None:
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException, match=r"longer than the compiled range.*prompt_length\.max"):
+        _stream(server["grpc"], {"input_ids": np.ones((1, 13), np.int64)})
+    ids = np.array([[5, 6, 7]], dtype=np.int64)
+    got = _stream(server["grpc"], {"input_ids": ids, "max_new_tokens": np.array([2], np.int64)})
+    assert len(got) == 2 and got[-1][1]  # the stream still answers
+
+
+def test_stream_tokens_refuses_a_forward_version_by_name() -> None:
+    from serving.triton.config import ServedModel, TensorSig, render_config
+    from serving.triton.errors import TritonConfigError
+
+    forward = ServedModel(
+        "bert",
+        "kiln.bert.cpu",
+        "1",
+        "a" * 64,
+        "cpu",
+        (TensorSig("x", "float32", (-1, 4)),),
+        (TensorSig("y", "float32", (-1, 2)),),
+    )
+    assert "decoupled" not in render_config(forward)
+    with pytest.raises(TritonConfigError, match=r"not a generation version.*--stream-tokens"):
+        render_config(forward, stream=True)

@@ -436,3 +436,32 @@ def test_a_generation_entry_is_one_request_with_its_plan(tmp_path: Path) -> None
     assert request.to_dict()["generation"]["max_cache_len"] == 48
     decode = request.for_program("decode")
     assert decode.generation.program == "decode" and compile_key(decode) != compile_key(request)
+
+
+def test_the_decode_program_takes_its_backends_bandwidth_bound_options(tmp_path: Path) -> None:
+    """Inductor's record autotunes a CUDA decode program's GEMMs (matrix-vector products that read every
+    weight per token) and gives batch 1 its own static engine; the prefill program, the CPU and what an
+    operator set are left as they are."""
+
+    def programs(**fields) -> dict[str, CompileOptions]:
+        entry = ZooEntry(
+            name="gen",
+            factory="zoo.models:tiny_llama_lm",
+            task="text-generation",
+            generation={"max_batch": 2, "max_cache_len": 32, "prompt_length": {"min": 1, "max": 8}},
+            **fields,
+        )
+        (request,) = entry.requests(zoo_dir=str(tmp_path))
+        return {p: request.for_program(p).options for p in ("prefill", "decode")}
+
+    cuda = programs(backend="inductor", devices=["cuda"], backend_options={"aot": False})
+    assert dict(cuda["decode"].backend_options) == {"aot": False, "mode": "max-autotune-no-cudagraphs"}
+    assert cuda["decode"].profiles == ({"batch": 1},)
+    assert dict(cuda["prefill"].backend_options) == {"aot": False} and cuda["prefill"].profiles == ()
+    cpu = programs(backend="inductor")["decode"]
+    assert not cpu.backend_options and not cpu.profiles  # the CPU: no autotuning, no specialization
+    assert not programs(backend="onnxruntime", devices=["cuda"])["decode"].backend_options
+    own = programs(
+        backend="inductor", devices=["cuda"], backend_options={"mode": "default"}, profiles=[{"batch": 2}]
+    )["decode"]
+    assert dict(own.backend_options) == {"mode": "default"} and own.profiles == ({"batch": 2},)

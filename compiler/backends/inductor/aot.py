@@ -102,6 +102,12 @@ def build_aot(
         package = os.path.join(scratch, "engine.pt2")
         exported.example_inputs = (tuple(inputs), {})
         configs = {**inductor_config, "cpp.cxx": (None, compiler)}
+        # One package is one wrapper compile: a precompiled header (on by default in torch 2.11 and 2.13)
+        # is built first in a fresh Inductor cache and pays off only over many compiles. Without it the
+        # build of a 8-layer MLP's package on the 2-core CPU here took 40 s instead of 75 s
+        # (AotCodeCompiler.compile; the header's precompile was 42 s of it); on the H100 the C++ compile
+        # was 9-15 s of the default compile that the standalone form does not have (issue 45).
+        configs.setdefault("aot_inductor.precompile_headers", False)
         if device.type == "cuda":
             # The wrapper of a CUDA package is host glue (its kernels are Triton's): no CPU vector ISA is
             # needed, and Inductor's ISA probes (a compile and a fresh Python process each) cost 35-40 s

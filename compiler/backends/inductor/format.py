@@ -5,6 +5,7 @@ compiled graphs, and the checks that run before any of it is used (docs/security
 from __future__ import annotations
 
 import io
+import json
 import re
 import threading
 import zipfile
@@ -100,6 +101,18 @@ def read_engine(engine: bytes) -> tuple[dict, EngineEntries]:
         )
     check_header(header)
     return header, files
+
+
+def strip_engine(engine: bytes) -> bytes:
+    """The engine without its own weights (``ENGINE_WEIGHTS``), its header saying ``stripped``, as a
+    weight-stripped build makes it: what a package stores, whose load passes every engine its weights
+    (capabilities' ``package_strip``). Every other entry is kept byte for byte."""
+    header, files = read_engine(engine)
+    if header["stripped"] and ENGINE_WEIGHTS not in files:
+        return engine
+    kept = {name: files[name] for name in files if name not in (HEADER, ENGINE_WEIGHTS)}
+    # Written as a build writes its header, so a stripped build and a stripped full engine are equal.
+    return pack({HEADER: json.dumps({**header, "stripped": True}, sort_keys=True).encode(), **kept})
 
 
 def save_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:

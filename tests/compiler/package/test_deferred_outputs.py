@@ -89,20 +89,48 @@ def test_a_module_the_rule_refuses_is_refused_at_load_not_at_first_forward(packa
     # the load itself, before anything runs; allowed by the caller, the load succeeds and defers it.
     done = _fresh(
         f"""
-        import sys, compiler
+        import sys, torch, compiler
         from compiler.errors import OpModuleNotAllowedError
         try:
             compiler.load({str(package)!r}, defer_output_types=True)
         except OpModuleNotAllowedError as exc:
             print("REFUSED", exc.needed)
         module = compiler.load({str(package)!r}, allowed_modules=["transformers.modeling_outputs"])
-        print("LOADED", "transformers" in sys.modules)  # by default imported during the load
+        print("LOADED", type(module(torch.randn(2, 5, 8))).__name__)  # by default imported beside the load
         """,
         {"KILN_ALLOWED_OP_MODULES": ""},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
-    assert lines == ["REFUSED ['transformers.modeling_outputs']", "LOADED True"], done.stdout
+    expected = ["REFUSED ['transformers.modeling_outputs']", "LOADED BaseModelOutputWithPooling"]
+    assert lines == expected, done.stdout
+
+
+def test_by_default_the_output_types_are_imported_beside_the_load_not_on_its_thread(package):
+    # The load returns without waiting for transformers (checked by the rule, imported on a thread of
+    # its own while the rest of the load runs); a caller of run_flat alone still sees it imported, and
+    # the first forward answers with the model's own output type.
+    done = _fresh(f"""
+        import json, sys, threading, torch, compiler
+        data = torch.load({str(package.parent / "io.pt")!r})
+        module = compiler.load({str(package)!r})
+        flat = module.run_flat([data["x"]])
+        for thread in threading.enumerate():
+            if thread.name == "kiln-import":
+                thread.join()
+        imported = "transformers.modeling_outputs" in sys.modules
+        out = module(data["x"])
+        print(json.dumps({{
+            "imported": imported, "stages": sorted(module.load_seconds),
+            "type": type(out).__name__,
+            "close": torch.allclose(out.last_hidden_state, data["hidden"], atol=1e-5),
+        }}))
+        """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["imported"] is True, result
+    assert result["type"] == "BaseModelOutputWithPooling" and result["close"] is True, result
+    assert {"modules", "weights", "runtime_graph", "engines", "total"} <= set(result["stages"]), result
 
 
 def test_the_import_on_first_forward_is_held_to_the_rule_then(package):
