@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -19,7 +18,10 @@ import pytest
 import torch
 import yaml
 
+from tests.fixtures import preloaded
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # a `kiln zoo` run of a bf16 BERT on Inductor with a layer search
 TOLERANCE = 1e-3  # bf16's rounding alone (8 bits of mantissa) misses it on this model
 
 READ = textwrap.dedent(
@@ -42,7 +44,7 @@ READ = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, mlflow_server) -> dict:
+def run(tmp_path_factory, mlflow_server, prefect_server) -> dict:
     from transformers import BertConfig, BertForSequenceClassification
 
     root = tmp_path_factory.mktemp("bf16")
@@ -85,8 +87,9 @@ def run(tmp_path_factory, mlflow_server) -> dict:
         "repair_seconds": 300,
     }
     (root / "zoo.yaml").write_text(yaml.safe_dump({"settings": settings, "models": [entry]}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
+    # The flow reports to the suite's Prefect server; both processes forked from tests/fixtures/preloaded.py.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **prefect_server.env}
+    done = preloaded.run(
         [sys.executable, "-m", "flows.cli", "zoo", "zoo.yaml", "--out", "out", "--json"],
         cwd=root,
         env=env,
@@ -95,7 +98,7 @@ def run(tmp_path_factory, mlflow_server) -> dict:
         timeout=1200,
     )
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
-    read = subprocess.run(
+    read = preloaded.run(
         [sys.executable, "-c", READ, str(root / "out" / "bert.kiln"), str(root / "recorded.npz")],
         env=env,
         capture_output=True,
