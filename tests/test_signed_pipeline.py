@@ -26,6 +26,7 @@ from tests.fixtures.server_process import free_port
 from tests.fixtures.signing_keys import ec_key_pair
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # a signed zoo through MLflow, then Triton verifying it
 MODEL = {"factory": "zoo.models:mlp_with_fallback", "backend": "onnxruntime", "devices": ["cpu"]}
 
 

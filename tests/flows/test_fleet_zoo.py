@@ -56,6 +56,7 @@ def _zoo(path: Path, models: list[dict]) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_two_workers_build_each_engine_once_and_register_one_version(
     s3_server: MotoServer, s3_mlflow: MlflowServer, prefect_api, tmp_path: Path
 ) -> None:

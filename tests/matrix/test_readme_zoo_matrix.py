@@ -26,6 +26,7 @@ from tests.fixtures import preloaded
 from tests.matrix.driver import SKIPPED, per_model_commands
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # the zoo compiled, then every command on every model: 4 minutes alone
 ZOO = ROOT / "deploy" / "zoo.yaml"
 HF_MODEL = "pair"  # keyword inputs: input_ids, attention_mask, token_type_ids
 MODELS = [m["name"] for m in yaml.safe_load(ZOO.read_text())["models"]] + [HF_MODEL]

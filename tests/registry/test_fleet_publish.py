@@ -165,6 +165,7 @@ BIG = {  # about 100 MB of package: uploading it takes long enough to be caught 
 }
 
 
+@pytest.mark.slow
 def test_a_zoo_killed_mid_upload_leaves_nothing_that_is_read_and_a_rerun_registers_one_version(
     s3_server: MotoServer, s3_mlflow: MlflowServer, prefect_api, tmp_path: Path
 ) -> None:

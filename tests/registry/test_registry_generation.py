@@ -26,6 +26,7 @@ from tests.fixtures.generation import compile_generation
 from zoo.models import tiny_llama_lm
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # two decoder versions compiled and recorded
 MODEL = "llama-gen"
 NAME = registered_model_name(MODEL, "cpu")
 ENTRY = {

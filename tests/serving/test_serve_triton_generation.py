@@ -28,6 +28,7 @@ from tests.fixtures.triton_server import kiln_triton
 from zoo.models import tiny_llama_lm
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # a decoder compiled and served by Triton
 MODEL = "llama-gen"
 STREAMED = "llama-gen-stream"  # the same package, exported with --stream-tokens
 LIMITS = {"max_batch": 4, "max_cache_len": 32, "prompt_min": 1, "prompt_max": 12}
