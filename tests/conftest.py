@@ -49,6 +49,22 @@ def compiled_zoo() -> dict:
     return result
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's loadfile hands out the files with the most tests first (its --loadscope-reorder,
+    # on by default). The suite's long files have few tests, so they came last, and one worker ran them
+    # while the other had finished: the order of pytest_collection_modifyitems below is used instead.
+    if getattr(config.option, "loadscopereorder", False):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files that hold a test marked ``slow`` first (in their collection order, each file's tests
+    in theirs): xdist hands out files in this order, and the many short files that follow even out the
+    two workers' ends. Without xdist the order changes nothing a test sees (no test depends on another)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the rest keep their order
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop a temporary Prefect server that Prefect started on its own (a client that found no API URL),
     while pytest's streams are still open: stopped by Prefect's atexit hook, its goodbye log met closed

@@ -23,6 +23,8 @@ import pytest
 import torch
 import yaml
 
+from tests.fixtures import preloaded
+
 ROOT = Path(__file__).resolve().parents[1]
 
 RUN = textwrap.dedent(
@@ -131,7 +133,7 @@ def zoo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     flat = {f"{case}/{k}": v.numpy() for case, feed in feeds.items() for k, v in feed.items()}
     np.savez(root / "calls.npz", **flat)
     package = root / "out" / "pair.kiln"
-    call = subprocess.run(
+    call = preloaded.run(  # RUN's process above asserts what it imports: not forked
         [sys.executable, "-c", CALL, str(package), str(root / "calls.npz")],
         env=env,
         capture_output=True,

@@ -19,6 +19,8 @@ import pytest
 
 from tests.fixtures.mixed_precision import bert, eager_logits, record, relative, zoo
 
+pytestmark = pytest.mark.slow  # a `kiln zoo` run of a BERT at bf16 and int8 on Inductor with layer searches
+
 BF16_TOLERANCE = 1e-3  # bf16's rounding alone (8 bits of mantissa) misses it on this model
 INT8_TOLERANCE = 0.02  # all-int8 misses it (rel L2 ~0.04), one layer in fp32 meets it
 TINY = {  # one layer x 64: BertConfig fields
@@ -47,13 +49,13 @@ BF16 = {**COMMON, "precision": "bf16", "tolerances": {"rel_l2": BF16_TOLERANCE}}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, mlflow_server) -> dict:
+def runs(tmp_path_factory, mlflow_server, prefect_server) -> dict:
     root = tmp_path_factory.mktemp("inductor")
     model = bert(root / "bert", 3, **TINY)
     ids = record(root, model, 16, 2, 16, seed=0)
     settings = {"engine_cache": str(root / "engines"), "validation": {"samples": 8, "warmup": 0, "runs": 2}}
     return {
-        "first": zoo(root, "first", {"bf16": BF16, "int8": INT8}, settings),
+        "first": zoo(root, "first", {"bf16": BF16, "int8": INT8}, settings, server_env=prefect_server.env),
         "eager": eager_logits(model, ids),
     }
 

@@ -16,6 +16,8 @@ import pytest
 
 from tests.fixtures.mixed_precision import bert, eager_logits, record, relative, zoo
 
+pytestmark = pytest.mark.slow  # two `kiln zoo` runs of an int8 BERT 4x256 with a layer search
+
 CALIBRATION = 16  # recorded samples calibrated on; as many more are validated on
 BUDGET = 300  # seconds the layer search may take (repair_seconds: the default)
 ENTRY = {
@@ -30,7 +32,7 @@ ENTRY = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, mlflow_server) -> dict:
+def runs(tmp_path_factory, mlflow_server, prefect_server) -> dict:
     root = tmp_path_factory.mktemp("mixed")
     model = bert(
         root / "bert",
@@ -45,9 +47,9 @@ def runs(tmp_path_factory, mlflow_server) -> dict:
     # a fresh workspace each run: only the engine cache is shared
     settings = {"engine_cache": str(root / "engines"), "validation": {"samples": 8, "warmup": 0, "runs": 2}}
     return {
-        "first": zoo(root, "first", {"bert": ENTRY}, settings),
+        "first": zoo(root, "first", {"bert": ENTRY}, settings, server_env=prefect_server.env),
         # what the second run reused is in its package's record: no need to load its engines
-        "again": zoo(root, "again", {"bert": ENTRY}, settings, load=False),
+        "again": zoo(root, "again", {"bert": ENTRY}, settings, load=False, server_env=prefect_server.env),
         "eager": eager_logits(model, ids),
     }
 

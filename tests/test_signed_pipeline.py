@@ -21,17 +21,19 @@ import pytest
 import yaml
 
 from compiler.package.signing import sign_package
+from tests.fixtures import preloaded
 from tests.fixtures.server_process import free_port
 from tests.fixtures.signing_keys import ec_key_pair
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # a signed zoo through MLflow, then Triton verifying it
 MODEL = {"factory": "zoo.models:mlp_with_fallback", "backend": "onnxruntime", "devices": ["cpu"]}
 
 
 def _kiln(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if not k.startswith("KILN_SIGNING_")}
     full.update({"PYTHONPATH": str(ROOT), "COLUMNS": "250", **(env or {})})
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, "-m", "flows.cli", *args],
         cwd=cwd,
         env=full,

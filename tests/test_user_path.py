@@ -29,11 +29,13 @@ import torch
 import yaml
 
 from compiler.cache.local import LOCAL_DIR_ENV
+from tests.fixtures import preloaded
 from tests.fixtures.s3_server import BUCKET
 from tests.fixtures.signing_keys import ec_key_pair
 from zoo.models import sensitive_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # one `kiln zoo` of six feature models, then fresh processes on each
 
 CHECKS = textwrap.dedent(
     """
@@ -150,7 +152,7 @@ def _register_mlp(root: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def zoo_run(tmp_path_factory, s3_server, mlflow_server) -> dict:
+def zoo_run(tmp_path_factory, s3_server, mlflow_server, prefect_server) -> dict:
     root = tmp_path_factory.mktemp("user-path")
     signing = ec_key_pair(root, "release")
     _register_mlp(root)
@@ -216,17 +218,18 @@ def zoo_run(tmp_path_factory, s3_server, mlflow_server) -> dict:
     (root / "zoo.yaml").write_text(yaml.safe_dump({"settings": settings, "models": entries}))
     # The fleet cache's local tier is this run's own, so the engines really go through the store.
     env = {**os.environ, "PYTHONPATH": str(ROOT), LOCAL_DIR_ENV: str(root / "near-cache")}
-    done = subprocess.run(
+    done = preloaded.run(
         [sys.executable, "-m", "flows.cli", "zoo", "zoo.yaml", "--out", "out", "--json"],
         cwd=root,
-        env={**env, "KILN_SIGNING_PRIVATE_KEY": str(signing.private)},  # a release team signs
+        # a release team signs; the flow reports to the suite's Prefect server (no temporary one)
+        env={**env, "KILN_SIGNING_PRIVATE_KEY": str(signing.private), **prefect_server.env},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     cached = s3_server.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="user-path/")
-    checks = subprocess.run(
+    checks = preloaded.run(  # NATIVE_CHECK's process below asserts what it imports: not forked
         [sys.executable, "-c", CHECKS, str(root / "out"), json.dumps(MODELS), str(root / "vit")],
         env=env,
         capture_output=True,

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fixtures import preloaded
+
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_PACKAGE = ROOT / "tests" / "fixtures" / "packages" / "mlp-cuda-inductor.kiln"
 
@@ -32,7 +34,7 @@ def _kiln(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedPr
     """``kiln ARGS`` in ``cwd``: its own Prefect API, the default MLflow store (``cwd/mlflow.db``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
     env.update({"PYTHONPATH": str(ROOT), "COLUMNS": "200", "HF_HUB_OFFLINE": "1"})
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, "-m", "flows.cli", *args],
         cwd=cwd,
         env=env,
@@ -74,6 +76,7 @@ def zoo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, "done": done, "summary": json.loads((root / "out" / "summary.json").read_text())}
 
 
+@pytest.mark.slow
 def test_zoo_compiles_an_hf_decoder_and_a_failed_row_keeps_its_precision(zoo_run: dict) -> None:
     done, summary = zoo_run["done"], zoo_run["summary"]
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]  # one model failed
@@ -90,6 +93,7 @@ def test_zoo_compiles_an_hf_decoder_and_a_failed_row_keeps_its_precision(zoo_run
     assert record["zoo_file"] == str(zoo_run["root"] / "models.yaml")
 
 
+@pytest.mark.slow
 def test_release_without_zoo_uses_the_last_zoo_runs_file(zoo_run: dict) -> None:
     root = zoo_run["root"]
     done = _kiln(root, "release", "mlp", "--max-latency-ratio", "5", "--runs", "5", "--json")
@@ -98,6 +102,7 @@ def test_release_without_zoo_uses_the_last_zoo_runs_file(zoo_run: dict) -> None:
     assert outcome["promoted"] and outcome["registered_model"] == "kiln.mlp.cpu"  # the entry's devices: [cpu]
 
 
+@pytest.mark.slow
 def test_release_without_a_zoo_file_to_use_names_zoo(zoo_run: dict, tmp_path: Path) -> None:
     # No kiln zoo ran here: no guess (deploy/zoo.yaml was the old default), a typed error naming --zoo.
     store = zoo_run["root"] / "mlflow.db"

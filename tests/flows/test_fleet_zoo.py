@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fixtures import preloaded
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.s3_server import BUCKET, MotoServer
 
@@ -55,6 +56,7 @@ def _zoo(path: Path, models: list[dict]) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_two_workers_build_each_engine_once_and_register_one_version(
     s3_server: MotoServer, s3_mlflow: MlflowServer, prefect_api, tmp_path: Path
 ) -> None:
@@ -135,7 +137,7 @@ def test_an_unreachable_cache_store_is_a_summary_warning(prefect_api, tmp_path: 
         "AWS_SECRET_ACCESS_KEY": "b",
     }
     out = tmp_path / "out"
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, "-m", "flows.cli", "zoo", str(zoo), "--out", str(out), "--json"],
         cwd=ROOT,
         env=env,

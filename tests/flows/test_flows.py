@@ -19,6 +19,8 @@ import pytest
 import torch
 import yaml
 
+from tests.fixtures import preloaded
+
 ROOT = Path(__file__).resolve().parents[2]
 FAST_VALIDATION = {"samples": 2, "warmup": 1, "runs": 3}
 
@@ -35,7 +37,7 @@ def _write_zoo(path: Path, models: list[dict], **settings: object) -> Path:
 
 
 def _kiln(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, "-m", "flows.cli", *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},

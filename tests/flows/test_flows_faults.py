@@ -59,6 +59,7 @@ with prefect_api():
 """
 
 
+@pytest.mark.slow
 def test_a_killed_build_frees_its_slot_on_a_real_and_on_a_temporary_server(
     prefect_api, tmp_path: Path
 ) -> None:

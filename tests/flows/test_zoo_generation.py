@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import yaml
 
+from tests.fixtures import preloaded
+
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # the example generation zoo compiled in one `kiln zoo`
 
 CHECKS = textwrap.dedent(
     """
@@ -43,7 +46,9 @@ CHECKS = textwrap.dedent(
 )
 
 
-def test_the_example_generation_zoo_compiles_and_its_packages_generate_eager_tokens(tmp_path: Path) -> None:
+def test_the_example_generation_zoo_compiles_and_its_packages_generate_eager_tokens(
+    tmp_path: Path, prefect_server
+) -> None:
     example = yaml.safe_load((ROOT / "deploy" / "zoo-generation.yaml").read_text())
     models = example["models"]
     assert len({entry["factory"] for entry in models}) >= 2  # two decoder families, as the README says
@@ -52,8 +57,9 @@ def test_the_example_generation_zoo_compiles_and_its_packages_generate_eager_tok
     settings = {**example.get("settings", {}), "out_dir": "out", "workspace": "ws", "tracking": False}
     settings["validation"] = {"samples": 2, "warmup": 0, "runs": 2}
     (tmp_path / "zoo.yaml").write_text(yaml.safe_dump({"settings": settings, "models": models}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
+    # The flow reports to the suite's Prefect server; both processes forked from tests/fixtures/preloaded.py.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **prefect_server.env}
+    done = preloaded.run(
         [sys.executable, "-m", "flows.cli", "zoo", "zoo.yaml", "--out", "out", "--json"],
         cwd=tmp_path,
         env=env,
@@ -65,7 +71,7 @@ def test_the_example_generation_zoo_compiles_and_its_packages_generate_eager_tok
     names = [(entry["name"], entry["factory"].split(":")[1]) for entry in models]
     for name, _ in names:
         assert (tmp_path / "out" / f"{name}.kiln" / "generation.json").is_file(), name
-    checks = subprocess.run(
+    checks = preloaded.run(
         [sys.executable, "-c", CHECKS, str(tmp_path / "out"), json.dumps(names)],
         env=env,
         capture_output=True,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -30,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from tests.fixtures import preloaded
 from tests.fixtures.triton_server import kiln_triton
 
 # How each per-model command runs in the matrix (the command path -> argument lists); a command not
@@ -97,7 +97,8 @@ def invocations(model: str, root: Path) -> dict[tuple[str, ...], list[list[str]]
 
 
 # Commands that run Prefect flows go through a process of their own, as the console script runs them:
-# Prefect's log handlers keep the stream of the first in-process call, which the next call closes.
+# Prefect's log handlers keep the stream of the first in-process call, which the next call closes. The
+# process is forked from tests/fixtures/preloaded.py's server (torch and the like imported once).
 OWN_PROCESS = {"release", "zoo", "compile", "webhook", "deploy"}
 
 
@@ -110,7 +111,7 @@ def kiln(args: list[str]) -> dict[str, Any]:
 
     started = time.perf_counter()
     if args[0] in OWN_PROCESS:
-        done = subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True)
+        done = preloaded.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True)
         code, text = done.returncode, done.stdout + done.stderr
     else:
         result = CliRunner().invoke(app, args)

@@ -22,9 +22,11 @@ import pytest
 import torch
 import yaml
 
+from tests.fixtures import preloaded
 from tests.matrix.driver import SKIPPED, per_model_commands
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # the zoo compiled, then every command on every model: 4 minutes alone
 ZOO = ROOT / "deploy" / "zoo.yaml"
 HF_MODEL = "pair"  # keyword inputs: input_ids, attention_mask, token_type_ids
 MODELS = [m["name"] for m in yaml.safe_load(ZOO.read_text())["models"]] + [HF_MODEL]
@@ -61,7 +63,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, prefect_server) -> dict:
     }
     env.pop("MLFLOW_TRACKING_URI", None)
     env.update(prefect_server.env)
-    compiled = subprocess.run(
+    compiled = preloaded.run(
         [sys.executable, "-m", "flows.cli", "zoo", "zoo.yaml", "--out", "out"],
         cwd=root, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip

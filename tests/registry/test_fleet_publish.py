@@ -36,6 +36,7 @@ from registry.lookup import STAGING_PREFIX, fetch_version, lookup
 from registry.models import all_versions, content_hash_of
 from registry.tracking import record_package
 from registry.transfer import LogLines, Progress, reporting
+from tests.fixtures import preloaded
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.s3_server import BUCKET, MotoServer
 from zoo.models import mlp_with_fallback
@@ -165,6 +166,7 @@ BIG = {  # about 100 MB of package: uploading it takes long enough to be caught 
 }
 
 
+@pytest.mark.slow
 def test_a_zoo_killed_mid_upload_leaves_nothing_that_is_read_and_a_rerun_registers_one_version(
     s3_server: MotoServer, s3_mlflow: MlflowServer, prefect_api, tmp_path: Path
 ) -> None:
@@ -220,14 +222,14 @@ def test_a_zoo_killed_mid_upload_leaves_nothing_that_is_read_and_a_rerun_registe
         lookup("big-partial", dst=tmp_path / "partial", allowed_modules=["zoo.models"])
     assert not (tmp_path / "partial").exists()
 
-    rerun = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    rerun = preloaded.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["models"][0]["status"] == "ok" and summary["models"][0]["tracking"]["created"]
     versions = all_versions(mlclient, "kiln.big.cpu")
     assert [str(v.version) for v in versions] == ["1"]
 
-    looked = subprocess.run(
+    looked = preloaded.run(
         [
             sys.executable,
             "-m",
@@ -271,7 +273,7 @@ def test_a_version_tampered_on_s3_is_refused_by_kiln_lookup(
     with pytest.raises(ArtifactVerificationError, match="does not match its checksum"):
         lookup("mlp_tampered_s3", tuple(case.args[0].shape), version=result.version)
     shape = ",".join(map(str, case.args[0].shape))
-    done = subprocess.run(
+    done = preloaded.run(
         [
             sys.executable,
             "-m",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -32,6 +31,7 @@ import compiler
 from compiler.accuracy.repair import ModelAccuracy, RepairRecord, RepairStep
 from registry.errors import NoMatchingVersionError
 from registry.models import registered_model_name
+from tests.fixtures import preloaded
 
 SOURCE_MODEL = "fraud-src"
 PROD = f"models:/{SOURCE_MODEL}@production"
@@ -313,7 +313,7 @@ def test_a_fresh_process_looks_the_version_up_by_source_and_runs_it(
         np.save("out.npy", found.module(torch.from_numpy(np.load("x.npy"))).numpy())
         """
     )
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, "-c", script],
         cwd=tmp_path,
         env=dict(os.environ),

@@ -40,6 +40,7 @@ from registry.models import (
     registered_model_name,
     versions_with_hash,
 )
+from tests.fixtures import preloaded
 from zoo.models import mlp_with_fallback
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -512,7 +513,7 @@ def test_embedded_default_store_and_summary(packages, tmp_path):
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING")}
     env["COLUMNS"] = "250"
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -786,9 +787,7 @@ def test_alias_moves_are_all_or_nothing_across_a_kill(mlflow_server, tmp_path):
     client.set_registered_model_alias(name, PREVIOUS, "1")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     script = KILL_BETWEEN_ALIAS_MOVES.format(name=name)
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
+    proc = preloaded.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr  # killed between the two moves
     raw = client.get_registered_model(name)
     assert raw.aliases == {CHAMPION: "2", PREVIOUS: "2"} and TAG_ALIAS_INTENT in raw.tags  # half done

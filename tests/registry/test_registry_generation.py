@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,10 +21,12 @@ import pytest
 import yaml
 
 from registry.models import CHAMPION, PREVIOUS, TAG_REJECTED, get_aliases, registered_model_name
+from tests.fixtures import preloaded
 from tests.fixtures.generation import compile_generation
 from zoo.models import tiny_llama_lm
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # two decoder versions compiled and recorded
 MODEL = "llama-gen"
 NAME = registered_model_name(MODEL, "cpu")
 ENTRY = {
@@ -71,7 +72,7 @@ def versions(mlflow_server, zoo: Path) -> dict[str, str]:
 
 def _fresh(*args: str) -> str:
     """``python ARGS`` in a process of its own; its output."""
-    done = subprocess.run(
+    done = preloaded.run(
         [sys.executable, *args],
         capture_output=True,
         text=True,
@@ -172,7 +173,7 @@ def test_a_worse_generation_version_is_refused_naming_each_measure(
 
     args = ["release", MODEL, "--version", versions["retrained"], "--zoo", str(zoo)]
     args += ["--max-latency-ratio", "0.01", "--runs", "5", "--json"]
-    done = subprocess.run(
+    done = preloaded.run(
         [sys.executable, "-m", "flows.cli", *args],
         capture_output=True,
         text=True,

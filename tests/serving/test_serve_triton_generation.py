@@ -23,11 +23,13 @@ import pytest
 import torch
 
 import compiler
+from tests.fixtures import preloaded
 from tests.fixtures.generation import compile_generation
 from tests.fixtures.triton_server import kiln_triton
 from zoo.models import tiny_llama_lm
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # a decoder compiled and served by Triton
 MODEL = "llama-gen"
 STREAMED = "llama-gen-stream"  # the same package, exported with --stream-tokens
 LIMITS = {"max_batch": 4, "max_cache_len": 32, "prompt_min": 1, "prompt_max": 12}
@@ -35,7 +37,7 @@ LIMITS = {"max_batch": 4, "max_cache_len": 32, "prompt_min": 1, "prompt_max": 12
 
 def _kiln(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
+    return preloaded.run(  # a process of its own, forked from the preloaded server
         [sys.executable, "-m", "flows.cli", *args],
         cwd=cwd,
         env=env,

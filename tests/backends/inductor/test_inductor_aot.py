@@ -88,6 +88,7 @@ def _fresh_load(package: Path, env: dict, device: str = "cpu") -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "device",
     [
