@@ -108,7 +108,8 @@ def _onnx_check(precision: str, lowered: bytes, kept: tuple[str, ...]) -> dict:
             for i, (where, node) in enumerate(chosen.items())
         }
         out["kept_gemms_inputs_dequantized"] = {
-            f"{where} ({kept[i]})": [t in dq for t in node.input] for i, (where, node) in enumerate(chosen.items())
+            f"{where} ({kept[i]})": [t in dq for t in node.input]
+            for i, (where, node) in enumerate(chosen.items())
         }
     return out
 
