@@ -90,14 +90,28 @@ def graph_digest(graph: bytes) -> str:
     """sha256 of a quantized graph: ONNX bytes as they are; a saved program (a zip: Inductor's int8) by
     its records, less the random id torch.export.save writes into each, so the same program has the
     same digest in every process (and its engine is found in the engine cache)."""
+    raw = hashlib.sha256(graph).hexdigest()
     if not graph.startswith(b"PK"):
-        return hashlib.sha256(graph).hexdigest()
+        return raw
     digest = hashlib.sha256()
-    with zipfile.ZipFile(io.BytesIO(graph)) as archive:
-        for name in sorted(archive.namelist()):
-            if not name.endswith(".data/serialization_id"):
-                digest.update(name.encode())
-                digest.update(hashlib.sha256(archive.read(name)).digest())
+    try:
+        with zipfile.ZipFile(io.BytesIO(graph)) as archive:
+            members = sorted(archive.infolist(), key=lambda info: info.filename)
+            # A plan read from a package is outside bytes: a zip that inflates far past its size is
+            # hashed as it is (a cache miss at worst), never inflated.
+            if sum(info.file_size for info in members) > 16 * len(graph) + (1 << 20):
+                return raw
+            for info in members:
+                if info.filename.endswith(".data/serialization_id"):
+                    continue
+                digest.update(info.filename.encode())
+                member = hashlib.sha256()
+                with archive.open(info) as stream:
+                    while chunk := stream.read(1 << 20):
+                        member.update(chunk)
+                digest.update(member.digest())
+    except (zipfile.BadZipFile, OSError, ValueError):  # not a saved program after all: its bytes
+        return raw
     return digest.hexdigest()
 
 

@@ -89,3 +89,32 @@ def test_a_dedup_plan_read_back_from_sorted_json_builds_the_same_engine(tmp_path
     expected = case.model(pixel_values=x).last_hidden_state
     got = compiler.assemble(plan, again, engines)(pixel_values=x).last_hidden_state
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_quantized_graph_that_inflates_far_past_its_size_is_hashed_as_it_is_never_inflated():
+    """graph_digest reads a saved program's zip (its records less torch.export.save's random id); a plan
+    read back from a package is outside bytes, so a zip bomb there is digested raw, and so is a PK-headed
+    blob that is no zip."""
+    import hashlib
+    import io
+    import zipfile
+
+    from compiler.partitioning.dedup import graph_digest
+
+    def archive(**members: bytes) -> bytes:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as out:
+            for name, data in members.items():
+                out.writestr(name, data)
+        return buffer.getvalue()
+
+    bomb = archive(**{"model/data/0": bytes(256 << 20)})  # 256 MiB of zeros in ~250 KB
+    assert len(bomb) < 1 << 20
+    assert graph_digest(bomb) == hashlib.sha256(bomb).hexdigest()
+    broken = b"PK\x03\x04 not a zip"
+    assert graph_digest(broken) == hashlib.sha256(broken).hexdigest()
+    # a real program's records: the random id left out, the rest counted
+    one = archive(**{"m/.data/serialization_id": b"a", "m/data/0": b"weights"})
+    two = archive(**{"m/.data/serialization_id": b"b", "m/data/0": b"weights"})
+    other = archive(**{"m/.data/serialization_id": b"a", "m/data/0": b"other"})
+    assert graph_digest(one) == graph_digest(two) != graph_digest(other)
