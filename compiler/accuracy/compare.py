@@ -138,7 +138,7 @@ def compare_partitions(
         )
     with _hooks({name: modules[name] for name in engines}, forward=check):
         for flat in samples:
-            compiled.run_flat(list(flat))
+            compiled.run_flat(list(flat), capture=False)
 
     times: dict[str, list[float]] = {name: [] for name in parts}
     totals: list[float] = []
@@ -158,13 +158,13 @@ def compare_partitions(
             return hook
 
         flat = list(samples[0])
-        compiled.run_flat(flat)  # warm: first calls allocate
+        compiled.run_flat(flat, capture=False)  # warm: first calls allocate
         with _hooks(modules, forward=post, pre=pre):
             for _ in range(runs):
                 for name in parts:
                     times[name].append(0.0)
                 start = time.perf_counter()
-                compiled.run_flat(flat)
+                compiled.run_flat(flat, capture=False)
                 totals.append((time.perf_counter() - start) * 1e3)
     total = statistics.median(totals) if totals else 0.0
     rows = []

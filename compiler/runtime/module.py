@@ -127,16 +127,19 @@ class CompiledModule(torch.nn.Module):
         flat = self._flatten(args, kwargs)
         return pytree.tree_unflatten(self.run_flat(flat), self._out_spec)
 
-    def run_flat(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Run on the flat user inputs (the program's order); returns the flat user outputs."""
+    def run_flat(self, flat: list[torch.Tensor], *, capture: bool = True) -> list[torch.Tensor]:
+        """Run on the flat user inputs (the program's order); returns the flat user outputs.
+        ``capture=False`` runs the graph's modules as they are, never a CUDA-graph replay: forward hooks
+        on its partitions (``compare_partitions``) see every call only then."""
         self._check_placement(flat)
         check_inputs(self.plan.specs, flat)
+        run = self.cuda_graphs if capture else self._run_uncaptured
         if self._pad_targets:
             padded = pad_call(flat, self.plan.specs, self._pad_targets)
             if padded is not None:
                 inputs, rows = padded
-                return [y[:rows] for y in self.cuda_graphs(inputs)]
-        return self.cuda_graphs(flat)
+                return [y[:rows] for y in run(inputs)]
+        return run(flat)
 
     def native_builds(self) -> list[Any]:
         """Handles (``wait(timeout)``) of this machine's own native packages a load started building for
