@@ -165,3 +165,30 @@ def test_linears_kept_in_float_stay_float_and_the_probe_measures_each():
     assert sorted(x.name for x in probe.layers) == sorted(names) and all(x.flops > 0 for x in probe.layers)
     assert probe.error_without(names) < probe.full_error  # both in float: only the bf16 around them
     assert all(probe.gain(x).rel_l2 != 0 for x in probe.layers)
+
+
+class _Reshaping(torch.nn.Module):
+    """Two linears around a view by the dynamic batch size: the partition's graph holds size nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return self.b(self.a(x).view(b * t, 64)).view(b, t, 32)
+
+
+def test_a_dynamic_partition_names_its_linears_past_its_size_nodes():
+    """A partition with a dynamic dimension computes sizes (SymInt values, no tensors) in its graph:
+    the layer list accuracy repair searches (on the GPU, issue 46) reads past them."""
+    batch = torch.export.Dim("batch", min=1, max=8)
+    program = compiler.export(_Reshaping().eval(), (torch.randn(2, 4, 32),), dynamic_shapes=({0: batch},))
+    options = compiler.CompileOptions(
+        backend="inductor", device="cuda", precision="int8", quantization="dynamic"
+    )
+    plan = compiler.partition(program, options)
+    name = plan.partitions[0].name
+    sizes = [n for n in plan.submodule(name).graph.nodes if isinstance(n.meta.get("val"), torch.SymInt)]
+    assert sizes  # what made the search fail on the H100
+    assert len(layers(plan, name)) == 2
