@@ -230,12 +230,30 @@ def export_partition(
     if bind_weights:
         module, args, shapes = _BoundWeights(module, tuple(weights.values())), examples, act_shapes
     try:
-        with quiet_trace():
-            program = torch.export.export(module, args, dynamic_shapes=(shapes,), strict=False)
+        program = _export(module, args, shapes)
     except Exception as exc:
         raise LoweringError(f"{partition.name} could not be exported: {exc}") from exc
     program._example_inputs = None  # torch.export.save would pickle them
     return ExportedPartition(program, examples, act_shapes)
+
+
+def _export(module: torch.nn.Module, args: tuple, shapes: tuple) -> torch.export.ExportedProgram:
+    with quiet_trace():
+        try:
+            return torch.export.export(module, args, dynamic_shapes=(shapes,), strict=False)
+        except torch._dynamo.exc.UserError as exc:
+            if "Constraints violated" not in str(exc):
+                raise
+            # torch could not prove one of its guards over a dimension's whole range (torch 2.11 on a
+            # partition whose int8 GEMMs pad their rows, one linear kept in float): the guard becomes a
+            # check at run time, which holds or raises, rather than a refused export.
+            return torch.export.export(
+                module,
+                args,
+                dynamic_shapes=(shapes,),
+                strict=False,
+                prefer_deferred_runtime_asserts_over_guards=True,
+            )
 
 
 def _engine_module(
