@@ -52,3 +52,24 @@ def test_quantized_blocks_build_once_run_on_the_gpu_and_round_trip_stripped(tmp_
     compiler.save(compiled, tmp_path / f"{precision}.kiln")
     loaded = compiler.load(tmp_path / f"{precision}.kiln", device="cuda")
     torch.testing.assert_close(loaded(x), actual)
+
+
+def test_partition_errors_are_measured_where_the_module_replays_cuda_graphs():
+    """compare_partitions hooks each partition's module; a CUDA-graph replay calls none of them. Run
+    uncaptured, the quantized blocks show their error (repair ranks by it: issue 46 on the H100)."""
+    model, _, data = sensitive_case(width=256, blocks=4, hot=2, batch=32, samples=8)
+    model = model.cuda()
+    program = compiler.export(model, (data["x"][0].cuda(),))
+    options = compiler.CompileOptions(
+        backend="inductor",
+        device="cuda",
+        precision="int8",
+        quantization="dynamic",
+        split_modules=("OutlierBlock",),
+    )
+    compiled = compiler.compile(program, options, cache=False)
+    x = data["x"][1].cuda()
+    compiled(x), compiled(x)  # captured and replayed where the module takes CUDA graphs
+    table = compiler.compare_partitions(compiled, [x], runs=0)
+    quantized = [r for r in table.rows if r.precision == "int8"]
+    assert quantized and all(r.rel_l2 > 0 for r in quantized), table.rows
