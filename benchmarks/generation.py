@@ -80,6 +80,12 @@ def arguments() -> argparse.Namespace:
     parser.add_argument(
         "--out", default=None, help="the JSON (default benchmarks/results/generation_<dev>.json)"
     )
+    parser.add_argument(
+        "--decode-compile-options",
+        type=json.loads,
+        default=None,
+        help="Inductor config for the decode program, as JSON (e.g. '{\"combo_kernels\": true}')",
+    )
     return parser.parse_args()
 
 
@@ -189,6 +195,8 @@ def compile_kiln(lm: torch.nn.Module, args: argparse.Namespace, settings: dict) 
             settings["device"],
             {"backend_options": {"aot": False} if args.no_aot else {}},
         )
+        if program == "decode" and args.decode_compile_options:
+            options["backend_options"]["compile_options"] = args.decode_compile_options
         wrapper, kwargs, shapes = program_case(lm, spec, program)
         with torch.no_grad():  # as kiln zoo exports generation programs (tasks/stages.py)
             exported = compiler.export(wrapper, (), kwargs, dynamic_shapes=shapes)
@@ -399,6 +407,7 @@ def main() -> None:
         "batches": [1, 8],
         "aot": not args.no_aot,
         "budget_s": args.budget_s,
+        "decode_compile_options": args.decode_compile_options,
     }
     out = (
         Path(args.out)

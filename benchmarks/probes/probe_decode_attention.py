@@ -72,7 +72,34 @@ def form_sdpa_ref(q, k, v, nk, nv, mask):  # reference: SDPA over the cache with
     return out.reshape(b, kvh, g, d)
 
 
-FORMS = {"current": form_current, "nocat": form_nocat, "reduce": form_reduce, "sdpa_ref": form_sdpa_ref}
+def form_flex(q, k, v, nk, nv, mask):  # FlexAttention's decoding kernel over the cache, then the own key
+    from torch.nn.attention.flex_attention import flex_attention
+
+    b, kvh, g, d = q.shape
+    bias = mask[:, 0, 0, :].float()
+
+    def score_mod(score, batch, head, q_idx, kv_idx):
+        return score + bias[batch, kv_idx]
+
+    out, lse = flex_attention(
+        q.reshape(b, kvh * g, 1, d), k, v, score_mod=score_mod, enable_gqa=True, return_lse=True
+    )
+    # Merge the own key's softmax term: the cache's part has total exp(lse).
+    own = (q * nk).sum(-1, keepdim=True).float() * d**-0.5
+    lse = lse.reshape(b, kvh, g, 1).float()
+    top = torch.maximum(lse, own)
+    w_cache, w_own = torch.exp(lse - top), torch.exp(own - top)
+    merged = out.reshape(b, kvh, g, d).float() * w_cache + nv.float() * w_own
+    return (merged / (w_cache + w_own)).to(v.dtype)
+
+
+FORMS = {
+    "current": form_current,
+    "nocat": form_nocat,
+    "reduce": form_reduce,
+    "sdpa_ref": form_sdpa_ref,
+    "flex": form_flex,
+}
 
 
 def layers_fn(form):
@@ -121,13 +148,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--smoke", action="store_true", help="CPU, eager: checks the forms agree")
+    parser.add_argument("--forms", default=",".join(FORMS), help="comma-separated, of " + ",".join(FORMS))
+    parser.add_argument("--split", default="1,0", help="split_reductions settings to try: 1, 0 or both")
     args = parser.parse_args()
     dev, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.float16)
     data = inputs(dev, dtype, length=700)
     reference = layers_fn(form_sdpa_ref)(*data)
     result: dict = {"machine": {} if args.smoke else gpu_machine(), "layers": LAYERS, "forms": {}}
-    for split in (True, False):
-        for name, form in FORMS.items():
+    chosen = {name: FORMS[name] for name in args.forms.split(",")}
+    for split in (bool(int(x)) for x in args.split.split(",")):
+        for name, form in chosen.items():
             key = f"{name}{'' if split else '+no_split_reductions'}"
             # max-autotune-no-cudagraphs as config (torch.compile takes a mode or options, not both)
             options = {"max_autotune": True, "coordinate_descent_tuning": True, "split_reductions": split}
