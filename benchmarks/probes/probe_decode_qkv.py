@@ -4,7 +4,8 @@ The step's profile spends ~0.35 ms on RMSNorm and the q/k/v/o matrix-vector prod
 weights take ~0.11 ms to read at copy bandwidth: the k and v products (512 x 2048) are too small to
 fill the GPU, so each costs a launch's latency. This times 16 layers of norm -> q, k, v -> o as one
 compiled function in a captured CUDA graph: as the step has them, with Inductor's combo kernels (several
-independent kernels in one launch), and with one concatenated q/k/v weight (the bound of fusing them).
+independent kernels in one launch), and with one concatenated q/k/v weight (the bound of fusing them);
+then 16 MLP blocks (norm -> gate, up -> down), with and without split reductions and coordinate descent.
 
     python3 benchmarks/probes/probe_decode_qkv.py OUT.json
 """
@@ -24,7 +25,7 @@ import torch  # noqa: E402
 from benchmarks.machine import gpu_machine  # noqa: E402
 from benchmarks.probes.probe_decode_attention import time_graphed  # noqa: E402
 
-LAYERS, HIDDEN, Q, KV = 16, 2048, 2048, 512
+LAYERS, HIDDEN, Q, KV, FFN = 16, 2048, 2048, 512, 8192
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -52,6 +53,13 @@ def fused(x, weights):
     return x, outs
 
 
+def mlp(x, weights):
+    for norm, gate, up, down in weights:
+        h = _norm(x, norm)
+        x = x + (torch.nn.functional.silu(h @ gate.t()) * (h @ up.t())) @ down.t()
+    return x
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -69,18 +77,27 @@ def main() -> None:
     x = r(1, HIDDEN)
     weight_bytes = sum(t.numel() * t.element_size() for layer in layers for t in layer[1:])
     base = {"max_autotune": True, "coordinate_descent_tuning": True}
+    ffn = [(r(HIDDEN) + 1, r(FFN, HIDDEN), r(FFN, HIDDEN), r(HIDDEN, FFN)) for _ in range(LAYERS)]
+    ffn_bytes = sum(t.numel() * t.element_size() for layer in ffn for t in layer[1:])
+    no_split = {**base, "split_reductions": False}
     cases = {
         "separate": (separate, layers, base),
         "separate+combo_kernels": (separate, layers, {**base, "combo_kernels": True}),
+        "separate+no_split_reductions": (separate, layers, no_split),
         "fused_qkv": (fused, joined, base),
+        "mlp": (mlp, ffn, base),
+        "mlp+no_split_reductions": (mlp, ffn, no_split),
+        "mlp+no_coordinate_descent": (mlp, ffn, {"max_autotune": True}),
     }
-    result: dict = {"machine": gpu_machine(), "layers": LAYERS, "weight_bytes": weight_bytes, "cases": {}}
+    result: dict = {"machine": gpu_machine(), "layers": LAYERS, "attention_weight_bytes": weight_bytes}
+    result |= {"mlp_weight_bytes": ffn_bytes, "cases": {}}
     for name, (fn, weights, options) in cases.items():
         try:
             torch._dynamo.reset()
             compiled = torch.compile(fn, options=options, fullgraph=True)
             us = time_graphed(compiled, (x, weights))
-            row = {"us_16_layers": us, "gb_per_s": weight_bytes / us / 1e3}
+            read = ffn_bytes if weights is ffn else weight_bytes
+            row = {"us_16_layers": us, "gb_per_s": read / us / 1e3}
         except Exception as error:  # a probe: record and go on
             row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
         result["cases"][name] = row
