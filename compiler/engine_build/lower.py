@@ -230,23 +230,26 @@ def export_partition(
     if bind_weights:
         module, args, shapes = _BoundWeights(module, tuple(weights.values())), examples, act_shapes
     try:
-        program = _export(module, args, shapes)
+        program = _export(module, args, shapes, rewritten=rewritten is not None)
     except Exception as exc:
         raise LoweringError(f"{partition.name} could not be exported: {exc}") from exc
     program._example_inputs = None  # torch.export.save would pickle them
     return ExportedPartition(program, examples, act_shapes)
 
 
-def _export(module: torch.nn.Module, args: tuple, shapes: tuple) -> torch.export.ExportedProgram:
+def _export(
+    module: torch.nn.Module, args: tuple, shapes: tuple, *, rewritten: bool
+) -> torch.export.ExportedProgram:
     with quiet_trace():
         try:
             return torch.export.export(module, args, dynamic_shapes=(shapes,), strict=False)
         except torch._dynamo.exc.UserError as exc:
-            if "Constraints violated" not in str(exc):
+            if not rewritten or "Constraints violated" not in str(exc):
                 raise
-            # torch could not prove one of its guards over a dimension's whole range (torch 2.11 on a
-            # partition whose int8 GEMMs pad their rows, one linear kept in float): the guard becomes a
-            # check at run time, which holds or raises, rather than a refused export.
+            # A quantizer's rewrite of a graph that exported over these ranges, whose own size arithmetic
+            # torch could not prove a guard for (torch 2.11: int8 GEMMs padding their rows, one linear
+            # kept in float, seq*(8+seq-seq%8) > 1): the guard becomes a check at run time, which holds
+            # or raises. A float partition's violation stays an error: it may be a real specialization.
             return torch.export.export(
                 module,
                 args,
