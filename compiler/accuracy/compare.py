@@ -100,7 +100,8 @@ def compare_partitions(
 ) -> PartitionComparison:
     """Each partition of ``compiled`` against its PyTorch submodule on the activations captured at its
     inputs, in one pass per sample; plus each partition's share of the compiled latency (median of
-    ``runs`` timed passes; ``runs=0`` skips timing).
+    ``runs`` timed passes; ``runs=0`` skips timing). Both run the graph uncaptured: a CUDA-graph replay
+    calls none of the partitions' modules, whose hooks measure them.
 
     ``inputs``: the flat user inputs of one call (spec order), or a sequence of such samples.
     """

@@ -249,7 +249,7 @@ def _fewest_rows(x: torch.fx.Node, symbols: dict[str, tuple[str, int, int, int]]
 
 def _is_linear_weight(node: torch.fx.Node, align: int) -> bool:
     value = node.meta.get("val")
-    # A placeholder of a dynamic partition can be a size (SymInt), not a tensor.
+    # A node of a dynamic partition's graph can hold a size (a SymInt), not a tensor.
     if not isinstance(value, torch.Tensor) or value.dim() != 2 or not value.is_floating_point():
         return False
     if any(not isinstance(size, int) or size % align for size in value.shape):
