@@ -16,6 +16,11 @@ out its slot timeout. The temporary server therefore keeps leases on disk next t
 repossessor loop (``REPOSSESSOR_LOOP_S``). A long-lived server keeps its leases in memory and
 revokes them itself; one that is restarted should use the filesystem storage (or Redis) too.
 
+A dead run's slot is taken for the rest of its lease (``tasks.concurrency.LEASE_SECONDS``, 60 s:
+the shortest lease Prefect's server accepts, a bound of its API and no setting) plus at most one
+repossessor loop. Prefect's default loop is 15 s; a scan of the lease index costs nothing measurable
+(an idle server used 0.86 CPU-s in 30 s with a 1 s loop, 0.82 with 5 s), so the loop here is 1 s.
+
 Prefect sends run logs and events from background workers, in batches (logs every 2 s), and what is
 still queued at interpreter exit. By then the temporary server was already stopped: ``kiln release``
 ended with "Error logging to API", and where a batch was in flight as the server went down, the
@@ -45,7 +50,7 @@ from compiler.errors import KilnError
 FLUSH_TIMEOUT_S = 10.0
 STARTUP_TIMEOUT = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"))
 SIGTERM_GRACE_S = 10.0
-REPOSSESSOR_LOOP_S = 5
+REPOSSESSOR_LOOP_S = 1
 # Settings of the temporary server (the environment wins where it sets them).
 SERVER_SETTINGS = {
     "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",

@@ -159,10 +159,14 @@ def test_a_terminal_gets_a_progress_bar() -> None:
     assert "upload mlp_progress" in shown and "2.0/2.0 MB" in shown
 
 
-BIG = {  # about 100 MB of package: uploading it takes long enough to be caught in the middle
+# Caught mid-upload by the width of the upload, not of the weights: after the package's first file (an
+# engine) come its ~3 MB of weights and the ~150 source files the pyfunc model carries (``code/``), one
+# request each, before ``MLmodel``: seconds, against a poll every 20 ms. (At width 2048, 50 MB of
+# weights, the kill still landed after the second of ~165 files; the test then cost 5 s more.)
+BIG = {
     "name": "big",
     "factory": "zoo.models:mlp_with_fallback",
-    "factory_kwargs": {"width": 2048},
+    "factory_kwargs": {"width": 512},
 }
 
 
@@ -237,7 +241,7 @@ def test_a_zoo_killed_mid_upload_leaves_nothing_that_is_read_and_a_rerun_registe
             "lookup",
             "big",
             "--shape",
-            "4,2048",
+            "4,512",
             "--allow-op-module",
             "zoo.models",
             "--json",
