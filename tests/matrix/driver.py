@@ -98,8 +98,16 @@ def invocations(model: str, root: Path) -> dict[tuple[str, ...], list[list[str]]
 
 # Commands that run Prefect flows go through a process of their own, as the console script runs them:
 # Prefect's log handlers keep the stream of the first in-process call, which the next call closes. The
-# process is forked from tests/fixtures/preloaded.py's server (torch and the like imported once).
+# process is forked from tests/fixtures/preloaded.py's server (torch and the like imported once). Every
+# such process of the driver has the driver's environment, so its server also imports what a flow command
+# imports, once instead of in each of the 12 releases: Prefect, MLflow and transformers' modules that
+# the zoo's models share (not a model's own module: BERT's pulls in torchao).
 OWN_PROCESS = {"release", "zoo", "compile", "webhook", "deploy"}
+FLOW_PRELOAD = (
+    "prefect", "prefect.flows", "prefect.flow_engine", "prefect.task_engine",
+    "mlflow", "mlflow.tracking", "mlflow.artifacts", "mlflow.entities",
+    "transformers", "torch._dynamo", "transformers.masking_utils", "transformers.generation.utils",
+)  # fmt: skip
 
 
 def kiln(args: list[str]) -> dict[str, Any]:
@@ -111,7 +119,9 @@ def kiln(args: list[str]) -> dict[str, Any]:
 
     started = time.perf_counter()
     if args[0] in OWN_PROCESS:
-        done = preloaded.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True)
+        done = preloaded.run(
+            [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, preload=FLOW_PRELOAD
+        )
         code, text = done.returncode, done.stdout + done.stderr
     else:
         result = CliRunner().invoke(app, args)
