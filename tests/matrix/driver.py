@@ -99,14 +99,16 @@ def invocations(model: str, root: Path) -> dict[tuple[str, ...], list[list[str]]
 # Commands that run Prefect flows go through a process of their own, as the console script runs them:
 # Prefect's log handlers keep the stream of the first in-process call, which the next call closes. The
 # process is forked from tests/fixtures/preloaded.py's server (torch and the like imported once). Every
-# such process of the driver has the driver's environment, so its server also imports what a flow command
-# imports, once instead of in each of the 12 releases: Prefect, MLflow and transformers' modules that
-# the zoo's models share (not a model's own module: BERT's pulls in torchao).
+# such process of the driver has the driver's environment, so its server also imports Prefect and MLflow,
+# once instead of in each of the 12 releases: every release imports these (so a child has nothing
+# imported that a fresh `kiln release` of the leanest model, mlp-fallback, would not). Not transformers:
+# mlp-fallback's release never imports it, and a package's module policy lets an imported module pass.
 OWN_PROCESS = {"release", "zoo", "compile", "webhook", "deploy"}
 FLOW_PRELOAD = (
     "prefect", "prefect.flows", "prefect.flow_engine", "prefect.task_engine",
-    "mlflow", "mlflow.tracking", "mlflow.artifacts", "mlflow.entities",
-    "transformers", "torch._dynamo", "transformers.masking_utils", "transformers.generation.utils",
+    "mlflow", "mlflow.tracking", "mlflow.artifacts", "mlflow.entities", "mlflow.pyfunc",
+    "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
+    "alembic.command", "alembic.migration", "typer", "graphviz", "cryptography",
 )  # fmt: skip
 
 
