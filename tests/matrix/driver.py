@@ -98,8 +98,18 @@ def invocations(model: str, root: Path) -> dict[tuple[str, ...], list[list[str]]
 
 # Commands that run Prefect flows go through a process of their own, as the console script runs them:
 # Prefect's log handlers keep the stream of the first in-process call, which the next call closes. The
-# process is forked from tests/fixtures/preloaded.py's server (torch and the like imported once).
+# process is forked from tests/fixtures/preloaded.py's server (torch and the like imported once). Every
+# such process of the driver has the driver's environment, so its server also imports Prefect and MLflow,
+# once instead of in each of the 12 releases: every release imports these (so a child has nothing
+# imported that a fresh `kiln release` of the leanest model, mlp-fallback, would not). Not transformers:
+# mlp-fallback's release never imports it, and a package's module policy lets an imported module pass.
 OWN_PROCESS = {"release", "zoo", "compile", "webhook", "deploy"}
+FLOW_PRELOAD = (
+    "prefect", "prefect.flows", "prefect.flow_engine", "prefect.task_engine",
+    "mlflow", "mlflow.tracking", "mlflow.artifacts", "mlflow.entities", "mlflow.pyfunc",
+    "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
+    "alembic.command", "alembic.migration", "typer", "graphviz", "cryptography",
+)  # fmt: skip
 
 
 def kiln(args: list[str]) -> dict[str, Any]:
@@ -111,7 +121,9 @@ def kiln(args: list[str]) -> dict[str, Any]:
 
     started = time.perf_counter()
     if args[0] in OWN_PROCESS:
-        done = preloaded.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True)
+        done = preloaded.run(
+            [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, preload=FLOW_PRELOAD
+        )
         code, text = done.returncode, done.stdout + done.stderr
     else:
         result = CliRunner().invoke(app, args)

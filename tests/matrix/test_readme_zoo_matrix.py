@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -68,7 +67,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory, prefect_server) -> dict:
         cwd=root, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert compiled.returncode == 0, (compiled.stdout[-4000:], compiled.stderr[-4000:])
-    driven = subprocess.run(
+    driven = preloaded.run(  # a fresh process of its own, forked: torch and the like imported once
         [sys.executable, "-m", "tests.matrix.driver", str(root)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
@@ -156,7 +155,7 @@ def test_cuda_versions_export_on_a_cpu_only_host_from_what_their_packages_record
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "flows.cli", "serve", "triton", "export", "bert", "mlp"]
     command += ["--target", "cuda:sm_90", "--repository", str(repository), "--tracking-uri", uri, "--json"]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = preloaded.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-3000:]  # one model failed: exit 1, the other exported
     outcome = {r["model"]: r for r in json.loads(done.stdout)}
     assert outcome["bert"]["ok"] and not outcome["mlp"]["ok"]
