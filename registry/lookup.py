@@ -19,7 +19,7 @@ import os
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from mlflow import MlflowClient
@@ -202,17 +202,27 @@ def _describe(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def package_in(model_dir: Path) -> Path:
-    """The package directory inside a downloaded pyfunc model (its MLmodel names the artifact path)."""
+def package_path(model_dir: Path) -> str:
+    """The package's path inside a pyfunc model, as its ``MLmodel`` (in ``model_dir``) names it."""
     from mlflow.models import Model
 
     try:
         meta = Model.load(str(model_dir))
         rel = meta.flavors["python_function"]["artifacts"][PACKAGE_ARTIFACT]["path"]
-    except (OSError, KeyError, MlflowException) as exc:
+    except (OSError, KeyError, TypeError, MlflowException) as exc:
         raise ArtifactMissingError(
             f"{model_dir} is not a kiln pyfunc model (no package artifact): {exc}"
         ) from exc
+    # Outside bytes: the folder that is downloaded and read must be inside the model.
+    parts = PurePosixPath(rel).parts if isinstance(rel, str) else ()
+    if not parts or PurePosixPath(rel).is_absolute() or ".." in parts:
+        raise ArtifactMissingError(f"{model_dir}: its MLmodel names the package artifact as {rel!r}")
+    return rel
+
+
+def package_in(model_dir: Path) -> Path:
+    """The package directory inside a downloaded pyfunc model (its MLmodel names the artifact path)."""
+    rel = package_path(model_dir)
     path = model_dir / rel
     if not path.is_dir():
         raise ArtifactMissingError(f"the package artifact {rel} is missing from {model_dir}")
@@ -254,7 +264,15 @@ def fetch_version(
         uri = call_with_retry(
             lambda: mlclient.get_model_version_download_uri(name, version), f"locate {name}/{version}", policy
         )
-        local = download_model_dir(uri, staging, f"{name} v{version}", on_progress=on_progress, policy=policy)
+        # Only MLmodel and the package: the pyfunc model's code files are for mlflow.pyfunc.load_model.
+        local = download_model_dir(
+            uri,
+            staging,
+            f"{name} v{version}",
+            select=package_path,
+            on_progress=on_progress,
+            policy=policy,
+        )
         package_dir = package_in(local)
     except Exception as exc:
         shutil.rmtree(staging, ignore_errors=True)

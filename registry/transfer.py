@@ -166,11 +166,15 @@ def download_model_dir(
     dst: Path,
     name: str,
     *,
+    select: Callable[[Path], str] | None = None,
     on_progress: ProgressCallback | None = None,
     policy: RetryPolicy | None = None,
 ) -> Path:
-    """Download every file under ``artifact_uri`` into ``dst`` (same layout), file by file; ``dst``.
+    """Download the files under ``artifact_uri`` into ``dst`` (same layout), file by file; ``dst``.
 
+    ``select``: given ``dst`` with ``MLmodel`` in it (fetched first), the folder (relative path) whose
+    files are wanted beside ``MLmodel``; the rest (the ~165 code files a pyfunc model carries for
+    ``mlflow.pyfunc.load_model``, one request each) stays in the store. ``None``: every file.
     Nothing here is verified: the caller verifies the result before using any of it.
     """
     files = _list_files(artifact_uri, policy)
@@ -184,7 +188,15 @@ def download_model_dir(
             artifact_uri=f"{artifact_uri.rstrip('/')}/{rel}", dst_path=str(folder)
         )
 
-    _transfer("download", name, files, fetch, on_progress, policy)
+    here: set[str] = set()
+    if select is not None and any(rel == LAST_FILE for rel, _ in files):
+        call_with_retry(lambda: fetch(LAST_FILE), f"download {LAST_FILE} of {name}", policy)
+        here.add(LAST_FILE)
+        wanted = select(dst).strip("/") + "/"
+        files = [(rel, size) for rel, size in files if rel == LAST_FILE or rel.startswith(wanted)]
+        files.sort(key=lambda item: item[0] != LAST_FILE)
+    # MLmodel, already here, is reported with the rest: the progress counts what is on disk.
+    _transfer("download", name, files, lambda rel: rel in here or fetch(rel), on_progress, policy)
     return dst
 
 
