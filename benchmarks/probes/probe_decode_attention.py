@@ -93,12 +93,21 @@ def form_flex(q, k, v, nk, nv, mask):  # FlexAttention's decoding kernel over th
     return (merged / (w_cache + w_own)).to(v.dtype)
 
 
+def form_kiln(q, k, v, nk, nv, mask):  # kiln::decode_attention: split-KV Triton kernels (issue 44)
+    import compiler.generation.attention  # noqa: F401  (defines the op)
+
+    b, kvh, g, d = q.shape
+    out = torch.ops.kiln.decode_attention(q.reshape(b, kvh * g, 1, d), k, v, mask, nk, nv, d**-0.5)
+    return out.reshape(b, kvh, g, d)
+
+
 FORMS = {
     "current": form_current,
     "nocat": form_nocat,
     "reduce": form_reduce,
     "sdpa_ref": form_sdpa_ref,
     "flex": form_flex,
+    "kiln": form_kiln,
 }
 
 

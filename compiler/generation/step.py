@@ -32,6 +32,7 @@ import torch
 from torch.export import Dim
 
 from compiler.errors import GenerationError
+from compiler.generation.attention import gpu_kernel_applies, reference
 from compiler.generation.spec import GenerationSpec
 
 
@@ -111,7 +112,7 @@ def _decode_attention(
     layers, original = _DECODING.get() or ((), "sdpa")
     layer = layers[module.layer_idx]
     new_k, new_v = layer.new_keys, layer.new_values
-    b, heads, length, d = query.shape
+    _, heads, length, d = query.shape
     kv_heads = key.shape[1]
     special = any(kwargs.get(k) is not None for k in ("softcap", "sliding_window", "position_bias"))
     if special or length != 1 or heads % kv_heads:
@@ -123,19 +124,11 @@ def _decode_attention(
             module, query, keys, values, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     scale = d**-0.5 if scaling is None else scaling
-    q = query.reshape(b, kv_heads, heads // kv_heads, d)  # q head h reads kv head h // groups
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [b, kv_heads, groups, cache]
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    own = (q.float() * new_k.float()).sum(-1, keepdim=True) * scale  # [b, kv_heads, groups, 1]
-    # The softmax over the cache and the own key written out, not over their concatenation: the
-    # 1025-wide copy cost Inductor five kernels a layer (H100: 15 -> 9 us a layer of 16, issue 44's
-    # probe_decode_attention). Weights are normalized after the value product, in fp32.
-    top = torch.maximum(scores.amax(-1, keepdim=True), own)
-    weights, own_weight = torch.exp(scores - top), torch.exp(own - top)
-    total = weights.sum(-1, keepdim=True) + own_weight
-    out = torch.matmul(weights.to(value.dtype), value).float() + own_weight * new_v.float()
-    return (out / total).to(value.dtype).reshape(b, heads, 1, d).transpose(1, 2), None
+    if gpu_kernel_applies(query, key):  # one op, split-KV Triton kernels (compiler/generation/attention)
+        out = torch.ops.kiln.decode_attention(query, key, value, attention_mask, new_k, new_v, scale)
+    else:
+        out = reference(query, key, value, attention_mask, new_k, new_v, scale)
+    return out, None
 
 
 def _implementation(module: torch.nn.Module, name: str) -> Any:

@@ -36,6 +36,10 @@ DEFAULT_ALLOWED_MODULES: tuple[str, ...] = (
     "transformers.cache_utils",  # DynamicCache and friends: a causal LM that returns its cache
 )
 
+# kiln's own op modules: a program that calls ``kiln::`` ops names one, and importing it runs kiln's
+# code (the op's definition), nothing of the package's: allowed in every mode, strict included.
+KILN_OP_MODULES: tuple[str, ...] = ("compiler.generation.attention",)
+
 MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
@@ -59,7 +63,9 @@ def allowed_module_prefixes(allowed: Sequence[str] | None = None) -> tuple[str, 
 
 
 def is_allowed_module(module: str, prefixes: Sequence[str]) -> bool:
-    return any(module == p or module.startswith(p.rstrip(".") + ".") for p in prefixes)
+    return module in KILN_OP_MODULES or any(
+        module == p or module.startswith(p.rstrip(".") + ".") for p in prefixes
+    )
 
 
 # A pytree defaultdict's factory is called whenever a missing key is read, so naming one is naming

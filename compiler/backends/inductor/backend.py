@@ -120,10 +120,9 @@ def warm_inductor_imports() -> None:
 
 
 def inductor_supports(target: Any) -> bool:
-    """ATen and prims ops go to Inductor; custom ops and higher-order ops stay in PyTorch."""
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    return target.namespace in ("aten", "prims")
+    """ATen, prims and kiln's own ops (``kiln::``: compiler.generation.attention) go to Inductor;
+    other custom ops and higher-order ops stay in PyTorch."""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims", "kiln")
 
 
 def create(name: str, device: str, trust_engine_code: bool) -> InductorBackend:

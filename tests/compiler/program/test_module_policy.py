@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import compiler
 
@@ -110,3 +111,38 @@ def test_strict_policy_holds_for_lookups_and_the_pyfunc_loader(packages):
         "refused ['zoo.models']",
         "pyfunc loaded True",
     ]
+
+
+class _Attends(torch.nn.Module):
+    """A decode attention call as the decode program makes it on the GPU (here its ATen form)."""
+
+    def forward(self, query, keys, values, mask, new_keys, new_values):
+        return torch.ops.kiln.decode_attention(query, keys, values, mask, new_keys, new_values, 0.25)
+
+
+def test_kilns_own_op_module_loads_even_in_the_strict_mode_and_no_other_kiln_module_does(tmp_path):
+    from compiler.generation.attention import reference
+    from compiler.program.module_policy import KILN_OP_MODULES, is_allowed_module
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, 4, 1, 16), (1, 2, 24, 16), (1, 2, 24, 16), (1, 1, 1, 24), (1, 2, 1, 16), (1, 2, 1, 16)]
+    args = tuple(torch.randn(s, generator=g) for s in shapes)
+    program = compiler.export(_Attends(), args)
+    compiled = compiler.compile(program, backend="inductor")
+    assert not compiled.plan.fallback_ops  # Inductor runs kiln's op inside its engine
+    path = compiler.save(compiled, tmp_path / "attends.kiln").path
+    assert list(compiler.read_manifest(path).op_modules) == list(KILN_OP_MODULES)
+    torch.save({"args": args, "want": reference(*args, 0.25)}, tmp_path / "io.pt")
+    done = _fresh(
+        f"""
+        import sys, torch, compiler
+        io = torch.load({str(tmp_path / "io.pt")!r})
+        assert "compiler.generation.attention" not in sys.modules
+        out = compiler.load({str(path)!r})(*io["args"])
+        torch.testing.assert_close(out, io["want"])
+        print("ok")
+        """,
+        KILN_ALLOWED_OP_MODULES="",
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+    assert not is_allowed_module("compiler.atomic", ())  # the exact modules, not the prefix "compiler"
