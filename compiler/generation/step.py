@@ -33,6 +33,7 @@ from torch.export import Dim
 
 from compiler.errors import GenerationError
 from compiler.generation.attention import gpu_kernel_applies, reference
+from compiler.generation.fuse import fused_projections
 from compiler.generation.spec import GenerationSpec
 
 
@@ -301,8 +302,11 @@ def program_case(
 ) -> tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]:
     """(module, example kwargs, dynamic shapes) of the ``prefill`` or ``decode`` program, with the
     spec's batch and prompt ranges. Example token ids span the vocabulary (validation draws from their
-    range), masks span 0..1 and the decode example writes at the longest prompt's end."""
+    range), masks span 0..1 and the decode example writes at the longest prompt's end. Both programs
+    wrap the model with its q/k/v projections fused (compiler.generation.fuse: one product a layer,
+    the same tensors in both)."""
     device = next(lm.parameters()).device
+    lm = fused_projections(lm)
     generator = torch.Generator().manual_seed(0)
     batch_dim = Dim("batch", min=1, max=spec.max_batch)
     batch = min(2, spec.max_batch)

@@ -100,6 +100,23 @@ def test_one_weights_file_and_decode_bound_to_it(package: Path) -> None:
     assert (spec["max_batch"], spec["max_cache_len"], spec["kv_heads"]) == (4, 40, 2)
 
 
+def test_the_package_holds_each_layers_q_k_v_as_one_weight_and_the_model_is_untouched(
+    package: Path, llama: torch.nn.Module
+) -> None:
+    from safetensors import safe_open
+
+    with safe_open(package / WEIGHTS, "pt") as weights:
+        names = list(weights.keys())
+        layer = "self_attn.qkv_proj.weight"
+        fused = sorted(n for n in names if n.endswith(layer))
+        assert len(fused) == llama.config.num_hidden_layers, names
+        attention = llama.model.layers[0].self_attn
+        want = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
+        torch.testing.assert_close(weights.get_tensor(fused[0]), want, rtol=0, atol=0)
+    assert not [n for n in names if any(f".{p}." in n for p in ("q_proj", "k_proj", "v_proj"))]
+    assert type(attention.q_proj) is torch.nn.Linear  # validation's eager model keeps its own layers
+
+
 def test_changed_decode_program_is_refused(package: Path, tmp_path: Path) -> None:
     import shutil
 
