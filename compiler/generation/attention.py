@@ -2,7 +2,7 @@
 
 One new token per row attends to the static cache (positions the additive mask allows) and to its own
 key and value, which the cache does not hold yet (compiler/generation/step.py). Written out in ATen,
-Inductor makes that 6-7 kernels a layer (scores, the softmax's reductions, the value product: ~10 us a
+Inductor makes that 6-7 kernels a layer (scores, the softmax's reductions, the value product: ~9 us a
 layer on the H100 for a 1024-long cache, where the cache's bytes take ~1 us), and the decode step is
 bound by such per-kernel costs (issue 44: the step's target is 1.5x its memory-bandwidth floor).
 
@@ -21,8 +21,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-OP_MODULE = __name__  # recorded in a package's op_modules by the programs that call the op
 
 
 def reference(
