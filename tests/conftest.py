@@ -35,6 +35,20 @@ def _private_engine_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _inductor_cache_dir_set_from_the_start() -> None:
+    """The inductor cache directory torch itself would choose, in the environment from the start.
+
+    torch writes TORCHINDUCTOR_CACHE_DIR into ``os.environ`` at a process's first inductor compile or
+    load (torch._inductor.runtime.cache_dir_utils.cache_dir). Left to that, the environment of the
+    processes tests start changed mid-session, and tests/fixtures/preloaded.py no longer forked them
+    from its server, which was started before (a TORCH* name differs): a fresh process each, ~3 CPU-s.
+    Set here to the same value, a started process sees what it would have computed itself."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cache_dir()  # sets os.environ["TORCHINDUCTOR_CACHE_DIR"] (if unset) as a compile would
+
+
 @pytest.fixture(scope="session")
 def compiled_zoo() -> dict:
     """name -> (ModelCase, CompiledModule) for the models of the compiler-core issue, compiled once."""

@@ -28,10 +28,16 @@ from tests.fixtures import preloaded
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_PACKAGE = ROOT / "tests" / "fixtures" / "packages" / "mlp-cuda-inductor.kiln"
+# The --target commands all talk to cuda_store's sqlite store first, in one environment, and none sets
+# anything before importing MLflow (no quiet_prefect: that is zoo, compile, deploy, webhook): MLflow once.
+SQLITE = preloaded.MLFLOW_SQLITE
 
 
-def _kiln(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``kiln ARGS`` in ``cwd``: its own Prefect API, the default MLflow store (``cwd/mlflow.db``)."""
+def _kiln(
+    cwd: Path, *args: str, timeout: float = 600, preload: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """``kiln ARGS`` in ``cwd``: its own Prefect API, the default MLflow store (``cwd/mlflow.db``);
+    ``preload``: as preloaded.run's."""
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
     env.update({"PYTHONPATH": str(ROOT), "COLUMNS": "200", "HF_HUB_OFFLINE": "1"})
     return preloaded.run(
@@ -41,6 +47,7 @@ def _kiln(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedPr
         capture_output=True,
         text=True,
         timeout=timeout,
+        preload=preload,
     )
 
 
@@ -144,37 +151,37 @@ def cuda_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_target_cuda_finds_the_single_cuda_version_on_every_command(cuda_store: Path) -> None:
     # kiln report: downloads and verifies, never loads (the package needs a GPU to run).
-    done = _kiln(cuda_store, "report", "mlp", "--target", "cuda", "--out", "mlp.html")
+    done = _kiln(cuda_store, "report", "mlp", "--target", "cuda", "--out", "mlp.html", preload=SQLITE)
     assert done.returncode == 0, _said(done)
     assert "kiln.mlp.cuda_sm_90 version 1" in (cuda_store / "mlp.html").read_text()
     # kiln release: the entry's devices: [cuda] is the target (version 1 is the champion already).
-    done = _kiln(cuda_store, "release", "mlp", "--version", "1", "--zoo", "zoo.yaml")
+    done = _kiln(cuda_store, "release", "mlp", "--version", "1", "--zoo", "zoo.yaml", preload=SQLITE)
     assert done.returncode == 1, _said(done)
     said = _said(done)
     assert "kiln.mlp.cuda_sm_90 version 1 not promoted" in said and "already the champion" in said
     # kiln rollback reaches the same registered model.
-    done = _kiln(cuda_store, "rollback", "mlp", "--target", "cuda")
+    done = _kiln(cuda_store, "rollback", "mlp", "--target", "cuda", preload=SQLITE)
     assert done.returncode == 2 and "kiln.mlp.cuda_sm_90 has no 'previous' alias" in _said(done), _said(done)
     # kiln lookup: found, then refused at load on this host (no CUDA), not "nothing registered".
-    done = _kiln(cuda_store, "lookup", "mlp", "--target", "cuda", "--shape", "4,16")
+    done = _kiln(cuda_store, "lookup", "mlp", "--target", "cuda", "--shape", "4,16", preload=SQLITE)
     assert done.returncode == 2 and "needs a CUDA GPU" in _said(done), _said(done)
 
 
 def test_a_target_matching_nothing_lists_the_registered_targets(cuda_store: Path) -> None:
-    done = _kiln(cuda_store, "lookup", "mlp", "--shape", "4,16", "--json")  # --target cpu, the default
+    done = _kiln(cuda_store, "lookup", "mlp", "--shape", "4,16", "--json", preload=SQLITE)  # --target cpu
     assert done.returncode == 1, _said(done)
     error = json.loads(done.stdout[: done.stdout.rindex("}") + 1])["error"]
     assert "'cpu' matches nothing registered for 'mlp'" in error and "registered targets: cuda_sm_90" in error
     # Two CUDA targets and no GPU to choose by: both listed, and how to name one.
-    done = _kiln(cuda_store, "rollback", "two", "--target", "cuda")
+    done = _kiln(cuda_store, "rollback", "two", "--target", "cuda", preload=SQLITE)
     assert done.returncode == 2, _said(done)
     assert "registered targets: cuda_sm_80, cuda_sm_90" in _said(done)
     assert "--target cuda:sm_80" in _said(done)
     # kiln serve triton export: the same resolution (cuda_sm_80 has no champion to export).
     export = ("serve", "triton", "export", "two", "--repository", "repo")
-    done = _kiln(cuda_store, *export, "--target", "cuda")
+    done = _kiln(cuda_store, *export, "--target", "cuda", preload=SQLITE)
     assert done.returncode == 1 and "registered targets: cuda_sm_80, cuda_sm_90" in _said(done), _said(done)
-    done = _kiln(cuda_store, *export, "--target", "cuda:sm_80")
+    done = _kiln(cuda_store, *export, "--target", "cuda:sm_80", preload=SQLITE)
     assert done.returncode == 1 and "kiln.two.cuda_sm_80 has no 'champion' alias" in _said(done), _said(done)
-    done = _kiln(cuda_store, "release", "nope", "--zoo", "zoo.yaml", "--target", "cuda")
+    done = _kiln(cuda_store, "release", "nope", "--zoo", "zoo.yaml", "--target", "cuda", preload=SQLITE)
     assert done.returncode == 2 and "nothing is registered for 'nope'" in _said(done), _said(done)

@@ -104,6 +104,9 @@ def invocations(model: str, root: Path) -> dict[tuple[str, ...], list[list[str]]
 # imported that a fresh `kiln release` of the leanest model, mlp-fallback, would not). Not transformers:
 # mlp-fallback's release never imports it, and a package's module policy lets an imported module pass.
 OWN_PROCESS = {"release", "zoo", "compile", "webhook", "deploy"}
+# zoo, compile, deploy and webhook set Prefect's and MLflow's logging variables (flows.cli.options.
+# quiet_prefect) before importing them: a server that imported them first would not see those.
+PRELOADED = {"release"}
 FLOW_PRELOAD = (
     "prefect", "prefect.flows", "prefect.flow_engine", "prefect.task_engine",
     "mlflow", "mlflow.tracking", "mlflow.artifacts", "mlflow.entities", "mlflow.pyfunc",
@@ -122,7 +125,10 @@ def kiln(args: list[str]) -> dict[str, Any]:
     started = time.perf_counter()
     if args[0] in OWN_PROCESS:
         done = preloaded.run(
-            [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, preload=FLOW_PRELOAD
+            [sys.executable, "-m", "flows.cli", *args],
+            capture_output=True,
+            text=True,
+            preload=FLOW_PRELOAD if args[0] in PRELOADED else (),
         )
         code, text = done.returncode, done.stdout + done.stderr
     else:
