@@ -24,6 +24,7 @@ from onnx import numpy_helper
 from torch.export import Dim
 
 from compiler.backends.base import EngineIO, pack_torch_graph, to_numpy
+from compiler.engine_build.export_memo import export_key, exported
 from compiler.engine_build.float_ops import fp32_weights, raised
 from compiler.errors import LoweringError
 from compiler.inputs.specs import InputSpec, dtype_name
@@ -154,22 +155,35 @@ def lower_float(plan: PartitionPlan, partition: Partition, precision: str, fp: s
     args = examples + tuple(weights.values())
     dynamic_shapes = (act_shapes + tuple(None for _ in weights),)
     names = [s.name for s in io_spec.inputs] + list(weights)
-    try:
-        with quiet_trace():
-            program = torch.onnx.export(
-                module,
-                args,
-                dynamo=True,
-                dynamic_shapes=dynamic_shapes,
-                input_names=names,
-                output_names=list(io_spec.output_names),
-                external_data=False,
-                optimize=True,
-                verbose=False,
-            )
-    except Exception as exc:
-        raise LoweringError(f"{partition.name} ({fp[:12]}) could not be exported to ONNX: {exc}") from exc
-    model = program.model_proto
+
+    def export() -> onnx.ModelProto:
+        try:
+            with quiet_trace():
+                program = torch.onnx.export(
+                    module,
+                    args,
+                    dynamo=True,
+                    dynamic_shapes=dynamic_shapes,
+                    input_names=names,
+                    output_names=list(io_spec.output_names),
+                    external_data=False,
+                    optimize=True,
+                    verbose=False,
+                )
+        except Exception as exc:
+            raise LoweringError(f"{partition.name} ({fp[:12]}) could not be exported to ONNX: {exc}") from exc
+        return program.model_proto
+
+    # Quantizing, the layer search and repair each lower an int8 partition in fp32: one export serves all.
+    traced = {
+        "precision": precision,
+        "float_ops": module.float_ops,
+        "io": io_spec,
+        "examples": [(str(e.dtype), tuple(e.shape)) for e in examples],
+        "dynamic_shapes": dynamic_shapes,
+    }
+    key = export_key(plan.submodule(partition.name).graph, module.kinds, plan.symbols, traced, weights)
+    model = exported(key, export)
     _weights_to_initializers(model, weights)
     _canonicalize(model)
     buffer = io.BytesIO()
@@ -319,6 +333,7 @@ class _EngineGraph(torch.nn.Module):
         # Ops kept in fp32 (compiler.engine_build.float_ops), after the retyping that lowers the rest.
         self.sub = raised(_retyped(sub, PRECISION_DTYPES[precision]), float_ops, PRECISION_DTYPES[precision])
         self.kinds = kinds
+        self.float_ops = tuple(float_ops)
         self.dtype = PRECISION_DTYPES[precision]
         self.out_dtypes = [getattr(torch, d) for d in out_dtypes]
 
