@@ -40,12 +40,14 @@ class FusedProjections(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.sizes = [p.out_features for p in projections]
         self._input: torch.Tensor | None = None
+        self._version = -1
         self._parts: tuple[torch.Tensor, ...] = ()
         self._taken = 0
 
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        if self._input is not x:  # the layer's q call: one product for all three
-            self._input, self._taken = x, 0
+        # The layer's q call: one product for all three (the same tensor, not changed in place since).
+        if self._input is not x or self._version != x._version:
+            self._input, self._version, self._taken = x, x._version, 0
             self._parts = torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
         out = self._parts[index]
         self._taken += 1
@@ -55,12 +57,26 @@ class FusedProjections(nn.Module):
 
 
 class _Slice(nn.Module):
-    """Stands in for one projection: its slice of the fused product (no parameters of its own)."""
+    """Stands in for one projection: its slice of the fused product (no parameters of its own; its
+    ``weight`` and ``bias`` are views of the fused ones, for model code that reads their dtype)."""
 
-    def __init__(self, fused: FusedProjections, index: int, out_features: int):
+    def __init__(self, fused: FusedProjections, index: int, projection: nn.Linear):
         super().__init__()
         object.__setattr__(self, "_fused", fused)  # not a submodule: its weight is named once
-        self.index, self.out_features = index, out_features
+        self.index, self.in_features, self.out_features = (
+            index,
+            projection.in_features,
+            projection.out_features,
+        )
+        self._rows = slice(sum(fused.sizes[:index]), sum(fused.sizes[: index + 1]))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._fused.weight[self._rows]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self._fused.bias is None else self._fused.bias[self._rows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fused.part(x, self.index)
@@ -104,6 +120,6 @@ def fused_projections(model: nn.Module) -> nn.Module:
         fused = FusedProjections(projections)
         module.qkv_proj = fused
         for index, (name, projection) in enumerate(zip(NAMES, projections, strict=True)):
-            setattr(module, name, _Slice(fused, index, projection.out_features))
+            setattr(module, name, _Slice(fused, index, projection))
     _FUSED[model] = fused_model
     return fused_model

@@ -289,3 +289,34 @@ def test_a_third_family_qwen2_generates_eager_greedy_tokens(tmp_path: Path) -> N
     with torch.no_grad():
         want = lm.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert got.tolist() == want.tolist()
+
+
+class _CrossAttention(torch.nn.Module):
+    """q from the decoder's states, k and v from another input; one projection of another dtype."""
+
+    def __init__(self, odd_dtype: bool = False) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.v_proj = torch.nn.Linear(8, 4).to(torch.float64 if odd_dtype else torch.float32)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        k, v = self.k_proj(memory), self.v_proj(memory.to(self.v_proj.weight.dtype)).float()
+        return self.q_proj(x).sum(-1, keepdim=True) * k + v
+
+
+def test_fused_projections_answer_as_the_three_did_for_any_inputs_and_leave_the_model_alone() -> None:
+    from compiler.generation.fuse import FusedProjections, fused_projections
+
+    torch.manual_seed(0)
+    model = _CrossAttention()
+    x, memory = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    fused = fused_projections(model)
+    assert fused is not model and fused_projections(model) is fused  # one copy per model
+    assert isinstance(fused.qkv_proj, FusedProjections) and type(model.q_proj) is torch.nn.Linear
+    assert sorted(n for n, _ in fused.named_parameters()) == ["qkv_proj.bias", "qkv_proj.weight"]
+    for _ in range(2):  # q on one input, k and v on another; then q on k's input changed in place
+        # one GEMM of 16 columns, not three: equal up to fp32 rounding (MKL blocks them differently)
+        torch.testing.assert_close(fused(x, memory), model(x, memory), rtol=1e-5, atol=1e-6)
+        x, memory = memory.add_(1.0), torch.randn(2, 3, 8)  # the same tensor, changed in place
+    odd = _CrossAttention(odd_dtype=True)
+    assert fused_projections(odd) is odd  # not one dtype: left as it is
