@@ -18,9 +18,8 @@ importing this module (compiler.program.module_policy lets kiln's own op modules
 
 from __future__ import annotations
 
-import functools
-
 import torch
+from torch.utils._triton import has_triton
 
 
 def reference(
@@ -81,14 +80,5 @@ def gpu_kernel_applies(query: torch.Tensor, keys: torch.Tensor) -> bool:
         query.is_cuda
         and query.dtype in (torch.float16, torch.bfloat16)
         and keys.dtype == query.dtype
-        and _triton_available()
+        and has_triton()  # torch's own check: Triton importable and a GPU it compiles for
     )
-
-
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
