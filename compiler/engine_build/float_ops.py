@@ -108,7 +108,7 @@ def raised(sub: torch.fx.GraphModule, names: Collection[str], dtype: torch.dtype
             cast(node, lambda arg: arg not in wide, FLOAT)
             node.kwargs = {k: (FLOAT if v is dtype else v) for k, v in node.kwargs.items()}
             wide.add(node)
-        elif op_name(node) in MOVING and "dtype" not in node.kwargs:
+        elif op_name(node) in MOVING and not _casts(node):
             if any(arg in wide for arg in node.all_input_nodes):
                 wide.add(node)
         else:
@@ -118,9 +118,19 @@ def raised(sub: torch.fx.GraphModule, names: Collection[str], dtype: torch.dtype
     return sub
 
 
+def _casts(node: torch.fx.Node) -> bool:
+    """A move that sets its dtype (``_to_copy(x, dtype=...)``, ``to.dtype(x, torch.float16)``: the
+    model's own casts, positional as often as not): its output has that dtype, not its input's."""
+    return "dtype" in node.kwargs or any(isinstance(a, torch.dtype) for a in node.args)
+
+
 def _floating(arg: torch.fx.Node) -> bool:
+    """A floating tensor, or a node without a recorded value (a cast this pass inserted). A size
+    (``sym_size``: an int or SymInt) is never cast: ``new_zeros`` of a generation step takes one."""
     value = arg.meta.get("val")
-    return not isinstance(value, torch.Tensor) or value.is_floating_point()
+    if value is None:
+        return True
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def fp32_weights(sub: torch.fx.GraphModule, kinds: list[str], names: Collection[str]) -> set[int]:

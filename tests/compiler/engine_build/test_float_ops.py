@@ -9,6 +9,7 @@ closer to fp32.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -81,3 +82,31 @@ def test_the_set_changes_the_engine_and_brings_the_outputs_closer_to_fp32(compil
             got = got.last_hidden_state if hasattr(got, "last_hidden_state") else got[0]
             errors[name].append(float((got.float() - want).norm() / want.norm()))
     assert np.mean(errors["mixed"]) < 0.8 * np.mean(errors["half"]), errors
+
+
+class _StepLike(torch.nn.Module):
+    """What a generation step's graph holds that a BERT's does not: a size (``sym_size``) feeding
+    ``new_zeros``, and the model's own positional cast (``to(x, torch.float16)``) into a product."""
+
+    def forward(self, x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = x.new_zeros(x.shape[0], 4)
+        weights = torch.softmax(x, dim=-1).to(torch.float16)
+        return weights @ v, cache
+
+
+def test_every_op_kept_in_fp32_runs_on_a_graph_with_sizes_and_positional_casts():
+    from compiler.engine_build.float_ops import raised
+
+    x, v = torch.randn(3, 8, dtype=torch.float16), torch.randn(8, 5, dtype=torch.float16)
+    batch = torch.export.Dim("batch", min=1, max=8)
+    program = torch.export.export(_StepLike(), (x, v), dynamic_shapes=({0: batch}, None))
+    sub = program.graph_module
+    names = [name for name, _ in candidates(sub)]
+    assert any(op_name(node) in ("softmax", "_softmax") for _, node in candidates(sub))
+    sizes = [n for n in sub.graph.nodes if op_name(n) == "sym_size"]
+    assert sizes, sub.code  # the batch is a size the graph reads
+    wide = raised(copy.deepcopy(sub), names, torch.float16)
+    out, cache = wide(x, v)  # before: the size was cast to a float tensor, the cast read as a move
+    want = torch.softmax(x.float(), dim=-1).half() @ v
+    assert cache.shape == (3, 4) and not cache.any()  # an output a kept op wrote stays fp32 (the
+    assert torch.allclose(out.float(), want.float(), atol=1e-2)  # engine module casts outputs)
