@@ -21,7 +21,7 @@ from compiler.engine_build.float_ops import candidates, fp32_weights, op_flops
 from compiler.engine_build.lower import PRECISION_DTYPES, _EngineGraph, engine_io
 from compiler.partitioning.partition import PartitionPlan
 from compiler.quantization.layers import Layer, LayerSensitivity, relative_error
-from compiler.quantization.torch_layers import graph_layers
+from compiler.quantization.torch_layers import graph_layers, weights_device
 
 REDUCED_FLOATS = ("fp16", "bf16")
 
@@ -104,7 +104,8 @@ def float_kept(initial: Any, final: Any, dataset: Any, precision: str) -> dict[s
         kinds = [i.kind for i in partition.inputs]
         every = plan.weights()
         sizes = [every[k].numel() if every[k].is_floating_point() else 0 for k in partition.weight_keys]
-        acts = iter(torch.from_numpy(np.asarray(v)) for v in feeds[name][0].values())
+        device = weights_device(plan)  # the captured activations are host arrays; run beside the weights
+        acts = iter(torch.from_numpy(np.asarray(v)).to(device) for v in feeds[name][0].values())
         tensors = iter(every[k] for k in partition.weight_keys)
         args = tuple(next(acts) if kind == "activation" else next(tensors) for kind in kinds)
         flops = op_flops(sub, args)

@@ -320,3 +320,21 @@ def test_fused_projections_answer_as_the_three_did_for_any_inputs_and_leave_the_
         x, memory = memory.add_(1.0), torch.randn(2, 3, 8)  # the same tensor, changed in place
     odd = _CrossAttention(odd_dtype=True)
     assert fused_projections(odd) is odd  # not one dtype: left as it is
+
+
+def test_a_padded_position_of_the_prefill_attends_to_itself(llama: torch.nn.Module) -> None:
+    """Padding is read by no real token, but the prefill still computes its rows and writes its cache:
+    each attends to itself, so the row is the one-token prompt of that token (position 0), defined in
+    every precision and kernel (a softmax over nothing gave fp16 on CUDA 0.41 relative L2 on a GPT-2's
+    cache, failing validation), and real rows are unchanged."""
+    from compiler.generation.step import Prefill
+
+    prefill = Prefill(llama, 16).eval()
+    ids, mask = _padded_batch()
+    with torch.no_grad():
+        logits, keys, _ = prefill(ids, mask)
+        alone, alone_keys, _ = prefill(ids[2:, :1], torch.ones(1, 1, dtype=torch.long))
+        real, _, _ = prefill(ids[1:2, 4:], mask[1:2, 4:])
+    torch.testing.assert_close(logits[2, 0], alone[0, 0], rtol=1e-4, atol=1e-5)  # padded, position 0
+    torch.testing.assert_close(keys[0][2, :, 0], alone_keys[0][0, :, 0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits[1, 4:], real[0], rtol=1e-4, atol=1e-5)  # real rows as unpadded
