@@ -428,7 +428,10 @@ class ZooEntry(_Strict):
             prompts = self.generation.validation.prompts
             if prompts is not None and zoo_dir is not None and not Path(prompts).is_absolute():
                 prompts = str(Path(zoo_dir) / prompts)
-            generation = self.generation.plan(prompts)
+            # the loosest float precision of the entry and its partitions sets the default tolerance
+            used = {self.precision, *self.partition.precision.values()}
+            loosest = next((p for p in ("bf16", "fp16") if p in used), "fp32")
+            generation = self.generation.plan(prompts, loosest)
         calibration = self.calibration.data
         if calibration is not None and zoo_dir is not None and not Path(calibration).is_absolute():
             calibration = str(Path(zoo_dir) / calibration)

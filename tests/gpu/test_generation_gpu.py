@@ -60,6 +60,7 @@ def test_zoo_compiles_decoders_on_cuda_and_a_fresh_process_generates_eager_greed
     command = [sys.executable, "-m", "flows.cli", "zoo", "gen.yaml", "--out", "out"]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    print(done.stdout[-3000:])  # the zoo's table: rel L2, latency ratio, seconds
     packages = sorted((tmp_path / "out").glob("*-gen*.kiln"))
     assert len(packages) == 2, sorted(p.name for p in (tmp_path / "out").iterdir())
     for package in packages:  # each decode program's manifest names the op's module

@@ -437,6 +437,19 @@ def test_a_generation_entry_is_one_request_with_its_plan(tmp_path: Path) -> None
     decode = request.for_program("decode")
     assert decode.generation.program == "decode" and compile_key(decode) != compile_key(request)
 
+    # perplexity's tolerance: by the loosest precision compiled, unless the entry states one
+    def tolerance(**fields) -> float:
+        gen = {"max_cache_len": 48, "prompt_length": {"max": 24}, **fields.pop("generation", {})}
+        one = ZooEntry(
+            name="g", factory="zoo.models:tiny_llama_lm", task="text-generation", generation=gen, **fields
+        )
+        return one.requests(zoo_dir=str(tmp_path))[0].generation.perplexity_rel_tol
+
+    assert plan.perplexity_rel_tol == tolerance() == 1e-4  # fp32
+    assert tolerance(precision="fp16") == 2e-3
+    assert tolerance(precision="fp16", partition={"precision": {"engine_0": "bf16"}}) == 1.6e-2
+    assert tolerance(precision="bf16", generation={"validation": {"perplexity_rel_tol": 0.05}}) == 0.05
+
 
 def test_the_decode_program_takes_its_backends_bandwidth_bound_options(tmp_path: Path) -> None:
     """Inductor's record autotunes a CUDA decode program's GEMMs (matrix-vector products that read every
