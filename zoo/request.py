@@ -111,11 +111,15 @@ class CompileRequest:
         generation request, its program's wrapper with the ranges of the ``generation`` block)."""
         loaded = self.load_model()
         if self.generation is not None:
+            from compiler.backends.capabilities import capabilities
             from compiler.generation.step import program_case
 
             lm = loaded.model.to(self.device)
+            # traced in fp32, built at fp16/bf16: the decode attention is kiln's op where the engines
+            # keep it (its Triton kernels on CUDA); elsewhere the ATen form is traced as before
+            op = capabilities(self.options.backend).kiln_ops and self.options.precision in ("fp16", "bf16")
             module, kwargs, shapes = program_case(
-                lm, self.generation.spec(lm), self.generation.program or "prefill"
+                lm, self.generation.spec(lm), self.generation.program or "prefill", attention_op=op
             )
             return LoadedCase(module, (), kwargs, shapes)
         case = apply_overrides(loaded, self.inputs, f"models[{self.name}]")

@@ -102,6 +102,10 @@ class BackendRecord:
     # from the package's weights file and reads none of the engine's own, so that copy would be bytes
     # written, hashed and shipped for nothing. None: a package keeps the engine as built.
     package_strip: str | None = None
+    # Whether its engines run kiln's own ops inside them (``kiln::decode_attention``, whose CUDA form is
+    # Triton kernels): a decode program it builds at fp16/bf16 on CUDA is traced with the op. Elsewhere
+    # a graph holding one would split around it.
+    kiln_ops: bool = False
 
     def strip_for_package(self, engine: bytes) -> bytes | None:
         """``engine`` weight-stripped for a package (see ``package_strip``); None where it stays as built."""
@@ -285,6 +289,7 @@ _RECORDS: dict[str, BackendRecord] = {
                 }
             },
             package_strip="compiler.backends.inductor.format:strip_engine",  # weights are graph inputs
+            kiln_ops=True,
         ),
         # Not a library: get_backend picks TensorRT on CUDA where one runs, else Inductor, and ONNX
         # Runtime on the CPU. Its options are checked as TensorRT's (its first choice on CUDA), and it

@@ -73,12 +73,9 @@ def _(query, keys, values, mask, new_keys, new_values, scale):
     return query.new_empty((b, 1, heads, d), dtype=values.dtype)
 
 
-def gpu_kernel_applies(query: torch.Tensor, keys: torch.Tensor) -> bool:
+def gpu_kernel_applies(query: torch.Tensor, keys: torch.Tensor, at_any_dtype: bool = False) -> bool:
     """CUDA, fp16/bf16 (fp32 keeps ATen's exact matmuls: fp32 packages promise eager's tokens) and
-    Triton importable."""
-    return (
-        query.is_cuda
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and keys.dtype == query.dtype
-        and has_triton()  # torch's own check: Triton importable and a GPU it compiles for
-    )
+    Triton importable. ``at_any_dtype``: the device alone (a trace in fp32 of a program an engine runs
+    at fp16: the op, run, decides by its own inputs)."""
+    dtypes = at_any_dtype or (query.dtype in (torch.float16, torch.bfloat16) and keys.dtype == query.dtype)
+    return query.is_cuda and dtypes and has_triton()  # torch's check: Triton and a GPU it compiles for

@@ -89,8 +89,9 @@ class _Slot(_Layer):
 
 
 ATTENTION = "kiln_decode"  # the attention implementation name Decode runs the model with
-# The running Decode's layers and the model's own attention implementation (trace time only).
-_DECODING: contextvars.ContextVar[tuple[list[_Slot], str] | None] = contextvars.ContextVar(
+# The running Decode's layers, the model's own attention implementation and whether its attention is
+# kiln's op (None: by the query's dtype) (trace time only).
+_DECODING: contextvars.ContextVar[tuple[list[_Slot], str, bool | None] | None] = contextvars.ContextVar(
     "kiln_decoding", default=None
 )
 
@@ -110,7 +111,7 @@ def _decode_attention(
     copied. Grouped query heads share their key head by a reshape (no repeated keys). What this does
     not cover (softcapping, sliding windows, a position bias) runs the model's own attention on the
     cache with the new slot written, as before."""
-    layers, original = _DECODING.get() or ((), "sdpa")
+    layers, original, use_op = _DECODING.get() or ((), "sdpa", None)
     layer = layers[module.layer_idx]
     new_k, new_v = layer.new_keys, layer.new_values
     _, heads, length, d = query.shape
@@ -125,7 +126,13 @@ def _decode_attention(
             module, query, keys, values, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     scale = d**-0.5 if scaling is None else scaling
-    if gpu_kernel_applies(query, key):  # one op, split-KV Triton kernels (compiler/generation/attention)
+    # one op, split-KV Triton kernels (compiler/generation/attention); an fp32 trace compiled at fp16 is
+    # told so (use_op): the op picks its kernel by the dtype it runs at
+    if (
+        gpu_kernel_applies(query, key)
+        if use_op is None
+        else use_op and gpu_kernel_applies(query, key, at_any_dtype=True)
+    ):
         out = torch.ops.kiln.decode_attention(query, key, value, attention_mask, new_k, new_v, scale)
     else:
         out = reference(query, key, value, attention_mask, new_k, new_v, scale)
@@ -230,7 +237,14 @@ class Prefill(_Step):
 
 
 class Decode(_Step):
-    """One token per row against the cache (see the module docstring)."""
+    """One token per row against the cache (see the module docstring). ``attention_op``: whether its
+    attention is ``kiln::decode_attention`` on the GPU (None: where the traced dtype is fp16/bf16;
+    True: also for a model traced in fp32 and compiled at fp16/bf16, by a backend whose engines keep
+    kiln's ops, ``BackendRecord.kiln_ops``)."""
+
+    def __init__(self, lm: torch.nn.Module, max_cache_len: int, attention_op: bool | None = None):
+        super().__init__(lm, max_cache_len)
+        self.attention_op = attention_op
 
     def forward(
         self,
@@ -245,7 +259,7 @@ class Decode(_Step):
         config = self.lm.config
         original = config._attn_implementation or "sdpa"
         _register_attention()
-        token = _DECODING.set((layers, original))
+        token = _DECODING.set((layers, original, self.attention_op))
         config._attn_implementation = ATTENTION
         try:
             logits, _, _ = self._run(
@@ -302,13 +316,13 @@ def generation_spec(
 
 
 def program_case(
-    lm: torch.nn.Module, spec: GenerationSpec, program: str
+    lm: torch.nn.Module, spec: GenerationSpec, program: str, attention_op: bool | None = None
 ) -> tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]:
     """(module, example kwargs, dynamic shapes) of the ``prefill`` or ``decode`` program, with the
     spec's batch and prompt ranges. Example token ids span the vocabulary (validation draws from their
     range), masks span 0..1 and the decode example writes at the longest prompt's end. Both programs
     wrap the model with its q/k/v projections fused (compiler.generation.fuse: one product a layer,
-    the same tensors in both)."""
+    the same tensors in both). ``attention_op``: see :class:`Decode`."""
     device = next(lm.parameters()).device
     lm = fused_projections(lm)
     generator = torch.Generator().manual_seed(0)
@@ -357,4 +371,4 @@ def program_case(
         "keys": [{0: batch_dim}] * spec.layers,
         "values": [{0: batch_dim}] * spec.layers,
     }
-    return Decode(lm, spec.max_cache_len).eval(), kwargs, shapes
+    return Decode(lm, spec.max_cache_len, attention_op).eval(), kwargs, shapes

@@ -478,3 +478,22 @@ def test_the_decode_program_takes_its_backends_bandwidth_bound_options(tmp_path:
         backend="inductor", devices=["cuda"], backend_options={"mode": "default"}, profiles=[{"batch": 2}]
     )["decode"]
     assert dict(own.backend_options) == {"mode": "default"} and own.profiles == ({"batch": 2},)
+
+
+def test_a_decode_program_built_at_fp16_by_inductor_is_traced_with_kilns_attention_op(tmp_path: Path) -> None:
+    """The zoo exports the model in fp32 and builds at the entry's precision: a decode program for an
+    engine that keeps kiln's ops (Inductor's record) at fp16/bf16 is told to trace the op (its Triton
+    kernels run on CUDA; found on the H100: every zoo package held the ATen form); fp32 entries and
+    ONNX backends trace the ATen form. The CPU traces ATen whatever it is told (no kernels there)."""
+
+    def told(**fields) -> bool | None:
+        gen = {"max_batch": 2, "max_cache_len": 32, "prompt_length": {"min": 1, "max": 8}}
+        entry = ZooEntry(
+            name="g", factory="zoo.models:tiny_llama_lm", task="text-generation", generation=gen, **fields
+        )
+        return entry.requests(zoo_dir=str(tmp_path))[0].for_program("decode").load_case().model.attention_op
+
+    assert told(backend="inductor", precision="fp16") is True
+    assert told(backend="inductor", precision="bf16") is True
+    assert told(backend="inductor") is False  # fp32 keeps ATen's exact products
+    assert told(backend="onnxruntime", precision="fp16") is False
