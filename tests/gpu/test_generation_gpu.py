@@ -4,12 +4,11 @@ engines), validates them against eager ``generate`` and writes their packages; a
 each and generates. The decode programs call ``kiln::decode_attention`` (its split-KV Triton kernels),
 so the packages name its module and load it by the policy's own rule. Skips elsewhere with the reason.
 
-On the H100 (torch 2.11, transformers 5.17, 2026-11-27) this FAILS: both entries stop with
-"aten::new_zeros() Expected a value of type 'List[int]' for argument 'size' but instead found type
-'list'" (with aot and with aot: false; the same file on the CPU with Inductor fp16 passes under torch
-2.13). new_zeros is the prefill program's (the cache and the padded mask); the generation benchmark,
-which compiles the same programs from an fp16 model outside `kiln zoo`, runs. Next: rerun with
-`kiln zoo ... -v` on the GPU for the traceback.
+On the H100 (torch 2.11, transformers 5.17, 2026-11-27, session 16): passes (both packages fp16,
+max relative L2 6.7e-4 / 1.2e-3, greedy gap 0 in a fresh process). It first found four bugs: fp16
+repair cast a size (new_zeros) and missed positional casts, a padded prefill row was a softmax over
+nothing (0.41 relative L2 on GPT-2's cache in fp16 on CUDA), perplexity's tolerance was fp32's for
+every precision, and the zoo traced the decode attention without kiln's op (an fp32 trace).
 
     python3 -m pytest -q tests/gpu/test_generation_gpu.py
 """
