@@ -5,10 +5,11 @@ each and generates. The decode programs call ``kiln::decode_attention`` (its spl
 so the packages name its module and load it by the policy's own rule. Skips elsewhere with the reason.
 
 On the H100 (torch 2.11, transformers 5.17, 2026-11-27, session 16): passes (both packages fp16,
-max relative L2 6.7e-4 / 1.2e-3, greedy gap 0 in a fresh process). It first found four bugs: fp16
-repair cast a size (new_zeros) and missed positional casts, a padded prefill row was a softmax over
-nothing (0.41 relative L2 on GPT-2's cache in fp16 on CUDA), perplexity's tolerance was fp32's for
-every precision, and the zoo traced the decode attention without kiln's op (an fp32 trace).
+max relative L2 6.7e-4 / 1.2e-3, greedy gap 0 in a fresh process). It first found five bugs: fp16
+repair cast a size (new_zeros) and missed positional casts, repair's kept-share count ran host
+activations against CUDA weights, a padded prefill row was a softmax over nothing (0.41 relative L2 on
+GPT-2's cache in fp16 on CUDA), perplexity's tolerance was fp32's for every precision, and the zoo
+traced the decode attention without kiln's op (an fp32 trace).
 
     python3 -m pytest -q tests/gpu/test_generation_gpu.py
 """
