@@ -128,11 +128,7 @@ def _decode_attention(
     scale = d**-0.5 if scaling is None else scaling
     # one op, split-KV Triton kernels (compiler/generation/attention); an fp32 trace compiled at fp16 is
     # told so (use_op): the op picks its kernel by the dtype it runs at
-    if (
-        gpu_kernel_applies(query, key)
-        if use_op is None
-        else use_op and gpu_kernel_applies(query, key, at_any_dtype=True)
-    ):
+    if use_op is not False and gpu_kernel_applies(query, key, at_any_dtype=bool(use_op)):
         out = torch.ops.kiln.decode_attention(query, key, value, attention_mask, new_k, new_v, scale)
     else:
         out = reference(query, key, value, attention_mask, new_k, new_v, scale)
