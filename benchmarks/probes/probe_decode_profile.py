@@ -7,6 +7,10 @@ captured-graph replays (the step time that counts). Writes the kernel table, ker
 graph's op counts and partition layout to OUT.json.
 
     python3 benchmarks/probes/probe_decode_profile.py OUT.json [--layers 16]
+
+``--compile-options JSON`` compiles with that Inductor config (mode max-autotune-no-cudagraphs), to set
+variants side by side: probe_decode_pdl_{off,on}.h100.json are ``{}`` and ``{"triton.enable_pdl": true}``,
+decode only, graphed only, on one warm H100.
 """
 
 from __future__ import annotations
@@ -64,12 +68,22 @@ def main() -> None:
     parser.add_argument("--aot", action="store_true")
     parser.add_argument("--decode-only", action="store_true", help="compile and profile decode alone")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU: tests the probe")
+    parser.add_argument("--compile-options", default="{}", help="Inductor config for the programs (JSON)")
+    parser.add_argument("--graphed-only", action="store_true", help="skip the plain-call profile")
     args = parser.parse_args()
-    result: dict = {"machine": {} if args.smoke else gpu_machine(), "layers": args.layers}
+    compile_options = json.loads(args.compile_options)
+    result: dict = {
+        "machine": {} if args.smoke else gpu_machine(),
+        "layers": args.layers,
+        "compile_options": compile_options,
+    }
     dev = "cpu" if args.smoke else "cuda"
     activity = torch.profiler.ProfilerActivity.CPU if args.smoke else torch.profiler.ProfilerActivity.CUDA
     lm = build_model(args.smoke, torch.float32 if args.smoke else torch.float16, dev, layers=args.layers)
     spec = generation_spec(lm, max_batch=8, max_cache_len=1024, prompt_min=1, prompt_max=512)
+    backend_options = {} if args.aot else {"aot": False}
+    if compile_options:
+        backend_options.update(mode="max-autotune-no-cudagraphs", compile_options=compile_options)
     programs, start = {}, time.perf_counter()
     for name in ("decode",) if args.decode_only else ("prefill", "decode"):
         wrapper, kwargs, shapes = program_case(lm, spec, name)
@@ -90,7 +104,7 @@ def main() -> None:
             strip_weights=True,
             device=dev,
             precision="fp32" if args.smoke else "fp16",
-            **program_options(name, "inductor", dev, {"backend_options": {} if args.aot else {"aot": False}}),
+            **program_options(name, "inductor", dev, {"backend_options": backend_options}),
         )
     result["compile_s"] = time.perf_counter() - start
     plan = programs["decode"].plan
@@ -126,6 +140,11 @@ def main() -> None:
     result["graphed_kernels"] = kernel_table(prof, steps)[:60]
     result["graphed_kernels_per_step"] = sum(r["count_per_step"] for r in result["graphed_kernels"])
 
+    if args.graphed_only:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        shown = {k: v for k, v in result.items() if "kernels" not in k or "per_step" in k}
+        print(json.dumps(shown, indent=1))
+        return
     # Plain calls on a fresh static cache (graphs off): each kernel with its time.
     plain = StaticDecode(programs["decode"], spec, torch.device(dev))
     plain.graphed = plain.pad_to_buckets = False

@@ -281,10 +281,15 @@ _RECORDS: dict[str, BackendRecord] = {
             # Triton templates read a 1.5B Llama's weights at 83% of copy bandwidth at batch 1 (68% at
             # 8), cuBLAS at 53% (benchmarks/probes/probe_decode_gemm.h100.json); but tuned for a dynamic
             # batch they read them at 51% at batch 1 (probe_decode_profile2.h100.json), so batch 1 gets
-            # its own static-shape engine.
+            # its own static-shape engine. A step is ~190 short kernels: programmatic dependent launch
+            # (Hopper+, Triton's gdc_wait; ignored below sm_90) starts each while the one before drains:
+            # 1.383 -> 1.244 ms a step (benchmarks/probes/probe_decode_pdl_{off,on}.h100.json).
             decode_options={
                 "cuda": {
-                    "backend_options": {"mode": "max-autotune-no-cudagraphs"},
+                    "backend_options": {
+                        "mode": "max-autotune-no-cudagraphs",
+                        "compile_options": {"triton.enable_pdl": True},
+                    },
                     "profiles": ({"batch": 1},),
                 }
             },

@@ -75,6 +75,7 @@ UNTRUSTED_COMPILE_OPTIONS = {
             "size_asserts",
             "split_reductions",
             "triton.autotune_pointwise",
+            "triton.enable_pdl",
             "triton.persistent_reductions",
         )
     },
