@@ -279,6 +279,24 @@ def measure(
     return out
 
 
+def replayed_step_ms(static: Any, position: int, steps: int = 64) -> float:
+    """The batch-1 step's captured graph replayed back to back (device time a step): what a step costs
+    without ``generate``'s work between steps (the token's pick and copy, the timer's events)."""
+    bucket = static._bucket(static.bucket_rows(1))
+    token = torch.ones(1, dtype=torch.long, device=static.device)
+    static.position.fill_(position)
+    for _ in range(4):
+        static.step(bucket, token)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    static.position.fill_(position)
+    begin.record()
+    for _ in range(steps):
+        static.step(bucket, token)
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / steps
+
+
 def greedy_divergence(module: GenerationModule, lm: torch.nn.Module, settings: dict) -> dict:
     length, new = settings["prompts"][0], settings["new_tokens"]
     ids = torch.randint(3, module.spec.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
@@ -468,6 +486,10 @@ def main() -> None:
                 step_times,
             ),
         )
+        if static.graphed and results["kiln"]:
+            results["kiln"]["decode_replay_ms_batch1"] = report.phase(
+                "kiln replayed steps", lambda: replayed_step_ms(static, module.spec.prompt_max)
+            )
         bytes_read = step_bytes(lm, module.spec.cache_bytes(1))
         if bandwidth:
             summary["copy_bandwidth_gb_per_s"] = bandwidth / 1e9
