@@ -144,15 +144,7 @@ def program_bytes(program: ExportedProgram, *, record_modules: bool = True) -> b
 
 def import_modules(program: ExportedProgram) -> list[str]:
     """Modules defining the program's non-builtin container types and custom ops."""
-    modules: set[str] = set()
-    for node in program.graph.nodes:
-        target = node.target
-        custom = isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims")
-        if node.op == "call_function" and custom:
-            definition = torch._library.custom_ops.OPDEFS.get(f"{target.namespace}::{target._opname}")
-            function = getattr(definition, "_init_fn", None)
-            if function is not None and function.__module__ != "__main__":
-                modules.add(function.__module__)
+    modules = module_policy.custom_op_modules(program)
 
     def walk(spec: Any) -> None:
         kind = getattr(spec, "type", None)

@@ -26,6 +26,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
+from typing import Any
 
 ALLOWED_MODULES_ENV = "KILN_ALLOWED_OP_MODULES"
 
@@ -125,3 +126,19 @@ def wait_for_background_import(module: str) -> None:
     pending = _BACKGROUND.get(module)
     if pending is not None:
         wait([pending])
+
+
+def custom_op_modules(program: Any) -> set[str]:
+    """Modules defining the custom ops (``torch.library.custom_op``) an exported program calls."""
+    import torch
+
+    modules: set[str] = set()
+    for node in program.graph.nodes:
+        target = node.target
+        custom = isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims")
+        if node.op == "call_function" and custom:
+            definition = torch._library.custom_ops.OPDEFS.get(f"{target.namespace}::{target._opname}")
+            function = getattr(definition, "_init_fn", None)
+            if function is not None and function.__module__ != "__main__":
+                modules.add(function.__module__)
+    return modules

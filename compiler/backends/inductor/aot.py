@@ -45,6 +45,7 @@ import torch
 # build's inputs and compare with the standalone graph's answer (saved beside it). The process starts
 # (and imports torch, seconds) while the package compiles; it reads what to check from its stdin.
 _CHECK = r"""
+import importlib
 import json
 import sys
 import torch
@@ -52,7 +53,9 @@ from safetensors.torch import load_file
 line = sys.stdin.readline()
 if not line:
     sys.exit("no package to check")
-package, tensors, device, tolerance, index = json.loads(line)
+package, tensors, device, tolerance, index, op_modules = json.loads(line)
+for module in op_modules:  # the package calls these ops through the dispatcher: register them
+    importlib.import_module(module)
 data = load_file(tensors, device=device)
 inputs = [data[f"in{i}"] for i in range(sum(k.startswith("in") for k in data))]
 runner = torch._C._aoti.AOTIModelPackageLoader(package, "model", True, 1, index)
@@ -128,7 +131,10 @@ def build_aot(
                 )
         except Exception as exc:  # Inductor raises many types; the warning needs the cause
             return None, f"AOTInductor could not compile it ({compiler}): {type(exc).__name__}: {exc}"[:600]
-        problem = _check_in_fresh_process(package, inputs, expected, device, precision, scratch, checker)
+        from compiler.program.module_policy import custom_op_modules
+
+        ops = sorted(custom_op_modules(exported))
+        problem = _check_in_fresh_process(package, inputs, expected, device, precision, scratch, checker, ops)
         if problem is not None:
             return None, f"its AOTInductor package (C++ compiler {compiler}) {problem}"
         with open(package, "rb") as file:
@@ -149,7 +155,8 @@ class FreshChecker:
         )
 
     def run(self, args: list, timeout: float) -> tuple[int, str]:
-        """(exit status, stderr) of the check of ``args`` (package, tensors, device, tolerance, index)."""
+        """(exit status, stderr) of the check of ``args`` (package, tensors, device, tolerance, index,
+        op modules)."""
         _, stderr = self.process.communicate(json.dumps(args) + "\n", timeout=timeout)
         return self.process.returncode, stderr
 
@@ -170,9 +177,11 @@ def _check_in_fresh_process(
     precision: str,
     scratch: str,
     checker: FreshChecker | None = None,
+    op_modules: Sequence[str] = (),
 ) -> str | None:
     """None when the package loads in a fresh process (``checker``'s, else one started now) and answers
-    like the standalone graph; else why."""
+    like the standalone graph; else why. ``op_modules``: modules defining the custom ops the program
+    calls (kiln's own, or ones the build's process imported), imported there first, as a load does."""
     from safetensors.torch import save_file
 
     tensors = os.path.join(scratch, "check.safetensors")
@@ -182,7 +191,8 @@ def _check_in_fresh_process(
     index = (device.index or 0) if device.type == "cuda" else -1
     with checker or FreshChecker() as fresh:
         try:
-            status, stderr = fresh.run([package, tensors, str(device), tolerance, index], timeout=600)
+            args = [package, tensors, str(device), tolerance, index, list(op_modules)]
+            status, stderr = fresh.run(args, timeout=600)
         except subprocess.TimeoutExpired:
             return "did not answer within 600 s in a fresh process"
     if status == 0:
