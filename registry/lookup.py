@@ -317,7 +317,7 @@ def lookup(
     shapes: Shapes | None = None,
     *,
     backend: str | None = None,
-    engine_target: str = "cpu",
+    engine_target: str | None = None,
     precision: str | None = None,
     version: str | None = None,
     source: str | None = None,
@@ -329,7 +329,8 @@ def lookup(
     on_progress: ProgressCallback | None = None,
 ) -> LookupResult:
     """The ``champion`` (else newest) version of ``kiln.<model>.<engine_target>`` that fits; verified and
-    loaded.
+    loaded. ``engine_target`` None: the model's one registered target, else this host's
+    (:func:`registry.targets.resolve_target`).
 
     ``shapes``: one shape for a single-input model (``(4, 64)``), a list in input order, or
     ``{"input_ids": (2, 16), ...}``. ``version`` pins a version (still checked against the filters).

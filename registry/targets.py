@@ -10,6 +10,8 @@ triton export``) resolves it here, against the targets registered for the model:
   (``cuda_sm_90`` on an H100; a target naming several architectures counts when it names this one); on
   a host without a GPU, where exports and releases usually run, the model's CUDA target if it has
   exactly one;
+- no ``--target`` at all: the model's one registered target; with several, this host's (``cuda`` on a
+  host with a GPU where a CUDA target is registered, else ``cpu``);
 - anything else, or ``cuda`` with none or several to choose from: :class:`UnknownEngineTargetError`,
   which lists the targets registered for the model and what to type.
 
@@ -71,10 +73,19 @@ def registered_targets(mlclient: Any, model: str, policy: RetryPolicy | None = N
     return sorted({name[len(prefix) :] for name in names if name.startswith(prefix)})
 
 
-def resolve_target(model: str, target: str, registered: Sequence[str], gpu: Any = _LOOKED_UP) -> str:
+def resolve_target(model: str, target: str | None, registered: Sequence[str], gpu: Any = _LOOKED_UP) -> str:
     """The registered target ``target`` names for ``model`` (see the module docstring), given the
     targets ``registered`` for it; ``gpu``: this host's compute capability (``sm_90``, None for no
-    GPU), looked up with torch when not given and only when ``target`` is a bare ``cuda``."""
+    GPU), looked up with torch when not given and only when ``target`` is a bare ``cuda`` or None."""
+    if target is None:  # no --target: the model's one target, else this host's device family
+        if len(registered) == 1:
+            return registered[0]
+        if registered:
+            gpu = local_gpu() if gpu is _LOOKED_UP else gpu
+            has_cuda = any(t.startswith(CUDA + "_") for t in registered)
+            target = CUDA if gpu is not None and has_cuda else "cpu"
+        else:
+            target = "cpu"  # nothing registered: the error below says so
     try:
         typed = target_part(target)
     except ValueError:
@@ -111,19 +122,21 @@ def resolve_target(model: str, target: str, registered: Sequence[str], gpu: Any 
         )
     raise UnknownEngineTargetError(
         f"engine target 'cuda' for {model!r}: {why}; registered targets: {listing}. Pass one with --target "
-        f"(e.g. --target {_typed(cuda[0]) if cuda else 'cpu'})",
+        f"(e.g. --target {typed_target(cuda[0]) if cuda else 'cpu'})",
         registered=list(registered),
     )
 
 
 def resolve_engine_target(
-    mlclient: Any, model: str, target: str, policy: RetryPolicy | None = None, gpu: Any = _LOOKED_UP
+    mlclient: Any, model: str, target: str | None, policy: RetryPolicy | None = None, gpu: Any = _LOOKED_UP
 ) -> str:
     """:func:`resolve_target` against the registry: the target of ``model``'s registered name."""
     return resolve_target(model, target, registered_targets(mlclient, model, policy), gpu)
 
 
-def resolved_model_name(mlclient: Any, model: str, target: str, policy: RetryPolicy | None = None) -> str:
+def resolved_model_name(
+    mlclient: Any, model: str, target: str | None, policy: RetryPolicy | None = None
+) -> str:
     """``kiln.<model>.<target>`` for the registered target ``target`` resolves to."""
     return registered_model_name(model, resolve_engine_target(mlclient, model, target, policy))
 
@@ -133,7 +146,7 @@ def model_part(model: str) -> str:
     return registered_model_name(model, "x").split(".")[1]
 
 
-def _typed(part: str) -> str:
+def typed_target(part: str) -> str:
     """``cuda_sm_90`` -> ``cuda:sm_90``: how a person writes it (the engine target's own spelling)."""
     family, _, rest = part.partition("_")
     return f"{family}:{rest}" if rest else family

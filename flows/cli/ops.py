@@ -119,7 +119,7 @@ REPORT_HELP = (
 def report_cmd(
     package: ReportPackage,
     out: Out = None,
-    engine_target: EngineTarget = "cpu",
+    engine_target: EngineTarget = None,
     version: ReportVersion = None,
     tracking_uri: ReportTrackingUri = None,
 ) -> None:

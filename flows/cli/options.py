@@ -267,7 +267,15 @@ ENGINE_TARGET_HELP = (
     "engine target of the registered versions: cpu, cuda (this machine's GPU; on a host without one, the "
     "model's only CUDA target) or cuda:sm_90"
 )
-EngineTarget = Annotated[str, typer.Option("--target", help=ENGINE_TARGET_HELP)]
+EngineTarget = Annotated[
+    str | None,
+    typer.Option(
+        "--target",
+        help=ENGINE_TARGET_HELP + " (default: the model's one registered target; with several, cuda on a "
+        "host with a GPU, else cpu)",
+        show_default=False,
+    ),
+]
 ReleaseEngineTarget = Annotated[
     str | None,
     typer.Option(

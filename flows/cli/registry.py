@@ -101,7 +101,7 @@ def lookup_cmd(
     model: LookupModel,
     shape: Shape = None,
     backend: LookupBackend = None,
-    engine_target: EngineTarget = "cpu",
+    engine_target: EngineTarget = None,
     precision: LookupPrecision = None,
     version: Version = None,
     source: Source = None,
@@ -239,7 +239,7 @@ def release_cmd(
 
 def rollback_cmd(
     model: ReleaseModel,
-    engine_target: EngineTarget = "cpu",
+    engine_target: EngineTarget = None,
     to: To = None,
     tracking_uri: TrackingUri = None,
     triton: TritonUrl = None,

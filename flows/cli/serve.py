@@ -45,7 +45,7 @@ serve_app.add_typer(triton_app, name="triton")
 def export_cmd(
     models: Models,
     repository: Repository,
-    engine_target: EngineTarget = "cpu",
+    engine_target: EngineTarget = None,
     queue_delay_us: QueueDelayUs = 1000,
     instances: Instances = 0,
     threads: Threads = 0,

@@ -439,7 +439,7 @@ def export(
     models: Sequence[str],
     repository: str | os.PathLike,
     *,
-    engine_target: str = "cpu",
+    engine_target: str | None = None,
     tracking_uri: str | None = None,
     queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
     instances: int = DEFAULT_INSTANCES,
@@ -452,7 +452,9 @@ def export(
     fails to export, by name.
 
     Each model is all or nothing (:func:`export_model`); every model is tried, and the result lists
-    each one's outcome in order. Bad options or an unusable repository raise before anything is written."""
+    each one's outcome in order. ``engine_target`` None: each model's one registered target, else this
+    host's (:func:`registry.targets.resolve_target`). Bad options or an unusable repository raise
+    before anything is written."""
     from compiler.errors import KilnError
     from registry import config
 
@@ -482,7 +484,7 @@ def export_model(
     mlclient: Any,
     repo: Path,
     model: str,
-    engine_target: str,
+    engine_target: str | None,
     settings: dict[str, Any],
     *,
     allowed_modules: Sequence[str] | None = None,
@@ -490,9 +492,11 @@ def export_model(
     """One model's folder from its champion (and previous): all or nothing. On any failure the
     versions this call staged are removed and ``kiln-serving.json`` and ``config.pbtxt`` are put back
     as they were; a folder this call created is removed whole."""
-    from registry.targets import resolved_model_name
+    from registry.models import registered_model_name
+    from registry.targets import resolve_engine_target, typed_target
 
-    registered = resolved_model_name(mlclient, model, engine_target)  # --target cuda: registry.targets
+    target = resolve_engine_target(mlclient, model, engine_target)  # --target cuda: registry.targets
+    registered = registered_model_name(model, target)
     champion, previous = champion_of(mlclient, registered)
     name = triton_model_name(model)
     model_dir = repo / name
@@ -508,7 +512,7 @@ def export_model(
                 )
                 if new:
                     created.append(version)
-            serving = ServingSettings(registered, model, engine_target, **settings)
+            serving = ServingSettings(registered, model, engine_target or typed_target(target), **settings)
             write_bytes_atomic(model_dir / SETTINGS_FILE, serving.to_json().encode())
             write_config(model_dir, config_for(model_dir, champion))
         except BaseException:

@@ -46,3 +46,18 @@ def test_a_target_matching_nothing_is_a_no_match_listing_the_registered_ones() -
         resolve_target("nope", "cpu", [], gpu=None)
     with pytest.raises(UnknownEngineTargetError, match="'::' matches nothing"):
         resolve_target("bert", "::", REGISTERED, gpu=None)  # no usable characters: still typed
+
+
+def test_no_target_is_the_models_one_target_else_this_hosts() -> None:
+    """No --target: the only registered target whatever the host (a GPU-only model exports and looks up
+    without one), else cuda on a GPU host that has a CUDA target registered, else cpu."""
+    assert resolve_target("gpt2", None, ["cuda_sm_90"], gpu=None) == "cuda_sm_90"
+    assert resolve_target("gpt2", None, ["cpu"], gpu="sm_90") == "cpu"
+    assert resolve_target("bert", None, REGISTERED, gpu="sm_90") == "cuda_sm_90"
+    assert resolve_target("bert", None, REGISTERED, gpu=None) == "cpu"
+    with pytest.raises(UnknownEngineTargetError, match=r"none is built for this machine's GPU \(sm_75\)"):
+        resolve_target("bert", None, ["cuda_sm_80", "cuda_sm_90"], gpu="sm_75")
+    with pytest.raises(UnknownEngineTargetError, match=r"'cpu' matches nothing .* cuda_sm_80, cuda_sm_90"):
+        resolve_target("bert", None, ["cuda_sm_80", "cuda_sm_90"], gpu=None)
+    with pytest.raises(UnknownEngineTargetError, match="nothing is registered for 'nope'"):
+        resolve_target("nope", None, [], gpu="sm_90")
