@@ -168,10 +168,14 @@ def test_target_cuda_finds_the_single_cuda_version_on_every_command(cuda_store: 
 
 
 def test_a_target_matching_nothing_lists_the_registered_targets(cuda_store: Path) -> None:
-    done = _kiln(cuda_store, "lookup", "mlp", "--shape", "4,16", "--json", preload=SQLITE)  # --target cpu
+    lookup = ("lookup", "mlp", "--shape", "4,16", "--json")
+    done = _kiln(cuda_store, *lookup, "--target", "cpu", preload=SQLITE)
     assert done.returncode == 1, _said(done)
     error = json.loads(done.stdout[: done.stdout.rindex("}") + 1])["error"]
     assert "'cpu' matches nothing registered for 'mlp'" in error and "registered targets: cuda_sm_90" in error
+    # No --target: the model's one target (cuda_sm_90), which this CPU-only host cannot load, and says so.
+    done = _kiln(cuda_store, *lookup, preload=SQLITE)
+    assert done.returncode == 2 and "needs a CUDA GPU" in _said(done), _said(done)
     # Two CUDA targets and no GPU to choose by: both listed, and how to name one.
     done = _kiln(cuda_store, "rollback", "two", "--target", "cuda", preload=SQLITE)
     assert done.returncode == 2, _said(done)
