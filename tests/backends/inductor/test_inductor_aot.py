@@ -24,10 +24,11 @@ from torch.export import Dim
 import compiler
 from compiler.backends import get_backend
 from compiler.backends.inductor import native
-from compiler.backends.inductor.aot import _check_in_fresh_process
+from compiler.backends.inductor.aot import _check_in_fresh_process, build_aot
 from compiler.backends.inductor.compat import cxx_runtime, process_cxx_runtime
 from compiler.backends.inductor.format import AOT, COMPILED, HEADER, pack
 from compiler.errors import BuildSettingsError, ForeignEngineCodeWarning
+from compiler.program.module_policy import custom_op_modules
 from tests.fixtures.signing_keys import ec_key_pair
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -259,3 +260,23 @@ def test_a_native_package_for_a_newer_cxx_runtime_is_refused_by_name_and_the_eng
         native_engine = get_backend("inductor").load(original.engine, original.io, None)
     assert native_engine.last_dispatch == "aot"
     torch.testing.assert_close(native_engine(x)[0], model(x), rtol=1e-5, atol=1e-5)
+
+
+class _WithCustomOp(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kilntest.shifted_tanh(x * 2, 0.5)
+
+
+@pytest.mark.slow
+def test_a_package_calling_a_custom_op_passes_its_fresh_process_check() -> None:
+    """The build's fresh-process check imports the modules of the custom ops the program calls before
+    loading the package (a package calls them through the dispatcher): without them it failed ("Could
+    not find schema for ...") and the engine lost its package (found on the H100: every fp16 decode
+    program, which calls kiln::decode_attention inside its engine)."""
+    from tests.backends.inductor import custom_op_module  # defines kilntest::shifted_tanh
+
+    model, x = _WithCustomOp().eval(), torch.randn(4, 12)
+    exported = torch.export.export(model, (x,))
+    assert custom_op_modules(exported) == {custom_op_module.__name__}
+    package, why = build_aot(exported, [x], [model(x)], {}, torch.device("cpu"), "fp32")
+    assert package is not None, why
