@@ -108,17 +108,9 @@ def server(store: dict):
 
 
 def _infer(url: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    import tritonclient.grpc as client_lib  # the GPU host's wheels: grpc (http needs gevent)
+    from tests.fixtures.triton_server import infer_generation
 
-    wire = {"int64": "INT64", "float32": "FP32", "bool": "BOOL"}
-    inputs = []
-    for name, value in feeds.items():
-        item = client_lib.InferInput(name, list(value.shape), wire[str(value.dtype)])
-        item.set_data_from_numpy(value)
-        inputs.append(item)
-    with client_lib.InferenceServerClient(url) as client:
-        answer = client.infer(MODEL, inputs)
-    return {name: answer.as_numpy(name) for name in ("output_ids", "generated_ids")}
+    return infer_generation("grpc", url, MODEL, feeds)  # the GPU host's wheels: grpc (http needs gevent)
 
 
 def test_a_cuda_generation_version_serves_generate_over_grpc(store: dict, server: dict) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from tests.fixtures import preloaded
-from tests.fixtures.triton_server import kiln_triton
+from tests.fixtures.triton_server import kiln_triton, triton_inputs
 
 # How each per-model command runs in the matrix (the command path -> argument lists); a command not
 # named here runs as `kiln <command> <model>`. "compile" recompiles what `kiln zoo` just compiled.
@@ -164,15 +164,9 @@ def infer(url: str, model: str, feeds: dict[str, Any]) -> tuple[dict[str, Any], 
     """tritonclient over HTTP: every output by name, and the version that answered."""
     import tritonclient.http as http
 
-    wire = {"float32": "FP32", "int64": "INT64", "int32": "INT32", "bool": "BOOL", "float16": "FP16"}
-    inputs = []
-    for name, value in feeds.items():
-        item = http.InferInput(name, list(value.shape), wire[str(value.dtype)])
-        item.set_data_from_numpy(value)
-        inputs.append(item)
     # Closed after each request: a kept-alive connection holds the server's exit for its 10 s timeout.
     with http.InferenceServerClient(url) as client:
-        answer = client.infer(model, inputs)
+        answer = client.infer(model, triton_inputs(http, feeds))
     outputs = {o["name"]: answer.as_numpy(o["name"]) for o in answer.get_response()["outputs"]}
     return outputs, answer.get_response()["model_version"]
 

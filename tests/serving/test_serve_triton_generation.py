@@ -25,7 +25,7 @@ import torch
 import compiler
 from tests.fixtures import preloaded
 from tests.fixtures.generation import compile_generation
-from tests.fixtures.triton_server import kiln_triton
+from tests.fixtures.triton_server import infer_generation, kiln_triton, triton_inputs
 from zoo.models import tiny_llama_lm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,23 +85,8 @@ def server(store: dict, repository: Path):
         yield {"http": run.http, "grpc": run.grpc}
 
 
-WIRE = {"int64": "INT64", "float32": "FP32", "bool": "BOOL"}
-
-
 def _infer(protocol: str, url: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    if protocol == "http":
-        import tritonclient.http as client_lib
-    else:
-        import tritonclient.grpc as client_lib
-    inputs = []
-    for name, value in feeds.items():
-        item = client_lib.InferInput(name, list(value.shape), WIRE[str(value.dtype)])
-        item.set_data_from_numpy(value)
-        inputs.append(item)
-    # Closed after each request: a kept-alive connection holds the server's exit for its 10 s timeout.
-    with client_lib.InferenceServerClient(url) as client:
-        answer = client.infer(MODEL, inputs)
-    return {name: answer.as_numpy(name) for name in ("output_ids", "generated_ids")}
+    return infer_generation(protocol, url, MODEL, feeds)
 
 
 def _padded_batch() -> tuple[np.ndarray, np.ndarray]:
@@ -227,11 +212,7 @@ def _stream(url: str, feeds: dict[str, np.ndarray], timeout: float = 120.0) -> l
 
     import tritonclient.grpc as grpc
 
-    inputs = []
-    for name, value in feeds.items():
-        item = grpc.InferInput(name, list(value.shape), WIRE[str(value.dtype)])
-        item.set_data_from_numpy(value)
-        inputs.append(item)
+    inputs = triton_inputs(grpc, feeds)
     answers: queue.Queue = queue.Queue()
     got: list[tuple[np.ndarray, bool]] = []
     with grpc.InferenceServerClient(url) as client:
