@@ -118,7 +118,10 @@ def import_in_background(modules: Sequence[str]) -> None:
                 for module in todo:
                     _BACKGROUND.pop(module, None)
 
-    threading.Thread(target=run, name="kiln-import", daemon=True).start()
+    # Not a daemon: the interpreter waits for it at exit. A daemon thread still importing (torch's and
+    # transformers' C++ extensions) while the interpreter finalizes aborts the process ("terminate called
+    # without an active exception"), e.g. a script that loads a package and exits at once.
+    threading.Thread(target=run, name="kiln-import", daemon=False).start()
 
 
 def wait_for_background_import(module: str) -> None:
