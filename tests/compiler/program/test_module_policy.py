@@ -146,3 +146,24 @@ def test_kilns_own_op_module_loads_even_in_the_strict_mode_and_no_other_kiln_mod
     )
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
     assert not is_allowed_module("compiler.atomic", ())  # the exact modules, not the prefix "compiler"
+
+
+def test_a_process_that_exits_at_once_waits_for_its_background_import(tmp_path):
+    """A load's background import (an output type's module) finishes before the interpreter exits: a
+    thread left inside an import while the interpreter finalizes aborted the process (CI: exit -6,
+    "terminate called without an active exception", after a script's last line)."""
+    (tmp_path / "slow_output_types.py").write_text(
+        "import pathlib, time\ntime.sleep(1.0)\n"
+        "pathlib.Path(__file__).with_suffix('.done').write_text('ok')\n"
+    )
+    done = _fresh(
+        f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from compiler.program.module_policy import import_in_background
+        import_in_background(["slow_output_types"])
+        print("exiting")
+        """
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "exiting", done.stderr[-3000:]
+    assert (tmp_path / "slow_output_types.done").read_text() == "ok"  # the import ran to its end
