@@ -1,9 +1,9 @@
 """A CUDA generation entry through the user's commands on the GPU (issue 44): `kiln zoo` compiles a
 Llama-style decoder read from a ``save_pretrained`` folder (``source: hf:``, keyword inputs) at fp16 on
-CUDA and records it, `kiln release` re-validates it (greedy tokens, perplexity, decode speed) and makes it
-champion, and `kiln lookup` finds it, each with no --target and in a process of its own, as a scheduled
-recompile and the release pipeline run them. The package read back in a fresh process generates on the
-GPU. Skips elsewhere with the reason.
+CUDA and records it, `kiln release` re-validates it (greedy tokens and perplexity; decode speed has no
+champion to be compared with yet) and makes it champion, and `kiln lookup` finds it, each with no
+--target and in a process of its own, as a scheduled recompile and the release pipeline run them. The
+package read back in a fresh process generates on the GPU. Skips elsewhere with the reason.
 
     python3 -m pytest -q tests/gpu/test_zoo_release_generation_gpu.py
 """
