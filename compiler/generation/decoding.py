@@ -6,7 +6,10 @@ given and returns the step's own keys and values (``compiler.generation.step``).
 in preallocated buffers: one tensor ``[2 * layers, max_batch, kv_heads, max_cache_len, head_dim]``
 allocated once per module, each layer's keys and values a view of it; each step runs the program on
 the views and writes what it returned at the step's position with one ``index_copy_`` (one kernel for
-every layer). A decode program written before (package from an earlier kiln) returns whole updated
+every layer). The step also picks its greedy token on the device (argmax of the last logits) and writes
+it as the next step's input and into a token history: a greedy loop then launches nothing between
+steps (on the H100 the pick and the token's copy outside the graph cost ~50 us a step, 4% of a 1B
+model's step). A decode program written before (package from an earlier kiln) returns whole updated
 caches instead: those are copied back, the slot alone (``index_copy_``, two small kernels per layer
 and tensor) or, where the whole cache is small, all of it in one multi-tensor copy. The token, the
 attention mask and the position are device buffers too, advanced on the device, so a step reads
@@ -58,6 +61,7 @@ class _Bucket:
     cache: torch.Tensor  # [2 * layers, rows, kv_heads, max_cache_len, head_dim]
     keys: list[torch.Tensor]  # per layer [rows, kv_heads, max_cache_len, head_dim]: views of cache
     values: list[torch.Tensor]
+    history: torch.Tensor  # [rows, max_cache_len + 1]: column p holds the greedy token for position p
     graph: Any = None
     logits: torch.Tensor | None = None  # the captured step's output: last-position logits [rows, vocab]
 
@@ -87,7 +91,12 @@ class StaticDecode:
         self._values = list(self._cache[spec.layers :].unbind(0))
         self._ids = torch.zeros(spec.max_batch, 1, dtype=torch.long, device=self.device)
         self._mask = torch.zeros(spec.max_batch, spec.max_cache_len, dtype=torch.long, device=self.device)
+        self._history = torch.zeros(
+            spec.max_batch, spec.max_cache_len + 1, dtype=torch.long, device=self.device
+        )
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._at = 0  # the position the next step writes, on the host (where ``greedy_token`` reads)
+        self._fed: torch.Tensor | None = None  # the last greedy token handed out: already the next input
         self._buckets: dict[int, _Bucket] = {}
         self._pool: Any = None
         self.captures = 0
@@ -115,17 +124,28 @@ class StaticDecode:
         if extra:
             bucket.mask[batch:, :length] = mask[:1]
         self.position.fill_(length)
+        self._at, self._fed = length, None
         return bucket
 
     def step(self, bucket: _Bucket, token: torch.Tensor) -> torch.Tensor:
         """Feed ``token`` [batch] at the current position; the logits [batch, vocab] of the next one. The
-        tensor is the step's own buffer where graphed: read (or clone) it before the next step."""
+        tensor is the step's own buffer where graphed: read (or clone) it before the next step. A token
+        that is the last ``greedy_token`` is already in place (the step wrote it): nothing is copied."""
         batch = token.shape[0]
-        bucket.ids[:batch, 0].copy_(token)
+        if token is not self._fed:
+            bucket.ids[:batch, 0].copy_(token)
+        self._at += 1
         if bucket.graph is None:
             return self._body(bucket)[:batch]
         bucket.graph.replay()
         return bucket.logits[:batch]
+
+    def greedy_token(self, bucket: _Bucket, batch: int) -> torch.Tensor:
+        """The last step's greedy token of each row [batch] (the argmax of its logits, picked inside the
+        step): a view of the history, which later steps do not overwrite. Fed back unchanged to ``step``,
+        it costs no copy."""
+        self._fed = bucket.history[:batch, self._at]
+        return self._fed
 
     # -- the step --------------------------------------------------------------------------------
     def _body(self, bucket: _Bucket) -> torch.Tensor:
@@ -141,18 +161,23 @@ class StaticDecode:
         if len(out) == 2:  # logits and the step's keys and values: written at the position, one kernel
             logits, new = out
             bucket.cache.index_copy_(3, position, new)
-            position.add_(1)
-            return logits[:, -1]
-        # An earlier kiln's program returns whole updated caches: the buffers take them (or the slot).
-        logits, keys, values = out
-        statics, fresh = bucket.keys + bucket.values, list(keys) + list(values)
+        else:  # an earlier kiln's program returns whole updated caches: the buffers take them (or the slot)
+            _, keys, values = out
+            self._write_back(bucket, list(keys) + list(values))
+        position.add_(1)
+        last = out[0][:, -1]
+        pick = last.argmax(-1, keepdim=True)  # the greedy token: the next input, and its history column
+        bucket.ids.copy_(pick)
+        bucket.history.index_copy_(1, position, pick)
+        return last
+
+    def _write_back(self, bucket: _Bucket, fresh: list[torch.Tensor]) -> None:
+        statics, position = bucket.keys + bucket.values, self.position
         if self.spec.cache_bytes(bucket.rows) <= self.full_copy_max_bytes:  # read when captured
             torch._foreach_copy_(statics, fresh)
         else:
             for static, new in zip(statics, fresh, strict=True):
                 static.index_copy_(2, position, new.index_select(2, position))
-        position.add_(1)
-        return logits[:, -1]
 
     def _bucket(self, rows: int) -> _Bucket:
         bucket = self._buckets.get(rows)
@@ -164,6 +189,7 @@ class StaticDecode:
                 self._cache[:, :rows],
                 [k[:rows] for k in self._keys],
                 [v[:rows] for v in self._values],
+                self._history[:rows],
             )
             if self.graphed:
                 self._capture(bucket)

@@ -188,7 +188,10 @@ class GenerationModule(torch.nn.Module):
                     else:  # an earlier kiln's decode program: the updated caches
                         logits, keys, values = step_out
                     last = logits[:, -1]
-                token = _pick(last, do_sample, temperature, top_k, top_p, generator)
+                if static is not None and not do_sample:  # picked inside the step: nothing launched here
+                    token = static.greedy_token(bucket, batch)
+                else:
+                    token = _pick(last, do_sample, temperature, top_k, top_p, generator)
                 timer.mark()
                 if output_logits:
                     self.last_logits.append(last.clone())

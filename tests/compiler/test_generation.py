@@ -193,6 +193,8 @@ def test_static_cache_steps_match_the_functional_loop_and_write_in_place(loaded:
     pointer = keys.data_ptr()
     tokens = loaded.generate(ids, mask, max_new_tokens=6, eos_token_id=[])
     assert static._keys[0].data_ptr() == pointer  # the same buffer, written in place
+    # the greedy tokens after the first were picked inside the steps (no launch between steps)
+    assert torch.equal(static._history[:3, 10:15], tokens[:, 10:15])
     # a prefill of the whole sequence computes the keys the steps wrote (positions 0..13; 14 is unread)
     full_mask = torch.cat([mask, torch.ones(3, 5, dtype=mask.dtype)], dim=1)
     _, want, _ = loaded.prefill(input_ids=tokens[:, :14], attention_mask=full_mask)
