@@ -2,7 +2,9 @@
 
 ``generate`` spends ~50 us between captured steps (1.36 ms a step vs 1.31 replayed back to back on the
 H100); the pick is an argmax over the vocabulary (128,256 for the Llama-style benchmark model). Times
-each form on the device (CUDA events, 2,000 calls, fp16 logits) and checks that they agree.
+each form on the device inside a CUDA graph (what a captured step pays; CUDA events over 20 replays of
+100 calls, fp16 logits) and checks that they agree. probe_greedy_pick.h100.json timed eager calls
+(bound by launches, not the kernels); probe_greedy_pick_graphed.h100.json times them captured.
 
     python3 benchmarks/probes/probe_greedy_pick.py OUT.json
 """
@@ -30,16 +32,27 @@ def two_stage(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     return (best * chunk + inner.gather(-1, best)).squeeze(-1)
 
 
-def device_us(fn, logits: torch.Tensor, calls: int = 2000) -> float:
-    for _ in range(20):
-        fn(logits)
+def device_us(fn, logits: torch.Tensor, calls: int = 100, replays: int = 20) -> float:
+    """Device time of one call, captured in a CUDA graph of ``calls`` calls (what a captured decode step
+    pays: no launch gaps; timed eagerly, every form is bound by its launches)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(logits)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn(logits)
+    graph.replay()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
-    for _ in range(calls):
-        fn(logits)
+    for _ in range(replays):
+        graph.replay()
     end.record()
     end.synchronize()
-    return begin.elapsed_time(end) / calls * 1e3
+    return begin.elapsed_time(end) / (calls * replays) * 1e3
 
 
 def main() -> None:
@@ -48,6 +61,7 @@ def main() -> None:
         "argmax": lambda x: x.argmax(-1),
         "two_stage_1024": two_stage,
         "two_stage_4096": lambda x: two_stage(x, 4096),
+        "two_stage_256": lambda x: two_stage(x, 256),
         "copy_token": lambda x: x[:, :1].copy_(x[:, 1:2]),
     }
     for rows in (1, 8):

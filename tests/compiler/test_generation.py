@@ -16,6 +16,7 @@ import torch
 
 import compiler
 from compiler.errors import GenerationError, PackageCorruptError
+from compiler.generation.decoding import greedy_pick
 from compiler.generation.module import GenerationModule
 from compiler.generation.package import save_generation
 from compiler.generation.step import check_causal_lm, generation_spec, program_case, write_slot
@@ -340,3 +341,14 @@ def test_a_padded_position_of_the_prefill_attends_to_itself(llama: torch.nn.Modu
     torch.testing.assert_close(logits[2, 0], alone[0, 0], rtol=1e-4, atol=1e-5)  # padded, position 0
     torch.testing.assert_close(keys[0][2, :, 0], alone_keys[0][0, :, 0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(logits[1, 4:], real[0], rtol=1e-4, atol=1e-5)  # real rows as unpadded
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 128256), (3, 50257), (2, 1000), (4, 2048)])
+def test_greedy_pick_is_argmax_and_takes_the_first_of_equal_maxima(rows: int, vocab: int) -> None:
+    """The in-step pick (two passes over chunks of the vocabulary) is ``argmax``, ties included."""
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)).half()
+    assert torch.equal(greedy_pick(logits)[:, 0], logits.argmax(-1))
+    logits[:, vocab // 3] = logits[:, -7] = 100.0  # two equal maxima, in different chunks
+    assert greedy_pick(logits)[:, 0].tolist() == [vocab // 3] * rows
+    flat = torch.zeros(rows, vocab)
+    assert greedy_pick(flat)[:, 0].tolist() == [0] * rows
