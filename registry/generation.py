@@ -4,7 +4,8 @@
 ``generation.first_divergence`` (where they differ), ``generation.max_step_logits_error``,
 ``generation.perplexity`` / ``generation.eager_perplexity`` / ``generation.perplexity_rel_error``,
 ``ttft_ms.prompt<N>`` (time to first token at two prompt lengths, batch 1) and
-``decode_tokens_per_s.batch<B>`` (batch 1 and 8), each also for the eager programs (``eager_...``).
+``decode_tokens_per_s.batch<B>`` (batch 1 and 8) and, on CUDA, ``peak_gpu_memory_bytes``, each also for
+the eager programs (``eager_...``).
 
 And the logged model's signature, which says how to call it: ``generate`` (:func:`generation_signature`).
 """
@@ -46,6 +47,8 @@ def generation_metrics(package_dir: Path, manifest: Manifest) -> dict[str, float
                 metrics[f"{prefix}ttft_ms.prompt{key.rsplit('prompt', 1)[1]}"] = float(value)
             elif key.startswith(f"{side}_decode_tokens_per_s_batch"):
                 metrics[f"{prefix}decode_tokens_per_s.batch{key.rsplit('batch', 1)[1]}"] = float(value)
+            elif key == f"{side}_peak_gpu_memory_bytes":
+                metrics[f"{prefix}peak_gpu_memory_bytes"] = float(value)
     return metrics
 
 

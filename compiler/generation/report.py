@@ -165,6 +165,8 @@ def _report_section(spec: GenerationSpec) -> Markup:
         (f"time to first token, prompt {n} (ms)", f"ttft_ms_prompt{n}")
         for n in speed.get("prompt_lengths") or []
     ] + [(f"decode tokens/s, batch {b}", f"decode_tokens_per_s_batch{b}") for b in speed.get("batches") or []]
+    if "compiled_peak_gpu_memory_bytes" in speed:  # measured on CUDA only
+        measures.append(("peak GPU memory (bytes)", "peak_gpu_memory_bytes"))
     speed_rows = [
         [label, num(speed.get(f"compiled_{key}"), ".5g"), num(speed.get(f"eager_{key}"), ".5g")]
         for label, key in measures

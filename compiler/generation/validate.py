@@ -197,7 +197,10 @@ def measure_speed(
     module: GenerationModule, lm: torch.nn.Module | None = None, *, runs: int = 3, new_tokens: int = 16
 ) -> dict[str, Any]:
     """Time to first token at two prompt lengths (batch 1) and decode tokens/s at batch 1 and 8 (or
-    ``max_batch``), for ``module`` and, with ``lm``, its eager programs through the same loop."""
+    ``max_batch``), for ``module`` and, with ``lm``, its eager programs through the same loop. On CUDA
+    also ``<name>_peak_gpu_memory_bytes``: the most the process held allocated on the device while that
+    module generated (its weights, static cache, graphs and activations, with what the process held
+    before: the other module's weights too, where both are loaded)."""
     spec = module.spec
     modules = {"compiled": module}
     if lm is not None:
@@ -209,7 +212,11 @@ def measure_speed(
     batches = sorted({1, min(8, spec.max_batch)})
     generator = torch.Generator().manual_seed(0)
     result: dict[str, Any] = {"prompt_lengths": lengths, "batches": batches}
+    cuda = module.device.type == "cuda"
     for name, m in modules.items():
+        if cuda:
+            torch.cuda.synchronize(module.device)
+            torch.cuda.reset_peak_memory_stats(module.device)
         for length in lengths:
             ids = torch.randint(0, spec.vocab_size, (1, length), generator=generator).to(module.device)
             times = []
@@ -226,6 +233,8 @@ def measure_speed(
                 m.generate(ids, max_new_tokens=steps, eos_token_id=[])
                 per_step += m.last_times.decode
             result[f"{name}_decode_tokens_per_s_batch{batch}"] = round(batch / _median(per_step), 2)
+        if cuda:
+            result[f"{name}_peak_gpu_memory_bytes"] = int(torch.cuda.max_memory_allocated(module.device))
     result["measured_at"] = time.strftime("%Y-%m-%d")
     return result
 

@@ -93,3 +93,21 @@ def test_zoo_compiles_decoders_on_cuda_and_a_fresh_process_generates_eager_greed
     ran = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr[-4000:]
     print(ran.stdout)
+
+
+def test_the_speed_measure_records_peak_gpu_memory_and_the_run_logs_it() -> None:
+    """Item 4: the speed a zoo compile measures for a generation version holds the peak GPU memory of
+    each side it measured (at least the weights and the static cache); registry/generation.py logs it
+    as the run's ``peak_gpu_memory_bytes``."""
+    from compiler.generation.module import GenerationModule
+    from compiler.generation.step import Decode, Prefill, generation_spec
+    from compiler.generation.validate import measure_speed
+    from zoo.models import tiny_llama_lm
+
+    lm = tiny_llama_lm(seed=0, hidden=64).model.eval().cuda()
+    spec = generation_spec(lm, max_batch=2, max_cache_len=32, prompt_min=1, prompt_max=8)
+    module = GenerationModule(Prefill(lm, spec.max_cache_len), Decode(lm, spec.max_cache_len), spec)
+    speed = measure_speed(module, runs=1, new_tokens=4)
+    weights = sum(p.numel() * p.element_size() for p in lm.parameters())
+    assert speed["compiled_peak_gpu_memory_bytes"] >= weights + spec.cache_bytes(2), speed
+    assert "eager_peak_gpu_memory_bytes" not in speed  # no eager side measured
