@@ -280,8 +280,8 @@ def measure(
 
 
 def replayed_step_ms(static: Any, position: int, steps: int = 64) -> float:
-    """The batch-1 step's captured graph replayed back to back (device time a step): what a step costs
-    without ``generate``'s work between steps (the token's pick and copy, the timer's events)."""
+    """The batch-1 step's captured graph replayed back to back (device time a step, its greedy pick
+    included, plus a token copy each): what a step costs without ``generate``'s loop around it."""
     bucket = static._bucket(static.bucket_rows(1))
     token = torch.ones(1, dtype=torch.long, device=static.device)
     static.position.fill_(position)
