@@ -95,10 +95,10 @@ def test_zoo_compiles_decoders_on_cuda_and_a_fresh_process_generates_eager_greed
     print(ran.stdout)
 
 
-def test_the_speed_measure_records_peak_gpu_memory_and_the_run_logs_it() -> None:
+def test_the_speed_measure_records_peak_gpu_memory() -> None:
     """Item 4: the speed a zoo compile measures for a generation version holds the peak GPU memory of
-    each side it measured (at least the weights and the static cache); registry/generation.py logs it
-    as the run's ``peak_gpu_memory_bytes``."""
+    each side it measured (at least the weights and the static cache), the figure registry/generation.py
+    logs as the run's ``peak_gpu_memory_bytes``."""
     from compiler.generation.module import GenerationModule
     from compiler.generation.step import Decode, Prefill, generation_spec
     from compiler.generation.validate import measure_speed
