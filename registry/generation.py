@@ -40,7 +40,16 @@ def generation_metrics(package_dir: Path, manifest: Manifest) -> dict[str, float
     metrics.update(
         {"generation.max_batch": float(spec.max_batch), "generation.max_cache_len": float(spec.max_cache_len)}
     )
-    for key, value in (report.get("speed") or {}).items():
+    metrics.update(speed_metrics(report.get("speed") or {}))
+    return metrics
+
+
+def speed_metrics(speed: dict[str, Any]) -> dict[str, float]:
+    """The run's metrics from a generation report's ``speed`` (what ``measure_speed`` in
+    compiler.generation.validate measured): the compiled programs' measures under their own names, the
+    eager programs' with ``eager_``."""
+    metrics: dict[str, float] = {}
+    for key, value in speed.items():
         for side in ("compiled", "eager"):
             prefix = "" if side == "compiled" else "eager_"
             if key.startswith(f"{side}_ttft_ms_prompt"):

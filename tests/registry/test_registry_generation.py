@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from registry.generation import speed_metrics
 from registry.models import CHAMPION, PREVIOUS, TAG_REJECTED, get_aliases, registered_model_name
 from tests.fixtures import preloaded
 from tests.fixtures.generation import compile_generation
@@ -193,3 +194,23 @@ def test_a_worse_generation_version_is_refused_naming_each_measure(
     rejected = json.loads(client.get_model_version(NAME, versions["retrained"]).tags[TAG_REJECTED])
     assert rejected[0].startswith("generation.token_agreement: greedy tokens differ")
     assert get_aliases(client, NAME)[CHAMPION] == versions["good-b3"]  # nothing moved
+
+
+def test_speed_metrics_name_each_measure_of_each_side() -> None:
+    """What a zoo compile measured (compiler.generation.validate.measure_speed) becomes the run's metrics:
+    the compiled programs' under their own names, the eager ones' prefixed, the GPU's peak memory too."""
+    speed = {
+        "prompt_lengths": [8, 10],
+        "batches": [1, 2],
+        "compiled_ttft_ms_prompt8": 1.5,
+        "eager_decode_tokens_per_s_batch2": 40.0,
+        "compiled_peak_gpu_memory_bytes": 123456,
+        "eager_peak_gpu_memory_bytes": 234567,
+        "measured_at": "2026-11-28",
+    }
+    assert speed_metrics(speed) == {
+        "ttft_ms.prompt8": 1.5,
+        "eager_decode_tokens_per_s.batch2": 40.0,
+        "peak_gpu_memory_bytes": 123456.0,
+        "eager_peak_gpu_memory_bytes": 234567.0,
+    }
