@@ -12,6 +12,8 @@ And the logged model's signature, which says how to call it: ``generate`` (:func
 
 from __future__ import annotations
 
+import contextlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -33,32 +35,49 @@ def generation_metrics(package_dir: Path, manifest: Manifest) -> dict[str, float
     spec = GenerationSpec.from_json(json_reader.loads(raw, where, error=PackageJsonError))
     report = spec.validation
     metrics = {
-        f"generation.{k}": float(report[k])
+        f"generation.{k}": _number(report[k], where, f"validation.{k}")
         for k in (*_REPORT, "perplexity_rel_error")
         if report.get(k) is not None
     }
     metrics.update(
         {"generation.max_batch": float(spec.max_batch), "generation.max_cache_len": float(spec.max_cache_len)}
     )
-    metrics.update(speed_metrics(report.get("speed") or {}))
+    metrics.update(speed_metrics(report.get("speed") or {}, where))
     return metrics
 
 
-def speed_metrics(speed: dict[str, Any]) -> dict[str, float]:
+def speed_metrics(speed: Any, where: str = "the generation report") -> dict[str, float]:
     """The run's metrics from a generation report's ``speed`` (what ``measure_speed`` in
     compiler.generation.validate measured): the compiled programs' measures under their own names, the
-    eager programs' with ``eager_``."""
+    eager programs' with ``eager_``. A measure that is not a finite number (a package rewritten after
+    its compile) is a PackageJsonError naming it and ``where``."""
+    if not isinstance(speed, dict):
+        raise PackageJsonError(f"{where}: validation.speed is {type(speed).__name__}, not an object")
     metrics: dict[str, float] = {}
     for key, value in speed.items():
         for side in ("compiled", "eager"):
             prefix = "" if side == "compiled" else "eager_"
             if key.startswith(f"{side}_ttft_ms_prompt"):
-                metrics[f"{prefix}ttft_ms.prompt{key.rsplit('prompt', 1)[1]}"] = float(value)
+                name = f"{prefix}ttft_ms.prompt{key.rsplit('prompt', 1)[1]}"
             elif key.startswith(f"{side}_decode_tokens_per_s_batch"):
-                metrics[f"{prefix}decode_tokens_per_s.batch{key.rsplit('batch', 1)[1]}"] = float(value)
+                name = f"{prefix}decode_tokens_per_s.batch{key.rsplit('batch', 1)[1]}"
             elif key == f"{side}_peak_gpu_memory_bytes":
-                metrics[f"{prefix}peak_gpu_memory_bytes"] = float(value)
+                name = f"{prefix}peak_gpu_memory_bytes"
+            else:
+                continue
+            metrics[name] = _number(value, where, f"validation.speed.{key}")
     return metrics
+
+
+def _number(value: Any, where: str, field: str) -> float:
+    """``value`` as a metric: a finite int or float (not a bool), else PackageJsonError naming ``field``."""
+    number = math.inf
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an int past float's range stays inf
+            number = float(value)
+    if not math.isfinite(number):
+        raise PackageJsonError(f"{where}: {field} is {str(value)[:80]!r}, not a finite number")
+    return number
 
 
 def read_spec(package_dir: Path, manifest: Manifest) -> GenerationSpec | None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from compiler.errors import PackageJsonError
 from registry.generation import speed_metrics
 from registry.models import CHAMPION, PREVIOUS, TAG_REJECTED, get_aliases, registered_model_name
 from tests.fixtures import preloaded
@@ -214,3 +215,9 @@ def test_speed_metrics_name_each_measure_of_each_side() -> None:
         "peak_gpu_memory_bytes": 123456.0,
         "eager_peak_gpu_memory_bytes": 234567.0,
     }
+    # a package rewritten after its compile (hashes recomputed): a typed error naming the measure
+    for bad in ("12", True, float("inf"), 10**400, {"a": 1}):
+        with pytest.raises(PackageJsonError, match=r"validation\.speed\.compiled_peak_gpu_memory_bytes"):
+            speed_metrics({**speed, "compiled_peak_gpu_memory_bytes": bad}, "pkg/generation.json")
+    with pytest.raises(PackageJsonError, match=r"validation\.speed is list"):
+        speed_metrics([1, 2])
