@@ -189,8 +189,17 @@ class LayerProbe:
             )
 
     def error_without(self, names: Sequence[str]) -> float:
-        """The partition's error with the layers ``names`` kept in float (quantized from the cached
+        """The partition's error with the layers ``names`` kept in float: the full graph with their Q/DQ
+        taken out (:meth:`SingleLayerGraphs.without`), else asked of the quantizer (from the cached
         ranges: no calibration pass)."""
+        if self._alone is not None:
+            try:
+                graph = self._alone.without(names)
+                if graph is None:  # nothing of the full graph changes
+                    return self.full_error
+                return self._compare(_run_session(self._alone.session(graph), self.evaluation))
+            except Exception:  # a graph this copy does not handle: the quantizer's own, slower
+                pass
         return self.error(self.quantized(exclude=names))
 
     def error(self, model: onnx.ModelProto, samples: int | None = None) -> float:
