@@ -36,6 +36,19 @@ def _private_engine_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _shared_export_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder of kept ONNX exports for the whole run, both xdist workers and every process they
+    start (compiler.engine_build.export_memo): the suite compiles the zoo's few structures in many
+    processes, and each export of one costs seconds. Under xdist the session's root temp folder (the
+    parent of each worker's) is shared; kept graphs are keyed by kiln's code, so none outlives an edit."""
+    root = tmp_path_factory.getbasetemp()
+    directory = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "export-cache"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    os.environ["KILN_EXPORT_CACHE"] = str(directory)
+    return directory
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _inductor_cache_dir_set_from_the_start() -> None:
     """The inductor cache directory torch itself would choose, in the environment from the start.
 

@@ -20,6 +20,9 @@ _TMP_RE = re.compile(r"\.[0-9a-f]{64}\.[A-Za-z0-9_]+\.tmp\.(?:bin|json)")
 
 
 CACHE_ENV = "KILN_CACHE_DIR"
+# Where ONNX exports of partitions are kept across processes (compiler.engine_build.export_memo): unset, a
+# process keeps its own only. For a loop that compiles the same structures again (CI, a developer's).
+EXPORT_CACHE_ENV = "KILN_EXPORT_CACHE"
 # Where a zoo run or `kiln compile` keeps engines by default: beside its workspace (.kiln/), so that a
 # project directory carries its own warm cache. The library, which has no project, uses the user's
 # cache folder (user_cache_dir() / "engines").
@@ -45,6 +48,12 @@ def choose(
     if os.environ.get(CACHE_ENV):
         return _location(os.environ[CACHE_ENV]), f"${CACHE_ENV}"
     return str(Path(PROJECT_CACHE).absolute() if project else user_cache_dir() / "engines"), "default"
+
+
+def export_cache_dir() -> Path | None:
+    """The folder of kept ONNX exports (``$KILN_EXPORT_CACHE``, absolute), or None where unset."""
+    folder = os.environ.get(EXPORT_CACHE_ENV)
+    return Path(folder).expanduser().absolute() if folder else None
 
 
 def _location(text: str) -> str:

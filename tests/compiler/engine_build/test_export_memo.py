@@ -1,13 +1,18 @@
 """One ONNX export per partition structure and process (compiler.engine_build.export_memo): quantizing,
 the layer search and repair lower an int8 partition in fp32 again and again; what they get must be
-byte for byte what a fresh export gives, with each plan's own weights."""
+byte for byte what a fresh export gives, with each plan's own weights. With ``$KILN_EXPORT_CACHE`` the
+graphs are kept on disk for other processes: whole files only, a private folder only."""
+
+import os
 
 import onnx
 import pytest
 
 import compiler
+from compiler.cache.paths import EXPORT_CACHE_ENV
 from compiler.engine_build import export_memo
 from compiler.engine_build.lower import lower_float
+from compiler.errors import CacheError
 from zoo.models import mlp_with_fallback
 
 
@@ -19,7 +24,8 @@ def _plan(seed: int):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_memo():
+def _fresh_memo(monkeypatch):
+    monkeypatch.delenv(EXPORT_CACHE_ENV, raising=False)  # the suite's shared folder: this process only
     export_memo.clear()
     yield
     export_memo.clear()
@@ -49,3 +55,70 @@ def test_another_precision_is_another_export():
     assert len(export_memo._graphs) == 2
     weights = [i for i in half.graph.initializer if i.name.startswith("w")]
     assert weights and all(i.data_type == onnx.TensorProto.FLOAT16 for i in weights)
+
+
+def _counting(export):
+    calls = []
+
+    def counted():
+        calls.append(1)
+        return export()
+
+    return counted, calls
+
+
+def test_a_graph_kept_on_disk_serves_another_process_and_a_damaged_one_is_exported_again(
+    tmp_path, monkeypatch
+):
+    plan, part = _plan(seed=0)
+    fresh = lower_float(plan, part, "fp32").onnx  # no folder: this process only
+    [(key, blob)] = export_memo._graphs.items()
+    export_memo.clear()
+    monkeypatch.setenv(EXPORT_CACHE_ENV, str(tmp_path / "exports"))
+
+    export, calls = _counting(lambda: onnx.load_from_string(blob))
+    assert export_memo.exported(key, export).SerializeToString() == blob and len(calls) == 1
+    [kept] = (tmp_path / "exports").iterdir()
+    assert (tmp_path / "exports").stat().st_mode & 0o077 == 0  # private, as the engine cache
+    export_memo.clear()  # what another process starts with
+    assert export_memo.exported(key, export).SerializeToString() == blob and len(calls) == 1
+    export_memo.clear()
+    assert lower_float(plan, part, "fp32").onnx == fresh  # read back from disk, byte for byte
+
+    # A byte flipped in the graph (or a torn file): exported again, the file replaced by a whole one.
+    data = bytearray(kept.read_bytes())
+    data[-10] ^= 0xFF
+    kept.write_bytes(bytes(data))
+    export_memo.clear()
+    assert export_memo.exported(key, export).SerializeToString() == blob and len(calls) == 2
+    export_memo.clear()
+    assert export_memo.exported(key, export).SerializeToString() == blob and len(calls) == 2
+
+    # A link in its place (to a FIFO, which would block a plain read): not followed, replaced.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    kept.unlink()
+    kept.symlink_to(fifo)
+    export_memo.clear()
+    assert export_memo.exported(key, export).SerializeToString() == blob and len(calls) == 3
+    assert kept.is_file() and not kept.is_symlink() and fifo.exists()
+
+
+def test_the_disk_key_holds_kiln_code_so_an_edit_is_a_new_export(tmp_path, monkeypatch):
+    code = export_memo.code_version()
+    assert len(code) == 64 and code == export_memo.code_version()
+    assert export_memo.disk_name("k", code) != export_memo.disk_name("k", code[::-1])
+    assert export_memo.disk_name("k", code) != export_memo.disk_name("j", code)
+    monkeypatch.setenv(EXPORT_CACHE_ENV, str(tmp_path))
+    assert export_memo._disk_path("k") == tmp_path / export_memo.disk_name("k", code)
+
+
+def test_a_folder_others_can_write_is_refused_by_name(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv(EXPORT_CACHE_ENV, str(shared))
+    plan, part = _plan(seed=0)
+    with pytest.raises(CacheError, match=f"export cache directory {shared} .*writable by others"):
+        lower_float(plan, part, "fp32")
+    assert not any(shared.iterdir())
