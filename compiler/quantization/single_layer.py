@@ -26,6 +26,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from compiler.quantization.onnxruntime import float_inputs
+
 # A float initializer larger than this is supplied from memory at session creation, not copied per layer.
 INLINE_ELEMENTS = 64
 QDQ = ("QuantizeLinear", "DequantizeLinear")
@@ -62,6 +64,9 @@ class SingleLayerGraphs:
         self.source_inits = {init.name for init in source.graph.initializer}
         self.nodes = {n.name: n for n in full.graph.node}
         self.full_order = [n.name for n in full.graph.node]
+        # Nodes of the float graph the quantizer dropped: a Relu after a quantized op, which the
+        # Quantize's uint8 clamp does. Kept in float, the op needs it back; ``without`` cannot know that.
+        self.removed = {n.name for n in source.graph.node} - set(self.full_order)
         self.producer = {o: n for n in full.graph.node for o in n.output}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         for node in full.graph.node:
@@ -105,15 +110,25 @@ class SingleLayerGraphs:
         return model
 
     def without(self, names: str | Sequence[str]) -> onnx.ModelProto | None:
-        """``full`` with only the nodes ``names`` (one name, or several) kept in float, as the quantizer's
-        ``nodes_to_exclude`` makes it: a tensor of such a node keeps its Q/DQ pair only where another node
-        beside it (its producer, another reader) is one the quantizer quantizes and is not kept in float,
-        which marks it too; the others go, the node reading the float activation (or ``source``'s float
-        weight) and writing its output unquantized. An elementwise op between quantized neighbours then
-        changes nothing (every tensor of it stays quantized), and a graph's last GEMM loses the Q/DQ on
-        the logits. None when nothing would change (the graph is ``full``: keeping the nodes in float
-        adds no accuracy, only Q/DQ boundaries). Several names: the layer search's guesses of a set's
-        error without a quantizer run each (~2.5 s on a 4x256 BERT on 2 cores)."""
+        """``full`` with only the nodes ``names`` (one name, or several) kept in float, close to what the
+        quantizer's ``nodes_to_exclude`` makes: a tensor of such a node keeps its Q/DQ pair only where
+        another node beside it (its producer, another reader) is one the quantizer quantizes and is not
+        kept in float, which marks it too; the others go, the node reading the float activation (or
+        ``source``'s float weight) and writing its output unquantized; then, as the quantizer's graph is
+        made (:func:`float_inputs`), the kept nodes read float activations. An elementwise op between
+        quantized neighbours then changes nothing, and a graph's last GEMM loses the Q/DQ on the logits.
+        None when nothing would change (keeping the nodes in float adds no accuracy, only Q/DQ
+        boundaries). The quantizer takes a few more pairs out around some sets: the error here is then
+        mostly higher (0.9x-2.5x the quantizer's on the test BERT's random sets, equal on most), and
+        the search verifies every set it keeps by a rebuild. Several names: the layer search's
+        guesses of a set's error, without a quantizer run each (~2.5 s on a 4x256 BERT on 2 cores).
+        ValueError where the quantizer removed nodes of the float graph (:attr:`removed`): the caller
+        asks the quantizer instead."""
+        if self.removed:
+            raise ValueError(
+                f"the quantizer removed {sorted(self.removed)[:3]} (a Relu folded into its Quantize): "
+                "a set's graph copied from the full one would lose it"
+            )
         kept = {names} if isinstance(names, str) else set(names)
         changing = [name for name in self.full_order if name in kept and self._changes(name, kept)]
         if not changing:
@@ -153,12 +168,20 @@ class SingleLayerGraphs:
                             rename[dq.output[0]] = out
         for node in model.graph.node:
             node.input[:] = [rename.get(i, i) for i in node.input]
-        # Q/DQ nodes no node reads now, and the initializers only they read, go.
+        # A DQ that wrote a name a kept node now writes (a graph output) or a float weight now holds (a
+        # weight's DQ may write the weight's own name: a LayerNorm's) goes with the Q/DQ no node reads.
+        written = {o for name in changing for o in nodes[name].output}
+        written |= present - {i.name for i in self.full.graph.initializer}
         for _ in range(2):
             used = {i for n in model.graph.node for i in n.input} | outputs
-            left = [n for n in model.graph.node if n.name in kept or any(o in used for o in n.output)]
+            left = [
+                n
+                for n in model.graph.node
+                if n.name in kept or (any(o in used for o in n.output) and not written & set(n.output))
+            ]
             del model.graph.node[:]
             model.graph.node.extend(left)
+        float_inputs(model.graph, sorted(kept))  # as the quantizer's graph is made (run_static)
         used = {i for n in model.graph.node for i in n.input}
         inits = [i for i in model.graph.initializer if i.name in used]
         del model.graph.initializer[:]
