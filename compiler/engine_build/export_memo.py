@@ -36,7 +36,7 @@ import torch
 
 from compiler.atomic import write_bytes_atomic
 from compiler.cache.files import EntryFileError, read_own_file
-from compiler.cache.paths import EXPORT_CACHE_ENV, check_private, export_cache_dir
+from compiler.cache.paths import EXPORT_CACHE_ENV, check_private, export_cache_dir, resolve_directory
 from compiler.partitioning.fingerprint import structure
 
 _log = logging.getLogger(__name__)
@@ -115,10 +115,12 @@ def _version(name: str) -> str:
 
 def _disk_path(key: str) -> Path | None:
     """Where the graph under ``key`` is kept across processes, or None (no ``$KILN_EXPORT_CACHE``).
-    A folder another user could write is refused (CacheError naming the fix)."""
+    A folder another user could write, or a file where the folder should be, is refused (CacheError
+    naming the fix)."""
     folder = export_cache_dir()
     if folder is None:
         return None
+    resolve_directory(folder)  # a file in its place (or above it): CacheError naming it
     check_private(
         folder,
         what="export cache directory",

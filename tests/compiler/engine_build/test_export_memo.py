@@ -122,3 +122,9 @@ def test_a_folder_others_can_write_is_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(CacheError, match=f"export cache directory {shared} .*writable by others"):
         lower_float(plan, part, "fp32")
     assert not any(shared.iterdir())
+    # A file where the folder should be: named, not a warning per export.
+    monkeypatch.setenv(EXPORT_CACHE_ENV, str(tmp_path / "a-file" / "exports"))
+    (tmp_path / "a-file").write_text("not a folder")
+    export_memo.clear()
+    with pytest.raises(CacheError, match=r"is under .*a-file, which is a file"):
+        lower_float(plan, part, "fp32")
