@@ -33,6 +33,7 @@ from pathlib import Path
 
 import onnx
 import torch
+from google.protobuf.message import DecodeError
 
 from compiler.atomic import write_bytes_atomic
 from compiler.cache.files import EntryFileError, read_own_file
@@ -71,10 +72,15 @@ def export_key(
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def exported(key: str, export: Callable[[], onnx.ModelProto]) -> onnx.ModelProto:
+def exported(
+    key: str,
+    export: Callable[[], onnx.ModelProto],
+    names: tuple[Sequence[str], Sequence[str]] | None = None,
+) -> onnx.ModelProto:
     """A fresh copy of the exported graph under ``key``, exporting it with ``export`` the first time
     (in this process, or in any process sharing ``$KILN_EXPORT_CACHE``). Two threads or processes
-    missing at once both export (the same graph); a failed export keeps nothing."""
+    missing at once both export (the same graph); a failed export keeps nothing. ``names``: the graph's
+    input and output names, which a kept graph must have (else it is exported again)."""
     with _lock:
         blob = _graphs.get(key)
         if blob is not None:
@@ -82,9 +88,11 @@ def exported(key: str, export: Callable[[], onnx.ModelProto]) -> onnx.ModelProto
     if blob is not None:
         return onnx.load_from_string(blob)
     path = _disk_path(key)
-    blob = _read_kept(path) if path is not None else None
-    model = onnx.load_from_string(blob) if blob is not None else export()
-    if blob is None:
+    kept = _from_disk(path, names) if path is not None else None
+    if kept is not None:
+        blob, model = kept
+    else:
+        model = export()
         blob = model.SerializeToString()
         if path is not None:
             _keep(path, blob)
@@ -151,6 +159,26 @@ def _read_kept(path: Path) -> bytes | None:
         _log.warning("kept ONNX export %s is damaged; exporting the partition again", path)
         return None
     return blob
+
+
+def _from_disk(
+    path: Path, names: tuple[Sequence[str], Sequence[str]] | None
+) -> tuple[bytes, onnx.ModelProto] | None:
+    """The graph kept at ``path``, decoded, if it is whole, decodes and has ``names``; else None (a bad
+    file, exported again and replaced, as a bad engine cache entry is rebuilt)."""
+    blob = _read_kept(path)
+    if blob is None:
+        return None
+    try:
+        model = onnx.load_from_string(blob)
+    except DecodeError as exc:
+        _log.warning("kept ONNX export %s does not decode (%s); exporting the partition again", path, exc)
+        return None
+    found = ([i.name for i in model.graph.input], [o.name for o in model.graph.output])
+    if names is not None and found != (list(names[0]), list(names[1])):
+        _log.warning("kept ONNX export %s has other inputs or outputs; exporting the partition again", path)
+        return None
+    return blob, model
 
 
 def _keep(path: Path, blob: bytes) -> None:

@@ -183,7 +183,7 @@ def lower_float(plan: PartitionPlan, partition: Partition, precision: str, fp: s
         "dynamic_shapes": dynamic_shapes,
     }
     key = export_key(plan.submodule(partition.name).graph, module.kinds, plan.symbols, traced, weights)
-    model = exported(key, export)
+    model = exported(key, export, (names, list(io_spec.output_names)))
     _weights_to_initializers(model, weights)
     _canonicalize(model)
     buffer = io.BytesIO()

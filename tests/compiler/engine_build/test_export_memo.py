@@ -3,6 +3,7 @@ the layer search and repair lower an int8 partition in fp32 again and again; wha
 byte for byte what a fresh export gives, with each plan's own weights. With ``$KILN_EXPORT_CACHE`` the
 graphs are kept on disk for other processes: whole files only, a private folder only."""
 
+import hashlib
 import os
 
 import onnx
@@ -128,3 +129,30 @@ def test_a_folder_others_can_write_is_refused_by_name(tmp_path, monkeypatch):
     export_memo.clear()
     with pytest.raises(CacheError, match=r"is under .*a-file, which is a file"):
         lower_float(plan, part, "fp32")
+
+
+def test_a_kept_file_rewritten_with_its_hash_recomputed_is_exported_again(tmp_path, monkeypatch):
+    """Garbage, or another partition's graph, with the sha256 in the file made to match: not a graph of
+    this partition (it does not decode, or names other inputs), so exported again and replaced."""
+    monkeypatch.setenv(EXPORT_CACHE_ENV, str(tmp_path / "exports"))
+    plan, part = _plan(seed=0)
+    fresh = lower_float(plan, part, "fp32").onnx
+    [kept] = (tmp_path / "exports").iterdir()
+    other = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Identity", ["a"], ["b"])],
+            "other",
+            [onnx.helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [1])],
+            [onnx.helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [1])],
+        )
+    ).SerializeToString()
+    for body in (b"\x08\xff\xff not a protobuf" * 8, other):
+        kept.write_bytes(export_memo._MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+        export_memo.clear()
+        assert lower_float(plan, part, "fp32").onnx == fresh
+        assert export_memo._read_kept(kept) not in (None, body)  # replaced by the partition's graph
+    # The partition's own graph, with its inputs and outputs: used as it is, not written again.
+    before = kept.stat().st_mtime_ns, kept.stat().st_ino
+    export_memo.clear()
+    assert lower_float(plan, part, "fp32").onnx == fresh
+    assert (kept.stat().st_mtime_ns, kept.stat().st_ino) == before
