@@ -77,11 +77,32 @@ def compiled_zoo() -> dict:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _threads_per_worker()
     # pytest-xdist's loadfile hands out the files with the most tests first (its --loadscope-reorder,
     # on by default). The suite's long files have few tests, so they came last, and one worker ran them
     # while the other had finished: the order of pytest_collection_modifyitems below is used instead.
     if getattr(config.option, "loadscopereorder", False):
         config.option.loadscopereorder = False
+
+
+def _threads_per_worker() -> None:
+    """Under xdist, each worker and every process it starts gets its share of the cores for intra-op
+    threads (torch, OpenMP, ONNX Runtime) and compiles Inductor kernels in-process: with each process
+    taking every core, two workers and the processes they start oversubscribed this 2-core machine,
+    and idle threads spinning for work took the cores from the processes doing it. What a test sets
+    itself, or the developer's environment, wins."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    mine = "OMP_NUM_THREADS" not in os.environ
+    for name, value in (("OMP_NUM_THREADS", threads), ("KILN_ORT_THREADS", threads),
+                        ("TORCHINDUCTOR_COMPILE_THREADS", 1)):  # fmt: skip
+        os.environ.setdefault(name, str(value))
+    if mine:  # torch may be imported already (read OMP_NUM_THREADS at its import)
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
