@@ -13,18 +13,21 @@ through the ``kiln`` command in fresh processes on a real MLflow store in a temp
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.fixtures import preloaded
+from tests.fixtures.prefect_server import PrefectServer
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_PACKAGE = ROOT / "tests" / "fixtures" / "packages" / "mlp-cuda-inductor.kiln"
@@ -34,12 +37,19 @@ SQLITE = preloaded.MLFLOW_SQLITE
 
 
 def _kiln(
-    cwd: Path, *args: str, timeout: float = 600, preload: tuple[str, ...] = ()
+    cwd: Path,
+    *args: str,
+    timeout: float = 600,
+    preload: tuple[str, ...] = (),
+    server: PrefectServer | None = None,
 ) -> subprocess.CompletedProcess:
-    """``kiln ARGS`` in ``cwd``: its own Prefect API, the default MLflow store (``cwd/mlflow.db``);
-    ``preload``: as preloaded.run's."""
+    """``kiln ARGS`` in ``cwd`` on the default MLflow store (``cwd/mlflow.db``); its flows report to
+    ``server`` (the suite's Prefect server: a temporary one per command costs a start and a stop, and
+    tests/flows/test_flows_faults.py covers those), else to no server; ``preload``: as preloaded.run's."""
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
-    env.update({"PYTHONPATH": str(ROOT), "COLUMNS": "200", "HF_HUB_OFFLINE": "1"})
+    env.update(
+        {"PYTHONPATH": str(ROOT), "COLUMNS": "200", "HF_HUB_OFFLINE": "1", **(server.env if server else {})}
+    )
     return preloaded.run(
         [sys.executable, "-m", "flows.cli", *args],
         cwd=cwd,
@@ -65,7 +75,7 @@ def _tiny_gpt2(folder: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def zoo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def zoo_run(tmp_path_factory: pytest.TempPathFactory, prefect_server: PrefectServer) -> dict:
     root = tmp_path_factory.mktemp("zoo-then-release")
     _tiny_gpt2(root / "gpt2")
     shutil.copytree(root / "gpt2", root / "broken")
@@ -79,8 +89,13 @@ def zoo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         {"name": "broken", "source": "hf:./broken", "task": "feature-extraction", "precision": "fp16"},
     ]
     (root / "models.yaml").write_text(yaml.safe_dump({"settings": settings, "models": models}))
-    done = _kiln(root, "zoo", "models.yaml", "--out", "out")
-    return {"root": root, "done": done, "summary": json.loads((root / "out" / "summary.json").read_text())}
+    done = _kiln(root, "zoo", "models.yaml", "--out", "out", server=prefect_server)
+    return {
+        "root": root,
+        "server": prefect_server,
+        "done": done,
+        "summary": json.loads((root / "out" / "summary.json").read_text()),
+    }
 
 
 @pytest.mark.slow
@@ -103,7 +118,9 @@ def test_zoo_compiles_an_hf_decoder_and_a_failed_row_keeps_its_precision(zoo_run
 @pytest.mark.slow
 def test_release_without_zoo_uses_the_last_zoo_runs_file(zoo_run: dict) -> None:
     root = zoo_run["root"]
-    done = _kiln(root, "release", "mlp", "--max-latency-ratio", "5", "--runs", "5", "--json")
+    done = _kiln(
+        root, "release", "mlp", "--max-latency-ratio", "5", "--runs", "5", "--json", server=zoo_run["server"]
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     outcome = json.loads(done.stdout[done.stdout.index("{") :])
     assert outcome["promoted"] and outcome["registered_model"] == "kiln.mlp.cpu"  # the entry's devices: [cpu]
@@ -149,43 +166,49 @@ def cuda_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def test_target_cuda_finds_the_single_cuda_version_on_every_command(cuda_store: Path) -> None:
+@pytest.fixture
+def kiln(cuda_store: Path, prefect_server: PrefectServer) -> Callable[..., subprocess.CompletedProcess]:
+    """``kiln ARGS`` in cuda_store, every command in one environment (one preloaded server for them)."""
+    return functools.partial(_kiln, cuda_store, preload=SQLITE, server=prefect_server)
+
+
+def test_target_cuda_finds_the_single_cuda_version_on_every_command(cuda_store: Path, kiln) -> None:
     # kiln report: downloads and verifies, never loads (the package needs a GPU to run).
-    done = _kiln(cuda_store, "report", "mlp", "--target", "cuda", "--out", "mlp.html", preload=SQLITE)
+    done = kiln("report", "mlp", "--target", "cuda", "--out", "mlp.html")
     assert done.returncode == 0, _said(done)
     assert "kiln.mlp.cuda_sm_90 version 1" in (cuda_store / "mlp.html").read_text()
     # kiln release: the entry's devices: [cuda] is the target (version 1 is the champion already).
-    done = _kiln(cuda_store, "release", "mlp", "--version", "1", "--zoo", "zoo.yaml", preload=SQLITE)
+    done = kiln("release", "mlp", "--version", "1", "--zoo", "zoo.yaml")
     assert done.returncode == 1, _said(done)
     said = _said(done)
     assert "kiln.mlp.cuda_sm_90 version 1 not promoted" in said and "already the champion" in said
     # kiln rollback reaches the same registered model.
-    done = _kiln(cuda_store, "rollback", "mlp", "--target", "cuda", preload=SQLITE)
+    done = kiln("rollback", "mlp", "--target", "cuda")
     assert done.returncode == 2 and "kiln.mlp.cuda_sm_90 has no 'previous' alias" in _said(done), _said(done)
     # kiln lookup: found, then refused at load on this host (no CUDA), not "nothing registered".
-    done = _kiln(cuda_store, "lookup", "mlp", "--target", "cuda", "--shape", "4,16", preload=SQLITE)
+    done = kiln("lookup", "mlp", "--target", "cuda", "--shape", "4,16")
     assert done.returncode == 2 and "needs a CUDA GPU" in _said(done), _said(done)
 
 
-def test_a_target_matching_nothing_lists_the_registered_targets(cuda_store: Path) -> None:
+def test_a_target_matching_nothing_lists_the_registered_targets(kiln) -> None:
     lookup = ("lookup", "mlp", "--shape", "4,16", "--json")
-    done = _kiln(cuda_store, *lookup, "--target", "cpu", preload=SQLITE)
+    done = kiln(*lookup, "--target", "cpu")
     assert done.returncode == 1, _said(done)
     error = json.loads(done.stdout[: done.stdout.rindex("}") + 1])["error"]
     assert "'cpu' matches nothing registered for 'mlp'" in error and "registered targets: cuda_sm_90" in error
     # No --target: the model's one target (cuda_sm_90), which this CPU-only host cannot load, and says so.
-    done = _kiln(cuda_store, *lookup, preload=SQLITE)
+    done = kiln(*lookup)
     assert done.returncode == 2 and "needs a CUDA GPU" in _said(done), _said(done)
     # Two CUDA targets and no GPU to choose by: both listed, and how to name one.
-    done = _kiln(cuda_store, "rollback", "two", "--target", "cuda", preload=SQLITE)
+    done = kiln("rollback", "two", "--target", "cuda")
     assert done.returncode == 2, _said(done)
     assert "registered targets: cuda_sm_80, cuda_sm_90" in _said(done)
     assert "--target cuda:sm_80" in _said(done)
     # kiln serve triton export: the same resolution (cuda_sm_80 has no champion to export).
     export = ("serve", "triton", "export", "two", "--repository", "repo")
-    done = _kiln(cuda_store, *export, "--target", "cuda", preload=SQLITE)
+    done = kiln(*export, "--target", "cuda")
     assert done.returncode == 1 and "registered targets: cuda_sm_80, cuda_sm_90" in _said(done), _said(done)
-    done = _kiln(cuda_store, *export, "--target", "cuda:sm_80", preload=SQLITE)
+    done = kiln(*export, "--target", "cuda:sm_80")
     assert done.returncode == 1 and "kiln.two.cuda_sm_80 has no 'champion' alias" in _said(done), _said(done)
-    done = _kiln(cuda_store, "release", "nope", "--zoo", "zoo.yaml", "--target", "cuda", preload=SQLITE)
+    done = kiln("release", "nope", "--zoo", "zoo.yaml", "--target", "cuda")
     assert done.returncode == 2 and "nothing is registered for 'nope'" in _said(done), _said(done)
