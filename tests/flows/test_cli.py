@@ -12,14 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import preloaded
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _kiln(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    # No server here: these runs must fail (or finish) before Prefect is needed.
+    # No server here: these runs must fail (or finish) before Prefect is needed. Forked from the suite's
+    # preload server (torch and the like imported once), each still a process of its own.
     full_env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     full_env.update({"PYTHONPATH": str(ROOT), "COLUMNS": "200", **(env or {})})
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, "-m", "flows.cli", *args],
         cwd=ROOT,
         env=full_env,
