@@ -14,6 +14,7 @@ Inductor's, quantized in the partition's torch graph (PT2E, rowwise), have their
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 import tempfile
@@ -27,6 +28,7 @@ import onnx
 
 from compiler.backends.capabilities import PT2E_GRAPH, QUANTIZED_GRAPH, ROWWISE_GRAPHS
 
+_log = logging.getLogger(__name__)
 # The ops whose work is counted as FLOPs (the GEMMs and convolutions, where int8 kernels pay off).
 COMPUTE_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose")
 # Ops that only move or look up values: never candidates (their Q/DQ follows their neighbours').
@@ -198,8 +200,8 @@ class LayerProbe:
                 if graph is None:  # nothing of the full graph changes
                     return self.full_error
                 return self._compare(_run_session(self._alone.session(graph), self.evaluation))
-            except Exception:  # a graph this copy does not handle: the quantizer's own, slower
-                pass
+            except Exception as exc:  # a graph this copy does not handle: the quantizer's own, slower
+                _log.debug("layer search: the quantizer remakes the set %s (%s)", list(names), exc)
         return self.error(self.quantized(exclude=names))
 
     def error(self, model: onnx.ModelProto, samples: int | None = None) -> float:
@@ -218,8 +220,8 @@ class LayerProbe:
                 graph = self._alone.graph(layer.name)
                 outputs = _run_session(self._alone.session(graph), self.evaluation[:RANKING_SAMPLES])
                 return LayerSensitivity(layer, self._compare(outputs))
-            except Exception:  # a graph this copy does not handle: the quantizer's own, slower
-                pass
+            except Exception as exc:  # a graph this copy does not handle: the quantizer's own, slower
+                _log.debug("layer search: the quantizer remakes layer %s (%s)", layer.name, exc)
         return LayerSensitivity(layer, self.error(self.quantized(only=[layer.name]), RANKING_SAMPLES))
 
     def gain(self, layer: Layer) -> LayerSensitivity:
@@ -236,8 +238,8 @@ class LayerProbe:
                     return LayerSensitivity(layer, 0.0)
                 outputs = _run_session(self._alone.session(graph), self.evaluation[:GAIN_SAMPLES])
                 return LayerSensitivity(layer, added_error(self._full_ranked, self._compare(outputs)))
-            except Exception:  # a graph this copy does not handle: the quantizer's own, slower
-                pass
+            except Exception as exc:  # a graph this copy does not handle: the quantizer's own, slower
+                _log.debug("layer search: the quantizer remakes layer %s (%s)", layer.name, exc)
         without = self.error(self.quantized(exclude=[layer.name]), GAIN_SAMPLES)
         return LayerSensitivity(layer, added_error(self._full_ranked, without))
 
