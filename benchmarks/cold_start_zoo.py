@@ -27,7 +27,9 @@ one after the other where that is faster (``floor_s``, the lower; both are in th
 
 ``--profile DIR``: a trusted load once more under cProfile (``DIR/<model>.load.pstats`` and ``.txt``) and
 the compiles' Inductor phase times (``compile_times`` in the JSON). The JSON names the GPU and host CPU;
-each missed target is printed (and listed under ``missed``).
+each missed target is printed (and listed under ``missed``). ``--split-modules auto`` (or class names)
+compiles one engine per repeated block (``split_modules``) in every compile of the run, the JSON says so
+(``split_modules``), and ``--merge`` names files of another partitioning (``split_modules_mismatch``).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ MODELS = {
 
 # The child that compiles one model (also run by --tiny on the CPU): prints one JSON line.
 COMPILE = r"""
-import json, sys, time
+import json, os, sys, time
 import torch
 from torch.export import Dim
 import transformers as T
@@ -105,9 +107,11 @@ if len(sys.argv) > 7 and sys.argv[7]:  # cProfile of the compile itself (--profi
     profiler = cProfile.Profile()
     profiler.enable()
 start = time.perf_counter()
+split = os.environ.get("KILN_BENCH_SPLIT_MODULES") or None  # --split-modules
 module = compiler.compile(
     program, backend="inductor", device=device, precision="fp32" if device == "cpu" else "fp16",
-    cache=False, **({} if aot else {"backend_options": {"aot": False}}),
+    cache=False, split_modules=split if split in (None, "auto") else tuple(split.split(",")),
+    **({} if aot else {"backend_options": {"aot": False}}),
 )
 compile_s = time.perf_counter() - start
 if len(sys.argv) > 7 and sys.argv[7]:
@@ -484,6 +488,9 @@ def merge(paths: list[str], out: Path) -> dict:
         part = json.loads(Path(path).read_text())
         merged.setdefault("machine", part.get("machine"))
         merged.setdefault("method", part.get("method"))
+        merged.setdefault("split_modules", part.get("split_modules"))
+        if part.get("split_modules") != merged["split_modules"]:  # one partitioning per merged file
+            merged.setdefault("split_modules_mismatch", []).append({path: part.get("split_modules")})
         if part.get("machine", {}).get("gpu") != merged["machine"].get("gpu"):
             merged.setdefault("machine_mismatch", []).append({path: part.get("machine")})
         merged["models"].update(part.get("models", {}))
@@ -506,11 +513,18 @@ def main() -> None:
     parser.add_argument(
         "--profile-compile", action="store_true", help="run the default compile under cProfile"
     )
+    parser.add_argument(
+        "--split-modules",
+        default="",
+        help="compile with split_modules ('auto' or class names, comma-separated): one engine per block",
+    )
     parser.add_argument("--skip-standalone", action="store_true", help="leave out the aot: false compile")
     parser.add_argument("--budget-s", type=float, default=500, help="steps past it are skipped")
     parser.add_argument("--merge", nargs="+", help="JSON files of earlier runs to merge into --out")
     parser.add_argument("--keep", action="store_true", help="keep the packages (scratch folder)")
     args = parser.parse_args()
+    if args.split_modules:  # the compile processes read it (they inherit this environment)
+        os.environ["KILN_BENCH_SPLIT_MODULES"] = args.split_modules
     out = Path(args.out)
     if args.merge:
         results = merge(args.merge, out)
@@ -532,6 +546,7 @@ def main() -> None:
             "method": __doc__.split("\n\n")[1].replace("\n", " ") + " " + __doc__.split("\n\n")[2],
             "device": args.device,
             "tiny": args.tiny,
+            "split_modules": args.split_modules or None,
             "models": {},
         }
         for name in names:
