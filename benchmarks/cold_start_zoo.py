@@ -30,6 +30,9 @@ the compiles' Inductor phase times (``compile_times`` in the JSON). The JSON nam
 each missed target is printed (and listed under ``missed``). ``--split-modules auto`` (or class names)
 compiles one engine per repeated block (``split_modules``) in every compile of the run, the JSON says so
 (``split_modules``), and ``--merge`` names files of another partitioning (``split_modules_mismatch``).
+Packages are saved as ``kiln zoo`` publishes them, the weights only fp16 engines read stored at fp16
+(``engine_precision_weights``); ``--fp32-weights`` saves every weight at fp32, as kiln did before
+(``weights`` in the JSON).
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ if len(sys.argv) > 7 and sys.argv[7]:  # cProfile of the compile itself (--profi
     profiler.enable()
 start = time.perf_counter()
 split = os.environ.get("KILN_BENCH_SPLIT_MODULES") or None  # --split-modules
+# As `kiln zoo` publishes: the weights only fp16 engines read stored at fp16 (--fp32-weights: as before)
+weights_at_engine_precision = os.environ.get("KILN_BENCH_FP32_WEIGHTS") != "1"
 module = compiler.compile(
     program, backend="inductor", device=device, precision="fp32" if device == "cpu" else "fp16",
     cache=False, split_modules=split if split in (None, "auto") else tuple(split.split(",")),
@@ -129,7 +134,7 @@ if profile:  # Inductor's own phase timer (what the compile's seconds went to)
         phases = compile_times(repr="str", aggregate=True)
     except Exception as exc:
         phases = f"unavailable: {exc!r}"
-compiler.save(module, out)
+compiler.save(module, out, engine_precision_weights=weights_at_engine_precision)
 torch.save({"args": [], "kwargs": {k: v.cpu() for k, v in kwargs.items()}}, out + ".inputs.pt")
 print(json.dumps({
     "compile_s": round(compile_s, 2), "params": params, "partitions": len(module.report.partitions),
@@ -489,6 +494,9 @@ def merge(paths: list[str], out: Path) -> dict:
         merged.setdefault("machine", part.get("machine"))
         merged.setdefault("method", part.get("method"))
         merged.setdefault("split_modules", part.get("split_modules"))
+        merged.setdefault("weights", part.get("weights", "fp32"))  # files before the flag: fp32
+        if part.get("weights", "fp32") != merged["weights"]:
+            merged.setdefault("weights_mismatch", []).append({path: part.get("weights", "fp32")})
         if part.get("split_modules") != merged["split_modules"]:  # one partitioning per merged file
             merged.setdefault("split_modules_mismatch", []).append({path: part.get("split_modules")})
         if part.get("machine", {}).get("gpu") != merged["machine"].get("gpu"):
@@ -518,6 +526,11 @@ def main() -> None:
         default="",
         help="compile with split_modules ('auto' or class names, comma-separated): one engine per block",
     )
+    parser.add_argument(
+        "--fp32-weights",
+        action="store_true",
+        help="save every weight at fp32 (as before engine_precision_weights)",
+    )
     parser.add_argument("--skip-standalone", action="store_true", help="leave out the aot: false compile")
     parser.add_argument("--budget-s", type=float, default=500, help="steps past it are skipped")
     parser.add_argument("--merge", nargs="+", help="JSON files of earlier runs to merge into --out")
@@ -525,6 +538,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.split_modules:  # the compile processes read it (they inherit this environment)
         os.environ["KILN_BENCH_SPLIT_MODULES"] = args.split_modules
+    if args.fp32_weights:
+        os.environ["KILN_BENCH_FP32_WEIGHTS"] = "1"
     out = Path(args.out)
     if args.merge:
         results = merge(args.merge, out)
@@ -547,6 +562,7 @@ def main() -> None:
             "device": args.device,
             "tiny": args.tiny,
             "split_modules": args.split_modules or None,
+            "weights": "fp32" if args.fp32_weights else "engine precision",
             "models": {},
         }
         for name in names:

@@ -30,7 +30,7 @@ import compiler
 from benchmarks._common import print_table, write_json
 from benchmarks.machine import cpu_model
 from compiler.backends import get_backend
-from compiler.engine_build.lower import engine_weights
+from compiler.engine_build.weights import engine_weights
 from compiler.runtime.module import EngineCall
 
 

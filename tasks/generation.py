@@ -112,9 +112,11 @@ def package_generation(
         module = _module(
             prefill, decode, GenerationSpec.from_json({**report["spec"], "validation": validation})
         )
-        info = save_generation(module, mine, validation=prefill.report, source=lineage)
+        # The weights both programs' engines take at fp16/bf16 are stored so (compiler.save).
+        final = {"validation": prefill.report, "source": lineage, "engine_precision_weights": True}
+        info = save_generation(module, mine, **final)
         with FileLock(str(target.parent / f".{target.name}.lock")):
-            save_generation(module, target, validation=prefill.report, source=lineage)
+            save_generation(module, target, **final)
     get_run_logger().info("package %s (%d bytes, %.2fs)", target, info.bytes, time.perf_counter() - start)
     return PackageRef(str(target), info.content_hash, info.bytes, str(mine))
 

@@ -452,11 +452,12 @@ def package_model(
             if source is not None
             else None
         )
-        # Published packages keep int8 weights only (staged ones keep float weights for repair).
+        # Published packages keep the weights as their engines take them: int8 only, fp16/bf16 at that
+        # precision (staged ones keep fp32 weights for repair).
         final = {"validation": validated.report, "source": lineage, "int8_weights_only": True}
-        info = compiler.save(compiled, mine, **final)
+        info = compiler.save(compiled, mine, **final, engine_precision_weights=True)
         with FileLock(str(target.parent / f".{target.name}.lock")):
-            compiler.save(compiled, target, **final)
+            compiler.save(compiled, target, **final, engine_precision_weights=True)
     get_run_logger().info("package %s (%d bytes, %.2fs)", target, info.bytes, time.perf_counter() - start)
     return PackageRef(str(target), info.content_hash, info.bytes, str(mine))
 

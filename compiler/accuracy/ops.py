@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from compiler.engine_build.float_ops import candidates, fp32_weights, op_flops
-from compiler.engine_build.lower import PRECISION_DTYPES, _EngineGraph, engine_io
+from compiler.engine_build.lower import _EngineGraph, engine_io
+from compiler.engine_build.weights import PRECISION_DTYPES
 from compiler.partitioning.partition import PartitionPlan
 from compiler.quantization.layers import Layer, LayerSensitivity, relative_error
 from compiler.quantization.torch_layers import graph_layers, weights_device

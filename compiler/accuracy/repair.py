@@ -46,6 +46,7 @@ from compiler.accuracy.ops import REDUCED_FLOATS
 from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.cache.local import EngineCache, resolve_cache, resolve_setting
 from compiler.engine_build.engine import EngineArtifact, build_engine
+from compiler.engine_build.weights import read_wider_than_stored
 from compiler.errors import AccuracyError, PackageError
 from compiler.inputs.data import ValidationData
 from compiler.partitioning.dedup import dedup
@@ -221,6 +222,12 @@ def rebuild(
         if options.precision_of(key[len(QUANTIZED_PREFIX) :].split("/")[0]) in QUANTIZED_PRECISIONS
     }
     plan = dataclasses.replace(compiled.plan, options=options, quantized=quantized)
+    rounded = read_wider_than_stored(plan, compiled.dedup.instances)
+    if rounded:  # stored at their engines' precision: the fp32 values are not in the package
+        raise PackageError(
+            f"partitions {rounded} cannot be raised: their weights were stored at fp16/bf16 (saved with "
+            "engine_precision_weights); recompile from the model to change their precision"
+        )
     changed = [
         p.name
         for p in plan.partitions

@@ -25,14 +25,13 @@ from torch.export import Dim
 
 from compiler.backends.base import EngineIO, pack_torch_graph, to_numpy
 from compiler.engine_build.export_memo import export_key, exported
-from compiler.engine_build.float_ops import fp32_weights, raised
+from compiler.engine_build.float_ops import raised
+from compiler.engine_build.weights import PRECISION_DTYPES, engine_weights, kept_in_fp32, typed
 from compiler.errors import LoweringError
 from compiler.inputs.specs import InputSpec, dtype_name
-from compiler.partitioning.dedup import DedupPlan, EngineInstance, canonical_weights
+from compiler.partitioning.dedup import DedupPlan, canonical_weights
 from compiler.partitioning.partition import Partition, PartitionPlan
 from compiler.program.tracing import quiet_trace
-
-PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -70,38 +69,6 @@ def engine_io(plan: PartitionPlan, partition: Partition) -> EngineIO:
     outputs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
     dtypes = tuple(dtype_name(o.meta["val"].dtype) for o in outputs)
     return EngineIO(tuple(inputs), tuple(f"y{i}" for i in range(len(outputs))), dtypes)
-
-
-def engine_weights(plan: PartitionPlan, instance: EngineInstance) -> dict[str, torch.Tensor]:
-    """Canonical name -> tensor for one instance, in the engine's precision."""
-    weights = plan.weights()
-    # Quantized partitions' tensors (int8 weights, float scales) are stored as the engine takes them.
-    target = PRECISION_DTYPES.get(plan.options.precision_of(instance.partition))
-    kept = _fp32_weights(plan, instance.partition)
-    # Canonical order (w0, w1, ..., w10), whatever order the mapping arrived in (JSON may sort keys):
-    # the engine graph takes its weight inputs by position.
-    ordered = sorted(instance.weights.items(), key=lambda item: int(item[0][1:]))
-    return {
-        name: _typed(weights[key], torch.float32 if int(name[1:]) in kept else target)
-        for name, key in ordered
-    }
-
-
-def _typed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if dtype is not None and tensor.is_floating_point():
-        tensor = tensor.to(dtype)
-    return tensor.detach().contiguous()
-
-
-def _fp32_weights(plan: PartitionPlan, name: str) -> set[int]:
-    """The weights of float partition ``name`` that only ops kept in fp32 read (stored in fp32)."""
-    ops = plan.options.float_ops(name)
-    if not ops:
-        return set()
-    partition = next(p for p in plan.partitions if p.name == name)
-    # Only which nodes read which weights is needed, which the runtime graph of a package read back
-    # holds too (the same nodes): plan.submodule would read the package's program, at a load's cost.
-    return fp32_weights(getattr(plan.graph_module, name), [i.kind for i in partition.inputs], ops)
 
 
 def lower(plan: PartitionPlan, dedup: DedupPlan, fp: str) -> LoweredPartition:
@@ -143,13 +110,13 @@ def lower_float(plan: PartitionPlan, partition: Partition, precision: str, fp: s
     every = plan.weights()
     dtype = PRECISION_DTYPES[precision]
     kept = (
-        _fp32_weights(plan, partition.name)
+        kept_in_fp32(plan, partition.name)
         if precision == plan.options.precision_of(partition.name)
         else set()
     )
     ordered = sorted(canonical_weights(partition).items(), key=lambda item: int(item[0][1:]))
     weights = {
-        name: _typed(every[key], torch.float32 if int(name[1:]) in kept else dtype) for name, key in ordered
+        name: typed(every[key], torch.float32 if int(name[1:]) in kept else dtype) for name, key in ordered
     }
     module, examples, act_shapes = _engine_module(plan, partition, precision, io_spec)
     args = examples + tuple(weights.values())

@@ -36,6 +36,7 @@ from compiler.package import save_load
 from compiler.package.check import manifest_and_signature, read_verified
 from compiler.package.manifest import MANIFEST_FILE, WEIGHTS, Manifest
 from compiler.package.save_load import PackageInfo, _load, save
+from compiler.package.writing import weights_at_engine_precision
 from compiler.runtime.module import CompiledModule
 
 
@@ -46,14 +47,20 @@ def save_generation(
     validation: Any = None,
     source: Any = None,
     int8_weights_only: bool = False,
+    engine_precision_weights: bool = False,
 ) -> PackageInfo:
     """Write ``module`` (compiled prefill and decode programs) as one package at ``path``; ``validation``
-    is the prefill program's forward-pass report; the generation report lives in ``module.spec``."""
+    is the prefill program's forward-pass report; the generation report lives in ``module.spec``.
+    ``engine_precision_weights``: as :func:`compiler.save`, for the weights both programs' engines take
+    at one precision (the programs share one weights file)."""
     if sorted(module.prefill.weights) != sorted(module.decode.weights):
         raise PackageCorruptError(
             "the prefill and decode programs hold different weights; they must be compiled from one "
             "model (compiler.generation.step)"
         )
+    prefill = weights_at_engine_precision(module.prefill, engine_precision_weights)
+    decode = weights_at_engine_precision(module.decode, engine_precision_weights)
+    reduced = {k: d for k, d in prefill.items() if decode.get(k) == d}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}.decode-", dir=path.parent))
@@ -63,6 +70,7 @@ def save_generation(
             scratch / DECODE_DIR,
             source=source,
             int8_weights_only=int8_weights_only,
+            engine_precision_weights=reduced,
             external_weights=True,
         )
         files = {
@@ -80,6 +88,7 @@ def save_generation(
         validation=validation,
         source=source,
         int8_weights_only=int8_weights_only,
+        engine_precision_weights=reduced,
         extra_files=files,
     )
     if info.manifest.files[WEIGHTS].sha256 != inner.manifest.files[WEIGHTS].sha256:

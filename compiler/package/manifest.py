@@ -115,6 +115,7 @@ _PLAN = Record(  # PartitionPlan.to_dict(); options are decoded by CompileOption
         "fallback_ops": MapOf(int),
         "quantization": Opt(QUANTIZATION),
         "elided_weights": ListOf(str),
+        "reduced_weights": MapOf(OneOf(("float16", "bfloat16"))),  # writing.weights_at_engine_precision
     }
 )
 _DEDUP = Record(  # DedupPlan.to_dict()

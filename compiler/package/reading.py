@@ -2,12 +2,14 @@
 
 The library check (TensorRT engines run only on the version that built them), whether Inductor's
 engines load natively (nothing of Inductor's imported then), the runtime graph read with the
-program's modules checked, and the engine records with their verified bytes (the weights:
-:mod:`compiler.package.weights_file`).
+program's modules checked, the weights stored at their engines' precision put back at the program's
+(:func:`reduced_weights`), the engine records with their verified bytes (the weights:
+:mod:`compiler.package.weights_file`), and the dedup record checked against the plan.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -17,9 +19,12 @@ import torch
 
 from compiler.backends import get_backend
 from compiler.engine_build.engine import EngineArtifact
-from compiler.errors import EngineCompatibilityError
-from compiler.package.manifest import PROGRAM, RUNTIME_GRAPH, Manifest
+from compiler.engine_build.weights import REDUCED_DTYPES
+from compiler.errors import EngineCompatibilityError, PackageCorruptError
+from compiler.inputs.specs import dtype_name
+from compiler.package.manifest import PROGRAM, RUNTIME_GRAPH, WEIGHTS, Manifest
 from compiler.partitioning import runtime_graph
+from compiler.partitioning.dedup import DedupPlan
 from compiler.program.export import import_allowed_modules
 from compiler.program.module_policy import import_in_background
 
@@ -118,3 +123,81 @@ def engine_artifacts(manifest: Manifest, reads: Mapping[str, Future[bytes]]) -> 
         )
         for fp, record in manifest.engines.items()
     }
+
+
+def check_dedup(dedup: DedupPlan, plan: Any, manifest: Manifest, path: Path) -> None:
+    """Every partition has exactly one instance, of a fingerprint the manifest has an engine record for,
+    whose representative is a partition of the plan, and whose inputs and outputs fit the partition."""
+    partitions = {part.name for part in plan.partitions}
+    named = [i.partition for i in dedup.instances]
+    problems = []
+    texts = [*named, *dedup.unique, *dedup.unique.values(), *(i.fingerprint for i in dedup.instances)]
+    if not all(isinstance(t, str) for t in texts):
+        raise PackageCorruptError(f"{path}: the manifest's dedup names partitions or engines by non-strings")
+    weights = set(plan.weights()) | set(plan.elided_weights)
+    for instance in dedup.instances:
+        refs = instance.weights if isinstance(instance.weights, Mapping) else {}
+        if any(
+            not isinstance(k, str)
+            or not re.fullmatch(r"w\d{1,6}", k)
+            or not isinstance(v, str)
+            or v not in weights
+            for k, v in refs.items()
+        ):
+            problems.append(f"instance {instance.partition!r} feeds its engine a weight the package lacks")
+    if sorted(named) != sorted(partitions):
+        problems.append(
+            f"instances name partitions {sorted(named)[:5]}, the plan has {sorted(partitions)[:5]}"
+        )
+    for instance in dedup.instances:
+        if instance.fingerprint not in manifest.engines or instance.fingerprint not in dedup.unique:
+            problems.append(
+                f"instance {instance.partition!r} uses an unknown engine {instance.fingerprint!r:.40}"
+            )
+        if not isinstance(instance.weights, Mapping):
+            problems.append(f"instance {instance.partition!r} has no weight map")
+    if not set(dedup.unique.values()) <= partitions:
+        problems.append("a unique engine's representative is not a partition of the plan")
+    for part in plan.partitions if not problems else ():
+        fp = next(i.fingerprint for i in dedup.instances if i.partition == part.name)
+        io = manifest.engines[fp].io
+        activations = sum(1 for i in part.inputs if i.kind == "activation")
+        outputs = {len(io.output_names), len(io.output_dtypes)}
+        if len(io.inputs) != activations or outputs != {part.num_outputs}:
+            problems.append(
+                f"engine {fp[:16]} takes {len(io.inputs)} inputs and gives {sorted(outputs)} outputs; "
+                f"partition {part.name} passes {activations} and expects {part.num_outputs}"
+            )
+    if problems:
+        raise PackageCorruptError(
+            f"{path}: the manifest's dedup does not fit its plan: {'; '.join(problems[:3])}"
+        )
+
+
+def reduced_weights(
+    path: Path, manifest: Manifest, weights: dict[str, torch.Tensor], *, checked: bool = False
+) -> dict[str, torch.dtype]:
+    """The weights the package stores at their engines' lower precision
+    (``save(engine_precision_weights=True)``): key -> that dtype. Each is put back into ``weights`` as
+    the program holds it, fp32 (the same values: engines cast it to that dtype again), so that
+    everything else reads the package as one saved with fp32 weights. ``checked``: ``weights`` are an
+    enclosing package's, already read so (a generation package's decode program)."""
+    recorded = manifest.plan.get("reduced_weights", {})
+    names = {dtype_name(d): d for d in REDUCED_DTYPES}
+    reduced = {}
+    for key, name in recorded.items():
+        tensor = weights.get(key)
+        if name not in names or tensor is None:
+            raise PackageCorruptError(
+                f"{path}: the manifest stores weight {key!r:.80} at {name!r:.20}, but {WEIGHTS} "
+                f"{'lacks it' if tensor is None else 'is read at ' + ', '.join(names) + ' only'}"
+            )
+        if not checked:
+            if tensor.dtype != names[name]:
+                raise PackageCorruptError(
+                    f"{path}: {WEIGHTS} holds weight {key!r:.80} as {dtype_name(tensor.dtype)}; its "
+                    f"manifest says {name}"
+                )
+            weights[key] = tensor.to(torch.float32)
+        reduced[key] = names[name]
+    return reduced

@@ -47,7 +47,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
 import time
 import uuid
@@ -65,6 +64,7 @@ from compiler.backends.inductor.backend import warm_inductor_imports
 from compiler.cache.local import CacheSetting
 from compiler.device import program_on, resolve, same
 from compiler.errors import KilnError, PackageCorruptError
+from compiler.inputs.specs import dtype_name
 from compiler.package import reading
 from compiler.package.check import checked_manifest, manifest_and_signature, read_verified
 from compiler.package.digest import content_hash
@@ -88,6 +88,7 @@ from compiler.package.writing import (
     int8_only_weights,
     packaged_engine,
     swap_into_place,
+    weights_at_engine_precision,
 )
 from compiler.partitioning import runtime_graph
 from compiler.partitioning.dedup import DedupPlan
@@ -130,6 +131,7 @@ def save(
     validation: ValidationReport | Mapping[str, Any] | None = None,
     source: SourceRecord | None = None,
     int8_weights_only: bool = False,
+    engine_precision_weights: bool | Mapping[str, torch.dtype] = False,
     extra_files: Mapping[str, bytes] | None = None,
     external_weights: bool = False,
 ) -> PackageInfo:
@@ -140,6 +142,10 @@ def save(
     that only int8 engines read are left out (the engines' int8 tensors stand for them; the program
     keeps their shapes): the package shrinks to its int8 size, but none of its int8 partitions can be
     raised to a float precision or compared with its float submodule again (recompile for that).
+    ``engine_precision_weights``: fp32 weights that only fp16/bf16 engines read are stored at that
+    precision (the engines take the same values; the package and its load's bytes halve): a load puts
+    them back at fp32, but no partition reading one can be raised to fp32 again (a mapping: exactly
+    those keys, as a generation package's two programs agree; a package read back keeps its own).
 
     ``extra_files``: more files of the package (path -> bytes), listed and hashed with the rest (a
     generation package's ``generation.json`` and decode program: compiler.generation.package).
@@ -160,8 +166,9 @@ def save(
         if graph is not None:  # what loads run from (None: a graph it cannot hold loads the program)
             files[RUNTIME_GRAPH] = graph
         elided = set(plan.elided_weights) | (int8_only_weights(compiled) if int8_weights_only else set())
+        reduced = weights_at_engine_precision(compiled, engine_precision_weights)
         weights = {
-            k: v.detach().cpu().contiguous().clone()
+            k: v.detach().to("cpu", reduced.get(k, v.dtype)).contiguous().clone()
             for k, v in sorted(compiled.weights.items())
             if k not in elided
         }
@@ -200,7 +207,11 @@ def save(
             precision=report.precision,
             strip_weights=report.strip_weights,
             input_weights=tuple(sorted(plan.input_weights)),
-            plan={**plan.to_dict(), **({"elided_weights": sorted(elided)} if elided else {})},
+            plan={
+                **plan.to_dict(),
+                **({"elided_weights": sorted(elided)} if elided else {}),
+                **({"reduced_weights": {k: dtype_name(d) for k, d in reduced.items()}} if reduced else {}),
+            },
             dedup=compiled.dedup.to_dict(),
             engines=engines,
             report=report,
@@ -383,6 +394,7 @@ def _load(
         own = set(program_weights(program))
         lap("program")
     weights = placed.result()
+    reduced = reading.reduced_weights(path, manifest, weights, checked=shared_weights is not None)
     lap("weights")  # what is left of the weights' read, hash and copy once this thread needs them
     missing = sorted((own | set(manifest.input_weights)) - set(weights) - elided)
     if missing:
@@ -412,7 +424,8 @@ def _load(
     plan.input_weights = {k: weights[k] for k in manifest.input_weights}
     plan.quantized = {k: v for k, v in weights.items() if k.startswith(QUANTIZED_PREFIX)}
     plan.elided_weights = frozenset(elided)
-    _check_dedup(dedup, plan, manifest, path)
+    plan.reduced_weights = reduced
+    reading.check_dedup(dedup, plan, manifest, path)
     engines = reading.engine_artifacts(manifest, reads)
     lap("plan")
     report = copy.deepcopy(manifest.report)
@@ -444,55 +457,3 @@ def refit_package(
     source = checked_manifest(Path(path), verify=True).source  # lineage stays: same model, new weights
     compiled = load(path, allowed_modules=allowed_modules)
     return save(compiled.refit(state), path, validation=None, source=source)
-
-
-# ---------------------------------------------------------------- checking a loaded plan
-
-
-def _check_dedup(dedup: DedupPlan, plan: Any, manifest: Manifest, path: Path) -> None:
-    """Every partition has exactly one instance, of a fingerprint the manifest has an engine record for,
-    whose representative is a partition of the plan, and whose inputs and outputs fit the partition."""
-    partitions = {part.name for part in plan.partitions}
-    named = [i.partition for i in dedup.instances]
-    problems = []
-    texts = [*named, *dedup.unique, *dedup.unique.values(), *(i.fingerprint for i in dedup.instances)]
-    if not all(isinstance(t, str) for t in texts):
-        raise PackageCorruptError(f"{path}: the manifest's dedup names partitions or engines by non-strings")
-    weights = set(plan.weights()) | set(plan.elided_weights)
-    for instance in dedup.instances:
-        refs = instance.weights if isinstance(instance.weights, Mapping) else {}
-        if any(
-            not isinstance(k, str)
-            or not re.fullmatch(r"w\d{1,6}", k)
-            or not isinstance(v, str)
-            or v not in weights
-            for k, v in refs.items()
-        ):
-            problems.append(f"instance {instance.partition!r} feeds its engine a weight the package lacks")
-    if sorted(named) != sorted(partitions):
-        problems.append(
-            f"instances name partitions {sorted(named)[:5]}, the plan has {sorted(partitions)[:5]}"
-        )
-    for instance in dedup.instances:
-        if instance.fingerprint not in manifest.engines or instance.fingerprint not in dedup.unique:
-            problems.append(
-                f"instance {instance.partition!r} uses an unknown engine {instance.fingerprint!r:.40}"
-            )
-        if not isinstance(instance.weights, Mapping):
-            problems.append(f"instance {instance.partition!r} has no weight map")
-    if not set(dedup.unique.values()) <= partitions:
-        problems.append("a unique engine's representative is not a partition of the plan")
-    for part in plan.partitions if not problems else ():
-        fp = next(i.fingerprint for i in dedup.instances if i.partition == part.name)
-        io = manifest.engines[fp].io
-        activations = sum(1 for i in part.inputs if i.kind == "activation")
-        outputs = {len(io.output_names), len(io.output_dtypes)}
-        if len(io.inputs) != activations or outputs != {part.num_outputs}:
-            problems.append(
-                f"engine {fp[:16]} takes {len(io.inputs)} inputs and gives {sorted(outputs)} outputs; "
-                f"partition {part.name} passes {activations} and expects {part.num_outputs}"
-            )
-    if problems:
-        raise PackageCorruptError(
-            f"{path}: the manifest's dedup does not fit its plan: {'; '.join(problems[:3])}"
-        )

@@ -2,7 +2,8 @@
 
 The program saved hollow (its weights live once, in weights.safetensors), engines stripped of the
 weights the package holds (:func:`packaged_engine`), the float weights only int8 engines read (left
-out by ``save(int8_weights_only=True)``), the validation report as its typed record, and the swap of a
+out by ``save(int8_weights_only=True)``), those only fp16/bf16 engines read (stored at that precision
+by ``save(engine_precision_weights=True)``), the validation report as its typed record, and the swap of a
 finished package into place (an old package replaced atomically, anything else refused).
 """
 
@@ -22,6 +23,7 @@ import torch
 from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.backends.capabilities import capabilities, is_backend
 from compiler.engine_build.engine import EngineArtifact
+from compiler.engine_build.weights import engine_precision_keys
 from compiler.errors import PackageError
 from compiler.package.manifest import MANIFEST_FILE
 from compiler.partitioning.partition import (
@@ -50,6 +52,26 @@ def int8_only_weights(compiled: CompiledModule) -> set[str]:
         and node.users
         and all(user.op == "call_module" and user.target in int8 for user in node.users)
     }
+
+
+def weights_at_engine_precision(
+    compiled: CompiledModule, asked: bool | Mapping[str, torch.dtype]
+) -> dict[str, torch.dtype]:
+    """The weights a save stores at their engines' precision (key -> dtype): ``asked`` where it is a
+    mapping, those that only fp16/bf16 engines read where it is true, and, whatever it is, those a
+    package read back stored so and that still are (a re-save, a refit keep the package's form)."""
+    if isinstance(asked, Mapping):
+        return dict(asked)
+    plan = compiled.plan
+    if not asked and not plan.reduced_weights:
+        return {}
+    engines = {
+        p.name
+        for p in plan.partitions
+        if compiled.engines[compiled.dedup.instance(p.name).fingerprint].is_engine
+    }
+    found = engine_precision_keys(plan, compiled.dedup.instances, engines)
+    return found if asked else {k: d for k, d in found.items() if plan.reduced_weights.get(k) == d}
 
 
 def packaged_engine(artifact: EngineArtifact) -> EngineArtifact:

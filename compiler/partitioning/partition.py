@@ -105,6 +105,9 @@ class PartitionPlan:
     quantization: dict | None = None
     # Weights a package left out (compiler.save(int8_weights_only=True)): only int8 engines read them.
     elided_weights: frozenset[str] = frozenset()
+    # Weights a package stored at their engines' precision (compiler.save(engine_precision_weights=True)),
+    # key -> that dtype: read back at fp32, rounded to it.
+    reduced_weights: dict[str, torch.dtype] = field(default_factory=dict)
     # How a call reaches the split graph, and the program's lifted weights by key (what it is fed).
     signature: CallSignature | None = None
     program_weights: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from compiler.engine_build.float_ops import named
-from compiler.engine_build.lower import PRECISION_DTYPES, export_partition
+from compiler.engine_build.lower import export_partition
+from compiler.engine_build.weights import PRECISION_DTYPES
 from compiler.errors import QuantizationError
 from compiler.partitioning.dedup import canonical_weights
 from compiler.partitioning.partition import QUANTIZED_PREFIX, PartitionPlan

@@ -29,7 +29,7 @@ from compiler.backends.base import Engine, EngineIO
 from compiler.cache.local import CacheSetting
 from compiler.device import resolve, same
 from compiler.engine_build.engine import EngineArtifact
-from compiler.engine_build.lower import engine_weights
+from compiler.engine_build.weights import engine_weights
 from compiler.errors import CudaGraphError, InputSpecError, RefitError
 from compiler.inputs.profiles import fixed_profiles, is_fixed, profile_inputs, profile_shapes
 from compiler.inputs.specs import InputSpec, check_inputs

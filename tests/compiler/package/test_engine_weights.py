@@ -19,6 +19,7 @@ import torch
 import compiler
 from compiler.backends.base import is_weight_name
 from compiler.backends.inductor.format import ENGINE_WEIGHTS, HEADER
+from compiler.errors import PackageCorruptError, PackageError
 from compiler.package.manifest import MANIFEST_FILE
 from zoo.models import repeated_fallback
 
@@ -194,3 +195,105 @@ def test_quantized_packages_hold_their_int8_tensors_once(tmp_path):
         assert weights and not any(weights.values()), weights
     x = data["x"][0]
     assert torch.equal(compiler.load(info.path)(x), compiled(x))
+
+
+class _NormInFallback(torch.nn.Module):
+    """Two linears fp16 engines run, around a layer norm kept in PyTorch (its weights a fallback op reads)."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.norm(self.fc1(x)))
+
+
+@pytest.fixture(scope="module")
+def fp16_compiled() -> tuple[compiler.CompiledModule, torch.Tensor]:
+    torch.manual_seed(0)
+    x = torch.randn(4, 32)
+    program = compiler.export(
+        _NormInFallback().eval(), (x,), dynamic_shapes=({0: torch.export.Dim("b", max=16)},)
+    )
+    options = compiler.CompileOptions(precision="fp16", torch_executed_ops=("aten.layer_norm.default",))
+    return compiler.compile(program, options, cache=False), x
+
+
+def _stored(package: Path) -> dict[str, torch.dtype]:
+    from safetensors import safe_open
+
+    with safe_open(package / "weights.safetensors", "pt") as file:
+        return {key: file.get_tensor(key).dtype for key in file.keys()}  # noqa: SIM118 - not a dict
+
+
+def test_weights_only_fp16_engines_read_are_stored_at_fp16_and_load_back_to_the_same_answers(
+    fp16_compiled, tmp_path
+):
+    compiled, x = fp16_compiled
+    assert {n.target for n in compiled.plan.graph_module.graph.nodes if n.op == "call_module"} >= {
+        "engine_0",
+        "engine_1",
+    }
+    full = compiler.save(compiled, tmp_path / "fp32.kiln")
+    small = compiler.save(compiled, tmp_path / "fp16.kiln", engine_precision_weights=True)
+    stored = _stored(small.path)
+    # The linears' weights only engines read: fp16. The norm's, read by the fallback op: fp32, as before.
+    assert stored == {
+        "fc1.weight": torch.float16, "fc1.bias": torch.float16, "fc2.weight": torch.float16,
+        "fc2.bias": torch.float16, "norm.weight": torch.float32, "norm.bias": torch.float32,
+    }  # fmt: skip
+    assert small.manifest.plan["reduced_weights"] == {
+        k: "float16" for k, d in stored.items() if d == torch.float16
+    }
+    assert "reduced_weights" not in full.manifest.plan and set(_stored(full.path).values()) == {torch.float32}
+    weights = [
+        small.manifest.files["weights.safetensors"].bytes,
+        full.manifest.files["weights.safetensors"].bytes,
+    ]
+    assert weights[0] < 0.6 * weights[1], weights
+    loaded = compiler.load(small.path)
+    assert torch.equal(loaded(x), compiled(x)) and torch.equal(loaded(x), compiler.load(full.path)(x))
+    # Read back at fp32 (the engines cast them to fp16 again), rounded to fp16: the package's values.
+    assert loaded.weights["fc1.weight"].dtype == torch.float32
+    assert torch.equal(loaded.weights["fc1.weight"], compiled.weights["fc1.weight"].half().float())
+    assert loaded.plan.reduced_weights == {k: torch.float16 for k, d in stored.items() if d == torch.float16}
+
+
+def test_a_package_read_back_keeps_its_fp16_weights_through_a_refit_and_cannot_be_raised(
+    fp16_compiled, tmp_path
+):
+    from compiler.accuracy.repair import rebuild
+
+    compiled, x = fp16_compiled
+    loaded = compiler.load(compiler.save(compiled, tmp_path / "a.kiln", engine_precision_weights=True).path)
+    state = {k: v * 0.5 for k, v in compiled.weights.items()}
+    refitted = compiler.save(loaded.refit(state), tmp_path / "b.kiln")  # no option: the package's own form
+    assert _stored(refitted.path)["fc2.weight"] == torch.float16
+    assert torch.equal(compiler.load(refitted.path)(x), compiled.refit(state)(x))
+    table = compiler.compare_partitions(loaded, [(x,)], runs=0)  # the fp32 reference on the stored values
+    assert {row.partition for row in table.rows} >= {"engine_0", "engine_1"}
+    with pytest.raises(PackageError, match=r"engine_0.*stored at fp16/bf16.*recompile from the model"):
+        rebuild(loaded, {"engine_0": "fp32"})
+
+
+@pytest.mark.parametrize(
+    ("edit", "error"),
+    [
+        (
+            lambda plan: plan["reduced_weights"].update({"norm.weight": "float16"}),
+            r"holds weight 'norm.weight' as float32",
+        ),
+        (lambda plan: plan["reduced_weights"].update({"gone": "float16"}), r"'gone'.*lacks it"),
+        (lambda plan: plan["reduced_weights"].update({"fc1.weight": "float64"}), r"reduced_weights"),
+    ],
+)
+def test_a_reduced_weights_record_that_does_not_fit_the_file_is_refused(
+    fp16_compiled, tmp_path, reseal, edit, error
+):
+    compiled, _ = fp16_compiled
+    package = compiler.save(compiled, tmp_path / "p.kiln", engine_precision_weights=True).path
+    # An attacker who can write the package, and recomputes its hashes.
+    reseal(package, lambda data: edit(data["plan"]))
+    with pytest.raises(PackageCorruptError, match=error):
+        compiler.load(package)
