@@ -69,6 +69,11 @@ def test_the_zoo_records_a_cuda_version(zoo: dict) -> None:
     [row] = zoo["summary"]["models"]
     assert row["name"] == MODEL and row["device"] == "cuda" and row["status"] == "ok", row
     assert row["tracking"] and row["precision"].startswith("fp16"), row  # recorded in MLflow
+    # Published as the engines take its weights: those only fp16 engines read, at fp16 (both programs).
+    package = zoo["root"] / "out" / f"{MODEL}.kiln"
+    for manifest in (package / "manifest.json", package / "decode" / "manifest.json"):
+        reduced = json.loads(manifest.read_text())["plan"].get("reduced_weights", {})
+        assert reduced and set(reduced.values()) == {"float16"}, manifest
 
 
 def test_release_then_lookup_with_no_target_find_the_cuda_version(zoo: dict) -> None:
