@@ -182,6 +182,8 @@ with warnings.catch_warnings(record=True) as caught:
             module(*args, **kwargs)
     sync()
     first_s = time.perf_counter() - t
+# What the loaded module holds on the device once it answered (weights, engines, workspace).
+memory_mb = round(torch.cuda.memory_allocated() / 2**20, 1) if device.startswith("cuda") else None
 if profile:
     profiler.disable()
     import io, pstats
@@ -211,7 +213,7 @@ print(json.dumps({
         "sympy": "sympy" in imported, "transformers": "transformers" in imported,
         "triton": "triton" in imported,
     },
-    "load_stages_s": module.load_seconds, "profiled": bool(profile),
+    "load_stages_s": module.load_seconds, "profiled": bool(profile), "device_memory_mb": memory_mb,
     "warnings": sorted({str(w.message)[:300] for w in caught})[:10],
 }))
 """

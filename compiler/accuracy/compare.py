@@ -114,9 +114,12 @@ def compare_partitions(
 
     def check(name: str):
         reference = plan.submodule(name)
+        # The dtype each input of the submodule was traced at: a weight the package stored at its
+        # engine's precision (reduced_weights) is run at it again, as the program holds it.
+        traced = [n.meta.get("val") for n in reference.graph.nodes if n.op == "placeholder"]
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            expected = reference(*args)
+            expected = reference(*(_traced_dtype(a, v) for a, v in zip(args, traced, strict=True)))
             outs = output if isinstance(output, tuple | list) else (output,)
             refs = expected if isinstance(expected, tuple | list) else (expected,)
             for ref, out in zip(refs, outs, strict=True):
@@ -218,3 +221,13 @@ class _hooks:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+
+def _traced_dtype(value: Any, traced: Any) -> Any:
+    """``value`` at the float dtype its placeholder was traced with, where both are float tensors."""
+    floats = (
+        isinstance(value, torch.Tensor) and isinstance(traced, torch.Tensor) and value.is_floating_point()
+    )
+    if floats and traced.is_floating_point() and value.dtype != traced.dtype:
+        return value.to(traced.dtype)
+    return value

@@ -56,10 +56,11 @@ def kept_in_fp32(plan: PartitionPlan, name: str) -> set[int]:
 def engine_precision_keys(
     plan: PartitionPlan, instances: list[EngineInstance], engines: set[str]
 ) -> dict[str, torch.dtype]:
-    """The program's fp32 weights that only the engines of partitions ``engines`` read, each at one lower
-    precision (fp16, bf16) wherever it is read: key -> that dtype. Stored so, the engines take exactly
-    the values they took before (they cast them at load otherwise) in half the bytes; a weight that a
-    fallback op, a partition running in PyTorch or an fp32 engine also reads keeps its dtype."""
+    """The program's fp32 weights (or weights a package read back already holds so) that only the engines
+    of partitions ``engines`` read, each at one lower precision (fp16, bf16) wherever it is read: key ->
+    that dtype. Stored so, the engines take exactly the values they took before (they cast them at load
+    otherwise) in half the bytes; a weight that a fallback op, a partition running in PyTorch or an fp32
+    engine also reads keeps its dtype."""
     feeds = {i.node: i.weight_key for p in plan.partitions for i in p.inputs if i.kind == "weight"}
     shared = {
         feeds[node.name]
@@ -73,15 +74,15 @@ def engine_precision_keys(
         if instance.partition in engines:
             for name, dtype in engine_weight_dtypes(plan, instance).items():
                 taken.setdefault(instance.weights[name], set()).add(dtype)
-    program = plan.program_weights
+    program = plan.program_weights  # fp32, or already at that dtype (a package read back)
     return {
         key: dtype
         for key, dtypes in sorted(taken.items())
         if key not in shared
-        and key in program
-        and program[key].dtype == torch.float32
         and len(dtypes) == 1
         and (dtype := next(iter(dtypes))) in REDUCED_DTYPES
+        and key in program
+        and program[key].dtype in (torch.float32, dtype)
     }
 
 

@@ -2,8 +2,8 @@
 
 The library check (TensorRT engines run only on the version that built them), whether Inductor's
 engines load natively (nothing of Inductor's imported then), the runtime graph read with the
-program's modules checked, the weights stored at their engines' precision put back at the program's
-(:func:`reduced_weights`), the engine records with their verified bytes (the weights:
+program's modules checked, the weights stored at their engines' precision checked to be that
+(:func:`reduced_weights`, :func:`check_reduced`), the engine records with their verified bytes (the weights:
 :mod:`compiler.package.weights_file`), and the dedup record checked against the plan.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from compiler.backends import get_backend
 from compiler.engine_build.engine import EngineArtifact
-from compiler.engine_build.weights import REDUCED_DTYPES
+from compiler.engine_build.weights import REDUCED_DTYPES, engine_precision_keys
 from compiler.errors import EngineCompatibilityError, PackageCorruptError
 from compiler.inputs.specs import dtype_name
 from compiler.package.manifest import PROGRAM, RUNTIME_GRAPH, WEIGHTS, Manifest
@@ -175,29 +175,37 @@ def check_dedup(dedup: DedupPlan, plan: Any, manifest: Manifest, path: Path) -> 
 
 
 def reduced_weights(
-    path: Path, manifest: Manifest, weights: dict[str, torch.Tensor], *, checked: bool = False
+    path: Path, manifest: Manifest, weights: Mapping[str, torch.Tensor], *, checked: bool = False
 ) -> dict[str, torch.dtype]:
     """The weights the package stores at their engines' lower precision
-    (``save(engine_precision_weights=True)``): key -> that dtype. Each is put back into ``weights`` as
-    the program holds it, fp32 (the same values: engines cast it to that dtype again), so that
-    everything else reads the package as one saved with fp32 weights. ``checked``: ``weights`` are an
-    enclosing package's, already read so (a generation package's decode program)."""
+    (``save(engine_precision_weights=True)``): key -> that dtype, each held so in ``weights`` (else
+    PackageCorruptError). They stay so: the engines take them as they are, with no fp32 copy beside
+    them. ``checked``: ``weights`` are an enclosing package's, already read so (a generation package's
+    decode program)."""
     recorded = manifest.plan.get("reduced_weights", {})
     names = {dtype_name(d): d for d in REDUCED_DTYPES}
     reduced = {}
     for key, name in recorded.items():
         tensor = weights.get(key)
-        if name not in names or tensor is None:
+        if name not in names or tensor is None or (not checked and tensor.dtype != names[name]):
+            held = "lacks it" if tensor is None else f"holds it as {dtype_name(tensor.dtype)}"
             raise PackageCorruptError(
-                f"{path}: the manifest stores weight {key!r:.80} at {name!r:.20}, but {WEIGHTS} "
-                f"{'lacks it' if tensor is None else 'is read at ' + ', '.join(names) + ' only'}"
+                f"{path}: the manifest stores weight {key!r:.80} at {name!r:.20}, but {WEIGHTS} {held}"
             )
-        if not checked:
-            if tensor.dtype != names[name]:
-                raise PackageCorruptError(
-                    f"{path}: {WEIGHTS} holds weight {key!r:.80} as {dtype_name(tensor.dtype)}; its "
-                    f"manifest says {name}"
-                )
-            weights[key] = tensor.to(torch.float32)
         reduced[key] = names[name]
     return reduced
+
+
+def check_reduced(path: Path, plan: Any, dedup: DedupPlan, engines: Mapping[str, EngineArtifact]) -> None:
+    """Every weight the package stores at fp16/bf16 is read by engines of that precision only: a
+    fallback op or a partition running in PyTorch would get it at a dtype its graph does not take."""
+    if not plan.reduced_weights:
+        return
+    running = {p.name for p in plan.partitions if engines[dedup.instance(p.name).fingerprint].is_engine}
+    fits = engine_precision_keys(plan, dedup.instances, running)
+    wrong = sorted(k for k, dtype in plan.reduced_weights.items() if fits.get(k) != dtype)
+    if wrong:
+        raise PackageCorruptError(
+            f"{path}: weights {wrong[:5]} are stored at fp16/bf16, but not only engines of that precision "
+            "read them"
+        )

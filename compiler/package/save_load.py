@@ -143,9 +143,10 @@ def save(
     keeps their shapes): the package shrinks to its int8 size, but none of its int8 partitions can be
     raised to a float precision or compared with its float submodule again (recompile for that).
     ``engine_precision_weights``: fp32 weights that only fp16/bf16 engines read are stored at that
-    precision (the engines take the same values; the package and its load's bytes halve): a load puts
-    them back at fp32, but no partition reading one can be raised to fp32 again (a mapping: exactly
-    those keys, as a generation package's two programs agree; a package read back keeps its own).
+    precision (the engines take the same values; the package, its load's bytes and the loaded module's
+    weights halve, no fp32 copy is kept beside the engines' own): a load keeps them so, and no partition
+    reading one can be raised to fp32 again (a mapping: exactly those keys, as a generation package's
+    two programs agree; a package read back keeps its own).
 
     ``extra_files``: more files of the package (path -> bytes), listed and hashed with the rest (a
     generation package's ``generation.json`` and decode program: compiler.generation.package).
@@ -427,6 +428,7 @@ def _load(
     plan.reduced_weights = reduced
     reading.check_dedup(dedup, plan, manifest, path)
     engines = reading.engine_artifacts(manifest, reads)
+    reading.check_reduced(path, plan, dedup, engines)
     lap("plan")
     report = copy.deepcopy(manifest.report)
     compiled = assemble(plan, dedup, engines, report=report, trust_engine_code=trust_engine_code, cache=cache)

@@ -106,7 +106,7 @@ class PartitionPlan:
     # Weights a package left out (compiler.save(int8_weights_only=True)): only int8 engines read them.
     elided_weights: frozenset[str] = frozenset()
     # Weights a package stored at their engines' precision (compiler.save(engine_precision_weights=True)),
-    # key -> that dtype: read back at fp32, rounded to it.
+    # key -> that dtype: held so (the program, where read, gets them at its own dtype).
     reduced_weights: dict[str, torch.dtype] = field(default_factory=dict)
     # How a call reaches the split graph, and the program's lifted weights by key (what it is fed).
     signature: CallSignature | None = None
@@ -329,7 +329,13 @@ def with_weights(program: ExportedProgram, state: Mapping[str, torch.Tensor]) ->
     if not state:
         return program
 
-    def like(old: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def like(old: object, value: torch.Tensor) -> torch.Tensor:
+        if not isinstance(old, torch.Tensor):
+            return value
+        # A weight a package stored at its engines' precision (reduced_weights) is run here at the
+        # program's own dtype, as the graph was traced.
+        if value.dtype != old.dtype and value.is_floating_point() and old.is_floating_point():
+            value = value.to(old.dtype)
         # The program's verifier wants parameters to stay nn.Parameter.
         if isinstance(old, torch.nn.Parameter) and not isinstance(value, torch.nn.Parameter):
             return torch.nn.Parameter(value.detach(), requires_grad=False)
@@ -340,7 +346,10 @@ def with_weights(program: ExportedProgram, state: Mapping[str, torch.Tensor]) ->
         **program.state_dict,
         **{k: like(program.state_dict[k], v) for k, v in state.items() if k in program.state_dict},
     }
-    new._constants = {**program.constants, **{k: v for k, v in state.items() if k in program.constants}}
+    new._constants = {
+        **program.constants,
+        **{k: like(program.constants[k], v) for k, v in state.items() if k in program.constants},
+    }
     return new
 
 

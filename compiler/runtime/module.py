@@ -341,7 +341,12 @@ class CompiledModule(torch.nn.Module):
         unknown = sorted(set(state) - set(current))
         if unknown:
             raise RefitError(f"refit weights name keys the model lacks: {unknown[:10]}")
-        for key, tensor in state.items():
+        for key, tensor in list(state.items()):
+            if (
+                self.plan.reduced_weights.get(key) not in (None, tensor.dtype)
+                and tensor.dtype == torch.float32
+            ):
+                state[key] = tensor = tensor.to(current[key].dtype)  # stored at its engines' precision
             if tuple(tensor.shape) != tuple(current[key].shape) or tensor.dtype != current[key].dtype:
                 raise RefitError(
                     f"weight {key!r}: expected shape {tuple(current[key].shape)} dtype {current[key].dtype}, "

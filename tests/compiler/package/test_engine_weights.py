@@ -19,6 +19,7 @@ import torch
 import compiler
 from compiler.backends.base import is_weight_name
 from compiler.backends.inductor.format import ENGINE_WEIGHTS, HEADER
+from compiler.engine_build.weights import engine_weights
 from compiler.errors import PackageCorruptError, PackageError
 from compiler.package.manifest import MANIFEST_FILE
 from zoo.models import repeated_fallback
@@ -254,10 +255,13 @@ def test_weights_only_fp16_engines_read_are_stored_at_fp16_and_load_back_to_the_
     assert weights[0] < 0.6 * weights[1], weights
     loaded = compiler.load(small.path)
     assert torch.equal(loaded(x), compiled(x)) and torch.equal(loaded(x), compiler.load(full.path)(x))
-    # Read back at fp32 (the engines cast them to fp16 again), rounded to fp16: the package's values.
-    assert loaded.weights["fc1.weight"].dtype == torch.float32
-    assert torch.equal(loaded.weights["fc1.weight"], compiled.weights["fc1.weight"].half().float())
+    # Held at fp16, the values the engines took, and given to them as they are: no fp32 copy beside.
     assert loaded.plan.reduced_weights == {k: torch.float16 for k, d in stored.items() if d == torch.float16}
+    assert torch.equal(loaded.weights["fc1.weight"], compiled.weights["fc1.weight"].half())
+    held = {t.untyped_storage().data_ptr() for t in loaded.weights.values()}
+    for instance in loaded.dedup.instances:
+        taken = engine_weights(loaded.plan, instance)
+        assert all(t.untyped_storage().data_ptr() in held for t in taken.values()), instance.partition
 
 
 def test_a_package_read_back_keeps_its_fp16_weights_through_a_refit_and_cannot_be_raised(
@@ -277,23 +281,40 @@ def test_a_package_read_back_keeps_its_fp16_weights_through_a_refit_and_cannot_b
         rebuild(loaded, {"engine_0": "fp32"})
 
 
+def _fp16_norm(package: Path) -> None:
+    """The weights file with the fallback op's norm weight at fp16 (an attacker's rewrite)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(package / "weights.safetensors")
+    tensors["norm.weight"] = tensors["norm.weight"].half()
+    save_file(tensors, package / "weights.safetensors")
+
+
 @pytest.mark.parametrize(
-    ("edit", "error"),
+    ("edit", "rewrite", "error"),
     [
         (
-            lambda plan: plan["reduced_weights"].update({"norm.weight": "float16"}),
-            r"holds weight 'norm.weight' as float32",
+            {"norm.weight": "float16"},
+            None,
+            r"'norm.weight' at 'float16', but weights.safetensors holds it as float32",
         ),
-        (lambda plan: plan["reduced_weights"].update({"gone": "float16"}), r"'gone'.*lacks it"),
-        (lambda plan: plan["reduced_weights"].update({"fc1.weight": "float64"}), r"reduced_weights"),
+        ({"gone": "float16"}, None, r"'gone' at 'float16', but weights.safetensors lacks it"),
+        ({"fc1.weight": "float64"}, None, r"reduced_weights"),
+        (
+            {"norm.weight": "float16"},
+            _fp16_norm,
+            r"\['norm.weight'\] are stored at fp16/bf16, but not only engines",
+        ),
     ],
 )
-def test_a_reduced_weights_record_that_does_not_fit_the_file_is_refused(
-    fp16_compiled, tmp_path, reseal, edit, error
+def test_a_reduced_weights_record_that_does_not_fit_the_package_is_refused(
+    fp16_compiled, tmp_path, reseal, edit, rewrite, error
 ):
     compiled, _ = fp16_compiled
     package = compiler.save(compiled, tmp_path / "p.kiln", engine_precision_weights=True).path
+    if rewrite is not None:
+        rewrite(package)
     # An attacker who can write the package, and recomputes its hashes.
-    reseal(package, lambda data: edit(data["plan"]))
+    reseal(package, lambda data: data["plan"]["reduced_weights"].update(edit))
     with pytest.raises(PackageCorruptError, match=error):
         compiler.load(package)
