@@ -5,6 +5,8 @@ OPT-350m (benchmarks/cold_start_zoo.py's COMPILE and LOAD: fresh processes, fres
 ``import torch``; each form compiled on its own). Prints a table, writes one JSON.
 
     PYTHONPATH=. python benchmarks/probes/probe_weights_memory.py --out $OUT/probe_weights_memory.json
+
+Not run yet: its first H200 call ran past the session's device time (no rows came back).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def main() -> None:
             row["weights_lap_s"] = [x.get("load_stages_s", {}).get("weights") for x in loads]
             row["device_memory_mb"] = [x.get("device_memory_mb") for x in loads]
             row["errors"] = [x["error"][-500:] for x in loads if "error" in x]
+            Path(args.out).write_text(json.dumps(result, indent=1))  # as it goes: a cut run keeps rows
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'model':10} {'form':17} {'package MB':>10} {'device MB':>10} {'trusted s':>16}")
     for name, rows in result["models"].items():
