@@ -46,7 +46,7 @@ from compiler.accuracy.ops import REDUCED_FLOATS
 from compiler.backends.base import QUANTIZED_PRECISIONS
 from compiler.cache.local import EngineCache, resolve_cache, resolve_setting
 from compiler.engine_build.engine import EngineArtifact, build_engine
-from compiler.engine_build.weights import read_wider_than_stored
+from compiler.engine_build.weights import at_program_dtype, read_wider_than_stored
 from compiler.errors import AccuracyError, PackageError
 from compiler.inputs.data import ValidationData
 from compiler.partitioning.dedup import dedup
@@ -244,6 +244,8 @@ def rebuild(
         if fp not in compiled.engines
     }
     engines = {fp: compiled.engines.get(fp) or new[fp] for fp in unique.fingerprints}
+    running = {p.name for p in plan.partitions if engines[unique.instance(p.name).fingerprint].is_engine}
+    plan = at_program_dtype(plan, unique.instances, running)  # PyTorch runs fp32 where it now reads one
     rebuilt = assemble(plan, unique, engines, cache=engine_cache)
     return rebuilt, list(new.values())
 

@@ -6,6 +6,8 @@ A build lowers them so, a load casts them so, and a package may store them so
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from compiler.engine_build.float_ops import fp32_weights
@@ -99,3 +101,22 @@ def read_wider_than_stored(plan: PartitionPlan, instances: list[EngineInstance])
             and dtype not in (None, stored)
         }
     )
+
+
+def at_program_dtype(
+    plan: PartitionPlan, instances: list[EngineInstance], engines: set[str]
+) -> PartitionPlan:
+    """``plan`` with the weights its package stored at fp16/bf16 that not only engines of that precision
+    read any more (a partition rebuilt to run in PyTorch, or whose engine did not build) at the
+    program's dtype again, fp32, with the stored values: that graph runs at the dtype it was traced at."""
+    fits = engine_precision_keys(plan, instances, engines)
+    back = {key for key, dtype in plan.reduced_weights.items() if fits.get(key) != dtype}
+    if not back:
+        return plan
+    plan = copy.copy(plan)
+    plan.program_weights = {
+        **plan.program_weights,
+        **{key: plan.program_weights[key].to(torch.float32) for key in back if key in plan.program_weights},
+    }
+    plan.reduced_weights = {key: dtype for key, dtype in plan.reduced_weights.items() if key not in back}
+    return plan

@@ -279,6 +279,19 @@ def test_a_package_read_back_keeps_its_fp16_weights_through_a_refit_and_cannot_b
     assert {row.partition for row in table.rows} >= {"engine_0", "engine_1"}
     with pytest.raises(PackageError, match=r"engine_0.*stored at fp16/bf16.*recompile from the model"):
         rebuild(loaded, {"engine_0": "fp32"})
+    # Run in PyTorch instead (a debugging view of the engine): its graph gets the stored values at fp32.
+    torch_run, _ = rebuild(loaded, {"engine_0": "torch"})
+    assert torch.allclose(torch_run(x), compiled(x), rtol=1e-2, atol=1e-2)
+    assert (
+        torch_run.weights["fc1.weight"].dtype == torch.float32
+        and "fc1.weight" not in torch_run.plan.reduced_weights
+    )
+    resaved = compiler.save(torch_run, tmp_path / "c.kiln")
+    assert (
+        _stored(resaved.path)["fc1.weight"] == torch.float32
+        and _stored(resaved.path)["fc2.weight"] == torch.float16
+    )
+    assert torch.equal(compiler.load(resaved.path)(x), torch_run(x))
 
 
 def _fp16_norm(package: Path) -> None:
