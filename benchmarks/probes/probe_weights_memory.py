@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks._common import print_table
 from benchmarks.cold_start_zoo import COMPILE, LOAD, _run, machine
 
 FORMS = {"fp32 weights": {"KILN_BENCH_FP32_WEIGHTS": "1"}, "engine precision": {}}
@@ -56,12 +57,16 @@ def main() -> None:
             row["errors"] = [x["error"][-500:] for x in loads if "error" in x]
             Path(args.out).write_text(json.dumps(result, indent=1))  # as it goes: a cut run keeps rows
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{'model':10} {'form':17} {'package MB':>10} {'device MB':>10} {'trusted s':>16}")
-    for name, rows in result["models"].items():
-        for form, row in rows.items():
-            mb = (row.get("package_bytes") or 0) / 2**20
-            print(f"{name:10} {form:17} {mb:10.0f} {row.get('device_memory_mb')!s:>10} "
-                  f"{row.get('load_to_first_answer_s')!s:>16} {row.get('error') or ''}")  # fmt: skip
+    print_table(
+        "weights stored at fp32 vs at the engines' precision (trusted loads)",
+        ["model", "form", "package MB", "device MB", "to first answer s", "error"],
+        [
+            [name, form, round((row.get("package_bytes") or 0) / 2**20), row.get("device_memory_mb"),
+             row.get("load_to_first_answer_s"), (row.get("error") or "")[-80:]]
+            for name, rows in result["models"].items()
+            for form, row in rows.items()
+        ],
+    )  # fmt: skip
     print(f"wrote {args.out}")
 
 

@@ -342,11 +342,8 @@ class CompiledModule(torch.nn.Module):
         if unknown:
             raise RefitError(f"refit weights name keys the model lacks: {unknown[:10]}")
         for key, tensor in list(state.items()):
-            if (
-                self.plan.reduced_weights.get(key) not in (None, tensor.dtype)
-                and tensor.dtype == torch.float32
-            ):
-                state[key] = tensor = tensor.to(current[key].dtype)  # stored at its engines' precision
+            if key in self.plan.reduced_weights and tensor.dtype == torch.float32:  # a checkpoint's fp32
+                state[key] = tensor = tensor.to(current[key].dtype)  # as stored: its engines' precision
             if tuple(tensor.shape) != tuple(current[key].shape) or tensor.dtype != current[key].dtype:
                 raise RefitError(
                     f"weight {key!r}: expected shape {tuple(current[key].shape)} dtype {current[key].dtype}, "
