@@ -34,6 +34,7 @@ from compiler.cache.entry import CacheWarning
 from compiler.errors import AccuracyError
 from compiler.options import CompileOptions
 from compiler.package.manifest import SourceRecord
+from compiler.package.writing import copy_into_place
 from compiler.partitioning.partition import replay
 from tasks.concurrency import build_slot
 from tasks.refs import (
@@ -438,9 +439,8 @@ def package_model(
     """The validated package: one self-describing directory with its measured accuracy and latency, and
     its lineage (``source``: which model, at which version, it was compiled from).
 
-    Written first into this run's own staging directory, then moved into place under a lock on the
-    output path, so two runs writing one path never mix; the record is made from this run's copy.
-    """
+    Written into this run's own staging directory, then copied into place whole under a lock on the
+    output path, so two runs writing one path never mix; the record is made from this run's copy."""
     start = time.perf_counter()
     mine = Workspace(workspace).dir(f"runs/{uuid.uuid4().hex}") / Path(out_path).name
     target = Path(out_path)
@@ -457,7 +457,7 @@ def package_model(
         final = {"validation": validated.report, "source": lineage, "int8_weights_only": True}
         info = compiler.save(compiled, mine, **final, engine_precision_weights=True)
         with FileLock(str(target.parent / f".{target.name}.lock")):
-            compiler.save(compiled, target, **final, engine_precision_weights=True)
+            copy_into_place(mine, target)  # the very bytes recorded: not saved a second time
     get_run_logger().info("package %s (%d bytes, %.2fs)", target, info.bytes, time.perf_counter() - start)
     return PackageRef(str(target), info.content_hash, info.bytes, str(mine))
 

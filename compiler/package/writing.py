@@ -117,6 +117,19 @@ def swap_into_place(tmp: Path, path: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def copy_into_place(package: Path, path: Path) -> None:
+    """A package already written (``package``) copied to ``path`` byte for byte, signature included, and
+    swapped in whole: what saving the same module there again would write, without serializing, hashing
+    and signing it again (a program's round trip through torch.export, the weights file's bytes)."""
+    staging = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        # Under its final name: a signature names the package it signs (the folder's name).
+        shutil.copytree(package, staging / path.name, symlinks=True)
+        swap_into_place(staging / path.name, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def as_validation_report(value: ValidationReport | Mapping[str, Any] | None) -> ValidationReport | None:
     if value is None or isinstance(value, ValidationReport):
         return value

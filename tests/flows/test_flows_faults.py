@@ -216,6 +216,12 @@ def test_two_runs_writing_one_path_each_record_their_own_package(prefect_api, tm
     hashes = {compiler.read_manifest(ref.run_copy).content_hash for ref in refs}
     assert hashes == {ref.content_hash for ref in refs} and len(hashes) == 2
     assert compiler.read_manifest(out).content_hash in hashes
+    # The published package is one run's copy byte for byte (copied into place, not saved again).
+    [winner] = [ref for ref in refs if ref.content_hash == compiler.read_manifest(out).content_hash]
+    files = {f.relative_to(out): f.read_bytes() for f in sorted(out.rglob("*")) if f.is_file()}
+    copy = Path(winner.run_copy)
+    assert files == {f.relative_to(copy): f.read_bytes() for f in sorted(copy.rglob("*")) if f.is_file()}
+    assert not [f.name for f in out.parent.iterdir() if f.name.startswith(".mlp.kiln.tmp-")]
     published = compiler.load(out)
     assert published(torch.randn(3, published.input_specs[0].max_shape[1])).shape == (3, 16)
 
