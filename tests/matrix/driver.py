@@ -101,8 +101,9 @@ def invocations(model: str, root: Path) -> dict[tuple[str, ...], list[list[str]]
 # process is forked from tests/fixtures/preloaded.py's server (torch and the like imported once). Every
 # such process of the driver has the driver's environment, so its server also imports Prefect and MLflow,
 # once instead of in each of the 12 releases: every release imports these (so a child has nothing
-# imported that a fresh `kiln release` of the leanest model, mlp-fallback, would not). Not transformers:
-# mlp-fallback's release never imports it, and a package's module policy lets an imported module pass.
+# imported that a fresh `kiln release` of the leanest model, mlp-fallback, would not). Transformers only
+# where the release imports it anyway (HF_PRELOAD): mlp-fallback's never does, and a package's module
+# policy lets an imported module pass.
 OWN_PROCESS = {"release", "zoo", "compile", "webhook", "deploy"}
 # zoo, compile, deploy and webhook set Prefect's and MLflow's logging variables (flows.cli.options.
 # quiet_prefect) before importing them: a server that imported them first would not see those.
@@ -113,6 +114,21 @@ FLOW_PRELOAD = (
     "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
     "alembic.command", "alembic.migration", "typer", "graphviz", "cryptography",
 )  # fmt: skip
+# A release of a model whose package records transformers (its output types) imports transformers first
+# anyway, rebuilding the original from it before it loads a package: ~2 CPU-s each, once in a server.
+HF_PRELOAD = (
+    *FLOW_PRELOAD, "transformers", "transformers.modeling_utils", "transformers.activations",
+    "transformers.masking_utils", "transformers.modeling_layers",
+)  # fmt: skip
+
+
+def preload_for(args: list[str]) -> tuple[str, ...]:
+    """What the fork server of ``args``' process has imported (run in the zoo's folder)."""
+    if args[0] not in PRELOADED:
+        return ()
+    manifest = Path("out") / f"{args[1]}.kiln" / "manifest.json"
+    recorded = json.loads(manifest.read_text())["op_modules"] if manifest.is_file() else []
+    return HF_PRELOAD if any(m.split(".")[0] == "transformers" for m in recorded) else FLOW_PRELOAD
 
 
 def kiln(args: list[str]) -> dict[str, Any]:
@@ -128,7 +144,7 @@ def kiln(args: list[str]) -> dict[str, Any]:
             [sys.executable, "-m", "flows.cli", *args],
             capture_output=True,
             text=True,
-            preload=FLOW_PRELOAD if args[0] in PRELOADED else (),
+            preload=preload_for(args),
         )
         code, text = done.returncode, done.stdout + done.stderr
     else:
