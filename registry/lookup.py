@@ -327,6 +327,7 @@ def lookup(
     tracking_uri: str | None = None,
     policy: RetryPolicy | None = None,
     on_progress: ProgressCallback | None = None,
+    defer_output_types: bool = False,
 ) -> LookupResult:
     """The ``champion`` (else newest) version of ``kiln.<model>.<engine_target>`` that fits; verified and
     loaded. ``engine_target`` None: the model's one registered target, else this host's
@@ -336,7 +337,8 @@ def lookup(
     ``{"input_ids": (2, 16), ...}``. ``version`` pins a version (still checked against the filters).
     A version that fails verification or loading is skipped for the next one that fits (logged, and
     listed in ``result.skipped`` and ``result.fell_back_from``); only when every fitting version is
-    broken does the error reach the caller. ``allowed_modules``: see :func:`load_package`.
+    broken does the error reach the caller. ``allowed_modules``, ``defer_output_types``: see
+    :func:`load_package`.
 
     ``source``: only versions compiled from that source (``models:/fraud-bert@production``,
     ``hf:...``): the exact URI, or for ``models:/NAME@ALIAS`` the version compiled from the model
@@ -366,7 +368,11 @@ def lookup(
             package_dir, manifest, tags = fetch_version(
                 mlclient, name, chosen["version"], dst=dst, policy=policy, on_progress=on_progress
             )
-            module = load_package(package_dir, allowed_modules=allowed_modules) if load else None
+            module = None
+            if load:
+                module = load_package(
+                    package_dir, allowed_modules=allowed_modules, defer_output_types=defer_output_types
+                )
         except (ArtifactVerificationError, ArtifactMissingError) as exc:
             # A broken version (the champion, say) must not strand the caller: try the next that fits.
             failed.append({**chosen, "reason": f"failed verification: {exc}", "error": exc})
@@ -437,14 +443,23 @@ def _with_note(match: dict[str, Any] | None, query: SourceQuery | None) -> dict[
     return {**match, "note": query.note}
 
 
-def load_package(package_dir: str | os.PathLike, *, allowed_modules: Sequence[str] | None = None) -> Any:
+def load_package(
+    package_dir: str | os.PathLike,
+    *,
+    allowed_modules: Sequence[str] | None = None,
+    defer_output_types: bool = False,
+) -> Any:
     """``compiler.load`` of a verified package. The modules it may import are the package's recorded
     ``op_modules`` that this process allows (``allowed_modules``, ``$KILN_ALLOWED_OP_MODULES``, or
-    already imported): never a module named in a registry tag."""
+    already imported): never a module named in a registry tag. ``defer_output_types``: as
+    ``compiler.load``'s (its output types' modules checked now, imported at the first ``forward``):
+    for a caller that only verifies and loads (``kiln lookup``)."""
     import compiler
 
     try:
-        return compiler.load(package_dir, allowed_modules=allowed_modules)
+        return compiler.load(
+            package_dir, allowed_modules=allowed_modules, defer_output_types=defer_output_types
+        )
     except PackageError as exc:
         raise ArtifactVerificationError(
             f"{package_dir} failed verification at load and is refused: {exc}"

@@ -132,6 +132,9 @@ def lookup_cmd(
             dst=dst,
             allowed_modules=allow_op_module or None,
             tracking_uri=tracking_uri,
+            # It verifies and loads; nothing here calls the module: its output types (transformers'
+            # ModelOutput, seconds to import) are checked, not imported.
+            defer_output_types=True,
         )
     except NoMatchingVersionError as exc:
         if as_json:

@@ -188,3 +188,26 @@ def test_a_rewritten_output_spec_is_refused_at_load_or_at_first_forward(
     assert done.stdout.strip().splitlines()[-2:] == ["MALFORMED REFUSED AT LOAD", "FOREIGN REFUSED True"], (
         done.stdout
     )
+
+
+def test_kiln_lookup_verifies_and_loads_without_importing_the_output_types(package, tmp_path):
+    # `kiln lookup` never calls the module: transformers (the ModelOutput's module, seconds to import)
+    # is checked against the op-module rule, not imported.
+    from registry.tracking import record_package
+
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    recorded = record_package(package, "encoder", {"name": "encoder"}, tracking_uri=store)
+    done = _fresh(f"""
+        import json, sys
+        from flows.cli import main
+        sys.argv = ["kiln", "lookup", "encoder", "--tracking-uri", {store!r}, "--json"]
+        try:
+            main()
+        except SystemExit as exc:
+            assert not exc.code, exc.code
+        print("TRANSFORMERS", sorted(m for m in sys.modules if m.split(".")[0] == "transformers")[:3])
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TRANSFORMERS []" in done.stdout, done.stdout[-2000:]
+    summary = json.loads(done.stdout[: done.stdout.rindex("TRANSFORMERS")])
+    assert summary["version"] == recorded.version
