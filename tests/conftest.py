@@ -37,7 +37,7 @@ def _private_engine_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def _shared_export_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One folder of kept ONNX exports for the whole run, both xdist workers and every process they
+    """One folder of kept ONNX exports for the whole run, every xdist worker and every process they
     start (compiler.engine_build.export_memo): the suite compiles the zoo's few structures in many
     processes, and each export of one costs seconds. Under xdist the session's root temp folder (the
     parent of each worker's) is shared; kept graphs are keyed by kiln's code, so none outlives an edit."""
@@ -108,7 +108,7 @@ def _threads_per_worker() -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The files that hold a test marked ``slow`` first (in their collection order, each file's tests
     in theirs): xdist hands out files in this order, and the many short files that follow even out the
-    two workers' ends. Without xdist the order changes nothing a test sees (no test depends on another)."""
+    workers' ends. Without xdist the order changes nothing a test sees (no test depends on another)."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)  # stable: the rest keep their order
 
