@@ -17,12 +17,20 @@ Only typer and rich are imported here: ``kiln --help`` answers without torch, Pr
 
 from __future__ import annotations
 
+import gc
+
 import typer
 
 from flows.cli import cache, compile, ops, registry, serve, signing
 from registry.terminal import sanitize_logs
 
 sanitize_logs()  # every log line and warning the commands print shows control characters as escapes
+# A kiln command is a batch job whose compile makes millions of long-lived objects (exported programs,
+# FX graphs, fake tensors). At CPython's default thresholds (700, 10, 10) `kiln zoo deploy/zoo.yaml` ran
+# ~4,200 young and 14 full collections, 5.7 of its 29.5 CPU-s on the 2-core CPU here; collecting the
+# young generation every 10,000 allocations instead: 2.6 s, and the command's CPU 11% lower. Every
+# generation is still collected (a webhook receiver runs for days), only less often.
+gc.set_threshold(10_000, 10, 10)
 
 app = typer.Typer(
     name="kiln",
