@@ -19,6 +19,10 @@ from tests.fixtures.mlflow_server import mlflow_server, s3_mlflow  # noqa: E402,
 from tests.fixtures.prefect_server import prefect_api, prefect_server  # noqa: E402, F401
 from tests.fixtures.s3_server import s3_server  # noqa: E402, F401
 
+# The developer's own Inductor cache, if any: read before collection, where importing a test module can
+# make torch write its default into the environment.
+_GIVEN_INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_signing_keys() -> None:
@@ -50,17 +54,25 @@ def _shared_export_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _inductor_cache_dir_set_from_the_start() -> None:
-    """The inductor cache directory torch itself would choose, in the environment from the start.
+def _run_inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One Inductor cache for the whole run, every xdist worker and every process they start, in the
+    run's temp root, in the environment from the start.
 
-    torch writes TORCHINDUCTOR_CACHE_DIR into ``os.environ`` at a process's first inductor compile or
-    load (torch._inductor.runtime.cache_dir_utils.cache_dir). Left to that, the environment of the
-    processes tests start changed mid-session, and tests/fixtures/preloaded.py no longer forked them
-    from its server, which was started before (a TORCH* name differs): a fresh process each, ~3 CPU-s.
-    Set here to the same value, a started process sees what it would have computed itself."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    Left to torch, every run shared the machine's /tmp/torchinductor_$USER: a developer's second run
+    found every kernel compiled (and the folder grew by each run's code, 870 MB here), while CI on a
+    fresh machine compiled them all, 25-60 s more of the suite on 2 cores. A folder of the run's own
+    makes every run what CI runs, and removes itself with pytest's old temp roots. A developer's own
+    TORCHINDUCTOR_CACHE_DIR wins.
 
-    cache_dir()  # sets os.environ["TORCHINDUCTOR_CACHE_DIR"] (if unset) as a compile would
+    Set before any test: torch itself writes the variable into ``os.environ`` at a process's first
+    Inductor compile or load (torch._inductor.runtime.cache_dir_utils.cache_dir), and mid-session the
+    processes tests start would then see another environment than tests/fixtures/preloaded.py's server
+    was started with (a TORCH* name differs): a fresh process each instead of a fork, ~3 CPU-s."""
+    root = tmp_path_factory.getbasetemp()
+    directory = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "inductor-cache"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _GIVEN_INDUCTOR_CACHE or str(directory)
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 @pytest.fixture(scope="session")

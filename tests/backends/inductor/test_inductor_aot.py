@@ -9,7 +9,6 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -29,6 +28,7 @@ from compiler.backends.inductor.compat import cxx_runtime, process_cxx_runtime
 from compiler.backends.inductor.format import AOT, COMPILED, HEADER, pack
 from compiler.errors import BuildSettingsError, ForeignEngineCodeWarning
 from compiler.program.module_policy import custom_op_modules
+from tests.fixtures import preloaded
 from tests.fixtures.signing_keys import ec_key_pair
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -53,6 +53,14 @@ def _program(device: str = "cpu") -> tuple[torch.nn.Module, torch.export.Exporte
 @pytest.fixture(scope="module")
 def program():
     return _program()
+
+
+@pytest.fixture(scope="module")
+def aot_module(program) -> compiler.CompiledModule:
+    """``program`` compiled with its AOTInductor package on the CPU, once for the module's tests that
+    only read it: each build is a C++ compile and a fresh-process check, ~15 CPU-seconds here."""
+    _, exported = program
+    return compiler.compile(exported, backend="inductor", backend_options={"aot": True}, cache=False)
 
 
 def _engine_files(module: compiler.CompiledModule) -> dict[str, bytes]:
@@ -82,7 +90,9 @@ def _fresh_load(package: Path, env: dict, device: str = "cpu") -> dict:
         }}))
         """
     )
-    done = subprocess.run(
+    # Forked from the suite's preload server (torch imported, never Inductor's compiler); a second call
+    # at once (two loads racing) gets a process of its own.
+    done = preloaded.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -101,12 +111,15 @@ def _fresh_load(package: Path, env: dict, device: str = "cpu") -> dict:
     ],
 )
 def test_aot_engine_loads_natively_where_trusted_and_never_where_not(
-    device, tmp_path, monkeypatch, failing_compiler
+    device, tmp_path, monkeypatch, failing_compiler, request
 ):
-    model, exported = _program(device)
-    module = compiler.compile(
-        exported, backend="inductor", device=device, backend_options={"aot": True}, cache=False
-    )
+    if device == "cpu":
+        (model, _), module = request.getfixturevalue("program"), request.getfixturevalue("aot_module")
+    else:
+        model, exported = _program(device)
+        module = compiler.compile(
+            exported, backend="inductor", device=device, backend_options={"aot": True}, cache=False
+        )
     files = _engine_files(module)
     header = json.loads(files[HEADER])
     assert AOT in files and os.path.basename(header["aot"]).startswith(("g++", "c++")), header
@@ -142,7 +155,7 @@ def test_aot_engine_loads_natively_where_trusted_and_never_where_not(
     assert failed["native_builds"] == [1] and "aot" not in failed["dispatch"].values(), failed
     events = native.log_events(cache)
     assert [e["state"] for e in events] == ["started", "failed"] and "failing-g++" in events[-1]["reason"]
-    listed = subprocess.run(
+    listed = preloaded.run(
         [sys.executable, "-m", "flows.cli", "cache", "ls", str(cache), "--json"],
         capture_output=True,
         text=True,
@@ -212,13 +225,13 @@ def test_the_instances_of_one_engine_share_one_native_build(tmp_path):
 
 
 def test_a_native_package_for_a_newer_cxx_runtime_is_refused_by_name_and_the_engine_serves(
-    program, tmp_path, monkeypatch
+    program, aot_module, tmp_path, monkeypatch
 ):
     """A package whose AOTInductor wrapper was compiled against a newer libstdc++ than the loading process
     has would crash that process when loaded (two C++ runtimes in one): the build records its runtime, a
     load refuses such a package by name and the engine, compiled here from its program, serves."""
-    model, exported = program
-    module = compiler.compile(exported, backend="inductor", backend_options={"aot": True}, cache=False)
+    model, _ = program
+    module = aot_module
     (fp,) = [fp for fp, a in module.engines.items() if a.engine]
     files = _engine_files(module)
     header = json.loads(files[HEADER])
@@ -228,16 +241,19 @@ def test_a_native_package_for_a_newer_cxx_runtime_is_refused_by_name_and_the_eng
     newer = f"{major}.{minor}.{max(patch, int(here.split('.')[2])) + 1}"  # a newer g++ built it
     forged = pack({**files, HEADER: json.dumps({**header, "aot_libstdcxx": newer}).encode()})
     original = module.engines[fp]
-    module.engines[fp] = dataclasses.replace(original, engine=forged)
     key = ec_key_pair(tmp_path, "release")  # signed where compiled: loads trust its native code
     monkeypatch.setenv("KILN_SIGNING_PRIVATE_KEY", str(key.private))
-    path = compiler.save(module, tmp_path / "newer-runtime.kiln").path
+    module.engines[fp] = dataclasses.replace(original, engine=forged)
+    try:
+        path = compiler.save(module, tmp_path / "newer-runtime.kiln").path
+    finally:  # the module is shared with the module's other tests
+        module.engines[fp] = original
     monkeypatch.delenv("KILN_SIGNING_PRIVATE_KEY")
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("KILN_NATIVE_BUILD", "off")  # the build itself: the tests above
     refused = rf"libstdc\+\+ {re.escape(newer)} .*newer than the libstdc\+\+ {re.escape(here)} this process"
     # As a user meets it: a command that loads the package, in a fresh process that verifies its signature.
-    compared = subprocess.run(
+    compared = preloaded.run(
         [sys.executable, "-m", "flows.cli", "debug", "compare", str(path), "--json"],
         capture_output=True,
         text=True,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import zipfile
@@ -30,6 +29,7 @@ from compiler.errors import (
     RefitError,
     UnsafeProgramError,
 )
+from tests.fixtures import preloaded
 from tests.fixtures.signing_keys import ec_key_pair
 from zoo.models import repeated_fallback, soft_sign_clip, tiny_bert
 
@@ -146,7 +146,8 @@ def _load_in_a_fresh_process(
         torch.save(m(torch.load({str(x)!r})), {str(x)!r} + ".out")
         """
     )
-    done = subprocess.run(
+    # forked from the suite's preload server: torch imported, nothing of kiln's or Inductor's compiler
+    done = preloaded.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
