@@ -218,6 +218,9 @@ def zoo_run(tmp_path_factory, s3_server, mlflow_server, prefect_server) -> dict:
     (root / "zoo.yaml").write_text(yaml.safe_dump({"settings": settings, "models": entries}))
     # The fleet cache's local tier is this run's own, so the engines really go through the store.
     env = {**os.environ, "PYTHONPATH": str(ROOT), LOCAL_DIR_ENV: str(root / "near-cache")}
+    # The processes' own temp folder: what torch's AOTInductor loader unpacks there must be gone at exit.
+    (root / "tmp").mkdir()
+    env["TMPDIR"] = str(root / "tmp")
     done = preloaded.run(
         [sys.executable, "-m", "flows.cli", "zoo", "zoo.yaml", "--out", "out", "--json"],
         cwd=root,
@@ -324,3 +327,7 @@ def test_a_registered_model_compiled_with_aot_runs_natively_where_its_signature_
     assert result["max_abs"] < 1e-5, result  # answers as the model MLflow holds
     assert result["dispatch"] == ["aot"] and not result["inductor_imported"], result
     assert "models:/kiln-user-mlp" in json.dumps(result["source"]), result["source"]
+    # The zoo validated it, the checks and NATIVE_CHECK loaded it: each unpacked copy was removed at exit
+    # (compiler.backends.inductor.aot: a loader still held at exit used to leave its folder).
+    left = sorted(p.name for p in (zoo_run["root"] / "tmp").glob("aotinductor_*"))
+    assert not left, left

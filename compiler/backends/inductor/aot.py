@@ -29,6 +29,7 @@ this machine's own package in the background (``compiler.backends.inductor.nativ
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -210,7 +212,12 @@ def _check_in_fresh_process(
 
 class AotGraph:
     """A loaded AOTInductor package, called like the standalone graph (lifted constants at their
-    positions are dropped: the package holds them)."""
+    positions are dropped: the package holds them).
+
+    torch's loader unpacks the package into a /tmp/aotinductor_* folder that only its destructor
+    removes. One still referenced at interpreter exit (a `kiln zoo` task result held by a worker
+    thread) was never destroyed: a folder left per such load. Live graphs let go of their loader at
+    exit (:func:`_unload_at_exit`)."""
 
     def __init__(self, data: bytes, device: torch.device, constant_positions: Sequence[int]):
         index = (device.index or 0) if device.type == "cuda" else -1
@@ -226,11 +233,23 @@ class AotGraph:
         finally:
             os.unlink(path)
         self._constants = frozenset(constant_positions)
+        _live.add(self)
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         if self._constants:
             args = tuple(a for i, a in enumerate(args) if i not in self._constants)
         return self._runner.run(list(args))
+
+
+_live: weakref.WeakSet[AotGraph] = weakref.WeakSet()
+
+
+@atexit.register
+def _unload_at_exit() -> None:
+    """Destroy the loaders of the graphs still alive, while the interpreter can: each removes its
+    unpacked folder."""
+    for graph in list(_live):
+        graph._runner = None
 
 
 def aot_from_program(
