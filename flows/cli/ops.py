@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 
 from flows.cli.options import (
-    AllowModule,
+    AllowOpModule,
     Data,
     DebugCompareRuns,
     Deployment,
@@ -85,7 +85,7 @@ def debug_compare(
     data: Data = None,
     samples: Samples = 3,
     runs: DebugCompareRuns = 3,
-    allow_module: AllowModule = None,
+    allow_op_module: AllowOpModule = None,
     as_json: JsonOut = False,
 ) -> None:
     """Each engine against its own PyTorch submodule, on the activations at its inputs: partition,
@@ -94,7 +94,7 @@ def debug_compare(
     from compiler.errors import KilnError
 
     try:
-        compiled = compiler.load(package, allowed_modules=allow_module or None)
+        compiled = compiler.load(package, allowed_modules=allow_op_module or None)
         inputs = compiler.validation_data(compiled.input_specs, data, samples=samples)
         table = compiler.compare_partitions(compiled, inputs.samples, runs=runs)
     except KilnError as exc:

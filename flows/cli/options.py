@@ -379,10 +379,6 @@ Data = Annotated[
 ]
 Samples = Annotated[int, typer.Option(help="random input sets when no --data is given")]
 DebugCompareRuns = Annotated[int, typer.Option(help="timed passes for each partition's latency share")]
-AllowModule = Annotated[
-    list[str] | None,
-    typer.Option("--allow-module", help="a custom-op module the package may import (repeatable)"),
-]
 ReportPackage = Annotated[
     str, typer.Argument(help="a .kiln package directory, or a model name in the registry (its package)")
 ]

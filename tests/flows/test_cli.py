@@ -185,7 +185,7 @@ def test_debug_compare_prints_each_partitions_error_against_pytorch() -> None:
     package = ROOT / "tests" / "fixtures" / "packages" / "mlp-format1-2026-11.kiln"
     refused = _kiln("debug", "compare", str(package))  # its custom-op module was not allowed
     assert refused.returncode == 2 and "zoo.models" in refused.stderr, refused.stderr
-    proc = _kiln("debug", "compare", str(package), "--allow-module", "zoo.models", "--json", "--runs", "1")
+    proc = _kiln("debug", "compare", str(package), "--allow-op-module", "zoo.models", "--json", "--runs", "1")
     assert proc.returncode == 0, proc.stderr
     table = json.loads(proc.stdout)
     rows = table["rows"]

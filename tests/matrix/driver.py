@@ -85,7 +85,7 @@ def invocations(model: str, root: Path) -> dict[tuple[str, ...], list[list[str]]
         ],
         ("report",): [["report", model, "--out", str(root / "reports" / f"{model}.html")]],
         ("debug", "compare"): [
-            ["debug", "compare", str(package), "--samples", "1", "--runs", "1", "--allow-module", *ALLOW]
+            ["debug", "compare", str(package), "--samples", "1", "--runs", "1", "--allow-op-module", *ALLOW]
         ],
         ("release",): [["release", model, "--zoo", "zoo.yaml", *RELEASE_GATES]],
         # after the release: one champion, no previous: the typed refusal names what to do
