@@ -91,9 +91,12 @@ def compiled_zoo() -> dict:
 
 def pytest_configure(config: pytest.Config) -> None:
     _threads_per_worker()
-    # The tests compile in this process as a kiln command does in its own: the same collector
-    # thresholds as the CLI's (flows/cli/__init__.py), so a test's compile costs what a command's does.
-    gc.set_threshold(10_000, 10, 10)
+    # The tests compile in this process as a kiln command does in its own: the CLI's collector
+    # thresholds, so a test's compile costs what a command's does. (Every worker imports flows.cli at
+    # collection anyway: tests/matrix reads its commands from it.)
+    from flows.cli import COLLECTOR_THRESHOLDS
+
+    gc.set_threshold(*COLLECTOR_THRESHOLDS)
     # pytest-xdist's loadfile hands out the files with the most tests first (its --loadscope-reorder,
     # on by default). The suite's long files have few tests, so they came last, and one worker ran them
     # while the other had finished: the order of pytest_collection_modifyitems below is used instead.
