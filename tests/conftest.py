@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -89,7 +91,9 @@ def compiled_zoo() -> dict:
     return result
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
+    _private_user_folders(config)
     _threads_per_worker()
     # The tests compile in this process as a kiln command does in its own: the CLI's collector
     # thresholds, so a test's compile costs what a command's does. (Every worker imports flows.cli at
@@ -102,6 +106,21 @@ def pytest_configure(config: pytest.Config) -> None:
     # while the other had finished: the order of pytest_collection_modifyitems below is used instead.
     if getattr(config.option, "loadscopereorder", False):
         config.option.loadscopereorder = False
+
+
+def _private_user_folders(config: pytest.Config) -> None:
+    """A home of the test process's own for what kiln, Prefect and the libraries keep per user, set before
+    collection (test modules import Prefect, which reads PREFECT_HOME once) and removed at the end; the
+    processes tests start inherit it. Before, a run wrote into the developer's ~/.prefect (a temporary
+    API server's database, 115 MB on this machine) and ~/.cache/kiln/registry (``kiln lookup``
+    downloads from every test's store, under the same model names). XDG_CACHE_HOME: every platformdirs
+    cache (kiln's registry downloads and remote-cache tier, Hugging Face's, torch's); XDG_CONFIG_HOME:
+    what the report test's browser writes (~/.config/chromium)."""
+    home = Path(tempfile.mkdtemp(prefix="kiln-test-home-"))
+    os.environ["XDG_CACHE_HOME"] = str(home / "cache")
+    os.environ["XDG_CONFIG_HOME"] = str(home / "config")
+    os.environ["PREFECT_HOME"] = str(home / "prefect")
+    config.add_cleanup(lambda: shutil.rmtree(home, ignore_errors=True))
 
 
 def _threads_per_worker() -> None:
