@@ -158,6 +158,7 @@ def run_static(
             target,
             per_channel=True,
             weight_type=QuantType.QInt8,
+            reduce_range=bool(settings.get("reduce_range")),
             nodes_to_exclude=list(exclude),
             nodes_to_quantize=list(only),
         )
@@ -202,6 +203,7 @@ def run_static(
         nodes_to_exclude=list(exclude),
         nodes_to_quantize=list(only),
         calibration_cache_path=ranges,
+        reduce_range=bool(settings.get("reduce_range")),  # 7-bit weights: see the backend's record
     )
     model = onnx.load(target)
     float_inputs(model.graph, exclude)

@@ -81,7 +81,11 @@ def quantize_fingerprint(call: RecipeCall) -> tuple[bytes, dict[str, torch.Tenso
     tensors of its own. Scales are compiled in: each instance is quantized on its own."""
     name = call.parts[0]
     layers = call.recipe.get("float_layers", ())
-    return quantize_program(call.plan, name, call.feeds.get(name, []), float_layers=layers), {}
+    reduce_range = bool(call.recipe.get("reduce_range"))
+    program = quantize_program(
+        call.plan, name, call.feeds.get(name, []), float_layers=layers, reduce_range=reduce_range
+    )
+    return program, {}
 
 
 def quantize_program(
@@ -90,13 +94,15 @@ def quantize_program(
     feeds: Sequence[Mapping[str, np.ndarray]],
     *,
     float_layers: Collection[str] = (),
+    reduce_range: bool = False,
 ) -> bytes:
     """The saved program of partition ``name`` quantized to int8 with its own weights frozen in,
     calibrated on ``feeds`` (its captured activations, ``x0..xk`` per sample), the layers
-    ``float_layers`` (canonical names, :class:`Exported`) left in float. :class:`QuantizationError`
+    ``float_layers`` (canonical names, :class:`Exported`) left in float, activations at 7 bits where
+    ``reduce_range`` (the recipe's, see compiler/backends/capabilities.py). :class:`QuantizationError`
     where torchao is missing, nothing in it is quantizable, or no feed is given."""
     base = Exported.of(plan, name)
-    converted = base.converted(feeds, float_layers)
+    converted = base.converted(feeds, float_layers, reduce_range=reduce_range)
     if not any(
         getattr(n.target, "namespace", None) == "quantized_decomposed" or n.meta.get(INT8_TABLE)
         for n in converted.graph.nodes
@@ -175,7 +181,11 @@ class Exported:
         return names
 
     def converted(
-        self, feeds: Sequence[Mapping[str, np.ndarray]], float_layers: Collection[str] = ()
+        self,
+        feeds: Sequence[Mapping[str, np.ndarray]],
+        float_layers: Collection[str] = (),
+        *,
+        reduce_range: bool = False,
     ) -> torch.fx.GraphModule:
         """The module quantized and calibrated on ``feeds``, ``float_layers`` left in float: the x86
         quantizer is told to leave them (``set_module_name_qconfig(name, None)``, its own way), and
@@ -186,7 +196,7 @@ class Exported:
 
         module = copy.deepcopy(self.module)
         kept = {n for n, c in self.canonical.items() if c in set(float_layers)}
-        quantizer = _quantizer(module, kept)
+        quantizer = _quantizer(module, kept, reduce_range=reduce_range)
         with quiet_trace(), torch.no_grad():
             prepared = prepare_pt2e(module, quantizer)
             for feed in feeds:
@@ -196,14 +206,14 @@ class Exported:
         return converted
 
 
-def _quantizer(module: torch.fx.GraphModule, kept: Collection[str]) -> Any:
+def _quantizer(module: torch.fx.GraphModule, kept: Collection[str], *, reduce_range: bool = False) -> Any:
     """The x86 quantizer kiln's recipe uses, the nodes named ``kept`` tagged as one module that it is
     told to leave in float. A kept linear in a fused pattern (linear + GELU) is left too: the pattern's
     other node is not tagged, so the quantizer annotates the linear alone, as float, first."""
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as x86
     from torchao.quantization.pt2e import MinMaxObserver
 
-    config = x86.get_default_x86_inductor_quantization_config()
+    config = x86.get_default_x86_inductor_quantization_config(reduce_range=reduce_range)
     # minmax, the calibration method kiln's options name (the default recipe's is a histogram)
     activations = dataclasses.replace(
         config.input_activation, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12)

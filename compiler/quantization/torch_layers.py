@@ -167,7 +167,7 @@ class TorchLayerProbe:
 def _model(plan: PartitionPlan, name: str) -> _Pt2eModel | _RowwiseModel:
     recipe = plan.options.partition_quantization(name, plan.options.precision_of(name)) or {}
     if recipe.get("graph") == PT2E_GRAPH:
-        return _Pt2eModel(plan, name)
+        return _Pt2eModel(plan, name, bool(recipe.get("reduce_range")))
     if recipe.get("graph") in ROWWISE_GRAPHS.values():
         return _RowwiseModel(plan, name)
     raise ValueError(f"{name}: its recipe ({recipe.get('graph')}) is not quantized in its torch graph")
@@ -176,10 +176,10 @@ def _model(plan: PartitionPlan, name: str) -> _Pt2eModel | _RowwiseModel:
 class _Pt2eModel:
     """PT2E: the partition exported once; each variant quantized and calibrated from it."""
 
-    def __init__(self, plan: PartitionPlan, name: str) -> None:
+    def __init__(self, plan: PartitionPlan, name: str, reduce_range: bool) -> None:
         from compiler.quantization.pt2e import Exported
 
-        self.base = Exported.of(plan, name)
+        self.base, self.reduce_range = Exported.of(plan, name), reduce_range
         self.names = self.base.layers()
         self.device = self.base.device
 
@@ -187,7 +187,7 @@ class _Pt2eModel:
         return self.base.module
 
     def quantized(self, float_layers: Collection[str], calibration: Sequence[Mapping]) -> Callable[..., Any]:
-        return self.base.converted(calibration, float_layers)
+        return self.base.converted(calibration, float_layers, reduce_range=self.reduce_range)
 
 
 class _RowwiseModel:

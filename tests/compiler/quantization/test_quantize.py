@@ -120,6 +120,17 @@ def test_identical_blocks_build_once_and_each_instance_runs_its_own_weights_and_
     assert "recorded.npz" in lineage_tags(manifest)["kiln.calibration_data"]
 
 
+def test_int8_weights_use_seven_bits_so_no_x86_cpu_saturates_their_products(int8):
+    """ONNX Runtime's uint8 x int8 products saturate on x86 CPUs without VNNI unless one side has 7 bits
+    (compiler/backends/capabilities.REDUCE_RANGE): every engine's int8 weights lie in [-64, 64] (ONNX
+    Runtime's symmetric 7 bits: 255 x 64 x 2 fits int16), and each reaches its end (not fewer bits)."""
+    compiled, _ = int8
+    weights = [v for v in compiled.plan.quantized.values() if v.dtype == torch.int8 and v.any()]
+    assert weights  # (the int8 zero points are all 0: left out)
+    assert all(int(w.min()) >= -64 and int(w.max()) <= 64 for w in weights)
+    assert {max(-int(w.min()), int(w.max())) for w in weights} == {64}
+
+
 def test_the_gate_raises_only_the_sensitive_blocks_layer_and_records_the_plan(case, int8, tmp_path):
     model, _, data = case
     compiled, cache = int8
@@ -337,6 +348,7 @@ def test_the_zoo_entry_carries_int8_to_the_request_and_preflight_wants_calibrati
         "types": "u8s8",
         "scales": "refit",
         "graph": "ort-basic-optimized",
+        "reduce_range": True,
     }
     assert request.options.build_settings("engine_2").quantization is None
     assert request.tolerances.rel_l2 == 0.1  # int8's default
@@ -448,9 +460,9 @@ def test_batchnorm_is_fused_into_its_convolution_before_quantizing():
         assert torch.allclose(compiled(x), model(x), atol=0.1, rtol=0.1)
 
 
-@pytest.mark.parametrize("types", ["u8s8", "s8s8-symmetric"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "tensorrt"])  # u8s8 and s8s8-symmetric
 def test_a_layer_kept_in_float_reads_the_float_activation_not_another_layers_dequantized_copy(
-    types, tmp_path
+    backend, tmp_path
 ):
     """An activation quantized for one consumer reached a kept one through the same Q/DQ pair: TensorRT
     then built the kept MatMul in int8 (both operands dequantized; its H100 build, issue 46) and ONNX
@@ -478,7 +490,8 @@ def test_a_layer_kept_in_float_reads_the_float_activation_not_another_layers_deq
     source = tmp_path / "float.onnx"
     onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source)
     feeds = [{"x": rng.standard_normal((4, 8)).astype(np.float32)} for _ in range(8)]
-    settings = {"mode": "static", "method": "minmax", "types": types, "per_channel": False}
+    options = compiler.CompileOptions(backend=backend, precision="int8", calibration={"method": "minmax"})
+    settings = {**options.quantization_settings("int8"), "per_channel": False}
     model = run_static(source, tmp_path, feeds, settings, exclude=["keep"])
     produced = {out: node.op_type for node in model.graph.node for out in node.output}
     keep = next(n for n in model.graph.node if n.name == "keep")

@@ -63,6 +63,9 @@ def test_each_instance_is_quantized_on_its_own_inputs_into_its_own_frozen_engine
         frozen = [*program.state_dict.values(), *program.constants.values()]
         assert quantize and any(t.dtype == torch.int8 for t in frozen)
         input_scales.append(quantize[0].args[1])  # the block input's calibrated scale
+        # uint8 activations at 7 bits (quant_max, the op's fifth argument): an x86 CPU without VNNI
+        # saturates full-range uint8 x int8 products (compiler/backends/capabilities.REDUCE_RANGE)
+        assert {(n.args[3], n.args[4]) for n in quantize} == {(0, 127)}, [n.args for n in quantize]
     # ... calibrated on its own activations (each block sees a different input range) ...
     assert len(set(input_scales)) == len(blocks)
     # ... and computing its own block: every engine is close to its own PyTorch submodule. (The outlier
