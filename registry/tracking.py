@@ -42,7 +42,7 @@ from compiler.package.report_map import SplitGraph, read_split_graph
 from compiler.package.report_page import render_report
 from compiler.package.signing import Signer, sign_package
 from registry import config, payload
-from registry.config import RetryPolicy, call_with_retry
+from registry.config import RetryPolicy, call_with_retry, log_inputs
 from registry.errors import RegistryUnavailableError
 from registry.generation import generation_metrics
 from registry.lookup import package_in
@@ -388,7 +388,7 @@ def _log_run_data(
     if datasets:
         # Idempotent on the server (one input per dataset name + digest and run): safe on resume.
         call_with_retry(
-            lambda: mlclient.log_inputs(run_id, datasets=datasets),
+            lambda: log_inputs(mlclient, run_id, datasets),
             f"log the validation and calibration data of {model}",
             policy,
         )

@@ -11,6 +11,7 @@ import logging
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,33 @@ def test_a_zoo_run_whose_process_died_is_ended_by_the_next_zoo_run(mlflow_server
     assert client.get_run(live).info.status == "RUNNING"
     for run_id in (live, third):
         client.set_terminated(run_id)
+
+
+def test_runs_logging_the_same_data_at_once_all_log_it(tmp_path: Path) -> None:
+    """The models of one zoo run, recorded at once, log the same recorded data as an MLflow dataset: the
+    store looks the dataset up, then inserts it, and every run but the first to insert was refused
+    ("UNIQUE constraint failed: datasets...", which failed a model of `kiln zoo`). Each run logs it."""
+    import mlflow
+    import numpy as np
+    from mlflow import MlflowClient
+    from mlflow.entities import DatasetInput
+
+    from registry.config import log_inputs
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("zoo")
+    runs = [client.create_run(experiment).info.run_id for _ in range(6)]
+    for round_ in range(3):  # without the retry, 22 of 30 such calls failed here
+        data = mlflow.data.from_numpy(np.random.default_rng(round_).random((8, 4)), name=f"recorded-{round_}")
+        dataset = DatasetInput(data._to_mlflow_entity(), [])
+        together = threading.Barrier(len(runs))
+
+        def log(run_id: str, dataset: DatasetInput = dataset, together: threading.Barrier = together) -> None:
+            together.wait()  # all at once
+            log_inputs(client, run_id, [dataset])
+
+        with ThreadPoolExecutor(len(runs)) as pool:
+            list(pool.map(log, runs))  # a refused call raises here
+    for run_id in runs:
+        logged = sorted(d.dataset.name for d in client.get_run(run_id).inputs.dataset_inputs)
+        assert logged == ["recorded-0", "recorded-1", "recorded-2"], (run_id, logged)
