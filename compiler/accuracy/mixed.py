@@ -76,7 +76,7 @@ def kept_fractions(
                 found = counted_torch(module, name, feed)
             else:
                 graph = counted_graph(module, fp)
-                found = None if graph is None else account(graph, feed)
+                found = None if graph is None else account(graph, feed, quantized_values(module, name))
             if found is None:
                 return None
             seen[(side, fp)] = found
@@ -116,6 +116,23 @@ def counted_torch(module: CompiledModule, name: str, feed: Mapping[str, Any]) ->
         return torch_account(module.plan, name, activations, module.plan.options.float_layers.get(name, ()))
     except Exception:  # a plan without its graphs or weights: the record says nothing rather than fail
         return None
+
+
+def quantized_values(module: CompiledModule, name: str) -> dict[str, Any]:
+    """Partition ``name``'s int32/int64 quantized tensors (shapes and indices: a shape can depend on
+    them, never on a weight) under its graph's canonical names (``w0``..), as numpy; none where the
+    plan holds none (read back)."""
+    import torch
+
+    from compiler.partitioning.dedup import instance_weights
+
+    partition = next(p for p in module.plan.partitions if p.name == name)
+    found = module.plan.quantized
+    return {
+        c: to_numpy(found[k])
+        for c, k in instance_weights(module.plan, partition).items()
+        if k in found and found[k].dtype in (torch.int32, torch.int64)
+    }
 
 
 def counted_graph(module: CompiledModule, fp: str) -> bytes | None:

@@ -268,10 +268,13 @@ def astuple(account: GraphAccount) -> tuple[int, int, int, int]:
     return (account.weights_int8, account.weights_total, account.flops_int8, account.flops_total)
 
 
-def account(graph: bytes, feed: Mapping[str, np.ndarray]) -> GraphAccount:
+def account(
+    graph: bytes, feed: Mapping[str, np.ndarray], values: Mapping[str, np.ndarray] | None = None
+) -> GraphAccount:
     """Weights and FLOPs of an engine graph (QDQ or float) at ``feed``'s shapes: a weight is int8 when
     it is stored as int8/uint8 for a DequantizeLinear; a GEMM or convolution runs at int8 when an input
-    comes from a DequantizeLinear. Q/DQ scales and zero points are not weights."""
+    comes from a DequantizeLinear. Q/DQ scales and zero points are not weights. ``values``: the
+    stripped initializers' tensors, where known (see :func:`graph_flops`)."""
     model = onnx.load_from_string(graph)
     nodes = model.graph.node
     inits = {i.name: i for i in model.graph.initializer}
@@ -287,19 +290,23 @@ def account(graph: bytes, feed: Mapping[str, np.ndarray]) -> GraphAccount:
         total += size
         if init.data_type in INTEGER_TYPES and init.name in dq_out.values():
             int8 += size
-    flops = graph_flops(graph, feed)
+    flops = graph_flops(graph, feed, values)
     low = sum(f for node in nodes if (f := flops.get(node.name, 0)) and any(i in dq_out for i in node.input))
     return GraphAccount(int8, total, low, sum(flops.values()))
 
 
-def graph_flops(graph: bytes, feed: Mapping[str, np.ndarray]) -> dict[str, int]:
+def graph_flops(
+    graph: bytes, feed: Mapping[str, np.ndarray], values: Mapping[str, np.ndarray] | None = None
+) -> dict[str, int]:
     """Node name -> FLOPs (2 x multiply-adds) of every GEMM and convolution, from one run at ``feed``'s
-    shapes with their inputs and outputs made graph outputs."""
+    shapes with their inputs and outputs made graph outputs. A stripped initializer is run as its
+    tensor in ``values``, else as zeros: a shape can depend on one (torch 2.11 exports a Reshape's
+    target shape as an initializer, which a quantized graph stores with the weights)."""
     model = onnx.load_from_string(graph)
     nodes = [n for n in model.graph.node if n.op_type in COMPUTE_OPS and n.name]
     if not nodes:
         return {}
-    _zero_stripped(model)
+    _zero_stripped(model, values or {})
     known = {o.name for o in model.graph.output}
     inits = {i.name: list(i.dims) for i in model.graph.initializer}
     wanted = []
@@ -334,13 +341,16 @@ def graph_flops(graph: bytes, feed: Mapping[str, np.ndarray]) -> dict[str, int]:
     return result
 
 
-def _zero_stripped(model: onnx.ModelProto) -> None:
-    """Weights stripped from an engine (refit at load) as zeros of their shape and type: FLOPs need
-    only the shapes, and ONNX Runtime will not run a tensor whose bytes are nowhere."""
+def _zero_stripped(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> None:
+    """Tensors stripped from an engine (refit at load) as their ``values``, else as zeros of their shape
+    and type (FLOPs need only the shapes of weights): ONNX Runtime will not run a tensor whose bytes
+    are nowhere."""
     for init in model.graph.initializer:
         if init.data_location == onnx.TensorProto.EXTERNAL:
             dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-            init.CopyFrom(onnx.numpy_helper.from_array(np.zeros(tuple(init.dims), dtype), init.name))
+            value = values.get(init.name)
+            array = np.zeros(tuple(init.dims), dtype) if value is None else np.asarray(value, dtype)
+            init.CopyFrom(onnx.numpy_helper.from_array(array.reshape(tuple(init.dims)), init.name))
 
 
 def _weight_inputs(model: onnx.ModelProto, weight_names: Mapping[str, str]) -> dict[str, tuple[str, str]]:
