@@ -87,8 +87,11 @@ def test_int8_leaves_the_fewest_layers_out_of_quantization_and_stays_mostly_int8
     assert search["precision"] == "int8" and 0 < len(search["raised"]) < search["candidates"], search
     raised = [r["name"] for r in search["raised"]]
     assert sorted(repair["float_layers"][search["partition"]]) == sorted(raised)
-    # each raised layer named as the user's model names it, with its measured sensitivity
-    assert all(r["weight"].startswith("bert.") and r["rel_l2"] > 0 for r in search["raised"]), search
+    # each raised layer named as the user's model names it (its weight, under BertForSequenceClassification's
+    # two modules: the encoder or the classifier head, which this 2-core AVX2 machine's search raised),
+    # with its measured sensitivity
+    for layer in search["raised"]:
+        assert layer["weight"].startswith(("bert.", "classifier.")) and layer["rel_l2"] > 0, search["raised"]
     assert all(
         re.search(r": int8 -> fp32, (alone )?it added rel L2", line)
         for line in repair["lines"][: len(raised)]
