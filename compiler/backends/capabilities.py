@@ -137,8 +137,8 @@ class BackendRecord:
         return getattr(importlib.import_module(module), function)(self.name, device, trust_engine_code)
 
 
-# An int8 product on an x86 CPU without VNNI (AVX2 only, or AVX-512 without VNNI: this workplace's Zen 3
-# machines) goes through VPMADDUBSW, which adds two uint8 x int8 products into int16 and saturates: 255 x
+# An int8 product on an x86 CPU without VNNI (AVX2 only, as this workplace's Zen 3 machines, or AVX-512
+# without VNNI) goes through VPMADDUBSW, which adds two uint8 x int8 products into int16 and saturates: 255 x
 # 127 x 2 > 32767. One side at 7 bits keeps every pair inside it, so an int8 engine computes the same on
 # every x86 CPU as on the one it was validated on (a package moves between them; its engine target is
 # "cpu"). Without it, on Zen 3 the suite's int8 models missed bounds they meet on AVX-512 VNNI: a
@@ -183,9 +183,8 @@ def _tensorrt_rules(q: Quantizing, levels: tuple[str, ...]) -> None:
 
 # ---- Inductor: on the CPU, uint8 activations at 7 bits (REDUCE_RANGE) and per-channel int8 weights
 # (X86InductorQuantizer's recipe), weights and scales frozen into each instance's program as oneDNN's
-# prepacked kernels need; on
-# CUDA, weights with row scales (refit tensors), activations scaled per row at run time, the other ops
-# in bf16 ("compute").
+# prepacked kernels need; on CUDA, weights with row scales (refit tensors), activations scaled per row
+# at run time, the other ops in bf16 ("compute").
 def _inductor_quantization(q: Quantizing, precision: str) -> dict[str, Any]:
     if q.device_kind == "cuda":
         return {
