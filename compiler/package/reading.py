@@ -3,13 +3,16 @@
 The library check (TensorRT engines run only on the version that built them), whether Inductor's
 engines load natively (nothing of Inductor's imported then), the runtime graph read with the
 program's modules checked, the weights stored at their engines' precision checked to be that
-(:func:`reduced_weights`, :func:`check_reduced`), the engine records with their verified bytes (the weights:
+(:func:`reduced_weights`, :func:`check_reduced`), every weight checked to be the dtype and shape its
+program takes (:func:`check_weight_specs`), the engine records with their verified bytes (the weights:
 :mod:`compiler.package.weights_file`), and the dedup record checked against the plan.
 """
 
 from __future__ import annotations
 
+import io
 import re
+import zipfile
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -17,6 +20,7 @@ from typing import Any
 
 import torch
 
+from compiler import json_reader
 from compiler.backends import get_backend
 from compiler.engine_build.engine import EngineArtifact
 from compiler.engine_build.weights import REDUCED_DTYPES, engine_precision_keys
@@ -209,3 +213,64 @@ def check_reduced(path: Path, plan: Any, dedup: DedupPlan, engines: Mapping[str,
             f"{path}: weights {wrong[:5]} are stored at fp16/bf16, but not only engines of that precision "
             "read them"
         )
+
+
+TensorSpec = tuple[torch.dtype, tuple[int, ...] | None]  # dtype, shape (None: a symbolic size)
+
+
+# torch.export's archive codes for dtypes (its schema's ScalarType, a versioned format) -> the dtype.
+# torch.export.load reads them with torch._export.serde.serialize's table, whose import is ~2 s of a cold
+# load; tests/compiler/package/test_weight_specs.py holds this one to it.
+SCHEMA_DTYPES: dict[int, torch.dtype] = {
+    code: getattr(torch, name)
+    for code, name in {
+        1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float16", 7: "float32", 8: "float64",
+        9: "complex32", 10: "complex64", 11: "complex128", 12: "bool", 13: "bfloat16", 28: "uint16",
+        29: "float8_e4m3fn", 30: "float8_e5m2", 31: "float8_e4m3fnuz", 32: "float8_e5m2fnuz",
+        33: "float8_e8m0fnu", 34: "uint32", 35: "uint64",
+    }.items()
+    if hasattr(torch, name)
+}  # fmt: skip
+
+
+def program_tensor_specs(data: bytes, where: str) -> dict[str, TensorSpec]:
+    """The dtype and shape the program takes for each of its weights and constants, from its archive's
+    tensor records (read as data, after ``check_archive``)."""
+    specs: dict[str, TensorSpec] = {}
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            for name in archive.namelist():
+                if not name.endswith(("/model_weights_config.json", "/model_constants_config.json")):
+                    continue
+                records = json_reader.loads(archive.read(name), f"{where}: {name}")["config"]
+                for key, record in records.items():
+                    meta = record["tensor_meta"]
+                    sizes = [size.get("as_int") for size in meta["sizes"]]
+                    shape = tuple(sizes) if all(isinstance(d, int) for d in sizes) else None
+                    specs[key] = (SCHEMA_DTYPES[meta["dtype"]], shape)
+    except (KeyError, TypeError, ValueError, AttributeError, zipfile.BadZipFile) as exc:
+        raise PackageCorruptError(f"{where}: its tensor records are malformed ({exc!r:.200})") from exc
+    return specs
+
+
+def check_weight_specs(
+    path: Path,
+    weights: Mapping[str, torch.Tensor],
+    specs: Mapping[str, TensorSpec],
+    reduced: Mapping[str, torch.dtype],
+) -> None:
+    """Every weight the program takes is held at the dtype and shape it takes (those stored at their
+    engines' precision at that one, :func:`reduced_weights`): else PackageCorruptError naming it.
+    Engines check what they read when weights are put in; a weight only PyTorch reads (a fallback op)
+    would otherwise fail at the first call, with torch's own error."""
+    for key, (dtype, shape) in specs.items():
+        tensor = weights.get(key)
+        if tensor is None:
+            continue  # left out on purpose (int8-only weights) or missing: the load names those
+        want = reduced.get(key, dtype)
+        if tensor.dtype != want or (shape is not None and tuple(tensor.shape) != shape):
+            takes = list(shape) if shape is not None else "(symbolic)"
+            raise PackageCorruptError(
+                f"{path}: {WEIGHTS} holds {key!r:.80} as {dtype_name(tensor.dtype)} {list(tensor.shape)}, "
+                f"but its program takes {dtype_name(want)} {takes}"
+            )

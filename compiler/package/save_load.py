@@ -389,13 +389,17 @@ def _load(
         lap("program_check")
         graph = reading.read_runtime_graph(path, manifest, reads, modules, moved, allowed_modules, deferred)
         own = set(graph.signature.weight_keys())
+        specs = reading.program_tensor_specs(reads[PROGRAM].result(), str(path / PROGRAM))
         lap("runtime_graph")
     else:
         program = read_program()
-        own = set(program_weights(program))
+        specs = {k: (v.dtype, tuple(v.shape)) for k, v in program_weights(program).items()}
+        own = set(specs)
         lap("program")
     weights = placed.result()
     reduced = reading.reduced_weights(path, manifest, weights, checked=shared_weights is not None)
+    if shared_weights is None:  # an enclosing package's were checked against its own program
+        reading.check_weight_specs(path, weights, specs, reduced)
     lap("weights")  # what is left of the weights' read, hash and copy once this thread needs them
     missing = sorted((own | set(manifest.input_weights)) - set(weights) - elided)
     if missing:
