@@ -98,4 +98,38 @@ def program_on(program: torch.export.ExportedProgram, device: torch.device) -> t
     # No autograd: moving a CUDA program's weights (which require grad) on a torch built without CUDA
     # otherwise aborts the process in autograd's C++ (grad_accumulator for a cuda tensor).
     with torch.no_grad():
-        return move_to_device_pass(moved, device)
+        moved = move_to_device_pass(moved, device)
+    typed_devices(moved.graph_module)
+    return moved
+
+
+def typed_devices(graph_module: torch.fx.GraphModule) -> None:
+    """Device arguments as ``torch.device``, in place: ``move_to_device_pass`` writes the ones it moves
+    as strings (``'cuda:0'``), which the ops take alike, but a package's runtime graph holds devices
+    only as devices (``compiler.partitioning.runtime_graph``): a program exported on the CPU and
+    compiled for CUDA saved no runtime graph, and its loads read the whole program (10 s for a tiny BERT
+    on the H200 instead of well under one)."""
+    for module in graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+            if schema is None:
+                continue
+            names = {a.name for a in schema.arguments if _is_device(a.real_type)}
+            if not names:
+                continue
+            at = {i for i, a in enumerate(schema.arguments) if a.name in names}
+            node.args = tuple(_typed(v) if i in at else v for i, v in enumerate(node.args))
+            node.kwargs = {k: _typed(v) if k in names else v for k, v in node.kwargs.items()}
+        module.recompile()
+
+
+def _is_device(kind: torch.JitType) -> bool:
+    if isinstance(kind, torch.OptionalType):
+        kind = kind.getElementType()
+    return isinstance(kind, torch.DeviceObjType)
+
+
+def _typed(value: object) -> object:
+    return torch.device(value) if isinstance(value, str) else value

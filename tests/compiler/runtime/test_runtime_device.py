@@ -137,3 +137,17 @@ def test_programs_move_with_the_devices_their_ops_name(compiled):
     assert devices == {"meta"}
     assert compiler.input_specs(moved) == compiler.input_specs(program)
     assert program_on(program, torch.device("cpu")) is program
+
+
+def test_a_moved_programs_devices_are_devices_so_its_runtime_graph_is_written(compiled):
+    """torch's move_to_device_pass writes the devices it moves as strings; the runtime graph a package
+    loads from holds devices only as devices, so a program exported on the CPU and compiled for CUDA
+    saved none and its loads read the whole program (10 s for a tiny BERT on the H200)."""
+    from compiler.partitioning import runtime_graph
+
+    model, x, _ = compiled
+    moved = program_on(compiler.export(model, (x,)), torch.device("meta"))
+    found = [n.kwargs["device"] for n in moved.graph.nodes if "device" in n.kwargs]
+    assert found and all(isinstance(d, torch.device) and d.type == "meta" for d in found)
+    plan = compiler.partition(moved, compiler.CompileOptions(min_block_size=1))
+    assert runtime_graph.write(plan.graph_module, plan.signature, plan.symbols) is not None
