@@ -21,6 +21,7 @@ from typing import BinaryIO
 
 from compiler import json_reader
 from compiler.errors import PackageCorruptError, PackageJsonError, PackageVersionError
+from compiler.package import chunks
 from compiler.package.digest import content_hash
 from compiler.package.manifest import FORMAT_VERSION, MANIFEST_FILE, PROGRAM, Manifest, check_layout
 from compiler.package.signing import Trust, VerifiedSignature, verify_package, verify_signer
@@ -127,7 +128,12 @@ def read_verified(path: Path, rel: str, manifest: Manifest) -> bytes:
     record = manifest.files.get(rel)
     with open_listed(path, rel, manifest) as file:
         data = file.read(record.bytes + 1)  # one byte more than listed: a longer file is refused
-    if len(data) != record.bytes or hashlib.sha256(data).hexdigest() != record.sha256:
+    if len(data) != record.bytes:
+        raise checksum_error(path, rel, manifest)
+    if record.chunks:  # its pieces' digests, checked on several threads (compiler.package.chunks)
+        if not chunks.matches(data, record.chunk_bytes, record.chunks):
+            raise checksum_error(path, rel, manifest)
+    elif hashlib.sha256(data).hexdigest() != record.sha256:
         raise checksum_error(path, rel, manifest)
     return data
 

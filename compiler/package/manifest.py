@@ -34,6 +34,7 @@ from compiler.backends.base import EngineIO
 from compiler.errors import PackageCorruptError
 from compiler.inputs.specs import InputSpec, OutputSpec
 from compiler.options import CompileOptions
+from compiler.package import chunks
 from compiler.runtime.compile_report import BUILD_FAILURE, ENGINE_FIELDS, QUANTIZATION, CompileReport
 from compiler.typed_json import ANY, DIGITS, ListOf, MapOf, OneOf, Opt, Record, check
 from compiler.validation.report import ValidationReport
@@ -147,7 +148,12 @@ MANIFEST_SCHEMA = Record(
         "engines": MapOf(_ENGINE),
         "report": ANY,  # CompileReport.from_dict checks it
         "validation": ANY,  # ValidationReport.from_dict checks it
-        "files": MapOf(Record({"sha256": str, "bytes": int}, required=frozenset({"sha256", "bytes"}))),
+        "files": MapOf(
+            Record(
+                {"sha256": str, "bytes": int, "chunk_bytes": Opt(int), "chunks": ListOf(str)},
+                required=frozenset({"sha256", "bytes"}),
+            )
+        ),
         "op_modules": ListOf(str),
         "source": Opt(_SOURCE),
         "content_hash": str,
@@ -181,18 +187,37 @@ def engine_file(fingerprint: str) -> str:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A file of the package: its sha256 and size, checked before its bytes are used."""
+    """A file of the package: its sha256 and size, checked before its bytes are used. A file larger
+    than one chunk also lists each ``chunk_bytes`` piece's sha256 (compiler.package.chunks), so that a
+    load checks the pieces on several threads at once."""
 
     sha256: str
     bytes: int
+    chunk_bytes: int | None = None
+    chunks: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, data: bytes | memoryview) -> FileRecord:
+        """The record of a file holding ``data``."""
+        whole, step, pieces = chunks.file_digests(data)
+        return cls(whole, len(data), step, pieces)
 
     def to_json(self) -> dict[str, Any]:
-        return {"bytes": self.bytes, "sha256": self.sha256}
+        data: dict[str, Any] = {"bytes": self.bytes, "sha256": self.sha256}
+        if self.chunks:
+            data.update(chunk_bytes=self.chunk_bytes, chunks=list(self.chunks))
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> FileRecord:
         check(data, MANIFEST_SCHEMA.fields["files"].of, "file record")
-        return cls(sha256=data["sha256"], bytes=data["bytes"])
+        record = cls(data["sha256"], data["bytes"], data.get("chunk_bytes"), tuple(data.get("chunks", ())))
+        wrong = chunks.malformed(record.bytes, record.chunk_bytes, record.chunks)
+        if wrong is None and not all(_SHA256.match(c) for c in record.chunks):
+            wrong = "a chunk digest that is not a sha256"
+        if wrong is not None:
+            raise PackageCorruptError(f"a file record's chunk list is malformed: {wrong}")
+        return record
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -217,10 +216,7 @@ def save(
             engines=engines,
             report=report,
             validation=as_validation_report(validation),
-            files={
-                rel: FileRecord(hashlib.sha256(data).hexdigest(), len(data))
-                for rel, data in sorted(files.items())
-            },
+            files={rel: FileRecord.of(data) for rel, data in sorted(files.items())},
             op_modules=tuple(import_modules(plan.program)),
             source=source,
             output_specs=output_specs(plan.program, plan.specs),

@@ -7,7 +7,9 @@ benchmarks/results/cold_start_default_h200.json). Here the file is read in chunk
 buffers; each chunk is hashed on a thread of its own, and its copy to the device is queued on a side
 stream, while the next one is read: reads and copies hide behind the hash (0.46 s here,
 ``benchmarks/probes/probe_weights_read.py``). The tensors are views of the one buffer (copied once more
-only where their offset is not 16-byte aligned).
+only where their offset is not 16-byte aligned). Where the manifest lists the file's chunk digests
+(compiler.package.chunks: every file over 4 MiB since they exist), the single sha256 stream that bounds
+that pipeline is gone too: several threads each read, check and copy chunks of their own.
 
 Checked as ``read_verified`` checks a file (listed, plain, its length and sha256 the manifest's), and
 nothing is used before the whole file's digest matched: a package that passed its checks is exactly
@@ -21,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +33,11 @@ import torch
 
 from compiler import json_reader
 from compiler.errors import PackageCorruptError
+from compiler.package import chunks
 from compiler.package.check import checksum_error, open_listed
-from compiler.package.manifest import Manifest
+from compiler.package.manifest import FileRecord, Manifest
 
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 16 << 20  # read (and, without chunk digests, hashed) this much at a time
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 ALIGNMENT = 16  # bytes: what vectorized kernels assume of a tensor's start
 
@@ -73,12 +77,25 @@ class TensorEntry:
 
 
 def read_weights(
-    path: Path, rel: str, manifest: Manifest, target: torch.device, *, chunk_bytes: int = CHUNK_BYTES
+    path: Path,
+    rel: str,
+    manifest: Manifest,
+    target: torch.device,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    workers: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The tensors of the package's safetensors file ``rel`` on ``target``, its bytes checked first
-    (read ``chunk_bytes`` at a time)."""
-    size = manifest.files[rel].bytes if rel in manifest.files else 0
+    """The tensors of the package's safetensors file ``rel`` on ``target``, its bytes checked first:
+    where the manifest lists the file's chunk digests, chunk by chunk on ``workers`` threads (by default
+    :func:`compiler.package.chunks.workers`); else against its sha256, read ``chunk_bytes`` at a time."""
+    record = manifest.files.get(rel)
+    size = record.bytes if record is not None else 0
     with open_listed(path, rel, manifest) as file:
+        if record.chunks:  # each piece checked on one of several threads, the file's sha256 not needed
+            buffer = _read_chunks(file, record, target, workers or chunks.workers(len(record.chunks)))
+            if buffer is None:
+                raise checksum_error(path, rel, manifest)
+            return _tensors(path, rel, buffer, _head(buffer, size) if target.type == "cuda" else None, size)
         if target.type == "cuda":
             buffer, head, digest = _read_to_device(file, size, target, chunk_bytes)
         else:
@@ -86,8 +103,16 @@ def read_weights(
             head = None
         if file.read(1):  # longer than listed
             raise checksum_error(path, rel, manifest)
-    if digest != manifest.files[rel].sha256:
+    if digest != record.sha256:
         raise checksum_error(path, rel, manifest)
+    return _tensors(path, rel, buffer, head, size)
+
+
+def _tensors(
+    path: Path, rel: str, buffer: torch.Tensor, head: bytes | None, size: int
+) -> dict[str, torch.Tensor]:
+    """The checked file's tensors, views of ``buffer``; ``head``: its header's bytes (None: read from
+    ``buffer``, on the host)."""
     if head is None:  # the header is read where it lies
         head = _writable(buffer, size) if size else b""
     try:
@@ -95,6 +120,25 @@ def read_weights(
     except ValueError as exc:
         raise PackageCorruptError(f"{path}: {rel} is not a safetensors file kiln reads: {exc}") from exc
     return {entry.name: _view(buffer, entry) for entry in entries}
+
+
+def _head(buffer: torch.Tensor, size: int) -> bytes:
+    """The header's bytes of a checked file on the device (its length first), copied back."""
+    if size < 8:
+        return bytes(buffer.cpu().numpy())
+    length = int.from_bytes(bytes(buffer[:8].cpu().numpy()), "little")
+    return bytes(buffer[: min(8 + length, 8 + MAX_HEADER_BYTES, size)].cpu().numpy())
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> bool:
+    """Fill ``view`` from ``fd`` at ``offset`` (os.preadv releases the GIL); False: the file ended."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if not got:
+            return False
+        done += got
+    return True
 
 
 def parse_header(head: bytes | memoryview, size: int) -> list[TensorEntry]:
@@ -259,6 +303,60 @@ def _read_to_device(
         finally:
             stream.synchronize()
         return buffer, bytes(head), hasher.hexdigest()
+
+
+def _read_chunks(
+    file: BinaryIO, record: FileRecord, target: torch.device, workers: int
+) -> torch.Tensor | None:
+    """The file's bytes in ``target``'s memory, each chunk checked against its listed sha256; None
+    where one differs (or the file is shorter or longer than listed). Worker ``w`` reads, hashes and
+    copies chunks w, w + workers, ..., at most CHUNK_BYTES at a time: on the device through two pinned staging
+    buffers of its own, each copy on its own stream while it reads the next piece. Nothing is used
+    before every chunk matched (the tensors are made by the caller, after)."""
+    size, step, fd = record.bytes, record.chunk_bytes, file.fileno()
+    piece = min(step, CHUNK_BYTES, max(size, 1))
+    cuda = target.type == "cuda"
+    buffer = torch.empty(size, dtype=torch.uint8, device=target)
+    host = None if cuda or not size else _writable(buffer, size)
+    allocated = torch.cuda.current_stream(target) if cuda else None
+
+    def check(first: int) -> bool:
+        stream = staging = None
+        if cuda:
+            stream = torch.cuda.Stream(target)
+            stream.wait_stream(allocated)  # the buffer's memory may have been freed by queued work: after it
+            staging = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        copied: list[torch.cuda.Event | None] = [None, None]
+        turn = 0
+        try:
+            for index in range(first, len(record.chunks), workers):
+                digest = hashlib.sha256()
+                for offset in range(index * step, min((index + 1) * step, size), piece):
+                    count = min(piece, size - offset)
+                    if staging is None:
+                        view = host[offset : offset + count]
+                    else:
+                        slot, turn = turn % 2, turn + 1
+                        if copied[slot] is not None:
+                            copied[slot].synchronize()  # its last copy is done: it may be read into
+                        view = _writable(staging[slot], count)
+                    if not _pread_into(fd, view, offset):
+                        return False
+                    digest.update(view)
+                    if staging is not None:
+                        with torch.cuda.stream(stream):
+                            buffer[offset : offset + count].copy_(staging[slot][:count], non_blocking=True)
+                            copied[slot] = stream.record_event()
+                if digest.hexdigest() != record.chunks[index]:
+                    return False
+            return True
+        finally:
+            if stream is not None:
+                stream.synchronize()
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="kiln-chunks") as pool:
+        checked = list(pool.map(check, range(workers)))
+    return buffer if all(checked) and not os.pread(fd, 1, size) else None
 
 
 def _view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:

@@ -18,7 +18,7 @@ from compiler.errors import PackageCorruptError
 from compiler.package.check import checked_manifest
 from compiler.package.manifest import WEIGHTS, FileRecord
 from compiler.package.weights_file import read_weights
-from tests.compiler.package.test_weights_file import FORMAT1, TENSORS
+from tests.compiler.package.test_weights_file import BIG, FORMAT1, TENSORS, chunked
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,3 +53,21 @@ def test_a_changed_byte_on_the_way_to_the_gpu_is_refused(tmp_path):
     (tmp_path / WEIGHTS).write_bytes(bytes(changed))
     with pytest.raises(PackageCorruptError, match="does not match its checksum"):
         read_weights(tmp_path, WEIGHTS, _manifest(data), torch.device("cuda"), chunk_bytes=16)
+
+
+@pytest.mark.parametrize("chunk_bytes, workers", [(4096, 1), (4096, 3), (5000, 8), (64, 2)])
+def test_a_file_listed_in_chunks_reaches_the_gpu_chunk_by_chunk(tmp_path, chunk_bytes, workers):
+    """Chunk digests: each worker reads, checks and copies chunks of its own through its staging buffers
+    and stream; the header is read back from the device."""
+    data = safetensors.torch.save(BIG)
+    (tmp_path / WEIGHTS).write_bytes(data)
+    manifest = dataclasses.replace(_manifest(data), files={WEIGHTS: chunked(data, chunk_bytes)})
+    got = read_weights(tmp_path, WEIGHTS, manifest, torch.device("cuda"), workers=workers)
+    for name, want in safetensors.torch.load(data).items():
+        assert got[name].device.type == "cuda", name
+        assert torch.equal(got[name].cpu(), want), name
+    changed = bytearray(data)
+    changed[len(data) // 2] ^= 0x40
+    (tmp_path / WEIGHTS).write_bytes(bytes(changed))
+    with pytest.raises(PackageCorruptError, match="does not match its checksum"):
+        read_weights(tmp_path, WEIGHTS, manifest, torch.device("cuda"), workers=workers)

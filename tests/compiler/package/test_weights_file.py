@@ -95,6 +95,109 @@ def test_the_tensors_equal_safetensors_own_reading(tmp_path, base_manifest, chun
         assert torch.equal(got[name], tensor), name
 
 
+def chunked(data: bytes, chunk_bytes: int) -> FileRecord:
+    """``data``'s file record with its chunks' digests, in chunks of ``chunk_bytes``."""
+    pieces = range(0, len(data), chunk_bytes)
+    digests = tuple(hashlib.sha256(data[i : i + chunk_bytes]).hexdigest() for i in pieces)
+    return FileRecord(hashlib.sha256(data).hexdigest(), len(data), chunk_bytes, digests)
+
+
+BIG = {**TENSORS, "z.big": torch.randn(100, 97)}  # 39 KB: ten 4 KiB chunks, the header in the first
+
+
+@pytest.mark.parametrize("chunk_bytes, workers", [(4096, 1), (4096, 3), (5000, 4), (1 << 20, 2)])
+def test_a_file_listed_in_chunks_is_read_chunk_by_chunk_on_threads(
+    tmp_path, base_manifest, chunk_bytes, workers
+):
+    data = safetensors.torch.save(BIG)
+    _package(tmp_path, data, base_manifest)
+    manifest = dataclasses.replace(base_manifest, files={WEIGHTS: chunked(data, chunk_bytes)})
+    got = read_weights(tmp_path, WEIGHTS, manifest, torch.device("cpu"), workers=workers)
+    for name, tensor in safetensors.torch.load(data).items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_a_chunk_that_differs_is_refused_whatever_the_files_own_sha256_says(tmp_path, base_manifest):
+    data = safetensors.torch.save(BIG)
+    middle = bytearray(data)
+    middle[len(data) // 2] ^= 1
+    cases = {
+        "a byte of a middle chunk": (bytes(middle), chunked(data, 4096)),
+        "one byte more": (data + b"\0", chunked(data, 4096)),
+        "one byte less": (data[:-1], chunked(data, 4096)),
+        # The file's sha256 made to agree with the changed bytes, its chunks left as they were: the load
+        # checks the chunks (and read_manifest as well, below).
+        "chunks left stale": (
+            bytes(middle),
+            dataclasses.replace(chunked(data, 4096), sha256=hashlib.sha256(middle).hexdigest()),
+        ),
+    }
+    for case, (written, record) in cases.items():
+        _package(tmp_path, written, base_manifest)
+        manifest = dataclasses.replace(base_manifest, files={WEIGHTS: record})
+        for workers in (1, 3):
+            with pytest.raises(PackageCorruptError, match="does not match its checksum"):
+                read_weights(tmp_path, WEIGHTS, manifest, torch.device("cpu"), workers=workers)
+            print(case, workers, "refused")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r.update(chunk_bytes=1), "chunk size 1 outside"),
+        (lambda r: r.update(chunk_bytes=None), "chunk size None outside"),
+        (lambda r: r["chunks"].pop(), "9 chunk digests for"),
+        (lambda r: r["chunks"].append(r["chunks"][0]), "11 chunk digests for"),
+        (lambda r: r["chunks"].__setitem__(3, "../" + "0" * 61), "not a sha256"),
+        (lambda r: r.update(chunk_bytes=2**40), "outside"),
+    ],
+)
+def test_a_malformed_chunk_list_is_refused_when_the_manifest_is_read(base_manifest, edit, message):
+    data = safetensors.torch.save(BIG)
+    record = chunked(data, 4096).to_json()
+    assert FileRecord.from_json(record) == chunked(data, 4096)  # the round trip itself
+    edit(record)
+    with pytest.raises(PackageCorruptError, match=message):
+        FileRecord.from_json(record)
+
+
+def test_a_saved_package_lists_its_weights_chunks_and_every_reader_checks_them(tmp_path, reseal):
+    """A package whose weights file is over one chunk (4 MiB): saved with its chunks' digests, loaded
+    through them in a fresh process; a change in one chunk, with the file's own sha256 recomputed, is
+    refused by read_manifest and by the load alike."""
+    import subprocess
+    import sys
+
+    from compiler.package.check import read_manifest
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1536), torch.nn.ReLU(), torch.nn.Linear(1536, 8)).eval()
+    program = compiler.export(model, (torch.randn(2, 1024),))
+    path = compiler.save(compiler.compile(program), tmp_path / "wide.kiln").path
+    record = read_manifest(path).files[WEIGHTS]
+    assert record.bytes > 4 << 20 and record.chunk_bytes == 4 << 20
+    assert len(record.chunks) == -(-record.bytes // record.chunk_bytes)
+    x = torch.randn(2, 1024)
+    torch.save(x, tmp_path / "x.pt")
+    code = (
+        "import sys, torch, compiler; m = compiler.load(sys.argv[1]); "
+        "torch.save(m(torch.load(sys.argv[2])), sys.argv[3])"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(path), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")], check=True
+    )
+    with torch.no_grad():
+        assert torch.allclose(torch.load(tmp_path / "y.pt"), model(x), rtol=1e-4, atol=1e-5)
+    blob = bytearray((path / WEIGHTS).read_bytes())
+    blob[-100] ^= 1  # a weight of the last chunk
+    (path / WEIGHTS).write_bytes(bytes(blob))
+    reseal(path, **{WEIGHTS: (len(blob), hashlib.sha256(blob).hexdigest())})  # chunks left as they were
+    with pytest.raises(PackageCorruptError, match=f"{WEIGHTS} does not match its checksum"):
+        read_manifest(path)
+    with pytest.raises(PackageCorruptError, match=f"{WEIGHTS} does not match its checksum"):
+        compiler.load(path)
+
+
 def test_a_tensor_after_an_odd_sized_one_is_still_aligned(tmp_path, base_manifest):
     raw, want = _misaligned()
     manifest = _package(tmp_path, raw, base_manifest)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import importlib.util
 import json
 import os
@@ -52,12 +51,14 @@ def _reseal(path: Path) -> None:
 def _reseal_data(path: Path, data: Any, *, checksums: bool = True) -> None:
     """Recompute the files' checksums (unless the edit is to them) and the content hash."""
     from compiler.package.digest import content_hash
+    from compiler.package.manifest import FileRecord
 
     files = data.get("files") if isinstance(data, dict) and checksums else None
     for rel, record in (files or {}).items() if isinstance(files, dict) else ():
         file = path / rel if isinstance(rel, str) and ".." not in rel else None
         if file is not None and file.is_file() and isinstance(record, dict):
-            record.update(sha256=hashlib.sha256(file.read_bytes()).hexdigest(), bytes=file.stat().st_size)
+            record.clear()
+            record.update(FileRecord.of(file.read_bytes()).to_json())
     if isinstance(data, dict):
         # A mutation the hash function itself cannot read: the load must refuse it.
         with contextlib.suppress(Exception):
