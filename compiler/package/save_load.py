@@ -61,7 +61,7 @@ import torch
 from compiler.atomic import write_bytes_atomic
 from compiler.backends.inductor.backend import warm_inductor_imports
 from compiler.cache.local import CacheSetting
-from compiler.device import program_on, resolve, same
+from compiler.device import program_on, resolve, same, warm_device
 from compiler.errors import KilnError, PackageCorruptError
 from compiler.inputs.specs import dtype_name
 from compiler.package import reading
@@ -325,8 +325,8 @@ def _load(
     except (KeyError, TypeError, AttributeError) as exc:
         raise PackageCorruptError(f"{path}: the manifest's plan has no options ({exc!r})") from exc
     target = resolve(device if device is not None else recorded_device)
-    if target.type == "cuda":  # the GPU's context is created (~0.3 s) while the files are hashed
-        pool.submit(torch.empty, 1, device=target)
+    if target.type == "cuda":  # the GPU's context and cuBLAS are made ready while the files are hashed
+        pool.submit(warm_device, target)
     # Weights a package left out (save(int8_weights_only=True)): the hollow program's shapes stand in.
     elided = set(manifest.plan.get("elided_weights", ()))
     light = RUNTIME_GRAPH in manifest.files and not elided
