@@ -17,7 +17,10 @@ with ``load_seconds`` (the stage split). ``trusted_library_imported`` repeats th
 process that imported the model's library first (a serving app that already has it). The floor: a
 fresh process reads every file a load reads, hashes it and copies the weights to the device, each file
 on its own thread with its read, hash and copy pipelined (a file's sha256 is one sequential stream), or
-one after the other where that is faster (``floor_s``, the lower; both are in the JSON).
+one after the other, or in 4 MiB chunks on 4 and 8 threads (what a manifest's chunk digests let a load
+do) where that is faster (``floor_s``, the lowest; each is in the JSON). ``--unchunked`` repeats the
+trusted loads on a copy of the package whose manifest lists no chunk digests (loads then check each
+file's single sha256 stream, as before chunk digests), side by side in one run.
 
     PYTHONPATH=. python benchmarks/cold_start_zoo.py --models bert-base,vit-base --out $OUT/zoo_a.json
     PYTHONPATH=. python benchmarks/cold_start_zoo.py --models opt-350m --out $OUT/zoo_b.json --profile $OUT
@@ -230,10 +233,11 @@ print(json.dumps({
 # the copy release the GIL): ``floor_s`` is that pipeline's wall time, each file on a thread of its own,
 # the bound a load that checks every byte can reach (``pipelined_s``). ``serial_s`` is read, then hash,
 # then copy, one after the other: the floor of the first runs, which a pipelined load beat (OPT-350m
-# 4.3 s vs 2.9 s on the H100). ``floor_s`` is the lower of the two (on 2 shared cores the pipeline's
-# threads can cost more than they hide).
+# 4.3 s vs 2.9 s on the H100). ``chunked_s``: the files in 4 MiB chunks, each read, hashed and copied by
+# one of 4 or 8 threads (no single stream: what chunk digests allow). ``floor_s`` is the lowest (on 2
+# shared cores the pipeline's threads can cost more than they hide).
 FLOOR = r"""
-import hashlib, json, queue, sys, threading, time
+import hashlib, json, os, queue, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 start = time.perf_counter()
@@ -292,6 +296,41 @@ t = time.perf_counter()
 with ThreadPoolExecutor(max(1, len(files))) as pool:
     digests = dict(zip(files, pool.map(pipelined, files)))
 floor_s = time.perf_counter() - t
+
+def in_chunks(step, workers):
+    # Every file in chunks of ``step`` on ``workers`` threads, each reading, hashing and copying its own
+    # chunks (what a manifest's chunk digests let a load do: no file's sha256 is one stream then).
+    jobs = []
+    for rel in files:
+        size = (package / rel).stat().st_size
+        copy = rel == "weights.safetensors"
+        target = torch.empty(size, dtype=torch.uint8, device=device) if copy else None
+        jobs += [(rel, offset, min(step, size - offset), target) for offset in range(0, size, step)]
+    fds = {rel: os.open(package / rel, os.O_RDONLY) for rel in files}
+
+    def work(first):
+        buf = bytearray(step)
+        host = torch.frombuffer(buf, dtype=torch.uint8)
+        for rel, offset, count, target in jobs[first::workers]:
+            view = memoryview(buf)[:count]
+            os.preadv(fds[rel], [view], offset)
+            hashlib.sha256(view).hexdigest()
+            if target is not None:
+                target[offset : offset + count].copy_(host[:count])
+        if cuda:
+            torch.cuda.synchronize()
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(work, range(workers)))
+    for fd in fds.values():
+        os.close(fd)
+
+cores = len(os.sched_getaffinity(0))
+chunked = {}
+for workers in sorted({min(cores, 8), min(cores, 4)}):
+    t = time.perf_counter()
+    in_chunks(4 << 20, workers)
+    chunked[workers] = round(time.perf_counter() - t, 3)
 ok = all(digests[rel] == manifest["files"][rel]["sha256"] for rel in files)
 t = time.perf_counter()
 data = {rel: (package / rel).read_bytes() for rel in files}
@@ -310,8 +349,9 @@ if weights:
 copy_s = time.perf_counter() - t
 print(json.dumps({
     "import_torch_s": round(torch_s, 3), "device_context_s": round(context_s, 3),
-    "floor_s": round(min(floor_s, read_s + hash_s + copy_s), 3), "checksums_match": ok,
+    "floor_s": round(min(floor_s, read_s + hash_s + copy_s, *chunked.values()), 3), "checksums_match": ok,
     "pipelined_s": round(floor_s, 3), "serial_s": round(read_s + hash_s + copy_s, 3),
+    "chunked_s": chunked,
     "read_s": round(read_s, 3), "hash_s": round(hash_s, 3), "copy_s": round(copy_s, 3),
     "bytes": sum(len(b) for b in data.values()), "weights_bytes": len(weights),
     "files": {rel: len(b) for rel, b in data.items()},
@@ -417,31 +457,71 @@ def run_model(name: str, args: argparse.Namespace, scratch: Path, deadline: floa
             "",
         ),
         "untrusted_second": ("0", "untrusted", "", ""),
+        # the same, in a process that imported the model's library first (as trusted_library_imported)
+        "untrusted_second_library_imported": ("0", "untrusted", "", "transformers.modeling_outputs"),
         "trusted_library_imported": ("1", "trusted-library", "", "transformers.modeling_outputs"),
     }
     flat_run = ("1", "trusted-flat", "", "")  # run_flat to first answer: the Triton backend's path
     if args.profile:
         profile = Path(args.profile) / f"{name}.load"
         runs["trusted_profiled"] = ("1", "profiled", str(profile), "")
+    flat_runs = {"trusted_run_flat": (package, "flat")}
+    if args.unchunked:  # the same package, its manifest without chunk digests (the sha256 stream path)
+        unchunked = _unchunked_copy(package, scratch / f"{name}-unchunked.kiln")
+        runs = {  # each right after its counterpart: side by side on one machine state
+            key: value
+            for run, spec in runs.items()
+            for key, value in [(run, spec)]
+            + (
+                [(f"{run}_unchunked", (*spec, unchunked))]
+                if run in ("trusted", "trusted_library_imported")
+                else []
+            )
+        }
+        flat_runs["trusted_run_flat_unchunked"] = (unchunked, "flat-unchunked")
+    if args.loads:
+        wanted = set(args.loads.split(","))
+        runs = {k: v for k, v in runs.items() if k.removesuffix("_unchunked") in wanted}
+        flat_runs = {k: v for k, v in flat_runs.items() if k.removesuffix("_unchunked") in wanted}
     loads = result["loads"] = {}
-    for run, (trusted, caches, profile_to, preimport) in runs.items():
+    for run, (trusted, caches, profile_to, preimport, *source) in runs.items():
         if left() < 20:
             loads[run] = {"error": "skipped: past the command's time budget (--budget-s)"}
             continue
         wait = {"KILN_BENCH_NATIVE_WAIT": str(max(10, int(left() - 30)))}
         loads[run] = _run(
             LOAD,
-            [str(package), trusted, args.device, profile_to, preimport],
-            scratch / f"{name}-{caches}",
+            [str(source[0] if source else package), trusted, args.device, profile_to, preimport],
+            scratch / f"{name}-{caches}{'-unchunked' if source else ''}",
             left(),
             wait,
         )
-    if left() >= 20:
-        loads["trusted_run_flat"] = _run(
-            LOAD, [str(package), *flat_run[:1], args.device, "", "", "1"], scratch / f"{name}-flat", left()
-        )
+    for run, (source, caches) in flat_runs.items():
+        if left() >= 20:
+            loads[run] = _run(
+                LOAD,
+                [str(source), *flat_run[:1], args.device, "", "", "1"],
+                scratch / f"{name}-{caches}",
+                left(),
+            )
     result["summary"] = summary(result)
     return result
+
+
+def _unchunked_copy(package: Path, copy: Path) -> Path:
+    """A copy of ``package`` whose manifest lists no chunk digests (its content hash made to agree): a
+    load of it checks each file's sha256, one stream per file."""
+    from compiler.package.digest import content_hash
+
+    shutil.copytree(package, copy)
+    shutil.copy(f"{package}.inputs.pt", f"{copy}.inputs.pt")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for record in manifest["files"].values():
+        record.pop("chunk_bytes", None)
+        record.pop("chunks", None)
+    manifest["content_hash"] = content_hash(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return copy
 
 
 def summary(result: dict) -> dict:
@@ -457,11 +537,19 @@ def summary(result: dict) -> dict:
         "trusted_s": loads.get("trusted", {}).get("load_to_first_answer_s"),
         "trusted_library_imported_s": loads.get("trusted_library_imported", {}).get("load_to_first_answer_s"),
         "trusted_run_flat_s": loads.get("trusted_run_flat", {}).get("load_to_first_answer_s"),
+        **{
+            f"{run}_unchunked_s": loads[f"{run}_unchunked"].get("load_to_first_answer_s")
+            for run in ("trusted", "trusted_library_imported", "trusted_run_flat")
+            if f"{run}_unchunked" in loads
+        },
         "engine_bytes": sum(
             v for k, v in result.get("floor", {}).get("files", {}).items() if k.startswith("engines/")
         ),
         "untrusted_first_s": loads.get("untrusted_first", {}).get("load_to_first_answer_s"),
         "untrusted_second_s": loads.get("untrusted_second", {}).get("load_to_first_answer_s"),
+        "untrusted_second_library_imported_s": loads.get("untrusted_second_library_imported", {}).get(
+            "load_to_first_answer_s"
+        ),
         "background_native_build_s": loads.get("untrusted_first", {}).get("native_build_wait_s"),
         "trusted_stages_s": loads.get("trusted", {}).get("load_stages_s"),
         "import_torch_s": loads.get("trusted", {}).get("import_torch_s"),
@@ -565,6 +653,17 @@ def main() -> None:
     )
     parser.add_argument(
         "--no-warm-compile", action="store_true", help="skip the untimed tiny compile before the models"
+    )
+    parser.add_argument(
+        "--loads",
+        default="",
+        help="only these loads (comma-separated: trusted, untrusted_first, untrusted_second, "
+        "untrusted_second_library_imported, trusted_library_imported, trusted_run_flat); default all",
+    )
+    parser.add_argument(
+        "--unchunked",
+        action="store_true",
+        help="repeat the trusted loads on a copy whose manifest lists no chunk digests",
     )
     parser.add_argument("--budget-s", type=float, default=500, help="steps past it are skipped")
     parser.add_argument("--merge", nargs="+", help="JSON files of earlier runs to merge into --out")
