@@ -49,6 +49,7 @@ import os
 import shutil
 import time
 import uuid
+import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -162,9 +163,13 @@ def save(
     try:
         plan = compiled.plan
         files: dict[str, bytes] = {PROGRAM: program_bytes(hollow_program(plan.program), record_modules=False)}
-        graph = runtime_graph.write(plan.graph_module, plan.signature, plan.symbols)
-        if graph is not None:  # what loads run from (None: a graph it cannot hold loads the program)
-            files[RUNTIME_GRAPH] = graph
+        try:  # what loads run from; a graph it cannot hold loads the program (seconds more on a GPU)
+            files[RUNTIME_GRAPH] = runtime_graph.encode(plan.graph_module, plan.signature, plan.symbols)
+        except runtime_graph.NotData as exc:
+            warnings.warn(
+                f"{path}: saved without {RUNTIME_GRAPH} ({exc}); its loads read the program instead",
+                stacklevel=2,
+            )
         elided = set(plan.elided_weights) | (int8_only_weights(compiled) if int8_weights_only else set())
         reduced = weights_at_engine_precision(compiled, engine_precision_weights)
         weights = {

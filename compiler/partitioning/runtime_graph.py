@@ -102,6 +102,18 @@ def write(
 ) -> bytes | None:
     """The form's bytes (canonical JSON), or None where the graph holds something it cannot write."""
     try:
+        return encode(graph_module, signature, symbols)
+    except NotData:
+        return None
+
+
+def encode(
+    graph_module: torch.fx.GraphModule,
+    signature: CallSignature,
+    symbols: Mapping[str, tuple[str, int, int, int]],
+) -> bytes:
+    """:func:`write`'s bytes; :class:`NotData` saying what the form cannot hold."""
+    try:
         data = {
             "format": FORMAT,
             "graph": _graph(graph_module),
@@ -111,13 +123,15 @@ def write(
             "user_outputs": list(signature.user_outputs),
             "symbols": {k: list(v) for k, v in symbols.items()},
         }
-    except (NotData, NotImplementedError, TypeError):  # treespec_dumps: a type without a serialized name
-        return None
+    except NotData:
+        raise
+    except (NotImplementedError, TypeError) as exc:  # treespec_dumps: a type without a serialized name
+        raise NotData(f"{type(exc).__name__}: {str(exc)[:200]}") from exc
     encoded = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     try:  # what is written is what a load reads: a graph the reader would refuse loads from the program
         read(encoded, "the runtime graph being written")
-    except KilnError:
-        return None
+    except KilnError as exc:
+        raise NotData(f"it would not read back: {str(exc)[:200]}") from exc
     return encoded
 
 
@@ -257,7 +271,10 @@ def _graph(gm: torch.fx.GraphModule) -> dict:
             submodules[node.target] = _graph(sub)
             entry["target"] = node.target
         elif node.op not in ("placeholder", "output"):
-            raise NotData(f"{node.op} node {node.name}")
+            users = sorted(str(u.target) for u in node.users if u.op == "call_function")
+            raise NotData(
+                f"{node.op} node {node.name}" + (f", taken by {', '.join(users)[:200]}" if users else "")
+            )
         if node.op != "placeholder":
             entry["args"] = _value(node.args, index)
             entry["kwargs"] = {k: _value(v, index) for k, v in node.kwargs.items()}

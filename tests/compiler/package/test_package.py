@@ -699,3 +699,21 @@ def test_a_graph_the_runtime_form_cannot_hold_is_not_written():
     gm = torch.fx.symbolic_trace(Attr())
     program = torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
     assert runtime_graph.write(gm, runtime_graph.CallSignature.of(program), {}) is None
+    with pytest.raises(runtime_graph.NotData, match="get_attr node w"):  # what save's warning says
+        runtime_graph.encode(gm, runtime_graph.CallSignature.of(program), {})
+
+
+def test_a_package_saved_without_its_runtime_graph_says_why_and_still_loads(tmp_path):
+    """A higher-order op left to PyTorch (a no_grad block: transformers' rotary embedding) is something
+    the runtime graph does not hold: save warns, naming it, and loads read the program."""
+    from tests.compiler.partitioning.test_partition import _SizesIntoNoGrad
+
+    model = _SizesIntoNoGrad().eval()
+    x, mask = torch.randn(2, 5, 8), torch.ones(2, 5)
+    compiled = compiler.compile(compiler.export(model, (x, mask)), backend="onnxruntime")
+    with pytest.warns(UserWarning, match=r"saved without runtime_graph.json \(.*wrap_with_set_grad_enabled"):
+        info = compiler.save(compiled, tmp_path / "nograd.kiln")
+    assert "runtime_graph.json" not in info.manifest.files
+    loaded = compiler.load(info.path)
+    assert "program" in loaded.load_seconds  # the program read, in place of the runtime graph
+    torch.testing.assert_close(loaded(x, mask), model(x, mask), rtol=1e-5, atol=1e-5)
