@@ -2,7 +2,7 @@
 
 A file's sha256 is one sequential stream: 0.68 s of OPT-350m's 765 MB weights on the H200's host, the
 largest part of what a trusted load of it costs (benchmarks/results/cold_start_zoo_h200_fp16_final.json).
-With a digest per 16 MiB piece, recorded in the manifest (so covered by its content hash and
+With a digest per piece, recorded in the manifest (so covered by its content hash and
 signature), a load checks the pieces on several threads at once, each piece before any of its bytes is
 used, and the file is still exactly the bytes that were checked. The file's own sha256 stays in the
 manifest: what older kilns check. Chunks are 4 MiB, larger for files of over 1,024 of them (a manifest

@@ -12,10 +12,11 @@ only where their offset is not 16-byte aligned). Where the manifest lists the fi
 that pipeline is gone too: several threads each read, check and copy chunks of their own.
 
 Checked as ``read_verified`` checks a file (listed, plain, its length and sha256 the manifest's), and
-nothing is used before the whole file's digest matched: a package that passed its checks is exactly
-the bytes that were checked. The safetensors header is then held to what the format's own reader
-requires (known dtypes, sizes that match shapes, offsets that tile the data exactly, no duplicate
-names), so a header that lies is a :class:`PackageCorruptError`, as safetensors' own error was.
+nothing is used before the whole file's digest (or every chunk's) matched: a package that passed its
+checks is exactly the bytes that were checked. The safetensors header is then held to what the
+format's own reader requires (known dtypes, sizes that match shapes, offsets that tile the data
+exactly, no duplicate names), so a header that lies is a :class:`PackageCorruptError`, as
+safetensors' own error was.
 """
 
 from __future__ import annotations
@@ -310,9 +311,9 @@ def _read_chunks(
 ) -> torch.Tensor | None:
     """The file's bytes in ``target``'s memory, each chunk checked against its listed sha256; None
     where one differs (or the file is shorter or longer than listed). Worker ``w`` reads, hashes and
-    copies chunks w, w + workers, ..., at most CHUNK_BYTES at a time: on the device through two pinned staging
-    buffers of its own, each copy on its own stream while it reads the next piece. Nothing is used
-    before every chunk matched (the tensors are made by the caller, after)."""
+    copies chunks w, w + workers, ..., at most CHUNK_BYTES at a time: on the device through two pinned
+    staging buffers of its own, each copy on its own stream while it reads the next piece. Nothing is
+    used before every chunk matched (the tensors are made by the caller, after)."""
     size, step, fd = record.bytes, record.chunk_bytes, file.fileno()
     piece = min(step, CHUNK_BYTES, max(size, 1))
     cuda = target.type == "cuda"
