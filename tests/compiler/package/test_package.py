@@ -501,7 +501,15 @@ def test_a_load_runs_from_the_runtime_graph_and_reads_the_program_only_when_aske
         assert "torch._export.serde.serialize" not in sys.modules and "torch._dynamo" not in sys.modules
         assert "sympy" not in sys.modules  # nothing of a load parses shapes (~0.3 s of imports)
         assert loaded.plan._program is None
+        # The Python code of a partition an engine runs is never generated (torch's lazy graph module)
+        gm = loaded.plan.graph_module
+        run_by_engines = [
+            p.name for p in loaded.plan.partitions
+            if loaded.engines[loaded.dedup.instance(p.name).fingerprint].is_engine
+        ]
+        assert run_by_engines and all(type(getattr(gm, n))._needs_recompile() for n in run_by_engines)
         assert torch.equal(loaded(io["x"]), io["y"])
+        assert all(type(getattr(gm, n))._needs_recompile() for n in run_by_engines)  # the engines ran
         loaded.refit(loaded.weights)  # a refit into a new module needs no program either
         assert loaded.plan._program is None
         again = compiler.save(loaded, {str(tmp_path / "again.kiln")!r})  # a re-save reads it
