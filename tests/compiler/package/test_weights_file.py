@@ -132,13 +132,12 @@ def test_a_chunk_that_differs_is_refused_whatever_the_files_own_sha256_says(tmp_
             dataclasses.replace(chunked(data, 4096), sha256=hashlib.sha256(middle).hexdigest()),
         ),
     }
-    for case, (written, record) in cases.items():
+    for written, record in cases.values():
         _package(tmp_path, written, base_manifest)
         manifest = dataclasses.replace(base_manifest, files={WEIGHTS: record})
         for workers in (1, 3):
             with pytest.raises(PackageCorruptError, match="does not match its checksum"):
                 read_weights(tmp_path, WEIGHTS, manifest, torch.device("cpu"), workers=workers)
-            print(case, workers, "refused")
 
 
 @pytest.mark.parametrize(
