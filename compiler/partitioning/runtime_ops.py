@@ -95,9 +95,10 @@ ATEN_OPS = frozenset(
         *("lift_fresh_copy", "to", "_to_copy", "type_as", "copy", "repeat", "repeat_interleave", "tile"),
         *("flip", "roll", "narrow", "select", "slice", "split", "split_with_sizes", "chunk", "unbind"),
         *("tensor_split", "cat", "concat", "concatenate", "stack", "pixel_shuffle", "pixel_unshuffle"),
-        # bounds-checked indexing
-        *("index", "index_select", "gather", "take", "embedding", "index_put", "scatter", "scatter_add"),
-        *("scatter_reduce", "masked_fill", "masked_select", "where", "nonzero", "one_hot", "tril", "triu"),
+        # bounds-checked indexing (index_copy: a KV cache's update, compiler.generation)
+        *("index", "index_select", "index_copy", "gather", "take", "embedding", "index_put"),
+        *("scatter", "scatter_add", "scatter_reduce", "masked_fill", "masked_select", "where", "nonzero"),
+        *("one_hot", "tril", "triu"),
         # tensors made from sizes and values (never uninitialised memory)
         *("arange", "full", "full_like", "zeros", "zeros_like", "ones", "ones_like", "new_zeros"),
         *("new_ones", "new_full", "scalar_tensor", "linspace", "eye", "fill"),

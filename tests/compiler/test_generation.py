@@ -96,6 +96,9 @@ def test_one_weights_file_and_decode_bound_to_it(package: Path) -> None:
     assert [p for p in package.rglob("*.safetensors")] == [package / WEIGHTS]
     assert inner["files"][WEIGHTS]["sha256"] == outer.files[WEIGHTS].sha256
     assert "decode/manifest.json" in outer.files and "generation.json" in outer.files
+    # Both programs load from their runtime graphs (the decode program's KV-cache update, index_copy,
+    # once kept it from its own: every load deserialized it).
+    assert "runtime_graph.json" in outer.files and "decode/runtime_graph.json" in outer.files
     spec = json.loads((package / "generation.json").read_text())
     assert spec["decode_content_hash"] == inner["content_hash"]
     assert (spec["max_batch"], spec["max_cache_len"], spec["kv_heads"]) == (4, 40, 2)
