@@ -41,6 +41,11 @@ def chunk_bytes_for(size: int) -> int:
     return max(CHUNK_BYTES, 1 << max(0, math.ceil(size / MAX_CHUNKS) - 1).bit_length())
 
 
+def _digests(view: memoryview, step: int, pool: ThreadPoolExecutor) -> list[str]:
+    count = math.ceil(len(view) / step)
+    return list(pool.map(lambda i: hashlib.sha256(_piece(view, i, step)).hexdigest(), range(count)))
+
+
 def file_digests(data: bytes | memoryview) -> tuple[str, int | None, tuple[str, ...]]:
     """(the sha256 of ``data``, its chunk size and its chunks' sha256s: None and none where it fits in
     one chunk), the chunks hashed beside the whole (hashlib releases the GIL)."""
@@ -48,11 +53,12 @@ def file_digests(data: bytes | memoryview) -> tuple[str, int | None, tuple[str, 
     if len(view) <= CHUNK_BYTES:
         return hashlib.sha256(view).hexdigest(), None, ()
     step = chunk_bytes_for(len(view))
-    count = math.ceil(len(view) / step)
-    with ThreadPoolExecutor(workers(count) + 1, thread_name_prefix="kiln-digest") as pool:
+    with ThreadPoolExecutor(
+        workers(math.ceil(len(view) / step)) + 1, thread_name_prefix="kiln-digest"
+    ) as pool:
         whole = pool.submit(lambda: hashlib.sha256(view).hexdigest())
-        pieces = pool.map(lambda i: hashlib.sha256(_piece(view, i, step)).hexdigest(), range(count))
-        return whole.result(), step, tuple(pieces)
+        pieces = tuple(_digests(view, step, pool))  # beside the whole, which is waited for after
+        return whole.result(), step, pieces
 
 
 def matches(data: bytes | memoryview, chunk_bytes: int, chunks: Sequence[str]) -> bool:
@@ -61,10 +67,7 @@ def matches(data: bytes | memoryview, chunk_bytes: int, chunks: Sequence[str]) -
     if len(chunks) != math.ceil(len(view) / chunk_bytes):
         return False
     with ThreadPoolExecutor(workers(len(chunks)), thread_name_prefix="kiln-digest") as pool:
-        found = pool.map(
-            lambda i: hashlib.sha256(_piece(view, i, chunk_bytes)).hexdigest(), range(len(chunks))
-        )
-        return list(found) == list(chunks)
+        return _digests(view, chunk_bytes, pool) == list(chunks)
 
 
 def malformed(size: int, chunk_bytes: int | None, chunks: Sequence[str]) -> str | None:
