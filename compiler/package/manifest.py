@@ -209,14 +209,14 @@ class FileRecord:
         return data
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> FileRecord:
-        check(data, MANIFEST_SCHEMA.fields["files"].of, "file record")
+    def from_json(cls, data: Mapping[str, Any], rel: str = "a file") -> FileRecord:
+        check(data, MANIFEST_SCHEMA.fields["files"].of, f"the file record of {rel}")
         record = cls(data["sha256"], data["bytes"], data.get("chunk_bytes"), tuple(data.get("chunks", ())))
         wrong = chunks.malformed(record.bytes, record.chunk_bytes, record.chunks)
         if wrong is None and not all(_SHA256.match(c) for c in record.chunks):
             wrong = "a chunk digest that is not a sha256"
         if wrong is not None:
-            raise PackageCorruptError(f"a file record's chunk list is malformed: {wrong}")
+            raise PackageCorruptError(f"the manifest's chunk list of {rel} is malformed: {wrong}")
         return record
 
 
@@ -406,7 +406,7 @@ class Manifest:
             validation=None
             if validation is None
             else ValidationReport.from_dict(validation, "manifest.validation"),
-            files={rel: FileRecord.from_json(f) for rel, f in data["files"].items()},
+            files={rel: FileRecord.from_json(f, rel) for rel, f in data["files"].items()},
             op_modules=tuple(data.get("op_modules", ())),
             source=None if source is None else SourceRecord.from_json(source),
             content_hash=data.get("content_hash", ""),
