@@ -66,6 +66,10 @@ def test_zoo_compiles_decoders_on_cuda_and_a_fresh_process_generates_eager_greed
     for package in packages:  # each decode program's manifest names the op's module
         manifests = [json.loads(p.read_text()) for p in package.rglob("manifest.json")]
         assert any("compiler.generation.attention" in m.get("op_modules", []) for m in manifests), package
+        # Both programs load from their runtime graphs: the decode graph holds kiln::decode_attention
+        # and the KV cache's index_copy (without either, every load deserialized the program).
+        files = json.loads((package / "manifest.json").read_text())["files"]
+        assert {"runtime_graph.json", "decode/runtime_graph.json"} <= set(files), sorted(files)
 
     code = textwrap.dedent(
         f"""
