@@ -208,6 +208,9 @@ sync()
 second_ms = (time.perf_counter() - t) * 1e3
 compiles = sum("compiling" in str(w.message) for w in caught)
 imported = set(sys.modules) - before
+# Where a load compiled (untrusted): Inductor's own phase timer, seconds summed per phase, largest first.
+timed = getattr(sys.modules.get("torch._dynamo.utils"), "compilation_time_metrics", {})
+phases = sorted(((k, round(sum(v), 3)) for k, v in timed.items()), key=lambda kv: -kv[1])[:25]
 t = time.perf_counter()
 native = [b.wait(float(os.environ.get("KILN_BENCH_NATIVE_WAIT", "600"))) for b in module.native_builds()]
 native_wait_s = time.perf_counter() - t
@@ -223,6 +226,7 @@ print(json.dumps({
         "triton": "triton" in imported,
     },
     "load_stages_s": module.load_seconds, "profiled": bool(profile), "device_memory_mb": memory_mb,
+    "inductor_phases_s": dict(phases),
     "warnings": sorted({str(w.message)[:300] for w in caught})[:10],
 }))
 """
