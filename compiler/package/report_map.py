@@ -105,7 +105,7 @@ _MISSING = object()
 
 
 def parse_split_graph(data: bytes, where: str) -> SplitGraph:
-    """:func:`compiler.partitioning.runtime_graph.write`'s bytes as a :class:`SplitGraph` (no torch)."""
+    """:func:`compiler.partitioning.runtime_graph.encode`'s bytes as a :class:`SplitGraph` (no torch)."""
     raw = json_reader.loads(data, where, schema=_GRAPH, error=PackageJsonError)
     entries = raw["graph"]["nodes"]
     inputs = iter(raw["inputs"])

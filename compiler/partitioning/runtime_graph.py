@@ -96,24 +96,12 @@ class RuntimeGraph:
     symbols: dict[str, tuple[str, int, int, int]]
 
 
-def write(
-    graph_module: torch.fx.GraphModule,
-    signature: CallSignature,
-    symbols: Mapping[str, tuple[str, int, int, int]],
-) -> bytes | None:
-    """The form's bytes (canonical JSON), or None where the graph holds something it cannot write."""
-    try:
-        return encode(graph_module, signature, symbols)
-    except NotData:
-        return None
-
-
 def encode(
     graph_module: torch.fx.GraphModule,
     signature: CallSignature,
     symbols: Mapping[str, tuple[str, int, int, int]],
 ) -> bytes:
-    """:func:`write`'s bytes; :class:`NotData` saying what the form cannot hold."""
+    """The form's bytes (canonical JSON); :class:`NotData` saying what the form cannot hold."""
     try:
         data = {
             "format": FORMAT,
@@ -145,7 +133,7 @@ def read(
     recorded_modules: Sequence[str] | None = None,
     deferred: Sequence[str] = (),
 ) -> RuntimeGraph:
-    """Decode :func:`write`'s bytes (checked by the caller's manifest hash, and here for shape).
+    """Decode :func:`encode`'s bytes (checked by the caller's manifest hash, and here for shape).
 
     ``device``: where the model runs, when that is not where it was compiled: every device an op names
     becomes it (as torch.export's ``move_to_device_pass`` does for a program). ``allowed_modules`` and
