@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 import logging
-import operator
 from functools import cache
 from typing import Any
 
 import torch
 
-# Shape arithmetic on symbolic sizes: the exporter turns these into Shape/Gather/Mul nodes.
-SYMBOLIC_OPS = frozenset(
-    {
-        torch.ops.aten.sym_size.int,
-        torch.ops.aten.sym_numel.default,
-        torch.ops.aten.sym_stride.int,
-        operator.add,
-        operator.sub,
-        operator.mul,
-        operator.floordiv,
-        operator.truediv,
-        operator.neg,
-        operator.mod,
-        operator.getitem,
-    }
-)
+from compiler.program.symbolic import SYMBOLIC_OPS
 
 
 @cache

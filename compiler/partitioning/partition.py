@@ -27,15 +27,16 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from compiler.backends import get_backend
-from compiler.backends.onnx_support import SYMBOLIC_OPS, op_name
+from compiler.backends.onnx_support import op_name
 from compiler.errors import KilnError, OptionsError, PackageError, PartitionError
 from compiler.inputs.profiles import check_profiles
 from compiler.inputs.specs import InputSpec
 from compiler.options import CompileOptions
 from compiler.partitioning.blocks import split_by_block
-from compiler.partitioning.prepare import is_symbolic, prepared_copy
+from compiler.partitioning.prepare import prepared_copy
 from compiler.partitioning.runtime_graph import CallSignature, RuntimeGraph
 from compiler.program.export import input_specs
+from compiler.program.symbolic import SYMBOLIC_OPS, is_symbolic
 from compiler.program.tracing import TRACING
 
 # Weight keys of quantized partitions' own tensors: "kiln.int8/<partition>/w<k>" (PartitionPlan.quantized).

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from compiler.backends.onnx_support import SYMBOLIC_OPS
+from compiler.program.symbolic import is_symbolic
 
 _DROPPED_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
 
@@ -83,15 +83,6 @@ def _is_view(node: torch.fx.Node) -> bool:
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
     return any(ret.alias_info is not None for ret in target._schema.returns)
-
-
-def is_symbolic(node: Any) -> bool:
-    return (
-        isinstance(node, torch.fx.Node)
-        and node.op == "call_function"
-        and node.target in SYMBOLIC_OPS
-        and isinstance(node.meta.get("val"), torch.SymInt | torch.SymFloat | torch.SymBool | int | float)
-    )
 
 
 def _privatize_symbolic_nodes(graph: torch.fx.Graph) -> None:

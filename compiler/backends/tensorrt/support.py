@@ -124,7 +124,8 @@ def onnx_ops_for(aten_op: Any) -> frozenset[str] | None:
     from its torchlib function when it has one, empty when the exporter decomposes the op first
     (into ATen ops that then have translations); None if it has no translation at all (the same
     test as ONNX Runtime's table, ``compiler.backends.onnx_support``)."""
-    from compiler.backends.onnx_support import SYMBOLIC_OPS, onnx_exportable
+    from compiler.backends.onnx_support import onnx_exportable
+    from compiler.program.symbolic import SYMBOLIC_OPS
 
     if aten_op in SYMBOLIC_OPS:
         return frozenset({"Shape", "Gather", "Add", "Sub", "Mul", "Div", "Neg", "Mod"})
