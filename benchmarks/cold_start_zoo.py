@@ -9,12 +9,13 @@ Pythia-160m (GPT-NeoX). Batch 1..8 (dynamic), sequence 128, fp16 on the GPU.
 Per model, each step a fresh process with fresh Inductor / Triton / engine caches: the default compile
 (an AOTInductor package per engine on CUDA) and the standalone form (``backend_options: {aot: false}``),
 for the compile ratio; then loads to first answer: trusted; untrusted on a machine that never loaded it
-(the graph compiled here serves; the child then waits, untimed, for this machine's own native package
-to build in the background); untrusted again (the native package from the engine cache). Each load
-process imports torch (timed apart), then times ``compiler.load`` (kiln's modules and the model's output
-types, ``transformers``, are imported inside it, as in a fresh serving process) to the first answer,
-with ``load_seconds`` (the stage split). ``trusted_library_imported`` repeats the trusted load in a
-process that imported the model's library first (a serving app that already has it). The floor: a
+(the graph compiled here, one repeated block at a time, serves; the child then waits, untimed, for this
+machine's own native package to build in the background); untrusted again (the native package from the
+engine cache). Each load process imports torch (timed apart), then times ``compiler.load`` (kiln's
+modules and the model's output types, ``transformers``, are imported inside it, as in a fresh serving
+process) to the first answer, with ``load_seconds`` (the stage split) and the first answer's sums
+(``answer_sums``: the loads of one package agree). ``trusted_library_imported`` repeats the trusted load
+in a process that imported the model's library first (a serving app that already has it). The floor: a
 fresh process reads every file a load reads, hashes it and copies the weights to the device, each file
 on its own thread with its read, hash and copy pipelined (a file's sha256 is one sequential stream), or
 one after the other, or in 4 MiB chunks on 4 and 8 threads (what a manifest's chunk digests let a load
@@ -186,11 +187,14 @@ with warnings.catch_warnings(record=True) as caught:
     t = time.perf_counter()
     with torch.no_grad():
         if flat:
-            module.run_flat([*args, *kwargs.values()])  # the export's order: keyword inputs in call order
+            answer = module.run_flat([*args, *kwargs.values()])  # the export's order: keyword inputs in order
         else:
-            module(*args, **kwargs)
+            answer = module(*args, **kwargs)
     sync()
     first_s = time.perf_counter() - t
+# The first answer's sums (per output tensor: sum, sum of |x|): loads of one package compare by them.
+leaves = [x for x in torch.utils._pytree.tree_leaves(answer) if isinstance(x, torch.Tensor)]
+answer_sums = [[round(float(x.float().sum()), 3), round(float(x.float().abs().sum()), 3)] for x in leaves]
 # What the loaded module holds on the device once it answered (weights, engines, workspace).
 memory_mb = round(torch.cuda.memory_allocated() / 2**20, 1) if device.startswith("cuda") else None
 if profile:
@@ -226,7 +230,7 @@ print(json.dumps({
         "triton": "triton" in imported,
     },
     "load_stages_s": module.load_seconds, "profiled": bool(profile), "device_memory_mb": memory_mb,
-    "inductor_phases_s": dict(phases),
+    "inductor_phases_s": dict(phases), "answer_sums": answer_sums,
     "warnings": sorted({str(w.message)[:300] for w in caught})[:10],
 }))
 """

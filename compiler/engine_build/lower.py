@@ -207,6 +207,7 @@ def export_partition(
     module, examples, act_shapes = _engine_module(
         plan, partition, precision, engine_io(plan, partition), rewritten
     )
+    module.keep_module_stack = True  # the program's repeated blocks: compiler.backends.inductor.blocks
     args, shapes = examples + tuple(weights.values()), act_shapes + tuple(None for _ in weights)
     if bind_weights:
         module, args, shapes = _BoundWeights(module, tuple(weights.values())), examples, act_shapes
@@ -303,13 +304,18 @@ class _EngineGraph(torch.nn.Module):
         self.float_ops = tuple(float_ops)
         self.dtype = PRECISION_DTYPES[precision]
         self.out_dtypes = [getattr(torch, d) for d in out_dtypes]
+        self.keep_module_stack = False  # ONNX: node names and metadata as they were
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n_act = self.kinds.count("activation")
         acts = iter(t.to(self.dtype) if t.is_floating_point() else t for t in tensors[:n_act])
         weights = iter(tensors[n_act:])
         args = [next(acts) if kind == "activation" else next(weights) for kind in self.kinds]
-        outs = self.sub(*args)
+        if self.keep_module_stack:  # each traced op keeps the user's module stack (an Interpreter sets it)
+            with torch.fx.traceback.preserve_node_meta():
+                outs = torch.fx.Interpreter(self.sub).run(*args)
+        else:
+            outs = self.sub(*args)
         return tuple(o.to(d) if o.dtype != d else o for o, d in zip(outs, self.out_dtypes, strict=True))
 
 

@@ -149,8 +149,9 @@ class CompiledModule(torch.nn.Module):
 
     def last_dispatch(self) -> dict[str, str]:
         """Partition -> what served its last call in an Inductor engine with static specializations
-        (profiles): ``"static"`` (the profile's specialization) or ``"dynamic"``; or ``"aot"`` for one
-        loaded as its AOTInductor package, which serves every shape."""
+        (profiles): ``"static"`` (the profile's specialization) or ``"dynamic"``; ``"aot"`` for one
+        loaded as its AOTInductor package, which serves every shape; ``"blocks"`` for one compiled at
+        this load one repeated block at a time (an untrusted first load: inductor/blocks.py)."""
         return {
             name: call.engine.last_dispatch
             for name, call in self.graph.named_children()

@@ -57,6 +57,7 @@ the graphs this process compiled :mod:`compiler.backends.inductor.memo`; AOTIndu
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
@@ -347,30 +348,18 @@ class InductorBackend(RecordedBackend):
             return self._aot_engine(aot, ordered, io, constants, header)
         host_compiler(options)
         key = library_key(files[ENGINE_PROGRAM], {**header, "options": options})
+        load = functools.partial(self._load_compiled, options, files, io, ordered, constants, cache)
         with COMPILE_LOCK:
             compiled = recall(key)[0]
             if compiled is None:
-                frozen = bool(header.get("frozen"))
-                compiled = self._load_compiled(
-                    options, files, io, ordered, constants, cache, frozen=frozen, foreign=foreign
-                )
+                compiled = load(frozen=bool(header.get("frozen")), foreign=foreign, native=local)
                 remember(key, compiled, None)
             static = {}
             for index, shapes in enumerate(specializations(header, io)):
                 shape_key = static_key(key, shapes)
                 loaded = recall(shape_key)[0]
                 if loaded is None:
-                    loaded = self._load_compiled(
-                        options,
-                        files,
-                        io,
-                        ordered,
-                        constants,
-                        cache,
-                        shapes=shapes,
-                        name=static_entry(index),
-                        foreign=foreign,
-                    )
+                    loaded = load(shapes=shapes, name=static_entry(index), foreign=foreign)
                     remember(shape_key, loaded, None)
                 static[shapes] = loaded
         engine = InductorEngine(compiled, ordered, io, constants, static, expected_weights=header["weights"])
@@ -427,11 +416,14 @@ class InductorBackend(RecordedBackend):
         name: str = COMPILED,
         frozen: bool = False,
         foreign: str | None = None,
+        native: LocalAot | None = None,
     ) -> Callable[..., Any]:
         """The engine's compiled graph (``name``; a static specialization at ``shapes`` where given),
         run once at its shapes (the opt shapes for the dynamic graph); compiled again from its program
         where it is not trusted, its code is ``foreign`` (another GPU's), or its artifact does not load
-        here (another build of this torch version, another Inductor configuration)."""
+        here (another build of this torch version, another Inductor configuration). Where this load
+        starts building this machine's ``native`` package, it is the only one that compiles: one
+        repeated block at a time (inductor/blocks.py), and not kept."""
         if frozen:  # int8, weights frozen in: no artifact to load or keep; compiled here, by design
             return self._compile_stored(files, engine_io, options, weights, shapes, frozen=True)
         examples = example_inputs(engine_io, self.device, shapes)
@@ -460,8 +452,10 @@ class InductorBackend(RecordedBackend):
         what = "it" if shapes is None else f"its static specialization at {[list(s) for s in shapes]}"
         if foreign is None:  # a foreign engine's warning (ForeignEngineCodeWarning, in load) said it
             warnings.warn(f"Inductor engine: {reason}; compiling {what} from its program", stacklevel=3)
-        compiled = self._compile_stored(files, engine_io, options, weights, shapes)
-        local.store(compiled)
+        by_block = native is not None and native.will_build() and shapes is None
+        compiled = self._compile_stored(files, engine_io, options, weights, shapes, by_block=by_block)
+        if not by_block:
+            local.store(compiled)
         return compiled
 
     def _compile_stored(
@@ -473,13 +467,14 @@ class InductorBackend(RecordedBackend):
         shapes: tuple[tuple[int, ...], ...] | None,
         *,
         frozen: bool = False,
+        by_block: bool = False,
     ) -> Callable[..., Any]:
         """The engine's program compiled here (read as a package's program: an unsafe one is its own
-        typed error), dynamic or at ``shapes``."""
+        typed error), dynamic (one repeated block at a time with ``by_block``) or at ``shapes``."""
         graph = ProgramGraph.load(files[ENGINE_PROGRAM], self.device, frozen=frozen)
         try:
             if shapes is None:
-                return graph.compile(engine_io, options, weights)
+                return graph.compile(engine_io, options, weights, by_block=by_block)
             return graph.compile_static(shapes, engine_io, options, weights)
         except Exception as exc:
             raise BackendError(f"Inductor could not compile a stored engine: {short_error(exc)}") from exc

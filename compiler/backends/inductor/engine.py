@@ -43,7 +43,9 @@ class InductorEngine:
         self.specializations: dict[tuple[tuple[int, ...], ...], Callable[..., Any]] = dict(
             specializations or {}
         )
-        self.last_dispatch: str | None = None  # "static" or "dynamic": what served the last call
+        # What served the last call: "static" or "dynamic"; "blocks" for a dynamic graph compiled one
+        # repeated block at a time (inductor/blocks.py: a GraphModule calling the compiled pieces)
+        self.last_dispatch: str | None = "blocks" if isinstance(compiled, torch.fx.GraphModule) else None
         # This machine's own native package being built for the loads after this one (native.py)
         self.native_build: Any = None
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from compiler.backends.base import EngineIO
+from compiler.backends.inductor.blocks import compile_cut, cut_by_block
 from compiler.backends.inductor.format import FORMAT
 from compiler.backends.inductor.options import inductor_config
 from compiler.inputs.specs import torch_dtype
@@ -62,21 +63,29 @@ class ProgramGraph:
             )
 
     def compile(
-        self, engine_io: EngineIO, options: Mapping[str, Any], weights: tuple[torch.Tensor, ...]
+        self,
+        engine_io: EngineIO,
+        options: Mapping[str, Any],
+        weights: tuple[torch.Tensor, ...],
+        *,
+        by_block: bool = False,
     ) -> Callable[..., Any]:
         """The graph compiled once, symbolic in its dynamic dims (the export's ranges), then run once at
-        the opt shapes so that a first call does no autotuning."""
-        # Inductor takes the export's own fake inputs and shape environment: exactly its dynamic dims,
-        # with their ranges. (Given real tensors it would mark every dim dynamic and give equal sizes one
-        # symbol: a batch of 2 and a 2-row embedding table would then have to stay equal.)
-        fake_inputs = [n.meta["val"] for n in self.module.graph.nodes if n.op == "placeholder"]
-        drop_expression_hints(fake_inputs)
-        output = next(iter(reversed(self.module.graph.nodes)))
-        for node in output.args[0] if isinstance(output.args[0], list | tuple) else (output.args[0],):
-            if isinstance(node, torch.fx.Node) and "val" in node.meta:
-                node.meta["example_value"] = node.meta["val"]  # where "from_graph" finds the fake mode
+        the opt shapes so that a first call does no autotuning. With ``by_block``, one repeated block
+        at a time where the program has one (:mod:`compiler.backends.inductor.blocks`): that graph
+        has no artifact to keep (:func:`save_artifact` takes a whole graph)."""
         args = graph_args(example_inputs(engine_io, self.device), weights, self.constants)
-        return self._compiled(fake_inputs, "from_graph", options, args)
+        cut = cut_by_block(self.module) if by_block and not self.frozen else None
+        if cut is not None:
+            try:
+                return self._run_once(compile_cut(cut, lambda piece: self._from_graph(piece, options)), args)
+            except Exception as exc:  # an op Inductor compiles in the whole graph only: compile it whole
+                warnings.warn(
+                    f"Inductor engine: compiling its program one block at a time failed "
+                    f"({short_error(exc)}); compiling it whole",
+                    stacklevel=2,
+                )
+        return self._run_once(self._from_graph(self.module, options), args)
 
     def compile_static(
         self,
@@ -89,21 +98,43 @@ class ProgramGraph:
         again from real inputs at those shapes, so every size is a constant (no guards, no symbolic
         index math); run once so that a first call does no autotuning."""
         args = graph_args(example_inputs(engine_io, self.device, shapes), weights, self.constants)
-        return self._compiled(args, "from_example_inputs", options, args)
+        return self._run_once(self._standalone(self.module, args, "from_example_inputs", options), args)
 
-    def _compiled(
-        self, inputs: Sequence[Any], dynamic_shapes: str, options: Mapping[str, Any], args: list[torch.Tensor]
+    def _from_graph(self, module: torch.fx.GraphModule, options: Mapping[str, Any]) -> Callable[..., Any]:
+        """``module`` (the program's graph, or a piece of it) compiled symbolic in its dynamic dims."""
+        # Inductor takes the export's own fake inputs and shape environment: exactly its dynamic dims,
+        # with their ranges. (Given real tensors it would mark every dim dynamic and give equal sizes one
+        # symbol: a batch of 2 and a 2-row embedding table would then have to stay equal.)
+        fake_inputs = [n.meta["val"] for n in module.graph.nodes if n.op == "placeholder"]
+        drop_expression_hints(fake_inputs)
+        output = next(iter(reversed(module.graph.nodes)))
+        for node in output.args[0] if isinstance(output.args[0], list | tuple) else (output.args[0],):
+            if isinstance(node, torch.fx.Node) and "val" in node.meta:
+                node.meta["example_value"] = node.meta["val"]  # where "from_graph" finds the fake mode
+        return self._standalone(module, fake_inputs, "from_graph", options)
+
+    def _standalone(
+        self,
+        module: torch.fx.GraphModule,
+        inputs: Sequence[Any],
+        dynamic_shapes: str,
+        options: Mapping[str, Any],
     ) -> Callable[..., Any]:
-        """Inductor's standalone compile of the graph from ``inputs`` (fake or real), run once on
-        ``args`` so that a first call does no autotuning."""
+        """Inductor's standalone compile of ``module`` from ``inputs`` (fake or real)."""
         from compiler.program.tracing import TRACING
 
         patches = inductor_config(options, frozen=self.frozen)
         # Freezing applies to graphs compiled without autograd only.
         with TRACING, torch.no_grad(), _quiet_if(self.frozen):
-            compiled = torch._inductor.standalone_compile(
-                self.module, inputs, dynamic_shapes=dynamic_shapes, options={"config_patches": patches}
+            return torch._inductor.standalone_compile(
+                module, inputs, dynamic_shapes=dynamic_shapes, options={"config_patches": patches}
             )
+
+    def _run_once(self, compiled: Callable[..., Any], args: list[torch.Tensor]) -> Callable[..., Any]:
+        """``compiled`` run once on ``args``, so that a first call does no autotuning."""
+        from compiler.program.tracing import TRACING
+
+        with TRACING, torch.no_grad(), _quiet_if(self.frozen):
             compiled(*args)
         return compiled
 

@@ -158,6 +158,11 @@ class LocalAot:
         except Exception:  # built by another torch or toolchain since: build it again
             return None
 
+    def will_build(self) -> bool:
+        """Whether a load that compiles the engine starts this package's build (wanted, builds on, a
+        local cache): then the loads after it run natively."""
+        return self.entry is not None and build_mode() != "off" and self.entry._cache() is not None
+
     def start(self, io: Any, weights: Sequence[torch.Tensor], why: str = "") -> Any:
         """Start building it (``compiler.backends.inductor.native``: a detached process by default,
         ``$KILN_NATIVE_BUILD=inline`` waits for it, ``off`` builds none), warned; the build handle, or

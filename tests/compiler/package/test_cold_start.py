@@ -21,40 +21,49 @@ ROOT = Path(__file__).resolve().parents[3]
 STAGES = ("manifest", "imports", "modules", "program_check", "runtime_graph", "weights", "plan", "engines")
 
 
-class _Mlp(torch.nn.Module):
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + torch.nn.functional.gelu(self.fc(x)))
+
+
+class _Stack(torch.nn.Module):
+    """A transformer's shape in small: a repeated block between an input and an output layer."""
+
     def __init__(self) -> None:
         super().__init__()
         self.up, self.down = torch.nn.Linear(12, 32), torch.nn.Linear(32, 4)
+        self.blocks = torch.nn.Sequential(*(_Block() for _ in range(6)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x)))
+        return self.down(self.blocks(self.up(x)))
 
 
 @pytest.fixture(scope="module")
 def aot_package(tmp_path_factory) -> Path:
     """The CPU form of the default GPU package: one engine, its AOTInductor package."""
     torch.manual_seed(0)
-    model = _Mlp().eval()
+    model = _Stack().eval()
     x = torch.randn(4, 12)
     program = compiler.export(model, (x,), dynamic_shapes=({0: Dim("batch", min=1, max=16)},))
     module = compiler.compile(program, backend="inductor", backend_options={"aot": True}, cache=False)
-    path = tmp_path_factory.mktemp("cold") / "mlp.kiln"
+    path = tmp_path_factory.mktemp("cold") / "stack.kiln"
     compiler.save(module, path)
     torch.save({"x": x, "y": model(x).detach()}, path.parent / "io.pt")
     return path
 
 
-def test_a_trusted_load_compiles_nothing_and_has_its_stage_split(aot_package, tmp_path):
-    # Fresh compiler caches: anything a load compiled (Inductor's code cache, kernels, a local engine)
-    # would be written into them.
-    caches = {"TORCHINDUCTOR_CACHE_DIR": tmp_path / "inductor", "KILN_CACHE_DIR": tmp_path / "engines"}
+def _fresh_load(package: Path, trusted: bool, caches: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **{k: str(v) for k, v in caches.items()}}
     code = f"""
         import json, sys, warnings, torch, compiler
-        data = torch.load({str(aot_package.parent / "io.pt")!r})
+        data = torch.load({str(package.parent / "io.pt")!r})
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            module = compiler.load({str(aot_package)!r}, trust_engine_code=True)
+            module = compiler.load({str(package)!r}, trust_engine_code={trusted})
             with torch.no_grad():
                 out = module(data["x"])
         print(json.dumps({{
@@ -64,13 +73,21 @@ def test_a_trusted_load_compiles_nothing_and_has_its_stage_split(aot_package, tm
                          if m in sys.modules],
             "warnings": [str(w.message) for w in caught if "compil" in str(w.message)],
             "stages": module.load_seconds,
+            "native_builds": [b.wait(600) for b in module.native_builds()],
         }}))
         """
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=900
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_trusted_load_compiles_nothing_and_has_its_stage_split(aot_package, tmp_path):
+    # Fresh compiler caches: anything a load compiled (Inductor's code cache, kernels, a local engine)
+    # would be written into them.
+    caches = {"TORCHINDUCTOR_CACHE_DIR": tmp_path / "inductor", "KILN_CACHE_DIR": tmp_path / "engines"}
+    result = _fresh_load(aot_package, True, caches)
     assert result["close"] and result["dispatch"] == ["aot"], result
     # Nothing of a compiler imported, nothing compiled (warned), nothing written into the caches.
     assert result["imported"] == [] and result["warnings"] == [], result
@@ -81,3 +98,16 @@ def test_a_trusted_load_compiles_nothing_and_has_its_stage_split(aot_package, tm
     assert all(v >= 0 for v in stages.values()), stages
     # The laps partition the load: together they are its total (rounding aside).
     assert abs(sum(v for k, v in stages.items() if k != "total") - stages["total"]) < 0.05, stages
+
+
+def test_an_untrusted_first_load_compiles_each_repeated_block_once(aot_package, tmp_path):
+    """Its package's native code never runs: the engine is compiled here from its program, cut at the
+    repeated block's boundaries (six blocks, three distinct pieces to compile: the input layer, one
+    block, the output layer), while this machine's own native package is built for the loads after it."""
+    caches = {"TORCHINDUCTOR_CACHE_DIR": tmp_path / "inductor", "KILN_CACHE_DIR": tmp_path / "engines"}
+    first = _fresh_load(aot_package, False, caches)
+    assert first["close"] and first["dispatch"] == ["blocks"], first
+    assert any("not trusted to run code" in w for w in first["warnings"]), first["warnings"]
+    assert first["native_builds"] == [0], first
+    second = _fresh_load(aot_package, False, caches)
+    assert second["close"] and second["dispatch"] == ["aot"] and second["warnings"] == [], second
