@@ -348,6 +348,12 @@ class InductorBackend(RecordedBackend):
             return self._aot_engine(aot, ordered, io, constants, header)
         host_compiler(options)
         key = library_key(files[ENGINE_PROGRAM], {**header, "options": options})
+        why = foreign or (
+            "its package is not trusted to run code"
+            if not self.trust_engine_code
+            else "it does not load here"
+        )
+        local.prepare(io, ordered, why)  # its job written while the graph is compiled (native.py)
         load = functools.partial(self._load_compiled, options, files, io, ordered, constants, cache)
         with COMPILE_LOCK:
             compiled = recall(key)[0]
@@ -364,11 +370,6 @@ class InductorBackend(RecordedBackend):
                 static[shapes] = loaded
         engine = InductorEngine(compiled, ordered, io, constants, static, expected_weights=header["weights"])
         if local.wanted:  # this graph serves; this machine's own package is built for the loads after this
-            why = foreign or (
-                "its package is not trusted to run code"
-                if not self.trust_engine_code
-                else "it does not load here"
-            )
             engine.native_build = local.start(io, ordered, why)
             aot = local.loaded()  # there already where it was built inline ($KILN_NATIVE_BUILD=inline)
             if aot is not None:
