@@ -1,6 +1,7 @@
 """A trusted load of a default-form Inductor package (its engines AOTInductor packages) compiles
-nothing and says where its seconds went (issue 45). Functional only: the seconds themselves are
-benchmarks/cold_start_zoo.py's (on the GPU), never asserted here."""
+nothing and says where its seconds went; an untrusted first load compiles each repeated block once
+(issue 45). Functional only: the seconds themselves are benchmarks/cold_start_zoo.py's (on the GPU),
+never asserted here."""
 
 from __future__ import annotations
 
