@@ -52,7 +52,8 @@ Here: the backend (build, load, refit, compatibility); the loaded engine is
 :mod:`compiler.backends.inductor.graph`; the engine file format is
 :mod:`compiler.backends.inductor.format`; static specializations :mod:`compiler.backends.inductor.static`;
 the graphs this process compiled :mod:`compiler.backends.inductor.memo`; AOTInductor packages
-:mod:`compiler.backends.inductor.aot`.
+:mod:`compiler.backends.inductor.aot`; the program cut at its repeated block for an untrusted first load
+:mod:`compiler.backends.inductor.blocks`.
 """
 
 from __future__ import annotations
