@@ -204,10 +204,10 @@ def export_partition(
     as a quantizer rewrote it, with the kind of each of its inputs ("activation" or "weight")."""
     precision = plan.options.compute_precision(partition.name)  # a quantized one's other ops
     module: torch.nn.Module
+    # The user's module stack kept on each op: the program's repeated blocks (inductor/blocks.py)
     module, examples, act_shapes = _engine_module(
-        plan, partition, precision, engine_io(plan, partition), rewritten
+        plan, partition, precision, engine_io(plan, partition), rewritten, keep_module_stack=True
     )
-    module.keep_module_stack = True  # the program's repeated blocks: compiler.backends.inductor.blocks
     args, shapes = examples + tuple(weights.values()), act_shapes + tuple(None for _ in weights)
     if bind_weights:
         module, args, shapes = _BoundWeights(module, tuple(weights.values())), examples, act_shapes
@@ -247,6 +247,8 @@ def _engine_module(
     precision: str,
     io_spec: EngineIO,
     rewritten: tuple[torch.fx.GraphModule, list[str]] | None = None,
+    *,
+    keep_module_stack: bool = False,
 ) -> tuple[_EngineGraph, tuple[torch.Tensor, ...], tuple[dict[int, object] | None, ...]]:
     """What an exporter traces for ``partition`` (its graph, or the one a quantizer rewrote, taking
     activations then weights, ``precision`` cast in), its example activations and their dynamic
@@ -259,7 +261,7 @@ def _engine_module(
         if precision == plan.options.precision_of(partition.name)
         else ()
     )
-    module = _EngineGraph(graph, graph_kinds, precision, io_spec.output_dtypes, ops)
+    module = _EngineGraph(graph, graph_kinds, precision, io_spec.output_dtypes, ops, keep_module_stack)
     act_nodes = [n for n, kind in zip(_placeholders(sub), kinds, strict=True) if kind == "activation"]
     examples = tuple(_example(n.meta["val"], plan.symbols) for n in act_nodes)
     dims: dict[str, Dim] = {}
@@ -296,6 +298,7 @@ class _EngineGraph(torch.nn.Module):
         precision: str,
         out_dtypes: tuple[str, ...],
         float_ops: tuple[str, ...] = (),
+        keep_module_stack: bool = False,  # True for torch.export programs; ONNX keeps names as they were
     ):
         super().__init__()
         # Ops kept in fp32 (compiler.engine_build.float_ops), after the retyping that lowers the rest.
@@ -304,7 +307,7 @@ class _EngineGraph(torch.nn.Module):
         self.float_ops = tuple(float_ops)
         self.dtype = PRECISION_DTYPES[precision]
         self.out_dtypes = [getattr(torch, d) for d in out_dtypes]
-        self.keep_module_stack = False  # ONNX: node names and metadata as they were
+        self.keep_module_stack = keep_module_stack
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n_act = self.kinds.count("activation")

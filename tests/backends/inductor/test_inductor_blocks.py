@@ -8,31 +8,7 @@ import torch
 from torch.export import Dim
 
 from compiler.backends.inductor.blocks import compile_cut, cut_by_block
-
-
-class _Block(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc, self.norm = torch.nn.Linear(width, width), torch.nn.LayerNorm(width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + torch.nn.functional.gelu(self.fc(x)))
-
-
-class _Stack(torch.nn.Module):
-    def __init__(self, widths: tuple[int, ...]) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(12, widths[0])
-        self.blocks = torch.nn.ModuleList(_Block(w) for w in widths)
-        self.projections = torch.nn.ModuleList(
-            torch.nn.Linear(a, b) for a, b in zip(widths, [*widths[1:], 4], strict=True)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.up(x)
-        for block, projection in zip(self.blocks, self.projections, strict=True):
-            x = projection(block(x))
-        return x
+from tests.fixtures.block_stack import BlockStack
 
 
 def _program(model: torch.nn.Module) -> torch.export.ExportedProgram:
@@ -48,7 +24,7 @@ def _flat_args(program: torch.export.ExportedProgram, x: torch.Tensor) -> list[t
 
 def test_a_stack_of_one_block_is_cut_into_its_instances_and_runs_as_the_program_did():
     torch.manual_seed(0)
-    model = _Stack((32,) * 6).eval()
+    model = BlockStack((32,) * 6).eval()
     program = _program(model)
     cut = cut_by_block(program.graph_module)
     assert cut is not None
@@ -66,6 +42,6 @@ def test_a_stack_of_one_block_is_cut_into_its_instances_and_runs_as_the_program_
 def test_blocks_of_different_widths_share_nothing_and_leave_the_program_whole():
     # Every instance of the repeated class has its own shapes: cutting would compile as much, in more
     # graphs, so the program is compiled whole.
-    assert cut_by_block(_program(_Stack((16, 24, 32, 40)).eval()).graph_module) is None
+    assert cut_by_block(_program(BlockStack((16, 24, 32, 40)).eval()).graph_module) is None
     mlp = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     assert cut_by_block(_program(mlp.eval()).graph_module) is None

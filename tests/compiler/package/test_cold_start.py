@@ -17,37 +17,17 @@ import torch
 from torch.export import Dim
 
 import compiler
+from tests.fixtures.block_stack import BlockStack
 
 ROOT = Path(__file__).resolve().parents[3]
 STAGES = ("manifest", "imports", "modules", "program_check", "runtime_graph", "weights", "plan", "engines")
-
-
-class _Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc, self.norm = torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + torch.nn.functional.gelu(self.fc(x)))
-
-
-class _Stack(torch.nn.Module):
-    """A transformer's shape in small: a repeated block between an input and an output layer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(12, 32), torch.nn.Linear(32, 4)
-        self.blocks = torch.nn.Sequential(*(_Block() for _ in range(6)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.blocks(self.up(x)))
 
 
 @pytest.fixture(scope="module")
 def aot_package(tmp_path_factory) -> Path:
     """The CPU form of the default GPU package: one engine, its AOTInductor package."""
     torch.manual_seed(0)
-    model = _Stack().eval()
+    model = BlockStack((32,) * 6).eval()
     x = torch.randn(4, 12)
     program = compiler.export(model, (x,), dynamic_shapes=({0: Dim("batch", min=1, max=16)},))
     module = compiler.compile(program, backend="inductor", backend_options={"aot": True}, cache=False)
@@ -106,8 +86,8 @@ def test_a_trusted_load_compiles_nothing_and_has_its_stage_split(aot_package, tm
 
 def test_an_untrusted_first_load_compiles_each_repeated_block_once(aot_package, tmp_path):
     """Its package's native code never runs: the engine is compiled here from its program, cut at the
-    repeated block's boundaries (six blocks, three distinct pieces to compile: the input layer, one
-    block, the output layer), while this machine's own native package is built for the loads after it
+    repeated block's boundaries (six blocks, each followed by a projection: four distinct pieces to
+    compile, the input layer, one block, one projection and the output projection), while this machine's own native package is built for the loads after it
     (started, then stopped by the test)."""
     caches = {"TORCHINDUCTOR_CACHE_DIR": tmp_path / "inductor", "KILN_CACHE_DIR": tmp_path / "engines"}
     first = _fresh_load(aot_package, False, caches)
