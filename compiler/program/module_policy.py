@@ -145,3 +145,40 @@ def custom_op_modules(program: Any) -> set[str]:
             if function is not None and function.__module__ != "__main__":
                 modules.add(function.__module__)
     return modules
+
+
+def registered_op_modules(archive: bytes) -> list[str]:
+    """The modules defining the custom ops a program archive calls (its text names each call
+    ``torch.ops.<namespace>.<op>.<overload>``), as this process registered them: what a process that
+    never imported them must import before it reads the archive (the native build's worker). Only ops
+    registered here count, so each module was imported by this process, never named by the archive."""
+    import io
+    import zipfile
+
+    import torch
+
+    from compiler import json_reader
+
+    with zipfile.ZipFile(io.BytesIO(archive)) as archive_zip:
+        text = next(n for n in archive_zip.namelist() if n.endswith("/models/model.json"))
+        stack: list[Any] = [json_reader.loads(archive_zip.read(text), "a program's text")]
+    targets: set[str] = set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            target = item.get("target")
+            if isinstance(target, str) and target.startswith("torch.ops."):
+                targets.add(target)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    modules: set[str] = set()
+    for target in targets:
+        parts = target.split(".")
+        if len(parts) < 4 or parts[2] in ("aten", "prims"):
+            continue
+        definition = torch._library.custom_ops.OPDEFS.get(f"{parts[2]}::{parts[3]}")
+        function = getattr(definition, "_init_fn", None)
+        if function is not None and function.__module__ != "__main__":
+            modules.add(function.__module__)
+    return sorted(modules)

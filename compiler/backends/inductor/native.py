@@ -20,8 +20,10 @@ serving and is tried again by the next load that finds no package.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -96,7 +98,15 @@ def write_job(
         {f"w{i}": w.detach().cpu().contiguous() for i, w in enumerate(weights)},
         directory / "weights.safetensors",
     )
-    (directory / "job.json").write_text(json.dumps({**job, "key": key}, sort_keys=True))
+    # The worker is a fresh process: the custom ops its program calls (kiln's decode attention in a
+    # generation package's decode program) are registered there from the modules registered here.
+    try:
+        from compiler.program.module_policy import registered_op_modules
+
+        ops = registered_op_modules(program)
+    except Exception:  # not a readable archive: the worker's own read says why, in the log
+        ops = []
+    (directory / "job.json").write_text(json.dumps({**job, "key": key, "op_modules": ops}, sort_keys=True))
     return directory
 
 
@@ -346,6 +356,10 @@ def _build(directory: Path, job: Mapping[str, Any]) -> tuple[bytes | None, str]:
     from compiler.backends.base import EngineIO
     from compiler.backends.inductor.aot import aot_from_program
 
+    for module in job.get("op_modules", []):  # written by the load that started this build
+        if not (isinstance(module, str) and re.fullmatch(r"[A-Za-z_][\w.]*", module)):
+            raise ValueError(f"job: op module {module!r:.80} is not a module name")
+        importlib.import_module(module)
     device = torch.device(job["device"])
     tensors = load_file(str(directory / "weights.safetensors"), device=str(device))
     weights = tuple(tensors[f"w{i}"] for i in range(len(tensors)))

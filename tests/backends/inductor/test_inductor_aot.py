@@ -5,6 +5,7 @@ no Triton imported), never run where not trusted, left out with a warning where 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -296,3 +297,32 @@ def test_a_package_calling_a_custom_op_passes_its_fresh_process_check() -> None:
     assert custom_op_modules(exported) == {custom_op_module.__name__}
     package, why = build_aot(exported, [x], [model(x)], {}, torch.device("cpu"), "fp32")
     assert package is not None, why
+
+
+@pytest.mark.slow
+def test_a_native_build_registers_the_custom_ops_its_program_calls_before_reading_it(
+    tmp_path, monkeypatch
+) -> None:
+    """The worker that builds this machine's own package for an untrusted load is a fresh process: it
+    registers the custom ops the engine's program calls, from the modules the load registered them
+    from, before it reads the program. Without them it failed ("not a loadable torch.export archive";
+    found on the H200 with a generation package, whose decode program calls kiln::decode_attention),
+    and every later load compiled the engine again."""
+    from compiler.backends.base import EngineIO
+    from compiler.program.export import input_specs, save_program
+    from compiler.program.module_policy import registered_op_modules
+    from tests.backends.inductor import custom_op_module  # defines kilntest::shifted_tanh
+
+    model, x = _WithCustomOp().eval(), torch.randn(4, 12)
+    exported = compiler.export(model, (x,))
+    program = save_program(exported, tmp_path / "engine.pt2").read_bytes()
+    assert registered_op_modules(program) == [custom_op_module.__name__]
+    io_spec = EngineIO(input_specs(exported), ("y",), ("float32",))
+    job = {"io": io_spec.to_dict(), "options": {"aot": True}, "device": "cpu", "precision": "fp32",
+           "frozen": False, "target": "cpu", "torch": torch.__version__, "why": "not trusted"}  # fmt: skip
+    key = hashlib.sha256(program).hexdigest()
+    monkeypatch.setenv(native.MODE_ENV, "inline")  # the worker's own process, waited for
+    (tmp_path / "cache").mkdir()
+    native.start(tmp_path / "cache", key, program, [], job)
+    event = native.latest(tmp_path / "cache")[key]
+    assert event["state"] == "built", event
