@@ -297,3 +297,40 @@ def _is_operand(node: ast.AST) -> bool:
 def _operators_ok(node: ast.AST) -> bool:
     ops = getattr(node, "ops", None) or [getattr(node, "op", None)]
     return all(isinstance(op, _OPERATORS) for op in ops)
+
+
+def registered_op_modules(archive: bytes) -> list[str]:
+    """The modules defining the custom ops a program archive calls (its text names each call
+    ``torch.ops.<namespace>.<op>.<overload>``), as this process registered them: what a process that
+    never imported them must import before it reads the archive (the native build's worker). Only ops
+    registered here count, so each module was imported by this process, never named by the archive."""
+    import io
+    import zipfile
+
+    import torch
+
+    with zipfile.ZipFile(io.BytesIO(archive)) as archive_zip:
+        name = next(n for n in archive_zip.namelist() if n.endswith("/models/model.json"))
+        text = archive_zip.read(name)
+    bounds = {"max_bytes": len(text), "max_depth": _DOCUMENT_DEPTH}  # as the program's check reads it
+    stack: list[Any] = [json_reader.loads(text, "a program's text", **bounds)]
+    targets: set[str] = set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            target = item.get("target")
+            if isinstance(target, str) and target.startswith("torch.ops."):
+                targets.add(target)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    modules: set[str] = set()
+    for target in targets:
+        parts = target.split(".")
+        if len(parts) < 4 or parts[2] in ("aten", "prims"):
+            continue
+        definition = torch._library.custom_ops.OPDEFS.get(f"{parts[2]}::{parts[3]}")
+        function = getattr(definition, "_init_fn", None)
+        if function is not None and function.__module__ != "__main__":
+            modules.add(function.__module__)
+    return sorted(modules)

@@ -356,7 +356,7 @@ class InductorBackend(RecordedBackend):
         )
         local.prepare(io, ordered, why)  # its job written while the graph is compiled (native.py)
         load = functools.partial(self._load_compiled, options, files, io, ordered, constants, cache)
-        with COMPILE_LOCK:
+        with COMPILE_LOCK, local.discarded_on_error():
             compiled = recall(key)[0]
             if compiled is None:
                 compiled = load(frozen=bool(header.get("frozen")), foreign=foreign, native=local)

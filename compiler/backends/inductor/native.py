@@ -20,6 +20,7 @@ serving and is tried again by the next load that finds no package.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +102,7 @@ def write_job(
     # The worker is a fresh process: the custom ops its program calls (kiln's decode attention in a
     # generation package's decode program) are registered there from the modules registered here.
     try:
-        from compiler.program.module_policy import registered_op_modules
+        from compiler.program.text import registered_op_modules
 
         ops = registered_op_modules(program)
     except Exception:  # not a readable archive: the worker's own read says why, in the log
@@ -203,6 +204,18 @@ class LocalAot:
         args = (self.entry._cache().directory, self.entry.key, self.program, weights, self._job(io, why))
         self._written = pool.submit(write_job, *args)
         pool.shutdown(wait=False)
+
+    @contextlib.contextmanager
+    def discarded_on_error(self) -> Iterator[None]:
+        """Around the compile :meth:`prepare` runs beside: where it raises, the job written for a build
+        that will not start is removed (else it waited for the 24 h sweep)."""
+        try:
+            yield
+        except BaseException:
+            written, self._written = self._written, None
+            if written is not None and written.exception() is None:  # waits for it: a second at most
+                shutil.rmtree(written.result(), ignore_errors=True)
+            raise
 
     def _job(self, io: Any, why: str) -> dict[str, Any]:
         import torch

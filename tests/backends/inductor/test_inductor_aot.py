@@ -310,7 +310,7 @@ def test_a_native_build_registers_the_custom_ops_its_program_calls_before_readin
     and every later load compiled the engine again."""
     from compiler.backends.base import EngineIO
     from compiler.program.export import input_specs, save_program
-    from compiler.program.module_policy import registered_op_modules
+    from compiler.program.text import registered_op_modules
     from tests.backends.inductor import custom_op_module  # defines kilntest::shifted_tanh
 
     model, x = _WithCustomOp().eval(), torch.randn(4, 12)
@@ -326,3 +326,22 @@ def test_a_native_build_registers_the_custom_ops_its_program_calls_before_readin
     native.start(tmp_path / "cache", key, program, [], job)
     event = native.latest(tmp_path / "cache")[key]
     assert event["state"] == "built", event
+
+
+def test_a_load_that_fails_after_preparing_a_native_build_leaves_no_job(tmp_path) -> None:
+    """The build's job is written beside the compile (prepare); where the compile raises, the build
+    never starts and its job directory is removed, not left for the 24 h sweep."""
+    from compiler.backends.base import EngineIO
+    from compiler.program.export import input_specs, save_program
+
+    model, exported = _program()
+    program = save_program(exported, tmp_path / "engine.pt2").read_bytes()
+    io_spec = EngineIO(input_specs(exported), ("y",), ("float32",))
+    header = {"precision": "fp32", "constants": []}
+    local = native.LocalAot(True, program, {"aot": True}, torch.device("cpu"), "cpu", header, tmp_path)
+    assert local.will_build()
+    local.prepare(io_spec, [p.detach() for p in model.parameters()], "not trusted")
+    with pytest.raises(RuntimeError, match="the compile failed"), local.discarded_on_error():
+        raise RuntimeError("the compile failed")
+    jobs = tmp_path / native.JOBS_DIR
+    assert jobs.is_dir() and not [p for p in jobs.iterdir() if p.is_dir()], list(jobs.iterdir())

@@ -87,8 +87,8 @@ def test_a_trusted_load_compiles_nothing_and_has_its_stage_split(aot_package, tm
 def test_an_untrusted_first_load_compiles_each_repeated_block_once(aot_package, tmp_path):
     """Its package's native code never runs: the engine is compiled here from its program, cut at the
     repeated block's boundaries (six blocks, each followed by a projection: four distinct pieces to
-    compile, the input layer, one block, one projection and the output projection), while this machine's own native package is built for the loads after it
-    (started, then stopped by the test)."""
+    compile, the input layer, one block, one projection and the output projection), while this
+    machine's own native package is built for the loads after it (started, then stopped by the test)."""
     caches = {"TORCHINDUCTOR_CACHE_DIR": tmp_path / "inductor", "KILN_CACHE_DIR": tmp_path / "engines"}
     first = _fresh_load(aot_package, False, caches)
     assert first["close"] and first["dispatch"] == ["blocks"], first
