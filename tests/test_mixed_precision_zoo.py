@@ -1,11 +1,13 @@
 """Mixed precision inside a partition through `kiln zoo` (issue 46): a Hugging Face BERT classifier
-(4 layers x 256, random weights from a config) at int8 on ONNX Runtime, calibrated and validated on
+(2 layers x 256, random weights from a config) at int8 on ONNX Runtime, calibrated and validated on
 recorded data, misses rel_l2 0.1 as one int8 partition; repair keeps its most sensitive layers in
 float instead of raising the whole engine to fp32. Tracked in a real MLflow store; the package is read
 back in a fresh process; a second run of the same zoo (fresh workspace, same engine cache) builds nothing.
 
-Kept to a few minutes: 32 recorded samples (16 calibrate, 16 validate: with 8 and 8, all-int8 passed
-as it was) and a bounded layer search (``repair_seconds``).
+Kept to a few minutes: two layers (all-int8 at rel L2 0.17; the search measures 60 layers where four
+layers' 110 took twice as long, 243 s -> 169 s for the module alone on 2 cores), 32 recorded samples
+(16 calibrate, 16 validate: with 8 and 8, all-int8 passed as it was) and a bounded layer search
+(``repair_seconds``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 
 from tests.fixtures.mixed_precision import bert, eager_logits, record, relative, zoo
 
-pytestmark = pytest.mark.slow  # two `kiln zoo` runs of an int8 BERT 4x256 with a layer search
+pytestmark = pytest.mark.slow  # two `kiln zoo` runs of an int8 BERT 2x256 with a layer search
 
 CALIBRATION = 16  # recorded samples calibrated on; as many more are validated on
 BUDGET = 300  # seconds the layer search may take (repair_seconds: the default)
@@ -38,7 +40,7 @@ def runs(tmp_path_factory, mlflow_server, prefect_server) -> dict:
         root / "bert",
         2,
         hidden_size=256,
-        num_hidden_layers=4,
+        num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=1024,
         num_labels=2,
