@@ -140,8 +140,19 @@ def custom_op_modules(program: Any) -> set[str]:
         target = node.target
         custom = isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims")
         if node.op == "call_function" and custom:
-            definition = torch._library.custom_ops.OPDEFS.get(f"{target.namespace}::{target._opname}")
-            function = getattr(definition, "_init_fn", None)
-            if function is not None and function.__module__ != "__main__":
-                modules.add(function.__module__)
+            module = op_module(target.namespace, target._opname)
+            if module is not None:
+                modules.add(module)
     return modules
+
+
+def op_module(namespace: str, op: str) -> str | None:
+    """The module that defined custom op ``namespace::op`` in this process (its ``custom_op``
+    function's module); None for an op this process did not register, or one defined in ``__main__``."""
+    import torch
+
+    definition = torch._library.custom_ops.OPDEFS.get(f"{namespace}::{op}")
+    function = getattr(definition, "_init_fn", None)
+    if function is None or function.__module__ == "__main__":
+        return None
+    return function.__module__

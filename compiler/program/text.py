@@ -27,7 +27,7 @@ from typing import Any
 
 from compiler import json_reader
 from compiler.errors import UnsafeProgramError, UntrustedJsonError
-from compiler.program.module_policy import default_factory_refusal
+from compiler.program.module_policy import default_factory_refusal, op_module
 
 # How deep the program text may nest JSON in JSON strings (torch's treespecs: 2 or 3) before it is
 # refused rather than read.
@@ -307,8 +307,6 @@ def registered_op_modules(archive: bytes) -> list[str]:
     import io
     import zipfile
 
-    import torch
-
     with zipfile.ZipFile(io.BytesIO(archive)) as archive_zip:
         name = next(n for n in archive_zip.namelist() if n.endswith("/models/model.json"))
         text = archive_zip.read(name)
@@ -324,13 +322,6 @@ def registered_op_modules(archive: bytes) -> list[str]:
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
-    modules: set[str] = set()
-    for target in targets:
-        parts = target.split(".")
-        if len(parts) < 4 or parts[2] in ("aten", "prims"):
-            continue
-        definition = torch._library.custom_ops.OPDEFS.get(f"{parts[2]}::{parts[3]}")
-        function = getattr(definition, "_init_fn", None)
-        if function is not None and function.__module__ != "__main__":
-            modules.add(function.__module__)
-    return sorted(modules)
+    parts = [target.split(".") for target in targets]
+    named = (op_module(p[2], p[3]) for p in parts if len(p) >= 4 and p[2] not in ("aten", "prims"))
+    return sorted({module for module in named if module is not None})
