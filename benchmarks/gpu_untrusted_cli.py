@@ -32,6 +32,8 @@ from typing import Any
 
 import yaml
 
+from tests.fixtures.generation import cuda_generation_entry  # the GPU zoo-release test's entry
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_DIMS = [
     {"axis": 0, "name": "batch", "min": 1, "max": 8},
@@ -55,20 +57,7 @@ ZOO = {
             "backend": "inductor",
             "devices": ["cuda"],
         },
-        {
-            "name": "llama-gen",
-            "source": "hf:./llama4",
-            "task": "text-generation",
-            "generation": {
-                "max_batch": 4,
-                "max_cache_len": 32,
-                "prompt_length": {"min": 1, "max": 12},
-                "validation": {"samples": 2, "max_new_tokens": 8},
-            },
-            "precision": "fp16",
-            "backend": "inductor",
-            "devices": ["cuda"],
-        },
+        cuda_generation_entry("llama-gen", "hf:./llama4"),
     ],
 }
 

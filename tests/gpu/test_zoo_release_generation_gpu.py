@@ -21,23 +21,12 @@ import pytest
 import torch
 import yaml
 
+from tests.fixtures.generation import cuda_generation_entry
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 MODEL = "llama-gen"
-ENTRY = {
-    "name": MODEL,
-    "source": "hf:./llama",
-    "task": "text-generation",
-    "generation": {
-        "max_batch": 4,
-        "max_cache_len": 32,
-        "prompt_length": {"min": 1, "max": 12},
-        "validation": {"samples": 2, "max_new_tokens": 8},
-    },
-    "precision": "fp16",
-    "backend": "inductor",
-    "devices": ["cuda"],
-}
+ENTRY = cuda_generation_entry(MODEL, "hf:./llama")
 
 
 def _kiln(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
