@@ -77,21 +77,33 @@ def test_upload_and_download_report_progress_as_the_files_go(
     mlclient = config.client()
     before = set(_model_objects(s3))
     uploads: list[Progress] = []
-    on_store: list[int] = []
+    sizes: list[int] = []  # each reported file's bytes on S3 when its report came
+    listed: dict[int, int] = {}  # report number -> bytes of every new object on S3 then
     registered_during: list[int] = []
+    where: list[str] = []  # the logged model's artifact prefix on S3
 
     def uploaded(p: Progress) -> None:
+        # One object read per report (the file just reported); the whole listing and the registry only
+        # where they can fail: objects are never deleted, so an early MLmodel or an early registration
+        # would still be there at the next-to-last and the last report.
         uploads.append(p)
-        new = {k: v for k, v in _model_objects(s3).items() if k not in before}
-        on_store.append(sum(new.values()))
-        registered_during.append(len(all_versions(mlclient, "kiln.mlp_progress.cpu")))
-        assert any(k.endswith(f"/artifacts/{p.path}") for k in new), p.path
-        assert p.path == "MLmodel" or not any(k.endswith("/artifacts/MLmodel") for k in new)
+        if not where or p.files_done >= p.files_total - 1:
+            new = {k: v for k, v in _model_objects(s3).items() if k not in before}
+            listed[p.files_done] = sum(new.values())
+            assert p.path == "MLmodel" or not any(k.endswith("/artifacts/MLmodel") for k in new)
+            if not where:
+                [key] = [k for k in new if k.endswith(f"/artifacts/{p.path}")]
+                where.append(key[: -len(p.path)])
+        sizes.append(s3.head_object(Bucket=BUCKET, Key=where[0] + p.path)["ContentLength"])
+        if p.files_done == p.files_total:
+            registered_during.append(len(all_versions(mlclient, "kiln.mlp_progress.cpu")))
 
     with caplog.at_level(logging.INFO, logger="kiln.registry"):
         result = record_package(package, "mlp_progress", REQUEST, on_progress=uploaded)
     _check_reports(uploads, "upload")
-    assert on_store == [p.done for p in uploads]  # each report's bytes were on S3 when it came
+    # each report's bytes were on S3 when it came, and at the first and the last two nothing more was
+    assert [sum(sizes[:i]) for i in range(1, len(sizes) + 1)] == [p.done for p in uploads]
+    assert listed == {i: uploads[i - 1].done for i in (1, len(uploads) - 1, len(uploads))}
     assert uploads[-1].path == "MLmodel"  # last: a cut-off upload is not a model
     assert set(registered_during) == {0} and result.created  # registered only after every file
     package_bytes = sum(f.stat().st_size for f in package.rglob("*") if f.is_file())
