@@ -26,18 +26,30 @@ Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="show Prefect's t
 JsonOut = Annotated[bool, typer.Option("--json", help="print the summary as JSON on stdout (for scripts)")]
 
 
+def flow_environment(verbose: bool) -> dict[str, str]:
+    """What a flow command (zoo, compile, deploy, webhook serve) puts in its environment, where unset,
+    before it imports Prefect and MLflow: both read it at import."""
+    quiet = {
+        "PREFECT_LOGGING_LEVEL": "CRITICAL",
+        "DASK_LOGGING__DISTRIBUTED": "warning",
+        "MLFLOW_LOGGING_LEVEL": "ERROR",  # mlflow resets its logger on import
+    }
+    return {
+        **({} if verbose else quiet),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # The temporary API server migrates a fresh database first: 20 s is not enough on a busy 2-core box.
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+        "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+    }
+
+
 def quiet_prefect(verbose: bool) -> None:
     # Must run before Prefect is imported: its logging settings are read at import.
+    for name, value in flow_environment(verbose).items():
+        os.environ.setdefault(name, value)
     if not verbose:
-        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
         warnings.filterwarnings("ignore")
-        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
         logging.getLogger("mlflow").setLevel(logging.ERROR)  # tracking chatter; failures still show
-        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")  # mlflow resets its logger on import
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # The temporary API server migrates a fresh database first: 20 s is not enough on a busy 2-core box.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")
 
 
 def bad_input(message: str) -> typer.Exit:
